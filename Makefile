@@ -1,0 +1,34 @@
+# Two commands do all set-up on a fresh machine: `make run` and `make test`.
+# Each creates (or refreshes, when pyproject.toml changed) the virtual environment in .venv.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+CONFIG ?= configs/default.yaml
+ARGS   ?=
+PYTEST_ARGS ?=
+
+.PHONY: env run test test-all bench plan clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+env: $(STAMP)
+
+run: $(STAMP)  ## train with the built-in default config (GRPO on the tiny model, CPU-sized)
+	$(PY) launch/multihost.py --config $(CONFIG) $(ARGS)
+
+test: $(STAMP)  ## the default test run (what CI runs): everything but `slow` and `gpu`
+	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+plan: $(STAMP)
+	$(PY) -m rpeg_jax.cli plan --config $(CONFIG) $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

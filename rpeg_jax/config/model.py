@@ -1,0 +1,159 @@
+"""Model section of the run config: the Llama/Qwen2-family decoder's shape and numerics.
+
+Presets (`model.preset`) name the shapes of ../shared/WORKLOADS.md and the Qwen2/Llama sizes the
+planner is asked about; any field given next to a preset overrides it. `model.path` points at a
+local Hugging Face checkpoint directory whose config.json then defines the shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from rpeg_jax.config.base import ConfigError, check, key
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama-3 style RoPE frequency scaling (rope_type "llama3" in Hugging Face configs)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def validate(self, path: str) -> None:
+        check(self.factor >= 1.0, key(path, "factor"), self.factor, "must be >= 1")
+        check(self.high_freq_factor > self.low_freq_factor, key(path, "high_freq_factor"),
+              self.high_freq_factor, "must exceed low_freq_factor")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Decoder shape. Letters used in tensor names: B batch, T sequence, D hidden (embed),
+    H query heads, K kv heads, E head_dim, F mlp (intermediate), V vocab, L layers."""
+
+    preset: str | None = None  # name in PRESETS; fields set beside it override the preset
+    path: str | None = None  # local Hugging Face checkpoint dir (config.json + *.safetensors)
+    arch: Literal["llama", "qwen2"] = "llama"
+    vocab_size: int = 128  # V
+    hidden_size: int = 256  # D
+    num_layers: int = 4  # L
+    num_heads: int = 4  # H
+    num_kv_heads: int = 2  # K (grouped-query attention: H % K == 0)
+    head_dim: int | None = None  # E; None -> hidden_size // num_heads
+    intermediate_size: int = 768  # F (SwiGLU)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 512
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 has q/k/v biases
+    value_head: bool = False  # scalar value head (critic, or shared actor-critic)
+    param_dtype: DType = "float32"
+    dtype: DType = "float32"  # compute dtype of matmuls; logits/logprobs are always float32
+    remat: Literal["none", "full", "dots"] = "none"  # rematerialisation of each layer in backward
+    init_std: float = 0.02
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    def num_params(self, with_lm_head: bool = True) -> int:
+        """Parameter count (embedding, layers, final norm, LM head unless tied, value head)."""
+        d, e, f = self.hidden_size, self.head_size, self.intermediate_size
+        q, kv = self.num_heads * e, self.num_kv_heads * e
+        attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0)
+        layer = attn + 3 * d * f + 2 * d
+        n = self.vocab_size * d + self.num_layers * layer + d
+        if with_lm_head and not self.tie_embeddings:
+            n += d * self.vocab_size
+        if self.value_head:
+            n += d + 1
+        return n
+
+    def validate(self, path: str) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "intermediate_size", "max_position_embeddings"):
+            v = getattr(self, name)
+            check(v >= 1, key(path, name), v, "must be >= 1")
+        if self.head_dim is None:
+            check(self.hidden_size % self.num_heads == 0, key(path, "num_heads"), self.num_heads,
+                  f"must divide hidden_size={self.hidden_size} (or set head_dim)")
+        else:
+            check(self.head_dim >= 1, key(path, "head_dim"), self.head_dim, "must be >= 1")
+        check(self.head_size % 2 == 0, key(path, "head_dim"), self.head_size, "must be even for RoPE")
+        check(self.num_heads % self.num_kv_heads == 0, key(path, "num_kv_heads"), self.num_kv_heads,
+              f"must divide num_heads={self.num_heads}")
+        check(self.rms_norm_eps > 0, key(path, "rms_norm_eps"), self.rms_norm_eps, "must be > 0")
+        check(self.rope_theta > 0, key(path, "rope_theta"), self.rope_theta, "must be > 0")
+        check(self.init_std > 0, key(path, "init_std"), self.init_std, "must be > 0")
+        for name in ("pad_id", "bos_id", "eos_id"):
+            v = getattr(self, name)
+            check(0 <= v < self.vocab_size, key(path, name), v, f"must be in [0, vocab_size={self.vocab_size})")
+        if self.preset is not None:
+            check(self.preset in PRESETS, key(path, "preset"), self.preset,
+                  f"unknown preset; known: {', '.join(sorted(PRESETS))}")
+        if self.rope_scaling is not None:
+            self.rope_scaling.validate(key(path, "rope_scaling"))
+
+
+# Shapes from ../shared/WORKLOADS.md (T, S) and Qwen2/Llama public configs (for the planner and GPU).
+PRESETS: dict[str, dict] = {
+    "tiny": dict(vocab_size=128, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                 intermediate_size=768, max_position_embeddings=512),
+    "small": dict(vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12,
+                  intermediate_size=2048, max_position_embeddings=2048),
+    "qwen2-0.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14,
+                       num_kv_heads=2, intermediate_size=4864, qkv_bias=True, tie_embeddings=True,
+                       rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-6),
+    "qwen2-1.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12,
+                       num_kv_heads=2, intermediate_size=8960, qkv_bias=True, tie_embeddings=True,
+                       rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-6),
+    "qwen2-7b": dict(arch="qwen2", vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28,
+                     num_kv_heads=4, intermediate_size=18944, qkv_bias=True, rope_theta=1000000.0,
+                     max_position_embeddings=32768, rms_norm_eps=1e-6),
+    "qwen2-32b": dict(arch="qwen2", vocab_size=152064, hidden_size=5120, num_layers=64, num_heads=40,
+                      num_kv_heads=8, intermediate_size=27648, qkv_bias=True, rope_theta=1000000.0,
+                      max_position_embeddings=32768, rms_norm_eps=1e-5),
+    "qwen2-72b": dict(arch="qwen2", vocab_size=152064, hidden_size=8192, num_layers=80, num_heads=64,
+                      num_kv_heads=8, intermediate_size=29568, qkv_bias=True, rope_theta=1000000.0,
+                      max_position_embeddings=32768, rms_norm_eps=1e-5),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                      intermediate_size=14336, rope_theta=500000.0, max_position_embeddings=8192,
+                      rms_norm_eps=1e-5),
+    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                       intermediate_size=28672, rope_theta=500000.0, max_position_embeddings=8192,
+                       rms_norm_eps=1e-5),
+}
+
+
+def resolve_preset(data: dict | None, path: str = "model") -> dict:
+    """Merge `data` over the preset it names (explicit fields win)."""
+    data = dict(data or {})
+    name = data.get("preset")
+    if name is None:
+        return data
+    if not isinstance(name, str) or name not in PRESETS:
+        raise ConfigError(key(path, "preset"), name, f"unknown preset; known: {', '.join(sorted(PRESETS))}")
+    return {**PRESETS[name], **data}
+
+
+def model_preset(name: str, **overrides) -> ModelConfig:
+    """A ModelConfig from a preset name, e.g. `model_preset("tiny", value_head=True)`."""
+    from rpeg_jax.config.base import build
+
+    return build(ModelConfig, resolve_preset({"preset": name, **overrides}), "model")
+
+
+def replace(cfg: ModelConfig, **changes) -> ModelConfig:
+    """dataclasses.replace + validation."""
+    out = dataclasses.replace(cfg, **changes)
+    out.validate("model")
+    return out

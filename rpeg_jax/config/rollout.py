@@ -1,0 +1,40 @@
+"""Rollout section: sampling parameters and the paged sampler's engine settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rpeg_jax.config.base import check, key
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's eos_id
+    ignore_eos: bool = False
+    page_size: int = 16
+    num_pages: int | None = None  # None -> enough for every slot at max length (+ watermark)
+    max_slots: int | None = None  # concurrent sequences; None -> one step's whole batch
+    chunk_steps: int = 64  # K: decode steps per jitted while_loop chunk
+    watermark: float = 0.01  # fraction of pages kept free when admitting groups
+    on_weight_update: Literal["finish", "recompute"] = "finish"
+    attention: Literal["gather"] = "gather"
+
+    def validate(self, path: str) -> None:
+        check(self.max_new_tokens >= 1, key(path, "max_new_tokens"), self.max_new_tokens, "must be >= 1")
+        check(self.temperature >= 0, key(path, "temperature"), self.temperature, "must be >= 0 (0 = greedy)")
+        check(self.top_k >= 0, key(path, "top_k"), self.top_k, "must be >= 0")
+        check(0.0 < self.top_p <= 1.0, key(path, "top_p"), self.top_p, "must be in (0, 1]")
+        check(0.0 <= self.min_p < 1.0, key(path, "min_p"), self.min_p, "must be in [0, 1)")
+        check(self.page_size >= 1, key(path, "page_size"), self.page_size, "must be >= 1")
+        if self.num_pages is not None:
+            check(self.num_pages >= 2, key(path, "num_pages"), self.num_pages, "must be >= 2")
+        if self.max_slots is not None:
+            check(self.max_slots >= 1, key(path, "max_slots"), self.max_slots, "must be >= 1")
+        check(self.chunk_steps >= 1, key(path, "chunk_steps"), self.chunk_steps, "must be >= 1")
+        check(0.0 <= self.watermark < 1.0, key(path, "watermark"), self.watermark, "must be in [0, 1)")

@@ -1,0 +1,149 @@
+"""The run config: all sections composed, loaded from YAML presets plus `a.b=c` overrides.
+
+    cfg = load_config("configs/default.yaml", ["rl.kl_coef=0.04", "train.steps=10"])
+
+Presets may name a base with `base: other.yaml` (resolved relative to the file). Validation is
+complete before anything is compiled; errors are `ConfigError` (one line: key and value).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from rpeg_jax.config.base import ConfigError, build, check, suggest, to_dict
+from rpeg_jax.config.costmodel import CostModelConfig
+from rpeg_jax.config.data import DataConfig
+from rpeg_jax.config.distributed import DistributedConfig
+from rpeg_jax.config.model import ModelConfig, resolve_preset
+from rpeg_jax.config.optim import OptimConfig
+from rpeg_jax.config.pipeline import PipelineConfig
+from rpeg_jax.config.rl import RLConfig
+from rpeg_jax.config.rollout import RolloutConfig
+from rpeg_jax.config.sharding import ShardingConfig
+from rpeg_jax.config.train import TrainConfig
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+DEFAULT_CONFIG = os.path.join(CONFIG_DIR, "default.yaml")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    critic: ModelConfig | None = None  # PPO critic shape; None -> the actor's shape with a value head
+    data: DataConfig = field(default_factory=DataConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    critic_optim: OptimConfig | None = None  # None -> optim
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    costmodel: CostModelConfig = field(default_factory=CostModelConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def validate(self, path: str = "") -> None:
+        """Checks that span sections (each section validated itself already)."""
+        m, r, d, p = self.model, self.rl, self.data, self.pipeline
+        need = d.max_prompt_len + self.rollout.max_new_tokens
+        check(need <= m.max_position_embeddings, "rollout.max_new_tokens", self.rollout.max_new_tokens,
+              f"data.max_prompt_len + rollout.max_new_tokens = {need} exceeds "
+              f"model.max_position_embeddings={m.max_position_embeddings}")
+        if p.share_actor_critic:
+            check(r.algorithm == "ppo", "pipeline.share_actor_critic", True, "needs a critic: set rl.algorithm=ppo")
+        for sid in self.rollout.stop_token_ids:
+            check(0 <= sid < m.vocab_size, "rollout.stop_token_ids", sid, f"must be in [0, model.vocab_size={m.vocab_size})")
+        if r.kl_in_reward:
+            check(r.algorithm == "ppo", "rl.kl_in_reward", True, "per-token KL in the reward needs GAE: set rl.algorithm=ppo")
+        if p.elide_old_forward and p.staleness > 0:
+            check(False, "pipeline.elide_old_forward", True,
+                  f"with pipeline.staleness={p.staleness} the proximal policy must be recomputed")
+
+    @property
+    def critic_model(self) -> ModelConfig:
+        base = self.critic if self.critic is not None else self.model
+        return dataclasses.replace(base, value_head=True)
+
+
+def parse_value(text: str) -> Any:
+    """A command-line override's value, read as YAML (numbers, bools, lists, null)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_override(data: dict, dotted: str, value: Any) -> None:
+    """Set `data[a][b]... = value` for dotted key 'a.b...' (creating mappings as needed)."""
+    parts = dotted.split(".")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(".".join(parts[: i + 1]), child, "is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def read_yaml(path: str, _seen: tuple[str, ...] = ()) -> dict:
+    """Load a preset (yaml.safe_load), following `base:` chains."""
+    if not os.path.exists(path) and os.path.exists(os.path.join(CONFIG_DIR, path)):
+        path = os.path.join(CONFIG_DIR, path)
+    if not os.path.isfile(path):
+        raise ConfigError("--config", path, "file not found")
+    if path in _seen:
+        raise ConfigError("base", path, "circular base chain")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError("--config", path, f"invalid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("--config", path, "must hold a mapping of sections")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    parent = read_yaml(os.path.join(os.path.dirname(path), base), _seen + (path,))
+    return merge(parent, data)
+
+
+def merge(a: dict, b: dict) -> dict:
+    """Deep-merge b over a."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def from_dict(data: dict) -> RunConfig:
+    """Build and validate a RunConfig from nested dicts (presets resolved)."""
+    data = dict(data)
+    sections = [f.name for f in dataclasses.fields(RunConfig)]
+    for name in data:
+        if name not in sections:
+            raise ConfigError(name, data[name], "unknown section" + suggest(name, sections))
+    for name in ("model", "critic"):
+        if isinstance(data.get(name), dict):
+            data[name] = resolve_preset(data[name], name)
+    return build(RunConfig, data)
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """YAML preset (default: configs/default.yaml) + `key.sub=value` overrides -> RunConfig."""
+    data = read_yaml(path or DEFAULT_CONFIG)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(item, None, "overrides are key.sub=value")
+        dotted, text = item.split("=", 1)
+        apply_override(data, dotted.strip(), parse_value(text))
+    return from_dict(data)
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

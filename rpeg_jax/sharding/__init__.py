@@ -1,0 +1,1 @@
+"""rpeg_jax.sharding"""
