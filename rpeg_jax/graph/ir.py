@@ -1,0 +1,380 @@
+"""The RPEG intermediate representation: state, data and stage nodes joined by versioned edges.
+
+Pure Python (no JAX): the cost model plans a 256-GPU cluster on a laptop from this, the passes
+(graph/passes.py) rewrite it, graph/compile.py binds each stage to a jitted program, and the
+runtime, traces and metrics name stages by `Stage.name` (= a `StageKind` value unless fused).
+
+Key API (what the cost model, planner, compiler and runtime use):
+
+    g = build_graph(cfg)                      # graph/algorithms.py: GRPO or PPO from a RunConfig
+    g = apply_pipeline(g, cfg.pipeline, cfg.rl)   # graph/passes.py
+    g.validate()                              # GraphError(node, why) naming the node
+    g.topo_order() -> list[str]               # stage names, dependencies first (one step)
+    g.stage(name) -> Stage                    # .kind, .workload (op, models, tokens...), .parts
+    g.deps(name) -> list[Dep]                 # Dep(stage, step_offset <= 0, via, streamed)
+    g.inputs(name) / g.outputs(name) -> list[Edge]; g.producer(node); g.consumers(node)
+    g.sizes                                   # {"N": prompts, "G": group, "B": N*G, "P", "R", "S"}
+    TIMING_NAMES[StageKind.GENERATE] == "gen" # verl-compatible metric names
+
+Versions. The graph describes one RL step t. A stage at step t reads state node X at version
+t + edge.offset and writes version t + 1 (write edges have offset +1). So the writer of version
+v is the writing stage at step v - 1, and a read with offset o depends on the writer at step
+t + o - 1: offset 0 -> the previous step, offset +1 -> the same step (e.g. weight_sync reads the
+actor just updated), offset -k -> k+1 steps back (generate reads rollout_weights @ t-k under
+bounded asynchrony). Versions below 1 are the initial state (no dependency). Data nodes live
+within one step (offset 0). A streamed edge (`stream=True`) lets the consumer process piece i
+as soon as the producer finished piece i (both stages have the same `microbatches`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+
+class StageKind(str, enum.Enum):
+    """THE stage names: metrics `timing_s/<name>`, trace spans and plan entries use these."""
+
+    GENERATE = "generate"
+    REWARD = "reward"
+    REF_FORWARD = "ref_forward"
+    OLD_FORWARD = "old_forward"
+    CRITIC_FORWARD = "critic_forward"
+    ADVANTAGE = "advantage"
+    ACTOR_UPDATE = "actor_update"
+    CRITIC_UPDATE = "critic_update"
+    WEIGHT_SYNC = "weight_sync"
+    FUSED = "fused"  # a fused stage; its constituents are in Stage.parts
+
+
+# verl's `timing_s/<name>` for each stage kind, so step breakdowns compare apples to apples.
+TIMING_NAMES: dict[StageKind, str] = {
+    StageKind.GENERATE: "gen", StageKind.REWARD: "reward", StageKind.REF_FORWARD: "ref",
+    StageKind.OLD_FORWARD: "old_log_prob", StageKind.CRITIC_FORWARD: "values",
+    StageKind.ADVANTAGE: "adv", StageKind.ACTOR_UPDATE: "update_actor",
+    StageKind.CRITIC_UPDATE: "update_critic", StageKind.WEIGHT_SYNC: "update_weights",
+}
+
+
+class StateKind(str, enum.Enum):
+    """State that lives in the runtime across steps (and in checkpoints)."""
+
+    ACTOR = "actor"  # θ_t, training layout
+    CRITIC = "critic"  # φ_t
+    REFERENCE = "reference"  # θ_ref (frozen)
+    ACTOR_OPT = "actor_opt"
+    CRITIC_OPT = "critic_opt"
+    ROLLOUT_WEIGHTS = "rollout_weights"  # the sampler's copy of θ (generation layout)
+    DATA_ITERATOR = "data_iterator"
+    ROLLOUT_BUFFER = "rollout_buffer"  # admitted rollouts in flight (bounded asynchrony)
+
+
+class Op(str, enum.Enum):
+    """Kind of computation a stage does (what the cost model prices)."""
+
+    GENERATE = "generate"  # prefill P + decode R tokens per sequence (KV cache)
+    FORWARD = "forward"  # one forward over B x S tokens
+    TRAIN = "train"  # forward + backward + optimizer, epochs x minibatches
+    HOST = "host"  # Python on the host (reward verifiers)
+    ELEMENTWISE = "elementwise"  # small array math (advantages)
+    TRANSFER = "transfer"  # move/reshard parameters (weight sync)
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "int8": 1, "bool": 1}
+
+
+class GraphError(ValueError):
+    """An invalid graph or an illegal pass; `str(err)` names the node."""
+
+    def __init__(self, node: str, why: str):
+        self.node, self.why = node, why
+        super().__init__(f"graph error at {node!r}: {why}")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Shape with symbolic dims (letters of Graph.sizes), dtype and logical axes per dim."""
+
+    dims: tuple[str, ...]  # e.g. ("B", "R")
+    shape: tuple[int, ...]  # concrete sizes, e.g. (128, 8)
+    dtype: str
+    axes: tuple[str | None, ...]  # logical axes (sharding/axes.py), e.g. ("batch", None)
+
+    @property
+    def bytes(self) -> int:
+        n = DTYPE_BYTES[self.dtype]
+        for s in self.shape:
+            n *= s
+        return n
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{'x'.join(self.dims)}={'x'.join(map(str, self.shape))}]"
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Everything the cost model needs about a model a stage touches."""
+
+    role: str  # actor | critic | reference
+    num_params: int
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    param_dtype: str
+    dtype: str  # compute dtype
+    value_head: bool = False
+
+    @property
+    def param_bytes(self) -> int:
+        return self.num_params * DTYPE_BYTES[self.param_dtype]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a stage computes, enough to price it from the node alone."""
+
+    op: Op
+    models: tuple[ModelDims, ...] = ()
+    n_seqs: int = 0  # B sequences
+    prompt_len: int = 0  # P
+    response_len: int = 0  # R (max new tokens)
+    group_size: int = 1  # G (generation shares a prompt's KV across its group)
+    heads: tuple[str, ...] = ()  # outputs of a forward/train: "logp", "values", "entropy"
+    epochs: int = 1  # train: passes over the batch
+    minibatches: int = 1  # train: optimizer steps per epoch
+    bytes_moved: int = 0  # transfer: parameter bytes
+
+    @property
+    def tokens(self) -> int:
+        """Tokens processed once (B x S); generation decodes B x R of them."""
+        return self.n_seqs * (self.prompt_len + self.response_len)
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self.epochs * self.minibatches if self.op == Op.TRAIN else 0
+
+
+@dataclass(frozen=True)
+class StateNode:
+    name: str
+    kind: StateKind
+    bytes: int = 0
+    frozen: bool = False  # never written (reference): one version for all steps
+    placement: str = "all"  # device-group name ("all" | "gen" | "train")
+    attrs: dict[str, Any] = field(default_factory=dict)  # e.g. max_staleness (rollout_buffer)
+
+
+@dataclass(frozen=True)
+class DataNode:
+    name: str
+    spec: DataSpec
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    kind: StageKind
+    workload: Workload | None = None  # None only for FUSED (see parts)
+    placement: str = "all"
+    microbatches: int = 1  # pieces the stage processes its batch in
+    parts: tuple[Stage, ...] = ()  # FUSED: constituents, in execution order
+    attrs: dict[str, Any] = field(default_factory=dict)  # e.g. decoupled, value_loss, fused_internal
+
+    @property
+    def constituents(self) -> tuple[str, ...]:
+        """Names of the stages this one stands for (itself unless fused)."""
+        return tuple(p.name for p in self.parts) if self.parts else (self.name,)
+
+    def timing_names(self) -> tuple[str, ...]:
+        """verl timing names of the constituents."""
+        kinds = [p.kind for p in self.parts] if self.parts else [self.kind]
+        return tuple(TIMING_NAMES[k] for k in kinds)
+
+
+Node = StateNode | DataNode | Stage
+
+
+@dataclass(frozen=True)
+class Edge:
+    """src -> dst. One end is a stage, the other a data or state node.
+
+    offset: for state reads, the version read is t + offset; state writes have offset +1.
+    port: the name the stage knows this input/output by (e.g. 'old_logp' wired to behav_logp).
+    expect: the spec the consuming stage expects (checked against the data node's spec).
+    stream: the consumer may start piece i when the producer finished piece i.
+    """
+
+    src: str
+    dst: str
+    offset: int = 0
+    port: str = ""
+    expect: DataSpec | None = None
+    stream: bool = False
+
+
+@dataclass(frozen=True)
+class Dep:
+    """Stage `stage` at step t + step_offset must finish (piece-wise if streamed) first."""
+
+    stage: str
+    step_offset: int
+    via: str
+    streamed: bool = False
+
+
+@dataclass
+class Graph:
+    """An RPEG: nodes by name (insertion ordered), edges, symbolic sizes and applied knobs."""
+
+    nodes: dict[str, Node] = field(default_factory=dict)
+    edges: list[Edge] = field(default_factory=list)
+    sizes: dict[str, int] = field(default_factory=dict)
+    attrs: dict[str, Any] = field(default_factory=dict)  # algorithm, staleness, passes, ...
+
+    # ---- construction -------------------------------------------------------------------
+    def add(self, node: Node) -> Node:
+        if node.name in self.nodes:
+            raise GraphError(node.name, "duplicate node name")
+        self.nodes[node.name] = node
+        return node
+
+    def connect(self, src: str, dst: str, **kw) -> Edge:
+        kw.setdefault("port", src if isinstance(self.nodes.get(src), (DataNode, StateNode)) else dst)
+        e = Edge(src, dst, **kw)
+        self.edges.append(e)
+        return e
+
+    def copy(self) -> Graph:
+        return Graph(dict(self.nodes), list(self.edges), dict(self.sizes), _deepcopy(self.attrs))
+
+    def replace_node(self, node: Node) -> None:
+        if node.name not in self.nodes:
+            raise GraphError(node.name, "no such node")
+        self.nodes[node.name] = node
+
+    def remove(self, name: str) -> None:
+        """Remove a node and every edge touching it."""
+        self.nodes.pop(name)
+        self.edges = [e for e in self.edges if name not in (e.src, e.dst)]
+
+    # ---- queries ------------------------------------------------------------------------
+    def stages(self) -> list[Stage]:
+        return [self.nodes[n] for n in self.topo_order()]
+
+    def stage(self, name: str) -> Stage:
+        node = self.nodes.get(name)
+        if not isinstance(node, Stage):
+            raise GraphError(name, f"no such stage; stages: {', '.join(self.stage_names())}")
+        return node
+
+    def stage_names(self) -> list[str]:
+        return [n for n, v in self.nodes.items() if isinstance(v, Stage)]
+
+    def has(self, name: str) -> bool:
+        return name in self.nodes
+
+    def find(self, kind: StageKind) -> Stage | None:
+        """The stage of this kind, also when it sits inside a fused stage (returns the fused one)."""
+        for s in self.nodes.values():
+            if isinstance(s, Stage) and (s.kind == kind or any(p.kind == kind for p in s.parts)):
+                return s
+        return None
+
+    def of_type(self, cls: type) -> Iterator:
+        return (v for v in self.nodes.values() if isinstance(v, cls))
+
+    def inputs(self, stage: str) -> list[Edge]:
+        return [e for e in self.edges if e.dst == stage]
+
+    def outputs(self, stage: str) -> list[Edge]:
+        return [e for e in self.edges if e.src == stage]
+
+    def producer(self, node: str) -> str | None:
+        """The stage writing a data node or a state node (None: a graph input)."""
+        srcs = [e.src for e in self.edges if e.dst == node]
+        return srcs[0] if srcs else None
+
+    def consumers(self, node: str) -> list[str]:
+        return [e.dst for e in self.edges if e.src == node]
+
+    def deps(self, stage: str) -> list[Dep]:
+        """Stages that must run before `stage` at step t, at step t + step_offset (<= 0).
+
+        Data inputs: their producer, same step (streamed or not). State reads with offset o:
+        the writer of version t+o, i.e. at step t+o-1 (no dependency for frozen state)."""
+        out = []
+        for e in self.inputs(stage):
+            node, writer = self.nodes[e.src], self.producer(e.src)
+            if writer is None:
+                continue
+            if isinstance(node, DataNode):
+                out.append(Dep(writer, 0, e.src, e.stream))
+            elif writer != stage or e.offset <= 0:
+                out.append(Dep(writer, e.offset - 1, e.src))
+        return out
+
+    def topo_order(self) -> list[str]:
+        """Stage names in an order where every same-step dependency comes first."""
+        names = self.stage_names()
+        indeg = {n: 0 for n in names}
+        succ: dict[str, list[str]] = {n: [] for n in names}
+        for n in names:
+            for d in self.deps(n):
+                if d.step_offset == 0 and d.stage != n:
+                    indeg[n] += 1
+                    succ[d.stage].append(n)
+        ready = [n for n in names if indeg[n] == 0]
+        order = []
+        while ready:
+            n = ready.pop(0)
+            order.append(n)
+            for m in succ[n]:
+                indeg[m] -= 1
+                if indeg[m] == 0:
+                    ready.append(m)
+        if len(order) != len(names):
+            stuck = [n for n in names if n not in order]
+            raise GraphError(stuck[0], f"cycle among stages {stuck} within one step")
+        return order
+
+    def validate(self) -> Graph:
+        from rpeg_jax.graph.validate import validate
+
+        validate(self)
+        return self
+
+    def describe(self) -> str:
+        """A plain-text listing: one line per stage with inputs and outputs."""
+        lines = [f"RPEG {self.attrs.get('algorithm', '?')}  sizes {self.sizes}  knobs "
+                 f"{ {k: v for k, v in self.attrs.items() if k != 'algorithm'} }"]
+        for s in self.stages():
+            ins = ", ".join(_edge_label(e, e.src) for e in self.inputs(s.name))
+            outs = ", ".join(_edge_label(e, e.dst) for e in self.outputs(s.name))
+            extra = f" parts={list(s.constituents)}" if s.parts else ""
+            mb = f" x{s.microbatches}" if s.microbatches > 1 else ""
+            lines.append(f"  {s.name}{mb} [{s.placement}]{extra}: ({ins}) -> ({outs})")
+        return "\n".join(lines)
+
+
+def _edge_label(e: Edge, name: str) -> str:
+    v = f"@t{e.offset:+d}" if e.offset else ""
+    port = f"{e.port}=" if e.port and e.port != name else ""
+    return f"{port}{name}{v}{'~' if e.stream else ''}"
+
+
+def _deepcopy(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _deepcopy(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_deepcopy(v) for v in x]
+    return x
+
+
+def replace(node: Node, **changes) -> Node:
+    return dataclasses.replace(node, **changes)
