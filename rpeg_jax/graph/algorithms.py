@@ -58,7 +58,8 @@ class _Builder:
 
     def __init__(self, cfg: RunConfig, algorithm: str):
         self.cfg, self.sizes = cfg, sizes_of(cfg)
-        self.g = Graph(sizes=self.sizes, attrs={"algorithm": algorithm, "staleness": 0, "passes": []})
+        self.g = Graph(sizes=self.sizes, attrs={"algorithm": algorithm, "staleness": 0,
+                                                     "placement": "colocated", "passes": []})
         self.actor = model_dims(cfg.model, "actor")
 
     def work(self, op: Op, models=(), **kw) -> Workload:
@@ -145,7 +146,7 @@ def _common(cfg: RunConfig, algorithm: str, critic: bool) -> _Builder:
     train = dict(epochs=rl.ppo_epochs, minibatches=rl.minibatches)
     b.stage(K.ACTOR_UPDATE, b.work(Op.TRAIN, [actor], heads=heads, **train),
             reads=[("actor", 0), ("actor_opt", 0)], writes=["actor", "actor_opt"], ins=upd_ins,
-            grad_accum=rl.micro_batches)
+            grad_accum=rl.micro_batches, tis=rl.tis_cap is not None)
     if critic:
         b.stage(K.CRITIC_UPDATE, b.work(Op.TRAIN, [cdims], heads=("values",), **train),
                 reads=[("critic", 0), ("critic_opt", 0)], writes=["critic", "critic_opt"],

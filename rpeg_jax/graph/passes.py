@@ -1,0 +1,362 @@
+"""Graph -> graph rewrites: the RPEG structural choices and execution optimizations.
+
+Each pass takes a Graph and returns a new validated Graph (the input is never modified), is a
+no-op when its effect is already present (idempotent), and raises GraphError naming the node
+when the rewrite is illegal. `apply_pipeline` applies what `cfg.pipeline` asks for, in the
+one order that keeps every combination legal:
+
+    elide_old_forward -> share_actor_critic -> bounded_async(k) -> fuse(...) -> microbatch -> place
+
+Callers: `rpeg graph`, the planner (costmodel) for every candidate, and the runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+from rpeg_jax.graph.ir import (DataNode, Edge, Graph, GraphError, ModelDims, Stage, StageKind, StateKind,
+                               StateNode, replace)
+
+K = StageKind
+# Stages that work sequence by sequence, so they can consume finished pieces of generation.
+STREAMABLE = (K.REWARD, K.REF_FORWARD, K.OLD_FORWARD, K.CRITIC_FORWARD)
+FORWARDS = (K.REF_FORWARD, K.OLD_FORWARD, K.CRITIC_FORWARD)
+
+
+def graph_pass(fn: Callable[..., Graph]) -> Callable[..., Graph]:
+    """Run `fn` on a copy; record it in attrs['passes'] only if it changed something; validate."""
+
+    @functools.wraps(fn)
+    def wrapper(g: Graph, *args, **kw) -> Graph:
+        out = fn(g.copy(), *args, **kw)
+        same = out.nodes == g.nodes and out.edges == g.edges and out.attrs == g.attrs
+        if same:
+            return g.copy()
+        label = fn.__name__ + (f"({', '.join(map(repr, args))})" if args else "")
+        out.attrs["passes"] = list(g.attrs.get("passes", [])) + [label]
+        return out.validate()
+
+    return wrapper
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+def _part(g: Graph, kind: StageKind) -> tuple[Stage | None, Stage | None]:
+    """(the graph stage holding `kind`, the stage of that kind itself — a part when fused)."""
+    holder = g.find(kind)
+    if holder is None:
+        return None, None
+    if holder.kind == kind:
+        return holder, holder
+    return holder, next(p for p in holder.parts if p.kind == kind)
+
+
+def _update_part(g: Graph, kind: StageKind, **changes) -> None:
+    holder, st = _part(g, kind)
+    new = replace(st, **changes)
+    if holder is st:
+        g.replace_node(new)
+    else:
+        g.replace_node(replace(holder, parts=tuple(new if p is st else p for p in holder.parts)))
+
+
+def _plain(g: Graph, kind: StageKind, pass_name: str) -> Stage | None:
+    """The stage of `kind` if it is not fused (passes that rewrite it must run before fuse)."""
+    holder, st = _part(g, kind)
+    if holder is not None and holder is not st:
+        raise GraphError(holder.name, f"{pass_name} must be applied before fuse ({kind.value} is fused)")
+    return st
+
+
+def _rewire(g: Graph, old: str, new: str, *, src: bool) -> None:
+    """Move edges whose src (or dst) is `old` onto `new`, dropping exact duplicates."""
+    edges = []
+    for e in g.edges:
+        if src and e.src == old:
+            e = dataclasses.replace(e, src=new)
+        elif not src and e.dst == old:
+            e = dataclasses.replace(e, dst=new)
+        if e not in edges:
+            edges.append(e)
+    g.edges = edges
+
+
+# ---- passes -----------------------------------------------------------------------------------
+@graph_pass
+def bounded_async(g: Graph, k: int, behav_weight_cap: float | None = None) -> Graph:
+    """Generate at step t reads the actor at version t-k (k = 0: synchronous on-policy RL).
+
+    The rollout buffer (checkpointed state) carries max_staleness=k: the runtime admits a new
+    rollout only while it will be consumed within k versions, and restores the version counter on
+    resume. For k >= 1 the actor update takes behaviour logprobs and applies the decoupled-PPO
+    correction: ratio to the recomputed proximal π_old, weighted by π_old/π_behav (capped)."""
+    gen = _plain(g, K.GENERATE, "bounded_async")
+    if gen is None or not g.has("rollout_weights"):
+        raise GraphError("generate", "bounded_async needs a generate stage reading rollout_weights")
+    if k < 0:
+        raise GraphError(gen.name, f"staleness k={k} must be >= 0")
+    if k > 0 and g.attrs.get("elided_old_forward"):
+        raise GraphError("old_forward", f"staleness k={k} needs the proximal policy recomputed; "
+                                        "do not elide old_forward")
+    g.edges = [dataclasses.replace(e, offset=-k) if (e.src, e.dst) == ("rollout_weights", gen.name)
+               else e for e in g.edges]
+    holder, upd = _part(g, K.ACTOR_UPDATE)
+    has_behav = any(e.src == "behav_logp" and e.port == "behav_logp" for e in g.inputs(holder.name))
+    if k > 0:
+        if not g.has("rollout_buffer"):
+            g.add(StateNode("rollout_buffer", StateKind.ROLLOUT_BUFFER, placement=gen.placement))
+            g.connect("rollout_buffer", gen.name)
+            g.connect(gen.name, "rollout_buffer", offset=1)
+        buf = g.nodes["rollout_buffer"]
+        g.replace_node(replace(buf, attrs={**buf.attrs, "max_staleness": k}))
+        if not has_behav:
+            g.connect("behav_logp", holder.name, port="behav_logp", expect=g.nodes["behav_logp"].spec)
+        _update_part(g, K.ACTOR_UPDATE, attrs={**upd.attrs, "decoupled": True,
+                                               "behav_weight_cap": behav_weight_cap})
+    else:
+        if g.has("rollout_buffer"):
+            g.remove("rollout_buffer")
+        if has_behav and not upd.attrs.get("tis"):
+            g.edges = [e for e in g.edges if not (e.src == "behav_logp" and e.dst == holder.name
+                                                  and e.port == "behav_logp")]
+        _update_part(g, K.ACTOR_UPDATE, attrs={a: v for a, v in upd.attrs.items()
+                                               if a not in ("decoupled", "behav_weight_cap")})
+    g.attrs["staleness"] = k
+    return g
+
+
+@graph_pass
+def share_actor_critic(g: Graph) -> Graph:
+    """One backbone with policy and value heads: the critic's state, forward and update disappear.
+
+    Values come out of the actor's forward (old_forward, or critic_forward on the actor's
+    weights when old_forward was elided), and the actor update minimises L_pg + c_v·L_v."""
+    if g.attrs.get("shared"):
+        return g
+    if not g.has("critic"):
+        raise GraphError("critic", f"share_actor_critic needs a critic (rl.algorithm=ppo); this graph "
+                                   f"is {g.attrs.get('algorithm')!r}")
+    cf = _plain(g, K.CRITIC_FORWARD, "share_actor_critic")
+    cu = _plain(g, K.CRITIC_UPDATE, "share_actor_critic")
+    old = _plain(g, K.OLD_FORWARD, "share_actor_critic")
+    au = _plain(g, K.ACTOR_UPDATE, "share_actor_critic")
+    shared = _shared_dims(g)
+    if old is not None:  # one forward yields logits and values
+        _rewire(g, cf.name, old.name, src=True)
+        _rewire(g, cf.name, old.name, src=False)
+        g.remove(cf.name)
+    else:  # values from the shared backbone, reading the actor
+        g.edges = [dataclasses.replace(e, src="actor", port="actor") if (e.src, e.dst) == ("critic", cf.name)
+                   else e for e in g.edges]
+    _rewire(g, cu.name, au.name, src=False)  # the update reads values and returns
+    g.remove(cu.name)
+    for name in ("critic", "critic_opt"):
+        g.remove(name)
+    for st in list(g.of_type(Stage)):
+        if st.workload and any(m.role == "actor" for m in st.workload.models):
+            heads = st.workload.heads
+            if st.name in (au.name, old.name if old else cf.name) and "values" not in heads:
+                heads = heads + ("values",)
+            w = dataclasses.replace(st.workload, models=(shared,), heads=heads)
+            g.replace_node(replace(st, workload=w, attrs={**st.attrs, "value_loss": True}
+                                   if st.name == au.name else st.attrs))
+    for name, per_param in (("actor", None), ("actor_opt", 8), ("rollout_weights", None)):
+        node = g.nodes[name]
+        g.replace_node(replace(node, bytes=shared.param_bytes if per_param is None
+                               else shared.num_params * per_param))
+    g.attrs["shared"] = True
+    return g
+
+
+def _shared_dims(g: Graph) -> ModelDims:
+    actor = next(m for st in g.of_type(Stage) if st.workload for m in st.workload.models if m.role == "actor")
+    if actor.value_head:
+        return actor
+    return dataclasses.replace(actor, value_head=True, num_params=actor.num_params + actor.hidden_size + 1)
+
+
+@graph_pass
+def elide_old_forward(g: Graph) -> Graph:
+    """Use the sampler's behaviour logprobs as π_old (legal only on-policy, k = 0, and when the
+    sampler computes the same numbers as the trainer). old_forward and old_logp disappear; every
+    consumer's `old_logp` port is wired to behav_logp."""
+    if g.attrs.get("elided_old_forward"):
+        return g
+    old = _plain(g, K.OLD_FORWARD, "elide_old_forward")
+    if old is None:
+        raise GraphError("old_forward", "no old_forward stage to elide")
+    k = g.attrs.get("staleness", 0)
+    if k > 0:
+        raise GraphError(old.name, f"with staleness k={k} the proximal policy must be recomputed")
+    if "values" in old.workload.heads:
+        raise GraphError(old.name, "old_forward also yields values (shared backbone); apply "
+                                   "elide_old_forward before share_actor_critic")
+    g.edges = [dataclasses.replace(e, src="behav_logp") if e.src == "old_logp" else e for e in g.edges]
+    g.remove(old.name)
+    g.remove("old_logp")
+    g.attrs["elided_old_forward"] = True
+    return g
+
+
+@graph_pass
+def fuse(g: Graph, stages: Sequence[str], name: str | None = None) -> Graph:
+    """Run `stages` as one stage (one jitted program): e.g. ref_forward + old_forward +
+    critic_forward as one pass over the same tokens, or advantage folded into actor_update.
+
+    The fused stage keeps its constituents in `parts` (traces and the cost model show both);
+    data produced and consumed only inside it become internal (attrs['internal'])."""
+    if _already_fused(g, stages) or (name and isinstance(g.nodes.get(name), Stage) and g.nodes[name].parts
+                                     and set(g.nodes[name].constituents) == set(stages)):
+        return g
+    members = _fusion_members(g, stages)
+    parts = tuple(p for m in members for p in (m.parts or (m,)))
+    fname = name or "+".join(p.name for p in parts)
+    first = members[0]
+    for m in members[1:]:
+        if (m.placement, m.microbatches) != (first.placement, first.microbatches):
+            raise GraphError(m.name, f"cannot fuse with {first.name!r}: placement/microbatches differ "
+                                     f"({m.placement}/{m.microbatches} vs {first.placement}/{first.microbatches})")
+    _check_no_path_outside(g, [m.name for m in members])
+    internal = list(first.attrs.get("internal", [])) if first.parts else []
+    for m in members[1:]:
+        internal += m.attrs.get("internal", [])
+    names = {m.name for m in members}
+    fused = Stage(fname, K.FUSED, placement=first.placement, microbatches=first.microbatches, parts=parts)
+    if fname in g.nodes:
+        raise GraphError(fname, "a node of this name exists already; give the fused stage another name")
+    # The fused stage takes its first member's place, so listings and exports keep their order.
+    g.nodes = {(fname if n == first.name else n): (fused if n == first.name else v) for n, v in g.nodes.items()}
+    written = {e.dst for e in g.edges if e.src in names and isinstance(g.nodes[e.dst], StateNode)}
+    for m in members:
+        _rewire(g, m.name, fname, src=True)
+        _rewire(g, m.name, fname, src=False)
+        if m.name != first.name:
+            del g.nodes[m.name]
+    # Reads of state written inside at t+1 (e.g. weight_sync after actor_update) become internal.
+    g.edges = [e for e in g.edges if not (e.dst == fname and e.src in written and e.offset == 1)]
+    for d in [e.dst for e in g.outputs(fname) if isinstance(g.nodes[e.dst], DataNode)]:
+        if all(c == fname for c in g.consumers(d)):
+            internal.append(d)
+            g.remove(d)
+    if internal:
+        g.replace_node(replace(g.nodes[fname], attrs={"internal": internal}))
+    return g
+
+
+def _already_fused(g: Graph, stages: Sequence[str]) -> bool:
+    return any(set(s.constituents) == set(stages) for s in g.of_type(Stage) if s.parts)
+
+
+def _fusion_members(g: Graph, stages: Sequence[str]) -> list[Stage]:
+    if len(set(stages)) < 2:
+        raise GraphError(",".join(stages) or "fuse", "fuse needs at least two distinct stages")
+    for s in stages:
+        if not isinstance(g.nodes.get(s), Stage):
+            raise GraphError(s, f"no such stage to fuse; stages: {', '.join(g.stage_names())}")
+    order = g.topo_order()
+    return sorted((g.stage(s) for s in set(stages)), key=lambda st: order.index(st.name))
+
+
+def _check_no_path_outside(g: Graph, members: list[str]) -> None:
+    """Fusing A and B is illegal if A -> X -> B with X outside (the fused stage would wait on X
+    while X waits on it)."""
+    succ: dict[str, set[str]] = {n: set() for n in g.stage_names()}
+    for n in succ:
+        for d in g.deps(n):
+            if d.step_offset == 0 and d.stage != n:
+                succ[d.stage].add(n)
+    for m in members:
+        stack, seen = [x for x in succ[m] if x not in members], set()
+        while stack:
+            x = stack.pop()
+            if x in seen:
+                continue
+            seen.add(x)
+            for y in succ[x]:
+                if y in members:
+                    raise GraphError(x, f"fusing {members} would create a cycle: {m} -> {x} -> {y}")
+                stack.append(y)
+
+
+@graph_pass
+def microbatch(g: Graph, stage: str, n: int, stream: bool = True) -> Graph:
+    """Run `stage` in n pieces. With stream=True its per-sequence consumers (reward, forwards)
+    also run in n pieces and start on piece i as soon as it is finished (fine-grained schedule:
+    rewards and logprobs of completed sequences while generation continues)."""
+    st = g.stage(stage)
+    b, groups = g.sizes.get("B", n), g.sizes.get("N", n)
+    if n < 1 or b % n:
+        raise GraphError(stage, f"microbatches={n} must be >= 1 and divide the batch B={b}")
+    if _is_kind(st, (K.GENERATE,)) and groups % n:
+        raise GraphError(stage, f"microbatches={n} must divide the prompts per step N={groups} "
+                                "(a GRPO group stays in one piece)")
+    _set_pieces(g, st, n, stream)
+    return g
+
+
+def _is_kind(st: Stage, kinds: tuple[StageKind, ...]) -> bool:
+    return all(p.kind in kinds for p in (st.parts or (st,)))
+
+
+def _set_pieces(g: Graph, st: Stage, n: int, stream: bool) -> None:
+    g.replace_node(replace(st, microbatches=n))
+    for d in [e.dst for e in g.outputs(st.name) if isinstance(g.nodes[e.dst], DataNode)]:
+        for c in g.consumers(d):
+            cst = g.stage(c)
+            flows = stream and n > 1 and _is_kind(cst, STREAMABLE)
+            was = any(e.stream for e in g.edges if (e.src, e.dst) == (d, c))
+            g.edges = [dataclasses.replace(e, stream=flows) if (e.src, e.dst) == (d, c) else e
+                       for e in g.edges]
+            if flows or was:
+                _set_pieces(g, g.stage(c), n if flows else 1, stream)
+
+
+@graph_pass
+def place(g: Graph, placement: str) -> Graph:
+    """colocated: every stage and state on all devices. split: generation (generate, reward, the
+    sampler's weights, the rollout buffer) on group 'gen', training stages on group 'train';
+    weight_sync runs on 'train' and reshards into 'gen'."""
+    if placement not in ("colocated", "split"):
+        raise GraphError("pipeline.placement", f"{placement!r} is not colocated | split")
+    gen_side = {K.GENERATE, K.REWARD}
+    gen_state = {StateKind.ROLLOUT_WEIGHTS, StateKind.ROLLOUT_BUFFER, StateKind.DATA_ITERATOR}
+    for node in list(g.nodes.values()):
+        if isinstance(node, Stage):
+            side = "gen" if all(p.kind in gen_side for p in (node.parts or (node,))) else "train"
+        elif isinstance(node, StateNode):
+            side = "gen" if node.kind in gen_state else "train"
+        else:
+            continue
+        g.replace_node(replace(node, placement="all" if placement == "colocated" else side))
+    g.attrs["placement"] = placement
+    return g
+
+
+def fuse_named(g: Graph, fusion: str) -> Graph:
+    """The config's named fusions: 'forwards' (ref/old/critic forwards as one pass; a no-op when
+    fewer than two exist) and 'advantage' (folded into the actor update)."""
+    if fusion == "forwards":
+        names = [s.name for s in g.of_type(Stage) if s.kind in FORWARDS]
+        return fuse(g, names, "forwards") if len(names) >= 2 else g
+    if fusion == "advantage":
+        adv, upd = g.find(K.ADVANTAGE), g.find(K.ACTOR_UPDATE)
+        if adv is None or upd is None:
+            raise GraphError("advantage", "fuse=advantage needs advantage and actor_update stages")
+        return g if adv is upd else fuse(g, [adv.name, upd.name])
+    raise GraphError("pipeline.fuse", f"unknown fusion {fusion!r} (forwards | advantage)")
+
+
+def apply_pipeline(g: Graph, pipeline, rl=None) -> Graph:
+    """Apply the passes a PipelineConfig asks for, in the legal order (see module docstring)."""
+    if pipeline.elide_old_forward:
+        g = elide_old_forward(g)
+    if pipeline.share_actor_critic:
+        g = share_actor_critic(g)
+    if pipeline.staleness:
+        g = bounded_async(g, pipeline.staleness, rl.behav_weight_cap if rl is not None else None)
+    for fusion in pipeline.fuse:
+        g = fuse_named(g, fusion)
+    if pipeline.microbatches > 1:
+        g = microbatch(g, g.find(K.GENERATE).name, pipeline.microbatches)
+    return place(g, pipeline.placement)

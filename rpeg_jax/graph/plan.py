@@ -1,0 +1,286 @@
+"""The plan: where and how every stage runs, as a value that is printed, saved and reloaded.
+
+A Plan holds device groups (the whole mesh, or sub-meshes for split placements), per stage
+(or fused stage) the group, the mesh shape (data/fsdp/tensor), the sharding rule preset and the
+micro-batch count, plus the structural knobs (the pipeline section) that shaped the graph.
+Nothing downstream of the planner re-decides placement.
+
+    plan = plan_from_config(cfg, num_devices)         # manual: from cfg.pipeline + cfg.sharding
+    plan = plan_for_config(cfg, n, planner=costmodel_planner)   # honours pipeline.plan
+    plan.save("plan.json"); Plan.load("plan.json"); print(plan.describe())
+    graph = graph_for_plan(cfg, plan)                 # the graph the plan's knobs describe
+
+weight_sync runs on its own group (training) and writes into generate's group and mesh: the
+destination layout is `plan.stage("generate")`. Callers: costmodel (planner output), runtime
+and compile (binding), `rpeg plan` / `rpeg graph`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rpeg_jax.config.base import ConfigError
+from rpeg_jax.config.pipeline import PipelineConfig
+from rpeg_jax.config.run import RunConfig
+from rpeg_jax.config.sharding import MESH_AXES
+from rpeg_jax.graph.ir import Graph, GraphError, Op, Stage
+
+KNOBS = ("staleness", "share_actor_critic", "fuse", "elide_old_forward", "microbatches", "placement",
+         "split_sizes")
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DeviceGroup:
+    name: str  # "all" | "gen" | "train" | any planner-chosen name
+    devices: tuple[int, ...]  # global device indices
+
+    @property
+    def size(self) -> int:
+        return len(self.devices)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: str  # Graph stage name (a StageKind value, or a fused stage's name)
+    group: str  # DeviceGroup name
+    mesh: dict[str, int]  # mesh axis -> size over the group's devices (product = group size)
+    rules: str  # sharding rule preset name
+    microbatches: int = 1  # pieces the stage runs its batch in
+
+
+@dataclass(frozen=True)
+class Plan:
+    num_devices: int
+    groups: tuple[DeviceGroup, ...]
+    stages: tuple[StagePlan, ...]
+    knobs: dict[str, Any] = field(default_factory=dict)  # the pipeline knobs (KNOBS)
+    source: str = "manual"  # manual | planner | a file path
+    predicted: dict[str, Any] = field(default_factory=dict)  # planner's breakdown (step_time_s, ...)
+
+    # ---- lookup --------------------------------------------------------------------------
+    def stage(self, name: str) -> StagePlan:
+        for s in self.stages:
+            if s.stage == name:
+                return s
+        raise GraphError(name, f"no plan entry; planned stages: {', '.join(s.stage for s in self.stages)}")
+
+    def group(self, name: str) -> DeviceGroup:
+        for gr in self.groups:
+            if gr.name == name:
+                return gr
+        raise GraphError(name, f"no such device group; groups: {', '.join(g.name for g in self.groups)}")
+
+    def devices_for(self, stage: str) -> tuple[int, ...]:
+        return self.group(self.stage(stage).group).devices
+
+    def pipeline_config(self, base: PipelineConfig | None = None) -> PipelineConfig:
+        """`base` with this plan's structural knobs (so the graph matches the plan)."""
+        kn = {k: tuple(v) if isinstance(v, list) else v for k, v in self.knobs.items() if k in KNOBS}
+        out = dataclasses.replace(base or PipelineConfig(), **kn)
+        out.validate("pipeline")
+        return out
+
+    # ---- checks --------------------------------------------------------------------------
+    def check(self, graph: Graph | None = None) -> Plan:
+        """Devices in range, groups disjoint or identical, mesh products = group sizes, and
+        (given a graph) exactly one entry per stage. Errors name the stage or group."""
+        for gr in self.groups:
+            if not gr.devices or len(set(gr.devices)) != gr.size:
+                raise GraphError(gr.name, f"device group must list distinct devices, got {list(gr.devices)}")
+            bad = [d for d in gr.devices if not 0 <= d < self.num_devices]
+            if bad:
+                raise GraphError(gr.name, f"devices {bad} outside [0, {self.num_devices})")
+            mine = set(gr.devices)
+            for other in self.groups:  # groups are disjoint or nested (a sub-mesh of another)
+                theirs = set(other.devices)
+                if other.name == gr.name and other is not gr:
+                    raise GraphError(gr.name, "device group defined twice")
+                if mine & theirs and not (mine <= theirs or theirs <= mine):
+                    raise GraphError(gr.name, f"overlaps group {other.name!r} partially on {sorted(mine & theirs)}")
+        names = [s.stage for s in self.stages]
+        for s in self.stages:
+            if names.count(s.stage) > 1:
+                raise GraphError(s.stage, "planned twice")
+            size = self.group(s.group).size
+            unknown = [a for a in s.mesh if a not in MESH_AXES]
+            if unknown:
+                raise GraphError(s.stage, f"mesh axes {unknown} unknown; known: {', '.join(MESH_AXES)}")
+            if _prod(s.mesh.values()) != size or any(v < 1 for v in s.mesh.values()):
+                raise GraphError(s.stage, f"mesh {s.mesh} does not cover group {s.group!r} of {size} devices")
+            if s.microbatches < 1:
+                raise GraphError(s.stage, f"microbatches={s.microbatches} must be >= 1")
+        if graph is not None:
+            want = set(graph.stage_names())
+            for n in want - set(names):
+                raise GraphError(n, "stage has no plan entry")
+            for n in set(names) - want:
+                raise GraphError(n, "plan entry for a stage the graph does not have")
+        return self
+
+    # ---- (de)serialisation ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": "rpeg-plan", "version": PLAN_VERSION, "num_devices": self.num_devices,
+                "source": self.source, "knobs": self.knobs, "predicted": self.predicted,
+                "groups": [{"name": g.name, "devices": list(g.devices)} for g in self.groups],
+                "stages": [dataclasses.asdict(s) for s in self.stages]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        if d.get("format") != "rpeg-plan" or d.get("version") != PLAN_VERSION:
+            raise GraphError("plan", f"not an rpeg-plan v{PLAN_VERSION} document")
+        try:
+            return cls(num_devices=int(d["num_devices"]), source=d.get("source", "manual"),
+                       knobs=dict(d.get("knobs", {})), predicted=dict(d.get("predicted", {})),
+                       groups=tuple(DeviceGroup(g["name"], tuple(g["devices"])) for g in d["groups"]),
+                       stages=tuple(StagePlan(**s) for s in d["stages"])).check()
+        except (KeyError, TypeError) as e:
+            raise GraphError("plan", f"malformed plan: {e!r}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise GraphError("plan", f"invalid JSON: {e}") from None
+
+    def save(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str) -> Plan:
+        with open(path) as f:
+            plan = cls.from_json(f.read())
+        return dataclasses.replace(plan, source=path)
+
+    # ---- display -------------------------------------------------------------------------
+    def describe(self) -> str:
+        knobs = " ".join(f"{k}={self.knobs[k]}" for k in KNOBS if k in self.knobs)
+        lines = [f"plan ({self.source}) for {self.num_devices} devices; {knobs}", "groups:"]
+        for g in self.groups:
+            lines.append(f"  {g.name:<8} {g.size:>4} devices  {_ranges(g.devices)}")
+        lines.append(f"  {'stage':<32} {'group':<8} {'mesh':<26} {'rules':<10} mb")
+        for s in self.stages:
+            mesh = " ".join(f"{a}={v}" for a, v in s.mesh.items())
+            lines.append(f"  {s.stage:<32} {s.group:<8} {mesh:<26} {s.rules:<10} {s.microbatches}")
+        if self.predicted:
+            lines.append("predicted: " + ", ".join(f"{k}={_short(v)}" for k, v in self.predicted.items()))
+        return "\n".join(lines)
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def _short(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _ranges(devs: tuple[int, ...]) -> str:
+    """'0-3,6' for (0, 1, 2, 3, 6)."""
+    out, start, prev = [], None, None
+    for d in sorted(devs) + [None]:
+        if start is None:
+            start = prev = d
+        elif d is not None and d == prev + 1:
+            prev = d
+        else:
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = d
+    return ",".join(out)
+
+
+def knobs_of(p: PipelineConfig) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in ((k, getattr(p, k)) for k in KNOBS)}
+
+
+def resolve_mesh(mesh: dict[str, int], size: int, group: str) -> dict[str, int]:
+    """sharding.mesh over a group of `size` devices: -1 fills, missing axes are 1."""
+    out = {a: mesh.get(a, 1) for a in MESH_AXES}
+    fixed = _prod(v for v in out.values() if v != -1)
+    if -1 in out.values():
+        if size % fixed:
+            raise ConfigError("sharding.mesh", mesh, f"fixed axes ({fixed}) do not divide group "
+                                                     f"{group!r} of {size} devices")
+        out = {a: (size // fixed if v == -1 else v) for a, v in out.items()}
+    elif fixed != size:
+        raise ConfigError("sharding.mesh", mesh, f"covers {fixed} devices but group {group!r} has {size}")
+    return out
+
+
+def groups_for(cfg: RunConfig, num_devices: int) -> tuple[DeviceGroup, ...]:
+    p = cfg.pipeline
+    if p.placement == "colocated":
+        return (DeviceGroup("all", tuple(range(num_devices))),)
+    gen, train = p.split_sizes
+    if gen + train != num_devices:
+        raise ConfigError("pipeline.split_sizes", list(p.split_sizes),
+                          f"generation + training = {gen + train} but there are {num_devices} devices")
+    return (DeviceGroup("gen", tuple(range(gen))), DeviceGroup("train", tuple(range(gen, gen + train))))
+
+
+def rules_for(stage: Stage, cfg: RunConfig) -> str:
+    ops = {p.workload.op for p in (stage.parts or (stage,))}
+    if ops == {Op.HOST}:
+        return "host"
+    return cfg.sharding.generate_rules if Op.GENERATE in ops else cfg.sharding.train_rules
+
+
+def graph_for_plan(cfg: RunConfig, plan: Plan | None = None) -> Graph:
+    """The config's graph after the passes the plan's knobs (or the config's) ask for."""
+    from rpeg_jax.graph.algorithms import build_graph
+    from rpeg_jax.graph.passes import apply_pipeline
+
+    pipeline = plan.pipeline_config(cfg.pipeline) if plan is not None else cfg.pipeline
+    return apply_pipeline(build_graph(cfg), pipeline, cfg.rl)
+
+
+def plan_from_config(cfg: RunConfig, num_devices: int, graph: Graph | None = None) -> Plan:
+    """The manual plan: colocated puts every stage on all devices; split puts generation on the
+    first split_sizes[0] devices and training on the rest. Meshes from sharding.mesh."""
+    if num_devices < 1:
+        raise ConfigError("num_devices", num_devices, "must be >= 1")
+    graph = graph if graph is not None else graph_for_plan(cfg)
+    groups = {g.name: g for g in groups_for(cfg, num_devices)}
+    stages = []
+    for st in graph.stages():
+        if st.placement not in groups:
+            raise GraphError(st.name, f"placed on {st.placement!r} but the plan's groups are {list(groups)}")
+        mesh = resolve_mesh(cfg.sharding.mesh, groups[st.placement].size, st.placement)
+        stages.append(StagePlan(st.name, st.placement, mesh, rules_for(st, cfg), st.microbatches))
+    return Plan(num_devices=num_devices, groups=tuple(groups.values()), stages=tuple(stages),
+                knobs=knobs_of(cfg.pipeline), source="manual").check(graph)
+
+
+def plan_for_config(cfg: RunConfig, num_devices: int,
+                    planner: Callable[[RunConfig, int], Plan] | None = None) -> Plan:
+    """Honour `pipeline.plan`: manual (plan_from_config), auto (the cost model's `planner`, which
+    the caller passes in: graph never imports costmodel), or a plan JSON file (checked)."""
+    source = cfg.pipeline.plan
+    if source == "manual":
+        return plan_from_config(cfg, num_devices)
+    if source == "auto":
+        if planner is None:
+            raise ConfigError("pipeline.plan", source, "auto needs the cost model's planner (rpeg plan / runtime)")
+        return planner(cfg, num_devices)
+    if not os.path.isfile(source):
+        raise ConfigError("pipeline.plan", source, "is not manual | auto | an existing plan JSON file")
+    try:
+        plan = Plan.load(source)
+        if plan.num_devices != num_devices:
+            raise GraphError("plan", f"made for {plan.num_devices} devices, running on {num_devices}")
+        return plan.check(graph_for_plan(cfg, plan))
+    except GraphError as e:
+        raise ConfigError("pipeline.plan", source, str(e)) from None
