@@ -1,0 +1,182 @@
+"""The Llama/Qwen2-family decoder (Flax NNX): RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Letters in tensor names: B batch, T sequence, D hidden (embed), H query heads, K kv heads,
+E head_dim, F mlp, V vocab, L layers.
+
+Layer parameters are stacked along a leading `layers` axis and the layers run under
+`jax.lax.scan` (compile time independent of depth). Every parameter is an `nnx.Param` whose
+metadata `axes` holds its logical axis names; sharding rules map those names to mesh axes
+(rpeg_jax/sharding). Attention is pluggable (models/attention.py) so the sampler can run the
+same weights over paged KV caches.
+
+Called by: the trainer stages (logprobs, values, updates), the sampler (prefill/decode), HF interop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rpeg_jax.config.model import ModelConfig
+from rpeg_jax.models.attention import DenseAttention
+from rpeg_jax.models.rope import apply_rope, inv_frequencies, rope_tables
+from rpeg_jax.sharding.axes import (BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, SEQ, VOCAB,
+                                    constrain)
+
+LAYER_PARAMS = ("attn_norm", "wq", "bq", "wk", "bk", "wv", "bv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+def jnp_dtype(name: str):
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[name]
+
+
+def rms_norm(x, scale, eps: float):
+    """x / sqrt(mean(x²) + eps) · scale, computed in float32 and cast back (as HF does)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return scale.astype(x.dtype) * xf.astype(x.dtype)
+
+
+class Layers(nnx.Module):
+    """All decoder layers' parameters, stacked over L."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        L, D, H, K, E, F = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                            cfg.head_size, cfg.intermediate_size)
+        pd = jnp_dtype(cfg.param_dtype)
+        normal = nnx.initializers.normal(cfg.init_std)
+
+        def weight(shape, axes):
+            return nnx.Param(normal(rngs.params(), shape, pd), axes=axes)
+
+        def const(shape, axes, value):
+            return nnx.Param(jnp.full(shape, value, pd), axes=axes)
+
+        self.attn_norm = const((L, D), (LAYERS, EMBED), 1.0)
+        self.wq = weight((L, D, H, E), (LAYERS, EMBED, HEADS, HEAD_DIM))
+        self.wk = weight((L, D, K, E), (LAYERS, EMBED, KV_HEADS, HEAD_DIM))
+        self.wv = weight((L, D, K, E), (LAYERS, EMBED, KV_HEADS, HEAD_DIM))
+        self.wo = weight((L, H, E, D), (LAYERS, HEADS, HEAD_DIM, EMBED))
+        if cfg.qkv_bias:
+            self.bq = const((L, H, E), (LAYERS, HEADS, HEAD_DIM), 0.0)
+            self.bk = const((L, K, E), (LAYERS, KV_HEADS, HEAD_DIM), 0.0)
+            self.bv = const((L, K, E), (LAYERS, KV_HEADS, HEAD_DIM), 0.0)
+        else:
+            self.bq = self.bk = self.bv = None
+        self.mlp_norm = const((L, D), (LAYERS, EMBED), 1.0)
+        self.w_gate = weight((L, D, F), (LAYERS, EMBED, MLP))
+        self.w_up = weight((L, D, F), (LAYERS, EMBED, MLP))
+        self.w_down = weight((L, F, D), (LAYERS, MLP, EMBED))
+
+    def stacked(self) -> dict[str, jax.Array]:
+        """{name: [L, ...] array} for the layer scan (biases only when present)."""
+        return {n: getattr(self, n)[...] for n in LAYER_PARAMS if getattr(self, n) is not None}
+
+
+def decoder_layer(cfg: ModelConfig, p: dict, x_BxTxD, cos, sin, attention, layer, cache):
+    """One pre-norm decoder layer: x + Attn(norm(x)); then x + SwiGLU(norm(x))."""
+    dt = x_BxTxD.dtype
+    h = rms_norm(x_BxTxD, p["attn_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("btd,dhe->bthe", h, p["wq"].astype(dt))
+    k = jnp.einsum("btd,dke->btke", h, p["wk"].astype(dt))
+    v = jnp.einsum("btd,dke->btke", h, p["wv"].astype(dt))
+    if "bq" in p:
+        q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
+    q = constrain(apply_rope(q, cos, sin), (BATCH, SEQ, HEADS, HEAD_DIM))
+    k = constrain(apply_rope(k, cos, sin), (BATCH, SEQ, KV_HEADS, HEAD_DIM))
+    v = constrain(v, (BATCH, SEQ, KV_HEADS, HEAD_DIM))
+    attn, cache = attention(q, k, v, layer=layer, cache=cache)
+    x = x_BxTxD + jnp.einsum("bthe,hed->btd", attn, p["wo"].astype(dt))
+    x = constrain(x, (BATCH, SEQ, EMBED))
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    gate = jnp.einsum("btd,df->btf", h, p["w_gate"].astype(dt))
+    up = jnp.einsum("btd,df->btf", h, p["w_up"].astype(dt))
+    act = constrain(jax.nn.silu(gate) * up, (BATCH, SEQ, MLP))
+    x = x + jnp.einsum("btf,fd->btd", act, p["w_down"].astype(dt))
+    return constrain(x, (BATCH, SEQ, EMBED)), cache
+
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole layer in backward
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM with an optional scalar value head."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        pd = jnp_dtype(cfg.param_dtype)
+        normal = nnx.initializers.normal(cfg.init_std)
+        D, V = cfg.hidden_size, cfg.vocab_size
+        self.embed = nnx.Param(normal(rngs.params(), (V, D), pd), axes=(VOCAB, EMBED))
+        self.layers = Layers(cfg, rngs)
+        self.final_norm = nnx.Param(jnp.ones((D,), pd), axes=(EMBED,))
+        self.lm_head = None if cfg.tie_embeddings else nnx.Param(
+            normal(rngs.params(), (D, V), pd), axes=(EMBED, VOCAB))
+        if cfg.value_head:
+            self.value_w = nnx.Param(jnp.zeros((D,), pd), axes=(EMBED,))
+            self.value_b = nnx.Param(jnp.zeros((), pd), axes=())
+        else:
+            self.value_w = self.value_b = None
+
+    # ---- forward pieces -------------------------------------------------------------------
+    def hidden(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *, attention=None,
+               cache: Any = None):
+        """Final-normed hidden states [B, T, D] (compute dtype) and the updated cache."""
+        cfg = self.cfg
+        tokens_BxT = jnp.asarray(tokens_BxT, jnp.int32)
+        if positions_BxT is None:
+            positions_BxT = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1], dtype=jnp.int32), tokens_BxT.shape)
+        if segment_ids_BxT is None:
+            segment_ids_BxT = jnp.ones_like(tokens_BxT)
+        if attention is None:
+            attention = DenseAttention(jnp.asarray(segment_ids_BxT, jnp.int32))
+        dt = jnp_dtype(cfg.dtype)
+        x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt)
+        x = constrain(x, (BATCH, SEQ, EMBED))
+        cos, sin = rope_tables(positions_BxT, inv_frequencies(cfg))
+
+        def body(carry, xs):
+            x, cache = carry
+            p, layer = xs
+            return decoder_layer(cfg, p, x, cos, sin, attention, layer, cache), None
+
+        if cfg.remat != "none":
+            body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat])
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), (self.layers.stacked(), layer_ids))
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), cache
+
+    def output_matrix(self) -> jax.Array:
+        """[D, V] unembedding (the transposed embedding when tied)."""
+        return self.embed[...].T if self.lm_head is None else self.lm_head[...]
+
+    def logits(self, h_BxTxD) -> jax.Array:
+        w = self.output_matrix().astype(h_BxTxD.dtype)
+        logits = jnp.einsum("...d,dv->...v", h_BxTxD, w, preferred_element_type=jnp.float32)
+        return constrain(logits, (BATCH, SEQ, VOCAB)) if logits.ndim == 3 else logits
+
+    def values(self, h_BxTxD) -> jax.Array:
+        if self.value_w is None:
+            raise ValueError("model.values: this model has no value head (model.value_head=false)")
+        h = h_BxTxD.astype(jnp.float32)
+        return h @ self.value_w[...].astype(jnp.float32) + self.value_b[...].astype(jnp.float32)
+
+    def forward(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None):
+        """(logits [B,T,V] float32, values [B,T] float32 or None)."""
+        h, _ = self.hidden(tokens_BxT, positions_BxT, segment_ids_BxT)
+        return self.logits(h), (self.values(h) if self.value_w is not None else None)
+
+    def __call__(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None):
+        h, _ = self.hidden(tokens_BxT, positions_BxT, segment_ids_BxT)
+        return self.logits(h)
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """A randomly initialised model (weights on the default device)."""
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed))

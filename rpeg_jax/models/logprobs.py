@@ -1,0 +1,69 @@
+"""Per-token log-probabilities (and entropies) without holding full float32 logits at once.
+
+The first out-of-memory users of RL trainers hit is materialising [B, T, V] float32 logits
+(V = 152k for Qwen). Here the unembedding, log-softmax and gather run over chunks of the
+sequence under `jax.checkpoint`, so the forward keeps one chunk of logits alive and the
+backward recomputes each chunk instead of storing it. Only the response window
+[start, start + length) is unembedded: prompt logits are never computed.
+
+Called by: rl policy functions (actor/critic stages), the sampler parity tests.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+LOGITS_BUDGET = 1 << 24  # float32 logits elements per chunk (64 MiB)
+
+
+def chunked_logprobs(h_BxNxD, w_DxV, targets_BxN, *, chunk: int | None = None, temperature: float = 1.0,
+                     with_entropy: bool = False):
+    """log softmax(h·W / temperature)[target] per position, optionally the entropy, float32 [B, N]."""
+    b, n, _ = h_BxNxD.shape
+    v = w_DxV.shape[1]
+    if chunk is None:
+        chunk = max(1, min(n, LOGITS_BUDGET // max(1, b * v)))
+    num = -(-n // chunk)
+    pad = num * chunk - n
+    h = jnp.pad(h_BxNxD, ((0, 0), (0, pad), (0, 0)))
+    tg = jnp.pad(targets_BxN.astype(jnp.int32), ((0, 0), (0, pad)))
+    h = h.reshape(b, num, chunk, -1).swapaxes(0, 1)  # [num, B, C, D]
+    tg = tg.reshape(b, num, chunk).swapaxes(0, 1)
+    w = w_DxV.astype(h_BxNxD.dtype)
+
+    @jax.checkpoint
+    def one(args):
+        hc, tc = args
+        logits = jnp.einsum("bcd,dv->bcv", hc, w, preferred_element_type=jnp.float32) / temperature
+        logz = jax.nn.logsumexp(logits, axis=-1)
+        logp = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0] - logz
+        if not with_entropy:
+            return logp, jnp.zeros_like(logp)
+        probs = jnp.exp(logits - logz[..., None])
+        return logp, logz - jnp.sum(probs * logits, axis=-1)
+
+    logp, ent = jax.lax.map(one, (h, tg))
+    logp = logp.swapaxes(0, 1).reshape(b, num * chunk)[:, :n]
+    ent = ent.swapaxes(0, 1).reshape(b, num * chunk)[:, :n]
+    return logp, (ent if with_entropy else None)
+
+
+def token_logprobs(model, tokens_BxT, positions_BxT, segment_ids_BxT, targets_BxT, *, start: int = 0,
+                   length: int | None = None, chunk: int | None = None, temperature: float = 1.0,
+                   with_entropy: bool = False, return_hidden: bool = False):
+    """log p(targets[:, start+i] | tokens[:, :start+i+1]) for i < length, float32 [B, length].
+
+    `targets_BxT` is usually the tokens shifted left by one. With `return_hidden` the final
+    hidden states of the window are returned too (for a value head on a shared backbone).
+    """
+    t = tokens_BxT.shape[1]
+    length = t - start if length is None else length
+    if not (0 <= start and start + length <= t):
+        raise ValueError(f"token_logprobs: window [{start}, {start + length}) outside sequence length {t}")
+    h, _ = model.hidden(tokens_BxT, positions_BxT, segment_ids_BxT)
+    h = jax.lax.slice_in_dim(h, start, start + length, axis=1)
+    tg = jax.lax.slice_in_dim(jnp.asarray(targets_BxT), start, start + length, axis=1)
+    logp, ent = chunked_logprobs(h, model.output_matrix(), tg, chunk=chunk, temperature=temperature,
+                                 with_entropy=with_entropy)
+    return (logp, ent, h) if return_hidden else (logp, ent)

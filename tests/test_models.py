@@ -1,0 +1,197 @@
+"""The decoder against independent references: a float64 numpy attention/decoder, padding and
+packing invariance, chunked logprobs vs a full log-softmax, remat, and the HF save/load round trip."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rpeg_jax.config import model_preset
+from rpeg_jax.config.model import RopeScaling
+from rpeg_jax.models import init_model, load_hf, save_hf, token_logprobs
+
+SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96, init_std=0.2)
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return init_model(model_preset("tiny", arch="qwen2", qkv_bias=True, tie_embeddings=True, **SMALL), seed=1)
+
+
+def _np_params(model):
+    return {k: np.asarray(v, np.float64) for k, v in model.layers.stacked().items()}
+
+
+def numpy_decoder(model, tokens, positions):
+    """A float64 re-implementation from the Llama/Qwen2 equations (one sequence, no padding)."""
+    cfg = model.cfg
+    p = _np_params(model)
+    e, h, k = cfg.head_size, cfg.num_heads, cfg.num_kv_heads
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, e, 2) / e)
+    ang = positions[:, None] * inv[None, :]
+    cos, sin = np.cos(ang), np.sin(ang)
+
+    def rope(x):  # x [T, N, E], rotate-half convention
+        x1, x2 = x[..., : e // 2], x[..., e // 2:]
+        return np.concatenate([x1 * cos[:, None] - x2 * sin[:, None], x2 * cos[:, None] + x1 * sin[:, None]], -1)
+
+    def norm(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * w
+
+    x = np.asarray(model.embed[...], np.float64)[tokens]
+    t = len(tokens)
+    for layer in range(cfg.num_layers):
+        g = lambda n: p[n][layer]  # noqa: E731
+        y = norm(x, g("attn_norm"))
+        q = np.einsum("td,dhe->the", y, g("wq")) + (g("bq") if "bq" in p else 0)
+        kk = np.einsum("td,dke->tke", y, g("wk")) + (g("bk") if "bk" in p else 0)
+        v = np.einsum("td,dke->tke", y, g("wv")) + (g("bv") if "bv" in p else 0)
+        q, kk = rope(q), rope(kk)
+        out = np.zeros((t, h, e))
+        for head in range(h):
+            kv = head // (h // k)
+            s = q[:, head] @ kk[:, kv].T / np.sqrt(e)
+            s = np.where(np.tril(np.ones((t, t))) > 0, s, -np.inf)
+            w = np.exp(s - s.max(-1, keepdims=True))
+            out[:, head] = (w / w.sum(-1, keepdims=True)) @ v[:, kv]
+        x = x + np.einsum("the,hed->td", out, g("wo"))
+        y = norm(x, g("mlp_norm"))
+        a = y @ g("w_gate")
+        x = x + ((a / (1 + np.exp(-a))) * (y @ g("w_up"))) @ g("w_down")
+    x = norm(x, np.asarray(model.final_norm[...], np.float64))
+    return x @ np.asarray(model.output_matrix(), np.float64)
+
+
+def test_matches_float64_numpy_decoder(qwen):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, 128, size=12)
+    ref = numpy_decoder(qwen, tokens, np.arange(12))
+    ours = np.asarray(qwen(jnp.asarray(tokens[None], jnp.int32)))[0]
+    assert np.abs(ref).max() > 1.0  # logits far from uniform, so the comparison is sensitive
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+
+
+def test_left_padding_and_packing_invariance(qwen):
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(3, 128, size=7), rng.integers(3, 128, size=5)
+    la = np.asarray(qwen(jnp.asarray(a[None], jnp.int32)))[0]
+    lb = np.asarray(qwen(jnp.asarray(b[None], jnp.int32)))[0]
+    # left padding: 4 pads, positions count real tokens only, pads are segment 0
+    tok = np.concatenate([np.zeros(4, int), a])[None]
+    seg = (np.arange(11) >= 4).astype(np.int32)[None]
+    pos = np.maximum(np.cumsum(seg, -1) - 1, 0)
+    lp = np.asarray(qwen(jnp.asarray(tok, jnp.int32), jnp.asarray(pos, jnp.int32), jnp.asarray(seg)))[0]
+    np.testing.assert_allclose(lp[4:], la, atol=2e-5, rtol=0)
+    # packing: a and b in one row as segments 1 and 2 with restarting positions
+    tok = np.concatenate([a, b])[None]
+    seg = np.array([[1] * 7 + [2] * 5], np.int32)
+    pos = np.array([list(range(7)) + list(range(5))], np.int32)
+    lk = np.asarray(qwen(jnp.asarray(tok, jnp.int32), jnp.asarray(pos), jnp.asarray(seg)))[0]
+    np.testing.assert_allclose(lk[:7], la, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(lk[7:], lb, atol=2e-5, rtol=0)
+
+
+def test_chunked_logprobs_equal_full_log_softmax_and_gradients(qwen):
+    rng = np.random.default_rng(2)
+    tokens = jnp.asarray(rng.integers(3, 128, size=(3, 16)), jnp.int32)
+    targets = jnp.roll(tokens, -1, axis=1)
+    full = np.asarray(qwen(tokens), np.float64) / 0.7
+    ref = full - np.log(np.exp(full - full.max(-1, keepdims=True)).sum(-1, keepdims=True)) - full.max(-1, keepdims=True)
+    ref_lp = np.take_along_axis(ref, np.asarray(targets)[..., None], -1)[..., 0][:, 4:13]
+    ref_ent = -(np.exp(ref) * ref).sum(-1)[:, 4:13]
+    lp, ent = token_logprobs(qwen, tokens, None, None, targets, start=4, length=9, chunk=4, temperature=0.7,
+                             with_entropy=True)
+    np.testing.assert_allclose(np.asarray(lp), ref_lp, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(ent), ref_ent, atol=2e-5, rtol=0)
+
+    graphdef, params = nnx.split(qwen, nnx.Param)
+
+    def loss(params, chunk):
+        m = nnx.merge(graphdef, params)
+        if chunk is None:  # naive: full logits
+            logits = m(tokens)[:, 4:13]
+            lps = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[:, 4:13, None], -1)[..., 0]
+        else:
+            lps, _ = token_logprobs(m, tokens, None, None, targets, start=4, length=9, chunk=chunk)
+        return lps.sum()
+
+    g_naive = jax.grad(loss)(params, None)
+    g_chunk = jax.grad(loss)(params, 2)
+    for x, y in zip(jax.tree.leaves(g_naive), jax.tree.leaves(g_chunk)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-5, rtol=1e-4)
+
+
+def test_remat_gives_same_gradients():
+    cfg = model_preset("tiny", **SMALL)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(3, 128, size=(2, 8)), jnp.int32)
+    grads = []
+    for remat in ("none", "full", "dots"):
+        m = init_model(model_preset("tiny", remat=remat, **SMALL), seed=4)
+        gd, params = nnx.split(m, nnx.Param)
+        grads.append(jax.grad(lambda p: nnx.merge(gd, p)(tokens).sum())(params))
+    assert cfg.remat == "none"
+    for other in grads[1:]:
+        for x, y in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(other)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5, rtol=1e-5)
+
+
+def test_llama3_rope_scaling_frequencies():
+    """inv_freq against Meta's reference formula, written out here per frequency."""
+    from rpeg_jax.models.rope import inv_frequencies
+
+    s = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+    cfg = model_preset("tiny", rope_scaling=s, rope_theta=500000.0, **SMALL)
+    base = 1.0 / 500000.0 ** (np.arange(0, 16, 2) / 16)
+    expect = []
+    for f in base:
+        wavelen = 2 * np.pi / f
+        if wavelen < 64 / 4.0:
+            expect.append(f)
+        elif wavelen > 64 / 1.0:
+            expect.append(f / 8.0)
+        else:
+            smooth = (64 / wavelen - 1.0) / (4.0 - 1.0)
+            expect.append((1 - smooth) * f / 8.0 + smooth * f)
+    got = inv_frequencies(cfg)
+    np.testing.assert_allclose(got, np.array(expect), rtol=1e-6)
+    assert np.any(got != base.astype(np.float32))  # the scaling changed something
+
+
+def test_bfloat16_compute_close_to_float32():
+    m32 = init_model(model_preset("tiny", **SMALL), seed=5)
+    mbf = init_model(model_preset("tiny", dtype="bfloat16", **SMALL), seed=5)
+    tokens = jnp.asarray(np.random.default_rng(5).integers(3, 128, size=(2, 8)), jnp.int32)
+    a, b = np.asarray(m32(tokens)), np.asarray(mbf(tokens))
+    assert b.dtype == np.float32  # logits stay float32
+    assert np.abs(a - b).max() < 0.05 * np.abs(a).max()
+
+
+def test_value_head_and_missing_head_error(qwen):
+    critic = init_model(model_preset("tiny", value_head=True, **SMALL), seed=6)
+    tokens = jnp.ones((2, 5), jnp.int32)
+    logits, values = critic.forward(tokens)
+    assert logits.shape == (2, 5, 128) and values.shape == (2, 5)
+    with pytest.raises(ValueError, match="no value head"):
+        qwen.values(jnp.zeros((1, 2, 64)))
+
+
+@pytest.mark.parametrize("arch,tie,vh", [("llama", False, False), ("qwen2", True, True)])
+def test_save_load_round_trip_is_exact(tmp_path, arch, tie, vh):
+    m = init_model(model_preset("tiny", arch=arch, qkv_bias=arch == "qwen2", tie_embeddings=tie,
+                                value_head=vh, **SMALL), seed=7)
+    if vh:  # a non-zero value head, so the round trip is meaningful
+        m.value_w.set_value(jnp.linspace(-1, 1, 64))
+        m.value_b.set_value(jnp.asarray(0.25))
+    out = str(tmp_path / "ckpt")
+    save_hf(m, out, max_shard_bytes=40_000)  # several shards + index
+    assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))
+    m2 = load_hf(out, value_head=vh)
+    assert m2.cfg.tie_embeddings == tie and m2.cfg.arch == arch
+    for (pa, a), (pb, b) in zip(nnx.to_flat_state(nnx.state(m, nnx.Param)), nnx.to_flat_state(nnx.state(m2, nnx.Param))):
+        assert pa == pb
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]))
+    with pytest.raises(FileExistsError):
+        save_hf(m, out)
