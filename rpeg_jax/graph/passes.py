@@ -154,7 +154,7 @@ def share_actor_critic(g: Graph) -> Graph:
     for name in ("critic", "critic_opt"):
         g.remove(name)
     for st in list(g.of_type(Stage)):
-        if st.workload and any(m.role == "actor" for m in st.workload.models):
+        if st.workload and any(m.role in ("actor", "critic") for m in st.workload.models):
             heads = st.workload.heads
             if st.name in (au.name, old.name if old else cf.name) and "values" not in heads:
                 heads = heads + ("values",)
