@@ -1,4 +1,11 @@
-"""RL section: algorithm, advantage estimator, policy/value losses and their knobs (paper symbols)."""
+"""RL section: algorithm, advantage estimator, policy/value losses and their knobs (paper symbols).
+
+Read by `rpeg_jax.rl` (advantage stage and update stages) and the graph builder. Symbols:
+G group size, ε clip range, β KL coefficient, γ discount, λ GAE trace decay, c_v value-loss
+weight, c_e entropy weight, C importance-weight caps. Papers: PPO (Schulman 2017), GAE
+(Schulman 2016), GRPO (Shao 2024), Dr. GRPO (Liu 2025), RLOO (Ahmadian 2024), DAPO (Yu 2025),
+dual-clip PPO (Ye 2020), GSPO (Zheng 2025), decoupled PPO (Fu 2025, AReaL), TIS (Yao 2025).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,8 @@ from typing import Literal
 
 from rpeg_jax.config.base import check, key
 
+LOSS_AGG = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
 
 @dataclass(frozen=True, kw_only=True)
 class RLConfig:
@@ -14,26 +23,28 @@ class RLConfig:
     group_size: int = 8  # G: completions sampled per prompt (GRPO needs G >= 2)
     advantage: Literal["grpo", "rloo", "gae"] | None = None  # None -> grpo for GRPO, gae for PPO
     norm_adv_by_std: bool = True  # GRPO: divide by the group std (False = Dr. GRPO)
-    whiten_advantages: bool = False  # batch-whiten advantages (PPO/GAE default in many stacks)
-    gamma: float = 1.0  # γ, GAE discount
+    adv_eps: float = 1e-6  # ε in (r - mean)/(std + ε) (GRPO) and in batch whitening
+    whiten_advantages: bool = False  # batch-whiten advantages over response tokens (masked)
+    gamma: float = 1.0  # γ, GAE discount (per token)
     lam: float = 0.95  # λ, GAE trace decay
-    clip_eps: float = 0.2  # ε, PPO clip range (symmetric unless clip_eps_high is set)
-    clip_eps_low: float | None = None  # ε_low (DAPO clip-higher); None -> clip_eps
-    clip_eps_high: float | None = None  # ε_high (DAPO clip-higher); None -> clip_eps
-    dual_clip: float | None = None  # c of dual-clip PPO (c > 1); None disables
-    policy_loss: Literal["ppo", "gspo"] = "ppo"  # gspo: sequence-level geometric-mean ratio
+    clip_eps: float = 0.2  # ε, PPO clip range (symmetric unless clip_eps_low/high are set)
+    clip_eps_low: float | None = None  # ε_low (DAPO clip-higher): ratio floor 1-ε_low; None -> ε
+    clip_eps_high: float | None = None  # ε_high (DAPO clip-higher): ratio ceiling 1+ε_high; None -> ε
+    dual_clip: float | None = None  # c of dual-clip PPO (Ye 2020), c > 1: bounds the loss at -c·A for A<0
+    policy_loss: Literal["ppo", "gspo"] = "ppo"  # gspo: sequence-level geometric-mean ratio (GSPO-token)
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg_norm: int | None = None  # tokens; Dr. GRPO's constant normaliser; None -> R (response length)
     kl_coef: float = 0.0  # β, KL to the reference policy (0 disables the reference model)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_in_reward: bool = False  # True: -β·KL per token folded into the reward (PPO style)
-    entropy_coef: float = 0.0  # entropy bonus coefficient
-    vf_coef: float = 0.5  # c_v, value-loss weight (shared actor-critic)
-    value_clip: float | None = 0.2  # value-clipping range; None disables
-    behav_weight_cap: float | None = 5.0  # decoupled PPO: cap on π_prox/π_behav (None: no cap)
-    tis_cap: float | None = None  # truncated IS weight cap for sampler/trainer mismatch
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # Schulman's estimators of KL(π_θ || π_ref)
+    kl_in_reward: bool = False  # True: -β·KL per token folded into the reward (PPO style), not the loss
+    entropy_coef: float = 0.0  # c_e, entropy bonus coefficient
+    vf_coef: float = 0.5  # c_v, value-loss weight (shared actor-critic: L = L_pg + c_v·L_v)
+    value_clip: float | None = 0.2  # ε_v, value clipping range around the old values; None disables
+    behav_weight_cap: float | None = 5.0  # decoupled PPO: drop tokens with π_prox/π_behav > C (None: keep all)
+    tis_cap: float | None = None  # TIS: truncate the weight π_prox/π_behav at C (None: no truncation)
     ppo_epochs: int = 1  # passes over each batch
-    minibatches: int = 1  # optimizer steps per epoch
-    micro_batches: int = 1  # gradient accumulation inside one optimizer step
+    minibatches: int = 1  # optimizer steps per epoch (batch split into this many minibatches)
+    micro_batches: int = 1  # gradient accumulation: micro-batches per minibatch
     on_nan: Literal["skip", "stop"] = "skip"  # a NaN/inf loss or grad skips the update (counted) or stops
 
     @property
@@ -41,6 +52,14 @@ class RLConfig:
         if self.advantage is not None:
             return self.advantage
         return "gae" if self.algorithm == "ppo" else "grpo"
+
+    @property
+    def eps_low(self) -> float:
+        return self.clip_eps if self.clip_eps_low is None else self.clip_eps_low
+
+    @property
+    def eps_high(self) -> float:
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
 
     def validate(self, path: str) -> None:
         check(self.group_size >= 1, key(path, "group_size"), self.group_size, "must be >= 1")
@@ -50,15 +69,20 @@ class RLConfig:
         if self.advantage_estimator == "gae":
             check(self.algorithm == "ppo", key(path, "advantage"), self.advantage,
                   "gae needs a critic: set rl.algorithm=ppo")
+        check(self.adv_eps > 0.0, key(path, "adv_eps"), self.adv_eps, "must be > 0")
         check(0.0 <= self.gamma <= 1.0, key(path, "gamma"), self.gamma, "must be in [0, 1]")
         check(0.0 <= self.lam <= 1.0, key(path, "lam"), self.lam, "must be in [0, 1]")
         check(0.0 < self.clip_eps < 1.0, key(path, "clip_eps"), self.clip_eps, "must be in (0, 1)")
-        for name in ("clip_eps_low", "clip_eps_high"):
-            v = getattr(self, name)
-            if v is not None:
-                check(0.0 < v < 10.0, key(path, name), v, "must be in (0, 10)")
+        if self.clip_eps_low is not None:
+            check(0.0 < self.clip_eps_low < 1.0, key(path, "clip_eps_low"), self.clip_eps_low,
+                  "must be in (0, 1) (the ratio floor 1-ε_low must stay positive)")
+        if self.clip_eps_high is not None:
+            check(0.0 < self.clip_eps_high < 10.0, key(path, "clip_eps_high"), self.clip_eps_high,
+                  "must be in (0, 10)")
         if self.dual_clip is not None:
             check(self.dual_clip > 1.0, key(path, "dual_clip"), self.dual_clip, "must be > 1")
+        if self.loss_agg_norm is not None:
+            check(self.loss_agg_norm >= 1, key(path, "loss_agg_norm"), self.loss_agg_norm, "must be >= 1")
         check(self.kl_coef >= 0.0, key(path, "kl_coef"), self.kl_coef, "must be >= 0")
         check(self.entropy_coef >= 0.0, key(path, "entropy_coef"), self.entropy_coef, "must be >= 0")
         check(self.vf_coef >= 0.0, key(path, "vf_coef"), self.vf_coef, "must be >= 0")

@@ -1,0 +1,159 @@
+"""Update steps for the RPEG graph's actor_update / critic_update stages (pure, jit-able).
+
+    update = make_actor_update(policy_fn, optimizer, rl_cfg)          # or critic / actor-critic
+    params, opt_state, metrics = jax.jit(update, ...)(params, opt_state, batch, rng)
+
+`policy_fn(params, batch) -> {"logp": [B,R], "entropy": [B,R] | None, "values": [B,R] | None}` is
+built by the runtime from the model; this package never sees the model. `batch` is a flat dict
+of arrays, each with the leading batch axis B (keys as in the brief's rollout layout, e.g.
+response_mask_BxR, advantages_BxR, old_logp_BxR; anything else policy_fn needs rides along).
+
+One call runs rl.ppo_epochs × rl.minibatches optimizer steps (a per-epoch permutation drawn
+from `rng`; None keeps the order). Each optimizer step sums the gradients of rl.micro_batches
+micro-batches (lax.scan); the loss weights are fixed over the minibatch (rl.losses.agg_weights),
+so accumulation equals the big-batch gradient. NaN guard: when the loss or the gradient norm of a
+step is not finite, the step keeps the old params and optimizer state and is counted in
+`<prefix>/nan_skipped`; with rl.on_nan=stop, `<prefix>/nan_stop` is 1 and the runtime must stop
+the run. A minibatch with no response tokens is skipped too (`<prefix>/empty_skipped`).
+Other metrics are means over the applied steps (NaN if none was applied).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from rpeg_jax.config.base import check
+from rpeg_jax.rl.layout import permute_tree, split_tree
+from rpeg_jax.rl.losses import actor_objective, agg_weights, critic_objective
+from rpeg_jax.rl.masked import masked_count
+from rpeg_jax.rl.optimizer import current_lr
+
+MASK = "response_mask_BxR"
+ACTOR_KEYS = (MASK, "advantages_BxR", "old_logp_BxR")
+CRITIC_KEYS = (MASK, "values_BxR", "returns_BxR")
+
+
+def check_batch(batch: dict, needs, cfg, stage: str) -> None:
+    """Shapes and keys, checked while tracing (before compiling); errors name the field."""
+    missing = [k for k in needs if k not in batch]
+    if missing:
+        raise ValueError(f"{stage}: batch is missing {missing} (has {sorted(batch)})")
+    b, r = batch[MASK].shape
+    for k, x in batch.items():
+        shape = tuple(getattr(x, "shape", ()))
+        if not shape or shape[0] != b:
+            raise ValueError(f"{stage}: batch[{k!r}] has shape {shape}; every entry needs the leading batch axis B={b}")
+        if k.endswith("_BxR") and shape[:2] != (b, r):
+            raise ValueError(f"{stage}: batch[{k!r}] has shape {shape}, expected ({b}, {r}) like {MASK}")
+    n = cfg.minibatches * cfg.micro_batches
+    check(b % n == 0, "rl.minibatches", cfg.minibatches,
+          f"a batch of B={b} sequences does not split into rl.minibatches={cfg.minibatches} x "
+          f"rl.micro_batches={cfg.micro_batches} equal pieces")
+
+
+def _tree_where(ok, new, old):
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def _minibatch_grads(grad_fn, params, mb, cfg, accum_dtype):
+    """(loss, summed metrics, grads) of one minibatch, accumulated over micro-batches."""
+    loss_w, tok_w = agg_weights(mb[MASK], cfg.loss_agg, cfg.loss_agg_norm)
+    cast = lambda g: jax.tree.map(lambda x: x.astype(accum_dtype), g)  # noqa: E731
+    if cfg.micro_batches == 1:
+        (loss, aux), grads = grad_fn(params, mb, loss_w, tok_w)
+        return loss, aux, cast(grads)
+
+    def body(acc, piece):
+        (loss, aux), grads = grad_fn(params, *piece)
+        return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads), (loss, aux)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=accum_dtype), params)
+    pieces = split_tree((mb, loss_w, tok_w), cfg.micro_batches)
+    grads, (losses, auxs) = jax.lax.scan(body, zeros, pieces)
+    return jnp.sum(losses), jax.tree.map(lambda x: jnp.sum(x, 0), auxs), grads
+
+
+def _summarise(stats, opt_state, cfg, prefix):
+    """Per-step stats [epochs, minibatches] -> scalar metrics (means over applied steps)."""
+    ok, finite, empty = (stats.pop(k).reshape(-1) for k in ("ok", "finite", "empty"))
+    n_ok = jnp.sum(ok.astype(jnp.float32))
+    out = {}
+    for k, v in stats.items():
+        v = v.reshape(-1).astype(jnp.float32)
+        total = jnp.sum(jnp.where(ok, v, 0.0))
+        out[k] = jnp.where(n_ok > 0, total / jnp.maximum(n_ok, 1.0), jnp.nan)
+    nan_skipped = jnp.sum((~finite).astype(jnp.float32))
+    out.update({
+        f"{prefix}/lr": current_lr(opt_state),
+        f"{prefix}/updates": n_ok,
+        f"{prefix}/nan_skipped": nan_skipped,
+        f"{prefix}/empty_skipped": jnp.sum((finite & empty).astype(jnp.float32)),
+        f"{prefix}/nan_stop": (nan_skipped > 0).astype(jnp.float32) if cfg.on_nan == "stop" else jnp.float32(0),
+    })
+    if "actor/pg_clipfrac" in out:
+        out["actor/clipfrac"] = out["actor/pg_clipfrac"]
+    return out
+
+
+def make_update(loss_fn, optimizer: optax.GradientTransformation, cfg, *, prefix: str,
+                needs=(MASK,), accum_dtype=jnp.float32):
+    """Generic update step from `loss_fn(params, mb, loss_w_BxR, tok_w_BxR) -> (loss, metrics)`,
+    whose metrics must be additive over micro-batches (sums weighted by tok_w or loss_w)."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def step(carry, mb):
+        params, opt_state = carry
+        loss, aux, grads = _minibatch_grads(grad_fn, params, mb, cfg, accum_dtype)
+        gnorm = optax.global_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+        empty = masked_count(mb[MASK]) == 0
+        ok = finite & ~empty
+        grads = jax.tree.map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), grads)  # no NaN into Adam moments
+        updates, new_state = optimizer.update(grads, opt_state, params)
+        new_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_state, opt_state)
+        new_params = optax.apply_updates(params, updates)
+        carry = (_tree_where(ok, new_params, params), _tree_where(ok, new_state, opt_state))
+        stats = dict(aux, ok=ok, finite=finite, empty=empty)
+        stats.update({f"{prefix}/loss": loss, f"{prefix}/grad_norm": gnorm})
+        return carry, stats
+
+    def update(params, opt_state, batch: dict, rng=None):
+        check_batch(batch, needs, cfg, f"{prefix}_update")
+        b = batch[MASK].shape[0]
+
+        def epoch(carry, key):
+            data = batch if key is None else permute_tree(batch, jax.random.permutation(key, b))
+            return jax.lax.scan(step, carry, split_tree(data, cfg.minibatches))
+
+        keys = None if rng is None else jax.random.split(rng, cfg.ppo_epochs)
+        (params, opt_state), stats = jax.lax.scan(epoch, (params, opt_state), keys, length=cfg.ppo_epochs)
+        return params, opt_state, _summarise(dict(stats), opt_state, cfg, prefix)
+
+    return update
+
+
+def make_actor_update(policy_fn, optimizer, cfg, *, accum_dtype=jnp.float32):
+    """Policy update (PPO/GRPO/GSPO surrogate, decoupled/TIS weights, KL and entropy terms)."""
+    def loss_fn(params, mb, loss_w, tok_w):
+        return actor_objective(policy_fn(params, mb), mb, cfg, loss_w, tok_w)
+    return make_update(loss_fn, optimizer, cfg, prefix="actor", needs=ACTOR_KEYS, accum_dtype=accum_dtype)
+
+
+def make_critic_update(value_fn, optimizer, cfg, *, accum_dtype=jnp.float32):
+    """Separate critic: clipped value loss; value_fn(params, batch) -> {"values": [B, R]}."""
+    def loss_fn(params, mb, loss_w, tok_w):
+        return critic_objective(value_fn(params, mb), mb, cfg, loss_w, tok_w)
+    return make_update(loss_fn, optimizer, cfg, prefix="critic", needs=CRITIC_KEYS, accum_dtype=accum_dtype)
+
+
+def make_actor_critic_update(policy_fn, optimizer, cfg, *, accum_dtype=jnp.float32):
+    """One backbone with policy and value heads: L = L_actor + c_v·L_v (policy_fn returns values)."""
+    def loss_fn(params, mb, loss_w, tok_w):
+        out = policy_fn(params, mb)
+        a_loss, a_metrics = actor_objective(out, mb, cfg, loss_w, tok_w)
+        v_loss, v_metrics = critic_objective(out, mb, cfg, loss_w, tok_w)
+        return a_loss + cfg.vf_coef * v_loss, {**a_metrics, **v_metrics}
+    return make_update(loss_fn, optimizer, cfg, prefix="actor", needs=ACTOR_KEYS + CRITIC_KEYS[1:],
+                       accum_dtype=accum_dtype)
