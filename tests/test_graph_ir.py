@@ -213,3 +213,12 @@ def test_edges_default_ports_to_the_node_names():
     g = build_graph(cfg_of())
     assert Edge("actor", "old_forward", 0, "actor") in g.edges
     assert Edge("actor_update", "actor", 1, "actor") in g.edges
+
+
+def test_graph_package_imports_no_jax():
+    import subprocess
+    import sys
+
+    code = "import sys, rpeg_jax.graph, rpeg_jax.graph.cli; print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'numpy')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"

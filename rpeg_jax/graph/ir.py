@@ -16,6 +16,16 @@ Key API (what the cost model, planner, compiler and runtime use):
     g.sizes                                   # {"N": prompts, "G": group, "B": N*G, "P", "R", "S"}
     TIMING_NAMES[StageKind.GENERATE] == "gen" # verl-compatible metric names
 
+    # graph/passes.py: bounded_async(g, k), share_actor_critic(g), elide_old_forward(g),
+    #   fuse(g, [names], name=None), fuse_named(g, "forwards"|"advantage"), microbatch(g, stage, n),
+    #   place(g, "colocated"|"split"), apply_pipeline(g, cfg.pipeline, cfg.rl)
+    # graph/plan.py: Plan (groups, per-stage group/mesh/rules/microbatches, knobs), plan_from_config,
+    #   plan_for_config, graph_for_plan;  graph/export.py: to_json/from_json, to_dot, to_mermaid
+
+Pricing a stage: `stage.workload` (op, models' dims, B, P, R, G, heads, epochs x minibatches,
+bytes moved); a fused stage has workload None and prices as its `parts` run as one program.
+Where it runs (devices, mesh, rules, pieces) is in the Plan, keyed by `stage.name`.
+
 Versions. The graph describes one RL step t. A stage at step t reads state node X at version
 t + edge.offset and writes version t + 1 (write edges have offset +1). So the writer of version
 v is the writing stage at step v - 1, and a read with offset o depends on the writer at step
@@ -24,6 +34,13 @@ actor just updated), offset -k -> k+1 steps back (generate reads rollout_weights
 bounded asynchrony). Versions below 1 are the initial state (no dependency). Data nodes live
 within one step (offset 0). A streamed edge (`stream=True`) lets the consumer process piece i
 as soon as the producer finished piece i (both stages have the same `microbatches`).
+
+Readers of a state version finish before it is overwritten in place: within a step that order
+already follows from data edges (old_forward's logprobs feed actor_update). Under bounded
+asynchrony the sampler serves θ_{t-k} while newer versions arrive; the runtime installs them
+between generation pieces (rollout.on_weight_update). The rollout buffer state node carries the
+bound (attrs max_staleness = k) and is checkpointed with the version counter, so a resumed run
+admits rollouts under the same bound.
 """
 
 from __future__ import annotations
@@ -220,7 +237,8 @@ class Edge:
 
 @dataclass(frozen=True)
 class Dep:
-    """Stage `stage` at step t + step_offset must finish (piece-wise if streamed) first."""
+    """Stage `stage` at step t + step_offset must finish first; if `streamed`, piece i of the
+    dependent stage only waits for piece i of `stage` (same step, same number of pieces)."""
 
     stage: str
     step_offset: int
