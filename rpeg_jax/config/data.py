@@ -1,39 +1,65 @@
-"""Data section: prompt source (built-in task or JSONL), batching, reward function."""
+"""Data section: prompt source (built-in task or JSONL), tokenizer, batching, reward function.
+
+Read by rpeg_jax/data (pipeline, tokenizer, rewards). Pure Python: the task names below are
+repeated from rpeg_jax/data/tasks.py (a test keeps the two in step) so that validating a config
+never imports the data package.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from rpeg_jax.config.base import check, key
+from rpeg_jax.config.base import check, key, suggest
+
+BUILTIN_TASKS = ("add", "copy", "reverse", "sort")  # rpeg_jax/data/tasks.py TASKS
+MAX_DIGITS = 32  # longest operand/string a built-in task generates
 
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    task: str = "reverse"  # built-in task name ("reverse", "add", ...) or "jsonl"
+    task: str = "reverse"  # built-in task name (BUILTIN_TASKS) or "jsonl"
     path: str | None = None  # JSONL file (task=jsonl)
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
+    prompt_field: str = "prompt"  # JSONL key of the prompt text ("a.b" reaches into nested objects)
+    answer_field: str | None = "answer"  # JSONL key of the reference answer; None: records carry none
+    id_field: str | None = None  # JSONL key of a record id; None -> "<file>:<line>"
     tokenizer: str | None = None  # tokenizer.json path; None -> the built-in character tokenizer
-    reward: str | None = None  # registered reward name; None -> the task's own reward
+    bos_token: str | None = None  # tokenizer.json only; None -> tokenizer_config.json, then common names
+    eos_token: str | None = None
+    pad_token: str | None = None  # None -> found like bos/eos, else the eos token
+    add_bos: bool = True  # prepend the tokenizer's bos token (when it has one) to every prompt
+    reward: str | None = None  # registered reward name; None -> the task's own (jsonl: math_answer)
+    reward_modules: tuple[str, ...] = ()  # importable modules that register rewards (imported first)
     reward_on_error: Literal["zero", "stop"] = "zero"  # a reward that raises scores 0 (counted) or stops
     on_bad_record: Literal["error", "skip"] = "error"  # bad JSONL lines: fail naming file:line, or skip+count
     shuffle: bool = True
-    seed: int = 0
+    seed: int = 0  # shuffle and built-in task generation seed (grain needs [0, 2^32))
     num_epochs: int | None = None  # None: repeat forever
-    prompts_per_step: int = 16  # prompts per RL step (each sampled G times)
+    prompts_per_step: int = 16  # prompts per RL step over all processes (each sampled G times)
     num_examples: int = 4096  # size of a built-in task's generated dataset
-    min_digits: int = 3  # built-in tasks: operand/string length range
+    min_digits: int = 3  # built-in tasks: operand/string length range (difficulty knob)
     max_digits: int = 5
-    max_prompt_len: int = 32  # tokens; longer prompts are an error (or skipped)
+    max_prompt_len: int = 32  # tokens incl. bos; longer prompts are an error (or skipped)
 
     def validate(self, path: str) -> None:
+        tasks = (*BUILTIN_TASKS, "jsonl")
+        check(self.task in tasks, key(path, "task"), self.task,
+              f"unknown task; known: {', '.join(tasks)}" + suggest(self.task, list(tasks)))
         check(self.prompts_per_step >= 1, key(path, "prompts_per_step"), self.prompts_per_step, "must be >= 1")
         check(self.num_examples >= 1, key(path, "num_examples"), self.num_examples, "must be >= 1")
         check(1 <= self.min_digits <= self.max_digits, key(path, "min_digits"), self.min_digits,
               f"must be in [1, max_digits={self.max_digits}]")
+        check(self.max_digits <= MAX_DIGITS, key(path, "max_digits"), self.max_digits, f"must be <= {MAX_DIGITS}")
         check(self.max_prompt_len >= 1, key(path, "max_prompt_len"), self.max_prompt_len, "must be >= 1")
+        check(0 <= self.seed < 2**32, key(path, "seed"), self.seed, "must be in [0, 2^32)")
         if self.num_epochs is not None:
             check(self.num_epochs >= 1, key(path, "num_epochs"), self.num_epochs, "must be >= 1")
         if self.task == "jsonl":
             check(self.path is not None, key(path, "path"), self.path, "is required when data.task=jsonl")
+        for name in ("prompt_field", "answer_field", "id_field"):
+            v = getattr(self, name)
+            if v is not None:
+                check(bool(v) and all(v.split(".")), key(path, name), v, "must be a non-empty (dotted) key")
+        if self.answer_field is not None:
+            check(self.answer_field != self.prompt_field, key(path, "answer_field"), self.answer_field,
+                  "must differ from data.prompt_field")

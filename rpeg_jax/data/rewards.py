@@ -1,0 +1,165 @@
+"""Rewards: Python callables registered by name, run on the host, never evaluating model output.
+
+A reward takes one `Sample` and returns a float (sequence-level reward r):
+
+    from rpeg_jax.data.rewards import register_reward, Sample
+
+    @register_reward("ends_with_period")          # in your own module, e.g. my_rewards.py
+    def ends_with_period(sample: Sample) -> float:
+        return float(sample.completion.rstrip().endswith("."))
+
+and the run config names it: `data.reward=ends_with_period data.reward_modules=[my_rewards]`
+(the module is imported before the name is looked up; it must be importable, e.g. on
+PYTHONPATH). Built-ins: each task's reward ("add", "copy", "reverse", "sort") and
+"math_answer" (exact match of answers extracted from GSM8K/MATH-style text).
+
+`score(samples, fn, on_error)` runs a reward over a batch. A reward that raises or returns a
+non-finite value is counted; with on_error="zero" it scores 0.0, with "stop" a RewardError
+names the reward and the sample index.
+
+Called by: the runtime's reward stage (resolve_reward at start-up, before anything compiles;
+make_samples + score every step).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from rpeg_jax.config.base import ConfigError, suggest
+from rpeg_jax.config.data import DataConfig
+from rpeg_jax.data.answers import answers_match, extract_answer
+from rpeg_jax.data.tasks import TASKS
+from rpeg_jax.data.tokenizer import Tokenizer, completion_ids
+
+RewardFn = Callable[["Sample"], float]
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+class RewardError(RuntimeError):
+    """A reward raised (or returned a non-finite value) and data.reward_on_error is "stop"."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion to score: its prompt, the completion (text before the first eos) and ids,
+    and the prompt record's answer and other fields."""
+
+    prompt: str
+    completion: str
+    completion_ids: tuple[int, ...]
+    answer: str | None = None
+    record: dict[str, Any] = field(default_factory=dict)  # the record's other fields (task, operands, ...)
+
+
+def register_reward(name: str, *, overwrite: bool = False) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: register `fn(sample) -> float` under `name`."""
+
+    def wrap(fn: RewardFn) -> RewardFn:
+        if name in _REGISTRY and _REGISTRY[name] is not fn and not overwrite:
+            raise ValueError(f"reward {name!r} is already registered (pass overwrite=True to replace it)")
+        _REGISTRY[name] = fn
+        return fn
+
+    return wrap
+
+
+def registered_rewards() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_reward(name: str) -> RewardFn:
+    if name not in _REGISTRY:
+        raise ConfigError("data.reward", name,
+                          f"unknown reward; registered: {', '.join(registered_rewards())}" + suggest(name, list(_REGISTRY)))
+    return _REGISTRY[name]
+
+
+def resolve_reward(cfg: DataConfig) -> tuple[str, RewardFn]:
+    """(name, fn) of the reward a data config asks for: data.reward after importing
+    data.reward_modules; by default the built-in task's own reward, or math_answer for JSONL."""
+    for module in cfg.reward_modules:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # any import failure is the user's module: report it in one line
+            raise ConfigError("data.reward_modules", module, f"cannot import: {type(e).__name__}: {e}") from None
+    name = cfg.reward or (cfg.task if cfg.task in TASKS else "math_answer")
+    return name, get_reward(name)
+
+
+def make_samples(batch, completions: Sequence[Sequence[int]], tokenizer: Tokenizer, group_size: int = 1,
+                 stop_ids: Sequence[int] = (), lengths: Sequence[int] | None = None) -> list[Sample]:
+    """Samples for the B = len(batch) * group_size completions of a PromptBatch, grouped by prompt:
+    row b belongs to prompt b // group_size (the runtime's group_ids). Each completion row (e.g.
+    tokens_BxS[:, P:]) is first cut to lengths[b] when given (response_mask_BxR.sum(1)), then at
+    its first eos or stop id, then decoded."""
+    if len(completions) != len(batch.prompts) * group_size:
+        raise ValueError(f"{len(completions)} completions for {len(batch.prompts)} prompts x group {group_size}")
+    out = []
+    for b, ids in enumerate(completions):
+        i = b // group_size
+        if lengths is not None:
+            ids = ids[: int(lengths[b])]
+        cut = completion_ids(ids, tokenizer.eos_id, stop_ids)
+        out.append(Sample(prompt=batch.prompts[i], completion=tokenizer.decode(cut), completion_ids=tuple(cut),
+                          answer=batch.answers[i], record=batch.records[i]))
+    return out
+
+
+def score(samples: Sequence[Sample], fn: RewardFn | str, on_error: str = "zero",
+          name: str | None = None) -> tuple[np.ndarray, int]:
+    """(rewards float32 [B], number of samples whose reward raised or was not finite)."""
+    if isinstance(fn, str):
+        name, fn = fn, get_reward(fn)
+    name = name or getattr(fn, "__name__", "reward")
+    if on_error not in ("zero", "stop"):
+        raise ValueError(f"on_error must be 'zero' or 'stop', not {on_error!r}")
+    rewards = np.zeros(len(samples), np.float32)
+    errors = 0
+    for b, sample in enumerate(samples):
+        try:
+            r = float(fn(sample))
+            if not math.isfinite(r):
+                raise ValueError(f"returned {r}")
+        except Exception as e:  # a user reward may raise anything; it must not kill the run silently
+            if on_error == "stop":
+                raise RewardError(f"reward {name!r} failed on sample {b} (prompt {sample.prompt!r}): "
+                                  f"{type(e).__name__}: {e}") from e
+            errors += 1
+            r = 0.0
+        rewards[b] = r
+    return rewards, errors
+
+
+# ---- built-ins ---------------------------------------------------------------------------------
+
+def _task_reward(task_name: str) -> RewardFn:
+    credit = TASKS[task_name].credit
+
+    def reward(sample: Sample) -> float:
+        if sample.answer is None:
+            raise ValueError(f"the {task_name} reward needs the record's answer")
+        return credit(sample.completion, sample.answer)
+
+    reward.__name__ = f"{task_name}_reward"
+    return reward
+
+
+for _name in TASKS:
+    register_reward(_name)(_task_reward(_name))
+
+
+@register_reward("math_answer")
+def math_answer(sample: Sample) -> float:
+    """1.0 when the completion's final answer (GSM8K "####", \\boxed, last number) equals the reference:
+    the record's answer as is, or the final answer of it when it is a full solution ("####", \\boxed)."""
+    if sample.answer is None:
+        raise ValueError("math_answer needs the record's answer (data.answer_field)")
+    gold = sample.answer
+    if "####" in gold or "\\boxed" in gold or "\\fbox" in gold:  # a full solution: take its final answer
+        gold = extract_answer(gold)
+    return 1.0 if answers_match(extract_answer(sample.completion), gold) else 0.0
