@@ -1,8 +1,11 @@
-"""Cost-model section: the hardware profile and the planner's search budget."""
+"""Cost-model section: the hardware profile, the planner's search space and budget, and the
+workload assumptions the model needs beyond the other sections (response-length distribution,
+attention kernel, sequence packing). Read by rpeg_jax/costmodel (no JAX)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from rpeg_jax.config.base import check, key
 
@@ -12,11 +15,32 @@ class CostModelConfig:
     hardware: str = "cpu"  # profile name in configs/hardware/ or a YAML path
     num_devices: int | None = None  # None -> the devices JAX sees
     memory_budget: float = 0.9  # fraction of device memory plans may use
-    max_plans: int = 200000  # search budget
+    max_plans: int = 200000  # search budget (candidate layouts scored per placement)
     log_predictions: bool = True  # log predicted vs measured time per stage each step
+    # Workload assumptions.
+    response_len_median: float | None = None  # tokens; None -> halfway to rollout.max_new_tokens
+    response_len_min: int = 1  # tokens; shortest response
+    response_len_sigma: float = 0.6  # lognormal shape of response lengths (long tail); 0 = fixed
+    attention: Literal["auto", "dense", "flash"] = "auto"  # auto: dense on cpu, flash on accelerators
+    sequence_packing: bool = False  # trainer packs sequences (no padding to max_new_tokens)
+    # Search space (structural knobs the planner may change).
+    max_staleness: int = 1  # k the planner may choose, 0..max_staleness (0: synchronous only)
+    search_share_actor_critic: bool = True  # PPO: may share one backbone between actor and critic
+    search_fusion: bool = True  # may fuse forwards / advantage
+    tensor_sizes: tuple[int, ...] = (1, 2, 4, 8)  # tensor-parallel degrees tried
+    runners_up: int = 5  # plans listed after the chosen one
 
     def validate(self, path: str) -> None:
         check(0.0 < self.memory_budget <= 1.0, key(path, "memory_budget"), self.memory_budget, "must be in (0, 1]")
         check(self.max_plans >= 1, key(path, "max_plans"), self.max_plans, "must be >= 1")
         if self.num_devices is not None:
             check(self.num_devices >= 1, key(path, "num_devices"), self.num_devices, "must be >= 1")
+        if self.response_len_median is not None:
+            check(self.response_len_median >= self.response_len_min, key(path, "response_len_median"),
+                  self.response_len_median, f"must be >= response_len_min={self.response_len_min}")
+        check(self.response_len_min >= 1, key(path, "response_len_min"), self.response_len_min, "must be >= 1")
+        check(self.response_len_sigma >= 0, key(path, "response_len_sigma"), self.response_len_sigma, "must be >= 0")
+        check(0 <= self.max_staleness <= 16, key(path, "max_staleness"), self.max_staleness, "must be in [0, 16]")
+        check(len(self.tensor_sizes) >= 1 and all(t >= 1 for t in self.tensor_sizes), key(path, "tensor_sizes"),
+              list(self.tensor_sizes), "must be a non-empty list of positive sizes")
+        check(self.runners_up >= 0, key(path, "runners_up"), self.runners_up, "must be >= 0")

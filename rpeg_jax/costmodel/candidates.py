@@ -1,0 +1,211 @@
+"""Candidate plans of one placement family as a table (numpy columns, one row per candidate).
+
+A row fixes the device groups (colocated: all N; split: n_gen + n_train), the generation
+layout (tensor t_g, replicas n_gen/t_g, slots per replica), the training layout (data d ×
+fsdp f × tensor t, gradient micro-batches, remat) and the forward layout (its own d' × f' × t',
+micro-batches). Its columns are the base durations of every stage kind and the peak memory per
+device; rows that do not fit the memory budget are dropped before anything is simulated.
+
+Memory per device (reference §3.3-3.5), colocated (everything shares the devices):
+    resident = actor (+ critic) training state / (f·t) + reference weights / (f'·t')
+               + rollout weights / t_g
+    peak     = max(resident + KV pages + gen working set, resident + update transients,
+                   resident + forward weight copies + forward transients)
+Split: the generation group holds rollout weights and KV; the training group the rest.
+
+Callers: costmodel/planner.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rpeg_jax.costmodel import stages as S
+from rpeg_jax.costmodel.comm import reshard_time, transfer_time
+from rpeg_jax.costmodel.shape import ModelShape
+
+REMATS = ("none", "dots", "full")
+MICROS = (1, 2, 4, 8, 16, 32, 64)  # gradient-accumulation micro-batches tried
+INF = float("inf")
+
+
+@dataclass
+class Roles:
+    """The models of the workload: actor (or the shared backbone), critic, reference."""
+
+    actor: ModelShape
+    critic: ModelShape | None  # None: GRPO, or PPO with a shared backbone
+    ref: ModelShape | None  # None when β = 0
+    epochs: int = 1
+    minibatches: int = 1
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(n: int, B: int, ms: ModelShape, tensor_sizes) -> np.ndarray:
+    """(d, f, t) rows with d·f·t = n, t dividing heads and mlp, d·f dividing the batch."""
+    rows = []
+    for t in tensor_sizes:
+        if n % t or ms.H % t or ms.F % t:
+            continue
+        for f in divisors(n // t):
+            d = n // (t * f)
+            if B % (d * f) == 0:
+                rows.append((d, f, t))
+    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+
+def gen_layouts(n: int, ms: ModelShape, tensor_sizes) -> np.ndarray:
+    return np.array([t for t in tensor_sizes if n % t == 0 and ms.H % t == 0 and ms.F % t == 0], np.int64)
+
+
+def quantize_slots(slots: np.ndarray, n_rep: np.ndarray) -> np.ndarray:
+    """Slots floored onto a grid of 4 steps per octave (bounds the distinct decode profiles),
+    capped at `n_rep` (more slots than sequences in flight hold KV pages for nothing)."""
+    s = np.maximum(slots, 0.0)
+    q = np.where(s >= 1, 2.0 ** (np.floor(np.log2(np.maximum(s, 1.0)) * 4) / 4), 0.0)
+    return np.where(s >= n_rep, n_rep, np.floor(q)).astype(np.int64)
+
+
+def _best_train(st, roles: Roles, busy, lay: np.ndarray, trained: list[ModelShape]):
+    """Per training layout and (micro, remat) option: summed update time and transient bytes."""
+    d, f, t = (lay[:, i:i + 1].astype(np.float64) for i in range(3))
+    opts = [(m, r) for r in REMATS for m in MICROS]
+    micro = np.array([o[0] for o in opts], np.float64)[None, :]
+    time = np.zeros((len(lay), len(opts)))
+    trans = np.zeros((len(lay), len(opts)))
+    for ms in trained:
+        for r in REMATS:
+            cols = [j for j, o in enumerate(opts) if o[1] == r]
+            tt, _ = S.train_stage(st, ms, busy, d, f, t, micro[:, cols], r, roles.epochs, roles.minibatches)
+            mem = S.train_memory(st, ms, d, f, t, micro[:, cols], r, roles.minibatches) - ms.train_state_bytes() / (f * t)
+            time[:, cols] += tt
+            trans[:, cols] = np.maximum(trans[:, cols], mem)
+    valid = (st.B / (d * f) / (roles.minibatches * micro)) >= 1
+    valid &= np.isclose((st.B / (d * f)) % (roles.minibatches * micro), 0)
+    time = np.where(valid, time, INF)
+    return time, trans, opts
+
+
+def _best_forward(st, busy, lay: np.ndarray, models: list[ModelShape]):
+    d, f, t = (lay[:, i:i + 1].astype(np.float64) for i in range(3))
+    micros = [1, 2, 4, 8, 16, 32]
+    micro = np.array(micros, np.float64)[None, :]
+    times = []
+    trans = np.zeros((len(lay), len(micros)))
+    for ms in models:
+        tt, _ = S.forward_stage(st, ms, busy, d, f, t, micro)
+        times.append(np.where((st.B / (d * f)) >= micro, tt, INF))
+        trans = np.maximum(trans, S.forward_memory(st, ms, d, f, t, micro))
+    return times, trans, micros
+
+
+def build(st: S.Setting, roles: Roles, n_total: int, placement: str, gen_sizes: list[int],
+          tensor_sizes, max_staleness: int = 0) -> dict[str, np.ndarray]:
+    """All feasible rows of a placement family (see the module docstring)."""
+    allocs = [(n_total, n_total)] if placement == "colocated" else [(g, n_total - g) for g in gen_sizes]
+    parts = [_alloc_rows(st, roles, ng, nt, placement, tensor_sizes, max_staleness) for ng, nt in allocs]
+    parts = [p for p in parts if p and len(p["n_gen"])]
+    if not parts:
+        return {}
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def _alloc_rows(st, roles: Roles, n_gen: int, n_train: int, placement: str, tensor_sizes, max_k: int) -> dict:
+    hw, actor = st.hw, roles.actor
+    coloc = placement == "colocated"
+    lay = layouts(n_train, st.B, actor, tensor_sizes)
+    gl = gen_layouts(n_gen, actor, tensor_sizes)
+    if not len(lay) or not len(gl):
+        return {}
+    trained = [actor] + ([roles.critic] if roles.critic is not None else [])
+    fwd_models = [("actor", actor)] + ([("critic", roles.critic)] if roles.critic is not None else []) \
+        + ([("ref", roles.ref)] if roles.ref is not None else [])
+    up_t, up_m, up_opts = _best_train(st, roles, n_train, lay, trained)
+    fw_times, fw_m, fw_micros = _best_forward(st, n_train, lay, [m for _, m in fwd_models])
+    ft = lay[:, 1] * lay[:, 2]  # parameter shards of a layout (fsdp × tensor)
+    state = sum(m.train_state_bytes() for m in trained) / ft  # [i]
+    ref_res = (roles.ref.weight_bytes() / ft) if roles.ref else np.zeros(len(lay))  # [j]
+    rollout = actor.weight_bytes() / gl  # [g]
+    # Broadcast over (i train layout, j forward layout, g generation layout).
+    I, J, G = np.meshgrid(np.arange(len(lay)), np.arange(len(lay)), np.arange(len(gl)), indexing="ij")
+    I, J, G = I.ravel(), J.ravel(), G.ravel()
+    same = I == J
+    resident = state[I] + ref_res[J] + (rollout[G] if coloc else 0.0)
+    budget = st.budget_bytes
+    # Forward weight copies: actor and critic in the forward layout unless it is the training one.
+    copies = np.where(same, 0.0, sum(m.weight_bytes() for m in trained) / ft[J])
+    fwd_ok = resident[:, None] + copies[:, None] + fw_m[J] <= budget
+    fw_total = sum(fw_times)  # [j, micro]
+    fw_masked = np.where(fwd_ok, fw_total[J], INF)
+    fw_pick = np.argmin(fw_masked, axis=1)
+    fw_best = fw_masked[np.arange(len(J)), fw_pick]
+    up_ok = resident[:, None] + up_m[I] <= budget
+    up_masked = np.where(up_ok, up_t[I], INF)
+    up_pick = np.argmin(up_masked, axis=1)
+    up_best = up_masked[np.arange(len(I)), up_pick]
+    # Generation: slots from what is left next to the resident state (colocated) or alone (split).
+    t_g = gl[G]
+    reps = n_gen // t_g
+    n_rep = -(-st.B // reps)
+    free = budget - (resident - (rollout[G] if coloc else 0.0))
+    # Up to (k+1) batches are in flight under staleness k; a synchronous plan uses n_rep slots.
+    slots = quantize_slots(S.max_slots(st, actor, t_g, free), n_rep * (max_k + 1))
+    ok = np.isfinite(fw_best) & np.isfinite(up_best) & (slots >= 1)
+    if not ok.any():
+        return {}
+    I, J, G, t_g, slots, n_rep = I[ok], J[ok], G[ok], t_g[ok], slots[ok], n_rep[ok]
+    resident, copies, same = resident[ok], copies[ok], same[ok]
+    fw_pick, up_pick = fw_pick[ok], up_pick[ok]
+    ks = tuple(range(1, max_k + 1))
+    gen_t, _, finished_at, gen_async = S.generate_stage(st, actor, n_gen, t_g, slots, ks, recompute=coloc)
+    gen_q = np.stack([finished_at(q / 8) for q in range(1, 8)], axis=1)
+    others = resident - rollout[G] if coloc else 0.0
+    gen_mem = S.generate_memory(st, actor, t_g, slots) + others
+    gen_mem_sync = S.generate_memory(st, actor, t_g, np.minimum(slots, n_rep)) + others
+    peak_up = resident + up_m[I, up_pick]
+    peak_fw = resident + copies + fw_m[J, fw_pick]
+    peak = np.maximum(np.maximum(peak_up, peak_fw), gen_mem)
+    peak_sync = np.maximum(np.maximum(peak_up, peak_fw), gen_mem_sync)
+    row = {"n_gen": np.full(len(I), n_gen), "n_train": np.full(len(I), n_train),
+           "t_g": t_g, "slots": slots, "n_rep": n_rep,
+           "d": lay[I, 0], "f": lay[I, 1], "t": lay[I, 2],
+           "fd": lay[J, 0], "ff": lay[J, 1], "ft": lay[J, 2],
+           "micro": np.array([up_opts[k][0] for k in up_pick]),
+           "remat": np.array([REMATS.index(up_opts[k][1]) for k in up_pick]),
+           "fmicro": np.array([fw_micros[k] for k in fw_pick]),
+           "mem_peak": peak, "mem_peak_sync": peak_sync, "mem_gen": gen_mem, "mem_update": peak_up, "mem_forward": peak_fw,
+           "t_gen": gen_t, "gen_q": gen_q, **{f"t_gen_k{k}": gen_async[k] for k in ks}}
+    # Per-role stage times at the chosen options.
+    for name, ms in zip(("actor", "critic"), trained):
+        row[f"t_upd_{name}"] = _train_rows(st, ms, n_train, row, roles)
+    for name, ms in fwd_models:
+        row[f"t_fwd_{name}"] = S.forward_stage(st, ms, n_train, row["fd"], row["ff"], row["ft"], row["fmicro"])[0]
+    # Reallocation of actor/critic weights into the forward layout (ReaL's parameter realloc).
+    shards_tr, shards_fw = row["f"] * row["t"], row["ff"] * row["ft"]
+    for ms, name in zip(trained, ["actor", "critic"]):
+        rs = reshard_time(hw, ms.weight_bytes(), shards_tr, shards_fw, n_train)
+        row[f"t_realloc_{name}"] = np.where(same, 0.0, rs + ms.weight_bytes() / shards_fw / hw.device.memory_bw)
+    # Weight sync into the generation layout.
+    if coloc:
+        cast = actor.num_params * (actor.param_bytes_per + actor.act_bytes_per) / shards_tr / hw.device.memory_bw
+        row["t_sync"] = reshard_time(hw, actor.weight_bytes(), shards_tr, t_g, n_train) + cast + hw.efficiency.dispatch_s
+    else:
+        row["t_sync"] = transfer_time(hw, actor.weight_bytes(), n_train, n_gen, t_g) + hw.efficiency.dispatch_s
+    row["t_adv"] = np.full(len(I), float(S.elementwise_stage(st, n_train)))
+    row["t_reward"] = np.full(len(I), S.reward_stage(st))
+    return row
+
+
+def _train_rows(st, ms, busy, row, roles: Roles) -> np.ndarray:
+    out = np.empty(len(row["d"]))
+    for k, r in enumerate(REMATS):
+        idx = row["remat"] == k
+        if idx.any():
+            out[idx] = S.train_stage(st, ms, busy, row["d"][idx], row["f"][idx], row["t"][idx],
+                                     row["micro"][idx], r, roles.epochs, roles.minibatches)[0]
+    return out

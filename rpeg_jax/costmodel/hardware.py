@@ -1,0 +1,217 @@
+"""Hardware profiles as data: a device, its node, the network above it, and efficiency tables.
+
+Profiles live in configs/hardware/<name>.yaml (gh200, h100, h200, cpu); `rpeg calibrate` writes a
+fitted copy to ~/.cache/rpeg_jax/hardware/<name>.yaml (or $RPEG_CACHE), which `load_hardware`
+prefers when it exists. Every number has a unit in its comment; efficiencies are fractions of
+the peak and are looked up by size (Calculon's form, ../shared/reference/costmodel.md §1.2):
+
+    time = work / (peak * eff(size)),  eff interpolated linearly in log(eff) over log(size)
+
+Interpolating log-log keeps time = size / eff(size) monotone between table points whenever it is
+monotone at the points (checked on load), which a linear-in-size table would not.
+
+Callers: every module of rpeg_jax.costmodel, `rpeg plan`, `rpeg calibrate`. Pure Python + numpy.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import yaml
+
+from rpeg_jax.config.base import ConfigError, build, check, key, to_dict
+
+HARDWARE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                            "configs", "hardware")
+GB = 1e9
+
+Table = tuple[tuple[float, float], ...]
+
+
+def check_table(table: Table, path: str) -> None:
+    """Sizes strictly increasing and > 0, 0 < eff <= 1, and time = size/eff non-decreasing."""
+    check(len(table) >= 1, path, list(table), "needs at least one [size, efficiency] row")
+    for i, (size, eff) in enumerate(table):
+        check(size > 0, f"{path}[{i}]", [size, eff], "size must be > 0")
+        check(0.0 < eff <= 1.0, f"{path}[{i}]", [size, eff], "efficiency must be in (0, 1]")
+        if i:
+            s0, e0 = table[i - 1]
+            check(size > s0, f"{path}[{i}]", [size, eff], f"sizes must increase (previous {s0:g})")
+            check(eff / e0 <= size / s0 * (1 + 1e-9), f"{path}[{i}]", [size, eff],
+                  "efficiency grows faster than size here, so a larger message would take less time")
+
+
+def interp_eff(table: Table, size):
+    """eff(size) for a scalar or array, log-log interpolation, clamped at both ends."""
+    xs = np.log([r[0] for r in table])
+    ys = np.log([r[1] for r in table])
+    x = np.log(np.maximum(np.asarray(size, dtype=np.float64), 1.0))
+    return np.exp(np.interp(x, xs, ys))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    peak_flops: float  # dense bf16/f16 FLOP/s of one device (the host, when shared_host)
+    peak_flops_fp32: float  # FLOP/s when the compute dtype is float32
+    memory_gb: float  # device memory capacity, GB (1e9 bytes)
+    usable_memory_gb: float  # what the allocator can hand out, GB
+    memory_bw: float  # device memory bandwidth, bytes/s
+
+    def validate(self, path: str) -> None:
+        for name in ("peak_flops", "peak_flops_fp32", "memory_gb", "usable_memory_gb", "memory_bw"):
+            v = getattr(self, name)
+            check(v > 0, key(path, name), v, "must be > 0")
+        check(self.usable_memory_gb <= self.memory_gb, key(path, "usable_memory_gb"), self.usable_memory_gb,
+              f"must be <= memory_gb={self.memory_gb}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeSpec:
+    devices: int  # devices per node
+    topology: Literal["mesh", "switch"] = "switch"  # mesh: a link per device pair; switch: NVSwitch-like
+    link_bw: float  # bytes/s per direction: per pair (mesh) or per device into the switch
+    latency_s: float  # α of one collective step inside the node, s
+
+    def validate(self, path: str) -> None:
+        check(self.devices >= 1, key(path, "devices"), self.devices, "must be >= 1")
+        check(self.link_bw > 0, key(path, "link_bw"), self.link_bw, "must be > 0")
+        check(self.latency_s >= 0, key(path, "latency_s"), self.latency_s, "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkSpec:
+    nic_bw: float  # bytes/s per device per direction into the network
+    latency_s: float  # α of one collective step across nodes, s
+    group_devices: int  # devices in one group (dragonfly group / leaf domain) above the node
+    global_taper: float = 1.0  # ≥ 1: bandwidth divisor once a collective spans several groups
+
+    def validate(self, path: str) -> None:
+        check(self.nic_bw > 0, key(path, "nic_bw"), self.nic_bw, "must be > 0")
+        check(self.latency_s >= 0, key(path, "latency_s"), self.latency_s, "must be >= 0")
+        check(self.group_devices >= 1, key(path, "group_devices"), self.group_devices, "must be >= 1")
+        check(self.global_taper >= 1.0, key(path, "global_taper"), self.global_taper, "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EfficiencySpec:
+    matmul: Table  # [FLOPs of one matmul, fraction of peak_flops]
+    memory: Table  # [bytes of one streaming access, fraction of memory_bw]
+    intra_node: Table  # [message bytes, busbw / node line rate]
+    inter_node: Table  # [message bytes, busbw / nic_bw]
+    overlap: float = 0.5  # fraction of overlappable collective time hidden behind compute
+    dispatch_s: float = 1e-4  # host cost of one jitted call, s
+    layer_s: float = 2e-5  # fixed cost per layer per pass (launches inside the layer scan), s
+    decode_step_s: float = 3e-5  # fixed cost per decode step (host sync, sampling), s
+    kv_read_factor: float = 2.0  # KV bytes moved per cached byte per step (gather attention copies pages)
+
+    def validate(self, path: str) -> None:
+        for name in ("matmul", "memory", "intra_node", "inter_node"):
+            check_table(getattr(self, name), key(path, name))
+        check(0.0 <= self.overlap <= 1.0, key(path, "overlap"), self.overlap, "must be in [0, 1]")
+        check(self.kv_read_factor >= 1.0, key(path, "kv_read_factor"), self.kv_read_factor, "must be >= 1")
+        for name in ("dispatch_s", "layer_s", "decode_step_s"):
+            v = getattr(self, name)
+            check(v >= 0, key(path, name), v, "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    name: str
+    kind: Literal["gpu", "cpu", "tpu"] = "gpu"
+    shared_host: bool = False  # devices are slices of one host sharing its cores and bandwidth
+    host_cores: int = 1  # cores of that host (shared_host only)
+    device: DeviceSpec
+    node: NodeSpec
+    network: NetworkSpec
+    efficiency: EfficiencySpec
+    calibrated: dict[str, float] = field(default_factory=dict)  # fit residuals etc. written by calibrate
+
+    def validate(self, path: str) -> None:
+        check(bool(self.name), key(path, "name"), self.name, "must not be empty")
+        check(self.host_cores >= 1, key(path, "host_cores"), self.host_cores, "must be >= 1")
+        check(self.network.group_devices >= self.node.devices, key(path, "network.group_devices"),
+              self.network.group_devices, f"must be >= node.devices={self.node.devices}")
+
+    # Convenience views used throughout the cost model.
+    @property
+    def hbm_bytes(self) -> float:
+        return self.device.usable_memory_gb * GB
+
+    def peak(self, dtype: str) -> float:
+        return self.device.peak_flops_fp32 if dtype == "float32" else self.device.peak_flops
+
+    def node_bw(self, k) -> np.ndarray:
+        """Ring busbw ceiling of k devices of one node, bytes/s. On a pairwise mesh, k-1 disjoint
+        rings can run at once (3 × 150 GB/s on a 4-GPU GH200 node, reference §3.2.1)."""
+        k = np.asarray(k, dtype=np.float64)
+        if self.node.topology == "mesh":
+            return self.node.link_bw * np.maximum(k - 1.0, 1.0)
+        return np.full_like(k, self.node.link_bw)
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+
+def profile_path(name: str) -> str:
+    return os.path.join(HARDWARE_DIR, f"{name}.yaml")
+
+
+def calibrated_path(name: str) -> str:
+    root = os.environ.get("RPEG_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rpeg_jax"))
+    return os.path.join(root, "hardware", f"{name}.yaml")
+
+
+def known_profiles() -> list[str]:
+    return sorted(f[:-5] for f in os.listdir(HARDWARE_DIR) if f.endswith(".yaml"))
+
+
+def from_dict(data: dict, path: str = "hardware") -> HardwareProfile:
+    """Build and validate a profile from a plain dict (errors name the dotted key and value)."""
+    if not isinstance(data, dict):
+        raise ConfigError(path, data, "a hardware profile must be a mapping")
+    return build(HardwareProfile, data, path)
+
+
+def load_hardware(name_or_path: str, calibrated: bool = True) -> HardwareProfile:
+    """A profile by preset name (configs/hardware/) or YAML path; a calibrated copy wins if present."""
+    if name_or_path.endswith((".yaml", ".yml")) or os.sep in name_or_path:
+        path = name_or_path
+    else:
+        path = profile_path(name_or_path)
+        if calibrated and os.path.isfile(calibrated_path(name_or_path)):
+            path = calibrated_path(name_or_path)
+        elif not os.path.isfile(path):
+            raise ConfigError("costmodel.hardware", name_or_path,
+                              f"unknown hardware profile; known: {', '.join(known_profiles())}")
+    if not os.path.isfile(path):
+        raise ConfigError("costmodel.hardware", name_or_path, "file not found")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ConfigError("costmodel.hardware", path, f"invalid YAML: {str(e).splitlines()[0]}") from None
+    return from_dict(data, f"hardware[{os.path.basename(path)}]")
+
+
+def save_hardware(profile: HardwareProfile, path: str) -> str:
+    """Write a profile as YAML (atomically: a temp file renamed into place)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    data = to_dict(profile)
+    with open(tmp, "w") as f:
+        yaml.safe_dump(data, f, sort_keys=False)
+    os.replace(tmp, path)
+    return path
+
+
+def with_nodes(profile: HardwareProfile, **changes) -> HardwareProfile:
+    """A copy with some top-level sections replaced (used by calibration and tests)."""
+    import dataclasses
+
+    out = dataclasses.replace(profile, **changes)
+    out.validate("hardware")
+    return out
+

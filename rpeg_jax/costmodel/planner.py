@@ -1,0 +1,432 @@
+"""The planner: search placements, per-stage layouts, micro-batches and the structural knobs;
+predict step time and memory of every candidate; return the best plan, runners-up and baselines.
+
+    plan = choose_plan(cfg, num_devices, hardware)     # a graph.plan.Plan, predictions inside
+    result = search(cfg, num_devices, hardware)       # everything `rpeg plan` prints
+
+Search, per placement family (colocated | split, actor-critic shared or not):
+  1. candidates.build: every (groups, generation / training / forward layout) row with its best
+     micro-batch and remat choice that fits in memory; base stage durations per row (vectorised).
+  2. prune to the rows best by a serial and an overlapped proxy of the step;
+  3. for every structural option (staleness k, fusion, streamed pieces), build the graph with
+     the graph passes and simulate its schedule over all kept rows at once (schedule.py).
+Baselines are the best plan of their own family on the same table (no straw men):
+  verl-like: colocated, synchronous, unfused, one training layout for every training-side
+             stage, rollout with its own tensor parallelism;
+  ReaL-like: colocated, synchronous, unfused, per-stage layouts with parameter reallocation.
+Nothing here imports JAX: planning a 256-GPU cluster runs on a laptop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rpeg_jax.config.pipeline import PipelineConfig
+from rpeg_jax.config.run import RunConfig
+from rpeg_jax.costmodel import candidates as C
+from rpeg_jax.costmodel import stages as S
+from rpeg_jax.costmodel.hardware import GB, HardwareProfile, load_hardware
+from rpeg_jax.costmodel.lengths import LengthDist
+from rpeg_jax.costmodel.schedule import simulate, stage_spans, unroll
+from rpeg_jax.costmodel.shape import ModelShape
+from rpeg_jax.graph.algorithms import build_graph
+from rpeg_jax.graph.ir import Graph, GraphError, Op, StageKind
+from rpeg_jax.graph.passes import apply_pipeline
+from rpeg_jax.graph.plan import DeviceGroup, Plan, StagePlan, knobs_of, rules_for
+
+KEEP_ROWS = 96  # rows per family and proxy kept for schedule simulation
+
+
+@dataclass
+class Context:
+    """Everything fixed for one planning problem."""
+
+    cfg: RunConfig
+    hw: HardwareProfile
+    N: int
+    st: S.Setting
+    base: Graph  # synchronous unfused graph of the config
+    useful_flops: float  # model FLOPs of one step on real tokens (utilization numerator)
+
+
+@dataclass
+class Prediction:
+    """One fully specified plan and what the model predicts for it."""
+
+    label: str
+    step_time_s: float  # steady-state seconds per RL step
+    latency_s: float  # makespan of one step from a cold start
+    memory_per_gpu_gb: float  # predicted peak
+    utilization: float  # useful FLOPs / (step time × devices × peak)
+    stage_times_s: dict[str, float]  # duration of each graph stage
+    spans: dict[str, tuple[float, float]]  # (start, end) of each stage within a steady step
+    knobs: dict[str, Any]
+    layout: dict[str, Any]  # groups, meshes and settings of the row
+    plan: Plan | None = None
+
+    def summary(self) -> dict[str, Any]:
+        return {"step_time_s": self.step_time_s, "latency_s": self.latency_s,
+                "memory_per_gpu_gb": self.memory_per_gpu_gb, "utilization": self.utilization,
+                "stage_times_s": self.stage_times_s, "knobs": self.knobs, "layout": self.layout}
+
+
+@dataclass
+class SearchResult:
+    chosen: Prediction
+    runners_up: list[Prediction]
+    baselines: dict[str, Prediction]
+    search_seconds: float
+    evaluations: int  # candidate plans scored (rows × structural options simulated + rows built)
+    hardware: str
+    num_devices: int
+    notes: list[str] = field(default_factory=list)
+
+
+# ---- context -------------------------------------------------------------------------------
+def length_dist(cfg: RunConfig) -> LengthDist:
+    c, r = cfg.costmodel, cfg.rollout.max_new_tokens
+    lo = min(c.response_len_min, r)
+    med = None if c.response_len_median is None else min(max(c.response_len_median, lo), r)
+    return LengthDist(max_len=r, min_len=lo, median=med, sigma=c.response_len_sigma)
+
+
+def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile) -> Context:
+    if num_devices < 1:
+        raise GraphError("num_devices", f"{num_devices} must be >= 1")
+    c = cfg.costmodel
+    flash = c.attention == "flash" or (c.attention == "auto" and hw.kind != "cpu")
+    base = build_graph(cfg)
+    sz = base.sizes
+    st = S.Setting(hw=hw, B=sz["B"], P=sz["P"], R=sz["R"], G=sz["G"], dist=length_dist(cfg),
+                   causal_skip=flash, dense_scores=not flash, packing=c.sequence_packing,
+                   budget_bytes=c.memory_budget * hw.hbm_bytes)
+    return Context(cfg, hw, num_devices, st, base, useful_flops(st, base))
+
+
+def roles_of(ctx: Context, graph: Graph) -> C.Roles:
+    """Model shapes by role as the graph's stages use them (shared backbone included)."""
+    models = {}
+    for s in graph.stages():
+        for p in (s.parts or (s,)):
+            for m in (p.workload.models if p.workload else ()):
+                models.setdefault(m.role, ModelShape.of(m))
+    rl = ctx.cfg.rl
+    return C.Roles(actor=models["actor"], critic=models.get("critic"), ref=models.get("reference"),
+                   epochs=rl.ppo_epochs, minibatches=rl.minibatches)
+
+
+def useful_flops(st: S.Setting, g: Graph) -> float:
+    """FLOPs of one step's model work on the real (unpadded) tokens: generation (2N per token +
+    attention), each forward, each update (3× forward). Plan-independent, so utilization is
+    proportional to throughput."""
+    lens = st.dist.lengths(st.B).astype(np.float64)
+    tok, scored, sq = float(np.sum(st.P + lens)), float(np.sum(lens)), float(np.sum((st.P + lens) ** 2))
+    total = 0.0
+    for s in g.stages():
+        w = s.workload
+        if w is None or not w.models:
+            continue
+        ms = ModelShape.of(w.models[0])
+        fwd = float(ms.forward_flops(tok, scored, sq, causal_skip=True))
+        if w.op == Op.GENERATE:
+            total += fwd
+        elif w.op == Op.FORWARD:
+            total += fwd
+        elif w.op == Op.TRAIN:
+            total += 3.0 * fwd * w.epochs
+    return total
+
+
+# ---- structural options -------------------------------------------------------------------
+def structural_options(ctx: Context, placement: str, share: bool) -> list[PipelineConfig]:
+    cfg, c = ctx.cfg, ctx.cfg.costmodel
+    elide = cfg.pipeline.elide_old_forward
+    fuses = [()] + ([("forwards",), ("advantage",), ("forwards", "advantage")] if c.search_fusion else [])
+    # Staleness also pays colocated: admission stays continuous across the training phase
+    # (partial rollouts, KV recomputed), so generation is throughput-bound instead of tail-bound.
+    ks = [0] if elide else list(range(0, c.max_staleness + 1))
+    pieces = [1] if placement == "colocated" else [m for m in (1, 2, 4, 8) if ctx.base.sizes["N"] % m == 0]
+    out = []
+    for k, fz, m in itertools.product(ks, fuses, pieces):
+        out.append(PipelineConfig(staleness=k, share_actor_critic=share, fuse=fz, elide_old_forward=elide,
+                                  microbatches=m, placement=placement,
+                                  split_sizes=(1, 1) if placement == "split" else (), plan="manual"))
+    return out
+
+
+def families(ctx: Context) -> list[tuple[str, bool]]:
+    shares = [False]
+    if ctx.cfg.rl.algorithm == "ppo" and ctx.cfg.costmodel.search_share_actor_critic:
+        shares.append(True)
+    if ctx.cfg.pipeline.share_actor_critic:
+        shares = [True]
+    places = ["colocated"] + (["split"] if ctx.N >= 2 else [])
+    return [(p, s) for p in places for s in shares]
+
+
+def gen_sizes(ctx: Context) -> list[int]:
+    """Generation group sizes of split placements: whole nodes when there are several."""
+    node = ctx.hw.node.devices
+    step = node if ctx.N >= 2 * node else 1
+    return list(range(step, ctx.N, step))
+
+
+# ---- durations of a graph's stages for a table of rows ------------------------------------------
+def _part_time(kind: StageKind, tab: dict, graph: Graph) -> np.ndarray:
+    shared = bool(graph.attrs.get("shared"))
+    if kind == StageKind.GENERATE:
+        k = int(graph.attrs.get("staleness", 0))
+        return tab[f"t_gen_k{k}"] if k else tab["t_gen"]
+    if kind == StageKind.REWARD:
+        return tab["t_reward"]
+    if kind == StageKind.REF_FORWARD:
+        return tab["t_fwd_ref"]
+    if kind == StageKind.OLD_FORWARD:
+        return tab["t_fwd_actor"] + tab["t_realloc_actor"]
+    if kind == StageKind.CRITIC_FORWARD:
+        if shared:
+            return tab["t_fwd_actor"] + tab["t_realloc_actor"]
+        return tab["t_fwd_critic"] + tab["t_realloc_critic"]
+    if kind == StageKind.ADVANTAGE:
+        return tab["t_adv"]
+    if kind == StageKind.ACTOR_UPDATE:
+        return tab["t_upd_actor"]
+    if kind == StageKind.CRITIC_UPDATE:
+        return tab["t_upd_critic"]
+    if kind == StageKind.WEIGHT_SYNC:
+        return tab["t_sync"]
+    raise GraphError(kind.value, "the cost model has no price for this stage kind")
+
+
+def durations(ctx: Context, graph: Graph, tab: dict) -> tuple[dict, dict]:
+    """Per-stage seconds for every row, and generation's per-piece seconds when streamed."""
+    dur, pieces = {}, {}
+    for s in graph.stages():
+        parts = s.parts or (s,)
+        t = sum(_part_time(p.kind, tab, graph) for p in parts)
+        if len(parts) > 1:  # one jitted program instead of several dispatches
+            t = t - (len(parts) - 1) * ctx.hw.efficiency.dispatch_s
+        dur[s.name] = t
+        sync_gen = not graph.attrs.get("staleness")  # async generation is throughput-bound: even pieces
+        if any(p.kind == StageKind.GENERATE for p in parts) and s.microbatches > 1 and sync_gen:
+            m = s.microbatches
+            qs = [tab["gen_q"][:, (8 * j) // m - 1] for j in range(1, m)]
+            marks = [np.zeros_like(t)] + qs + [tab["t_gen"]]
+            extra = t - tab["t_gen"]
+            pieces[s.name] = [marks[j + 1] - marks[j] + extra / m for j in range(m)]
+    return dur, pieces
+
+
+def _take(tab: dict, idx) -> dict:
+    return {k: v[idx] for k, v in tab.items()}
+
+
+def _prune(tab: dict, ctx: Context, graph: Graph, keep: int) -> np.ndarray:
+    """Row indices best by the serial step (colocated) and the overlapped one (split)."""
+    dur, _ = durations(ctx, graph, tab)
+    serial = sum(dur.values())
+    gen = dur.get("generate", 0.0)
+    overlapped = np.maximum(gen, serial - gen)
+    idx = set(np.argsort(serial, kind="stable")[:keep].tolist())
+    idx |= set(np.argsort(overlapped, kind="stable")[:keep].tolist())
+    idx |= set(np.argsort(tab["mem_peak"], kind="stable")[:4].tolist())
+    return np.array(sorted(idx), dtype=np.int64)
+
+
+# ---- search --------------------------------------------------------------------------------
+@dataclass
+class _Scored:
+    period: np.ndarray
+    latency: np.ndarray
+    graph: Graph
+    pipeline: PipelineConfig
+    tab: dict
+
+
+def _graphs(ctx: Context, opts: list[PipelineConfig]) -> list[tuple[PipelineConfig, Graph]]:
+    out = []
+    for o in opts:
+        try:
+            out.append((o, apply_pipeline(ctx.base, o, ctx.cfg.rl)))
+        except GraphError:  # an illegal combination for this algorithm (e.g. nothing to fuse)
+            continue
+    return out
+
+
+def _table(ctx: Context, graph: Graph, placement: str, cache: dict) -> dict:
+    key = (placement, bool(graph.attrs.get("shared")))
+    if key not in cache:
+        cache[key] = C.build(ctx.st, roles_of(ctx, graph), ctx.N, placement, gen_sizes(ctx),
+                             ctx.cfg.costmodel.tensor_sizes, ctx.cfg.costmodel.max_staleness)
+    return cache[key]
+
+
+def resolve_hardware(cfg: RunConfig, hardware) -> HardwareProfile:
+    if isinstance(hardware, HardwareProfile):
+        return hardware
+    return load_hardware(hardware or cfg.costmodel.hardware)
+
+
+def search(cfg: RunConfig, num_devices: int | None = None, hardware=None) -> SearchResult:
+    """Score every candidate plan of `cfg` on `num_devices` devices of `hardware`."""
+    t0 = time.perf_counter()
+    hw = resolve_hardware(cfg, hardware)
+    n = num_devices or cfg.costmodel.num_devices
+    if not n:
+        raise GraphError("num_devices", "give the device count (costmodel.num_devices or --gpus)")
+    ctx = make_context(cfg, n, hw)
+    cache: dict = {}
+    scored: list[_Scored] = []
+    evaluations = 0
+    for placement, share in families(ctx):
+        pairs = _graphs(ctx, structural_options(ctx, placement, share))
+        if not pairs:
+            continue
+        tab = _table(ctx, pairs[0][1], placement, cache)
+        if not tab:
+            continue
+        evaluations += len(tab["n_gen"])
+        sub = _take(tab, _prune(tab, ctx, pairs[0][1], KEEP_ROWS))
+        for pipe, g in pairs:
+            dur, pieces = durations(ctx, g, sub)
+            period, latency, _, _ = simulate(unroll(g, shared_resource=hw.shared_host), dur, pieces)
+            evaluations += len(period)
+            scored.append(_Scored(period, latency, g, pipe, sub))
+    if not scored:
+        raise GraphError("plan", f"no plan fits: every layout exceeds {ctx.st.budget_bytes / GB:.1f} GB per device "
+                                 f"(costmodel.memory_budget={cfg.costmodel.memory_budget} of {hw.name})")
+    scored.sort(key=lambda s: float(np.min(s.period)))
+    best = [predict(ctx, s.graph, s.pipeline, s.tab, int(np.argmin(s.period)), "chosen" if i == 0 else f"runner-up {i}")
+            for i, s in enumerate(scored[: 1 + cfg.costmodel.runners_up])]
+    baselines = {name: b for name, b in ((nm, baseline(ctx, nm, cache)) for nm in ("verl_like", "real_like"))
+                 if b is not None}
+    res = SearchResult(chosen=best[0], runners_up=best[1:], baselines=baselines,
+                       search_seconds=time.perf_counter() - t0, evaluations=evaluations,
+                       hardware=hw.name, num_devices=n)
+    res.notes = explain(ctx, res)
+    return res
+
+
+def baseline(ctx: Context, name: str, cache: dict) -> Prediction | None:
+    """The best plan of a baseline family on the same table (see the module docstring)."""
+    pipe = PipelineConfig(placement="colocated")
+    g = apply_pipeline(ctx.base, pipe, ctx.cfg.rl)
+    tab = _table(ctx, g, "colocated", cache)
+    if not tab:
+        return None
+    mask = np.ones(len(tab["n_gen"]), bool)
+    if name == "verl_like":  # one training layout for the forwards and the updates
+        mask = (tab["d"] == tab["fd"]) & (tab["f"] == tab["ff"]) & (tab["t"] == tab["ft"])
+    if not mask.any():
+        return None
+    sub = _take(tab, np.nonzero(mask)[0])
+    dur, pieces = durations(ctx, g, sub)
+    period, _, _, _ = simulate(unroll(g, shared_resource=ctx.hw.shared_host), dur, pieces)
+    return predict(ctx, g, pipe, sub, int(np.argmin(period)), name)
+
+
+def predict(ctx: Context, graph: Graph, pipe: PipelineConfig, tab: dict, i: int, label: str) -> Prediction:
+    """Simulate one row of a table in detail and wrap it as a Prediction with its Plan."""
+    row = _take(tab, np.array([i]))
+    dur, pieces = durations(ctx, graph, row)
+    prog = unroll(graph, shared_resource=ctx.hw.shared_host)
+    period, latency, starts, ends = simulate(prog, dur, pieces, record=True)
+    period, latency = float(period[0]), float(latency[0])
+    peak = ctx.hw.peak(roles_of(ctx, graph).actor.dtype)
+    util = ctx.useful_flops / (period * ctx.N * peak) if period > 0 else 0.0
+    r = {k: v[0].item() if np.ndim(v[0]) == 0 else v[0] for k, v in row.items()}
+    sync = not pipe.staleness
+    slots = min(int(r["slots"]), int(r["n_rep"])) if sync else int(r["slots"])
+    layout = {
+        "groups": {"gen": int(r["n_gen"]), "train": int(r["n_train"])} if pipe.placement == "split"
+        else {"all": ctx.N},
+        "generate": {"tensor": int(r["t_g"]), "replicas": int(r["n_gen"] // r["t_g"]), "slots": slots},
+        "train": {"data": int(r["d"]), "fsdp": int(r["f"]), "tensor": int(r["t"]),
+                  "micro_batches": int(r["micro"]), "remat": C.REMATS[int(r["remat"])]},
+        "forward": {"data": int(r["fd"]), "fsdp": int(r["ff"]), "tensor": int(r["ft"]),
+                    "micro_batches": int(r["fmicro"])},
+    }
+    if pipe.placement == "split":
+        pipe = dataclasses.replace(pipe, split_sizes=(int(r["n_gen"]), int(r["n_train"])))
+    pred = Prediction(label=label, step_time_s=period, latency_s=latency,
+                      memory_per_gpu_gb=float(r["mem_peak_sync" if sync else "mem_peak"]) / GB, utilization=util,
+                      stage_times_s={k: float(np.asarray(v).ravel()[0]) for k, v in dur.items()},
+                      spans=stage_spans(prog, starts, ends), knobs=knobs_of(pipe), layout=layout)
+    pred.plan = to_plan(ctx, graph, pipe, pred)
+    return pred
+
+
+def _mesh(part: dict) -> dict[str, int]:
+    if "replicas" in part:
+        return {"data": part["replicas"], "fsdp": 1, "tensor": part["tensor"]}
+    return {"data": part["data"], "fsdp": part["fsdp"], "tensor": part["tensor"]}
+
+
+TRAIN_SIDE = {StageKind.ACTOR_UPDATE, StageKind.CRITIC_UPDATE, StageKind.ADVANTAGE, StageKind.WEIGHT_SYNC}
+GEN_SIDE = {StageKind.GENERATE, StageKind.REWARD}
+
+
+def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) -> Plan:
+    """The graph package's Plan for a prediction (meshes per stage, groups, knobs, settings)."""
+    lay = pred.layout
+    if pipe.placement == "split":
+        ng = lay["groups"]["gen"]
+        groups = (DeviceGroup("gen", tuple(range(ng))), DeviceGroup("train", tuple(range(ng, ctx.N))))
+    else:
+        groups = (DeviceGroup("all", tuple(range(ctx.N))),)
+    entries = []
+    for s in graph.stages():
+        kinds = {p.kind for p in (s.parts or (s,))}
+        part = lay["generate"] if kinds <= GEN_SIDE else lay["train"] if kinds & TRAIN_SIDE else lay["forward"]
+        entries.append(StagePlan(s.name, s.placement, _mesh(part), rules_for(s, ctx.cfg), s.microbatches))
+    predicted = {"step_time_s": pred.step_time_s, "latency_s": pred.latency_s,
+                 "memory_per_gpu_gb": pred.memory_per_gpu_gb, "utilization": pred.utilization,
+                 "stage_times_s": pred.stage_times_s, "hardware": ctx.hw.name,
+                 "settings": {"rl.micro_batches": lay["train"]["micro_batches"], "model.remat": lay["train"]["remat"],
+                              "rollout.max_slots": lay["generate"]["slots"],
+                              "forward_micro_batches": lay["forward"]["micro_batches"]}}
+    return Plan(num_devices=ctx.N, groups=groups, stages=tuple(entries), knobs=knobs_of(pipe),
+                source="planner", predicted=predicted).check(graph)
+
+
+def choose_plan(cfg: RunConfig, num_devices: int | None = None, hardware=None) -> Plan:
+    """The planner entry point for the runtime (`pipeline.plan: auto`): the best Plan, with the
+    predicted step time, memory, utilization and per-stage seconds in `plan.predicted`."""
+    return search(cfg, num_devices, hardware).chosen.plan
+
+
+def predicted_stage_times(plan: Plan) -> dict[str, float]:
+    """Per-stage predicted seconds of a planner Plan (empty for manual plans)."""
+    return dict(plan.predicted.get("stage_times_s", {}))
+
+
+def explain(ctx: Context, res: SearchResult) -> list[str]:
+    """A few sentences on why the chosen plan wins."""
+    c = res.chosen
+    out = []
+    busy: dict[str, float] = {}
+    groups = c.plan.groups if c.plan else ()
+    for g in groups:
+        busy[g.name] = sum(v for k, v in c.stage_times_s.items()
+                           if c.plan.stage(k).group == g.name and not k.startswith("reward"))
+    if len(busy) > 1:
+        slow = max(busy, key=busy.get)
+        out.append(f"split placement: the {slow!r} group sets the period (busy {busy[slow]:.3g} s per step; "
+                   + ", ".join(f"{k} {v:.3g} s" for k, v in busy.items() if k != slow) + ")"
+                   + (f"; staleness k={c.knobs['staleness']} overlaps generation with training"
+                      if c.knobs.get("staleness") else "; streamed pieces overlap the forwards with generation"))
+    else:
+        top = sorted(c.stage_times_s.items(), key=lambda kv: -kv[1])[:2]
+        out.append("colocated: stages run one after another; largest " + ", ".join(f"{k} {v:.3g} s" for k, v in top))
+    for name, b in res.baselines.items():
+        out.append(f"{name}: {b.step_time_s:.3g} s/step ({b.step_time_s / c.step_time_s:.2f}x the chosen plan); "
+                   f"its largest stage is {max(b.stage_times_s, key=b.stage_times_s.get)}")
+    out.append(f"memory: {c.memory_per_gpu_gb:.1f} GB of a {ctx.st.budget_bytes / GB:.1f} GB budget per device; "
+               f"layouts that do not fit were rejected before simulation")
+    return out

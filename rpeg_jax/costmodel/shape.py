@@ -1,0 +1,121 @@
+"""FLOPs, bytes and memory of one decoder model, from its shape alone (the formulas of §3).
+
+Letters (as in models/): L layers, D hidden, H query heads, K kv heads, E head_dim, F mlp width,
+V vocab; t = tensor-parallel degree; a = bytes per element of the compute dtype, p = of the
+parameter dtype. Every method takes numpy arrays or scalars, so the planner evaluates thousands
+of layouts at once. Equations (../shared/reference/costmodel.md):
+
+    matmul FLOPs per token per layer, forward = 2 (D·HE + 2·D·KE + HE·D + 3·D·F)       (§3.1)
+    attention FLOPs per sequence of length s  = 4·L·HE·s² (dense) or 2·L·HE·s² (causal skip)
+    LM head FLOPs per scored token            = 2·D·V
+    KV bytes per token                        = 2·L·K·E·a                                 (§3.5)
+    saved activations per token per layer     = a (4D + (2HE + 2KE + 3F)/t) [+ scores]     (§3.4)
+
+Callers: costmodel/stages.py (stage times), costmodel/memory.py, tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rpeg_jax.graph.ir import DTYPE_BYTES, ModelDims
+
+LOGITS_BUDGET = 1 << 24  # float32 logits elements per chunk (models/logprobs.py LOGITS_BUDGET)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model's dimensions plus derived per-token costs (forward direction)."""
+
+    num_params: int
+    L: int
+    D: int
+    H: int
+    K: int
+    E: int
+    F: int
+    V: int
+    param_bytes_per: int  # p
+    act_bytes_per: int  # a
+    dtype: str
+    value_head: bool = False
+
+    @staticmethod
+    def of(m: ModelDims) -> ModelShape:
+        return ModelShape(num_params=m.num_params, L=m.num_layers, D=m.hidden_size, H=m.num_heads,
+                          K=m.num_kv_heads, E=m.head_dim, F=m.intermediate_size, V=m.vocab_size,
+                          param_bytes_per=DTYPE_BYTES[m.param_dtype], act_bytes_per=DTYPE_BYTES[m.dtype],
+                          dtype=m.dtype, value_head=m.value_head)
+
+    # ---- FLOPs ---------------------------------------------------------------------------
+    @property
+    def layer_matmul_flops(self) -> int:
+        """Forward matmul FLOPs per token per layer (Q, K, V, O projections and SwiGLU)."""
+        d, q, kv, f = self.D, self.H * self.E, self.K * self.E, self.F
+        return 2 * (d * q + 2 * d * kv + q * d + 3 * d * f)
+
+    @property
+    def head_flops(self) -> int:
+        """LM head FLOPs per scored token."""
+        return 2 * self.D * self.V
+
+    def attn_flops(self, sum_sq, causal_skip: bool):
+        """Attention score + value FLOPs (forward, all layers) for Σ s² over the sequences."""
+        return (2 if causal_skip else 4) * self.L * self.H * self.E * np.asarray(sum_sq, dtype=np.float64)
+
+    def forward_flops(self, tokens, scored, sum_sq, causal_skip: bool):
+        """One forward over `tokens` positions with logits at `scored` positions."""
+        return (np.asarray(tokens, np.float64) * self.L * self.layer_matmul_flops
+                + np.asarray(scored, np.float64) * self.head_flops + self.attn_flops(sum_sq, causal_skip))
+
+    def decode_flops(self, batch, ctx):
+        """One decode step: `batch` new tokens each attending over `ctx` cached positions."""
+        b = np.asarray(batch, np.float64)
+        return b * (self.L * self.layer_matmul_flops + self.head_flops
+                    + 4.0 * self.L * self.H * self.E * np.asarray(ctx, np.float64))
+
+    def mm_size(self, tokens, t):
+        """FLOPs of the largest single matmul (the MLP up projection) for `tokens` rows on one
+        shard: the size the matmul efficiency table is looked up by."""
+        return 2.0 * np.asarray(tokens, np.float64) * self.D * self.F / np.asarray(t, np.float64)
+
+    # ---- bytes ---------------------------------------------------------------------------
+    @property
+    def layer_params(self) -> int:
+        d, q, kv, f = self.D, self.H * self.E, self.K * self.E, self.F
+        return d * q + 2 * d * kv + q * d + 3 * d * f + 2 * d
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.L * self.K * self.E * self.act_bytes_per
+
+    def kv_shards(self, t):
+        """KV heads split over min(t, K) devices; beyond K they are replicated (§3.5)."""
+        return np.minimum(np.asarray(t, np.float64), self.K)
+
+    def weight_bytes(self, dtype_bytes: int | None = None) -> float:
+        return float(self.num_params * (dtype_bytes or self.act_bytes_per))
+
+    def train_state_bytes(self) -> float:
+        """params + grads + Adam m, v, all in the parameter dtype (optax keeps m, v in it)."""
+        return 4.0 * self.num_params * self.param_bytes_per
+
+    def act_bytes_per_token_layer(self, t, remat: str, dense_scores_ctx=0.0):
+        """Activation bytes a layer saves for backward per token (Korthikanti-style count for
+        SwiGLU/GQA without dropout; tensor parallelism splits the head and mlp parts).
+        `dense_scores_ctx`: context length when attention materialises f32 scores and probs."""
+        t = np.asarray(t, np.float64)
+        a = self.act_bytes_per
+        q, kv, f = self.H * self.E, self.K * self.E, self.F
+        full = a * (4 * self.D + (2 * q + 2 * kv + 3 * f) / t) + 8.0 * self.H / t * np.asarray(dense_scores_ctx)
+        if remat == "full":  # only the layer input (the scan carry) is kept
+            return np.full_like(full, a * self.D)
+        if remat == "dots":  # matmul outputs kept, elementwise results and scores recomputed
+            return np.broadcast_to(a * (2 * self.D + (2 * q + 2 * kv + 2 * f) / t), full.shape).copy()
+        return full
+
+    def logits_bytes(self, scored_tokens):
+        """Working set of one logits chunk (f32 logits + log-softmax temporaries, ≈3 copies)."""
+        return 3.0 * 4.0 * np.minimum(np.asarray(scored_tokens, np.float64) * self.V, LOGITS_BUDGET)

@@ -1,0 +1,272 @@
+"""Time and memory per device of each stage kind under a parallel layout (vectorised).
+
+A layout is arrays over candidates: a training/forward stage runs on `n` devices as
+data d × fsdp f × tensor t (tensor innermost), with `micro` micro-batches per optimizer step
+and a remat mode; generation runs n/t replicas of t-way tensor parallelism with `slots`
+concurrent sequences each. Times are rooflines with the profile's efficiencies (§3.6):
+
+    t_core   = max(FLOPs / (peak · eff_mm(matmul size)), bytes / (bw · eff_mem(bytes)))
+    t_stage  = t_core + exposed comm + optimizer + fixed overheads
+    exposed  = tensor collectives + overlappable (fsdp/data) − overlap · min(overlappable, t_core)
+    t_decode = Σ_bins steps · [max(compute(b, c), (W/t + b·c·KV/min(t,K)) / bw) + TP all-reduces + step cost]
+
+On a `shared_host` profile (the 8 forced CPU devices) a group's devices share one host's FLOP/s
+and bandwidth, so per-device rates are divided by the devices busy at once.
+
+Callers: costmodel/planner.py (thousands of layouts at once), bench/costmodel_validate.py, tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rpeg_jax.costmodel.comm import collective_time
+from rpeg_jax.costmodel.hardware import HardwareProfile, interp_eff
+from rpeg_jax.costmodel.lengths import LengthDist, gen_schedule
+from rpeg_jax.costmodel.shape import ModelShape
+
+REMAT_EXTRA_FWD = {"none": 0.0, "dots": 0.0, "full": 1.0}  # extra forwards of the layers in backward
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What does not vary over candidate plans: hardware, batch sizes, lengths, kernels."""
+
+    hw: HardwareProfile
+    B: int  # sequences per step
+    P: int  # prompt length (padded)
+    R: int  # max response length (padded)
+    G: int  # group size (prompts share their KV pages across a group)
+    dist: LengthDist
+    causal_skip: bool  # attention kernel skips the masked half (flash) or not (dense)
+    dense_scores: bool  # attention materialises [T, T] scores (dense) and saves them
+    packing: bool  # trainer packs sequences instead of padding to R
+    budget_bytes: float  # memory per device plans may use
+
+    @property
+    def seq_tokens(self) -> float:
+        """Tokens per sequence the trainer computes on."""
+        return self.P + (self.dist.mean(self.B) if self.packing else self.R)
+
+    @property
+    def seq_sumsq(self) -> float:
+        if self.packing:
+            ln = self.dist.lengths(self.B).astype(np.float64)
+            return float(np.mean((self.P + ln) ** 2))
+        return float((self.P + self.R) ** 2)
+
+    @property
+    def seq_scored(self) -> float:
+        """Positions with logits per sequence (the response window)."""
+        return self.dist.mean(self.B) if self.packing else float(self.R)
+
+
+def rates(hw: HardwareProfile, dtype: str, busy):
+    """(FLOP/s, bytes/s, overhead multiplier) per device when `busy` devices work at once."""
+    busy = np.asarray(busy, np.float64)
+    if hw.shared_host:
+        share = np.maximum(busy, 1.0)
+        return hw.peak(dtype) / share, hw.device.memory_bw / share, np.maximum(busy / hw.host_cores, 1.0)
+    one = np.ones_like(busy)
+    return hw.peak(dtype) * one, hw.device.memory_bw * one, one
+
+
+def roofline(hw: HardwareProfile, flops, nbytes, mm_size, rate, bw):
+    t_c = flops / (rate * interp_eff(hw.efficiency.matmul, mm_size))
+    t_m = nbytes / (bw * interp_eff(hw.efficiency.memory, nbytes))
+    return np.maximum(t_c, t_m)
+
+
+def _exposed(hw: HardwareProfile, core, overlappable, serial):
+    return serial + overlappable - hw.efficiency.overlap * np.minimum(overlappable, core)
+
+
+def train_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, remat: str, epochs: int = 1,
+                minibatches: int = 1, heads: int = 1):
+    """(seconds, parts dict) of forward + backward + optimizer over the batch on one layout."""
+    hw = st.hw
+    d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
+    seqs = st.B / (d * f)  # sequences per device per epoch
+    n_mb = minibatches * micro
+    tok_mb = seqs * st.seq_tokens / n_mb
+    fwd = ms.forward_flops(seqs * st.seq_tokens, seqs * st.seq_scored * heads, seqs * st.seq_sumsq,
+                           st.causal_skip) / t
+    layer_fwd = ms.forward_flops(seqs * st.seq_tokens, 0.0, seqs * st.seq_sumsq, st.causal_skip) / t
+    flops = epochs * (3.0 * fwd + REMAT_EXTRA_FWD[remat] * layer_fwd)
+    rate, bw, ovh = rates(hw, ms.dtype, busy)
+    w_read = ms.weight_bytes() / t
+    act = ms.L * ms.act_bytes_per_token_layer(t, remat, st.P + st.R if st.dense_scores else 0.0)
+    nbytes = epochs * (3.0 * w_read * n_mb + 3.0 * act * seqs * st.seq_tokens)
+    core = roofline(hw, flops, nbytes, ms.mm_size(tok_mb, t), rate, bw)
+    # Collectives per micro-batch: FSDP gathers each layer twice (forward, backward) and
+    # reduce-scatters its gradient; TP all-reduces 2 activations per layer per direction.
+    layer_p = ms.layer_params * ms.param_bytes_per / t
+    fsdp = ms.L * (2.0 * collective_time(hw, "all_gather", layer_p, f, t)
+                   + collective_time(hw, "reduce_scatter", layer_p, f, t))
+    n_tp = 4.0 + (2.0 if remat == "full" else 0.0)
+    tp = n_tp * ms.L * collective_time(hw, "all_reduce", tok_mb * ms.D * ms.act_bytes_per, t, 1)
+    dp = collective_time(hw, "all_reduce", ms.num_params * ms.param_bytes_per / (f * t), d, f * t)
+    overl = epochs * (n_mb * fsdp + minibatches * dp)
+    comm = _exposed(hw, core, overl, epochs * n_mb * tp)
+    opt_bytes = 7.0 * ms.num_params * ms.param_bytes_per / (f * t)
+    opt = epochs * minibatches * opt_bytes / (bw * interp_eff(hw.efficiency.memory, opt_bytes))
+    over = epochs * (minibatches * hw.efficiency.dispatch_s + 3.0 * n_mb * ms.L * hw.efficiency.layer_s * ovh)
+    total = core + comm + opt + over
+    return total, {"compute": core, "comm": comm, "optimizer": opt, "overhead": over, "flops": flops}
+
+
+def train_memory(st: Setting, ms: ModelShape, d, f, t, micro, remat: str, minibatches: int = 1):
+    """Peak bytes per device of a training stage beyond nothing: its state + transients."""
+    d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
+    seqs_mb = st.B / (d * f) / (minibatches * micro)
+    tok_mb = seqs_mb * st.seq_tokens
+    dense_ctx = st.P + st.R if st.dense_scores else 0.0
+    act = ms.L * tok_mb * ms.act_bytes_per_token_layer(t, remat, dense_ctx)
+    if remat != "none":  # one layer's full working set while it is recomputed
+        act = act + tok_mb * ms.act_bytes_per_token_layer(t, "none", dense_ctx)
+    gather = np.where(f > 1, 2.0 * ms.layer_params * ms.param_bytes_per / t, 0.0)
+    logits = ms.logits_bytes(seqs_mb * st.seq_scored)
+    return ms.train_state_bytes() / (f * t) + act + gather + logits
+
+
+def forward_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, heads: int = 1):
+    """(seconds, parts) of one forward over the batch (logprobs and/or values)."""
+    hw = st.hw
+    d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
+    seqs = st.B / (d * f)
+    tok_mb = seqs * st.seq_tokens / micro
+    flops = ms.forward_flops(seqs * st.seq_tokens, seqs * st.seq_scored * heads, seqs * st.seq_sumsq,
+                             st.causal_skip) / t
+    rate, bw, ovh = rates(hw, ms.dtype, busy)
+    act = ms.L * ms.act_bytes_per_token_layer(t, "none", 0.0) / 3.0  # written once, read once
+    nbytes = micro * ms.weight_bytes() / t + act * seqs * st.seq_tokens
+    core = roofline(hw, flops, nbytes, ms.mm_size(tok_mb, t), rate, bw)
+    layer_p = ms.layer_params * ms.param_bytes_per / t
+    fsdp = micro * ms.L * collective_time(hw, "all_gather", layer_p, f, t)
+    tp = micro * 2.0 * ms.L * collective_time(hw, "all_reduce", tok_mb * ms.D * ms.act_bytes_per, t, 1)
+    comm = _exposed(hw, core, fsdp, tp)
+    over = hw.efficiency.dispatch_s + micro * ms.L * hw.efficiency.layer_s * ovh
+    return core + comm + over, {"compute": core, "comm": comm, "overhead": over, "flops": flops}
+
+
+def forward_memory(st: Setting, ms: ModelShape, d, f, t, micro):
+    """Transient bytes per device of a forward (weights are counted by the caller)."""
+    d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
+    seqs_mb = st.B / (d * f) / micro
+    tok_mb = seqs_mb * st.seq_tokens
+    dense_ctx = st.P + st.R if st.dense_scores else 0.0
+    live = 2.0 * tok_mb * ms.act_bytes_per_token_layer(t, "none", dense_ctx)
+    gather = np.where(f > 1, 2.0 * ms.layer_params * ms.param_bytes_per / t, 0.0)
+    return live + gather + ms.logits_bytes(seqs_mb * st.seq_scored)
+
+
+def kv_bytes_per_seq(st: Setting, ms: ModelShape, t):
+    """KV pages one sequence holds at the maximum length, per device of its replica."""
+    return (st.P + st.R) * ms.kv_bytes_per_token / ms.kv_shards(t)
+
+
+def generate_memory(st: Setting, ms: ModelShape, t, slots):
+    """Bytes per device of generation: weights in the generation layout, KV pages, working set."""
+    t, slots = np.asarray(t, np.float64), np.asarray(slots, np.float64)
+    kv = slots * kv_bytes_per_seq(st, ms, t)
+    gather = kv / ms.L  # one layer's pages gathered to dense for attention
+    logits = slots * ms.V * 4.0 * 2.0
+    return ms.weight_bytes() / t + kv + gather + logits
+
+
+def max_slots(st: Setting, ms: ModelShape, t, free_bytes):
+    """Concurrent sequences per replica that fit in `free_bytes` per device (after weights)."""
+    t = np.asarray(t, np.float64)
+    per = kv_bytes_per_seq(st, ms, t) * (1.0 + 1.0 / ms.L) + ms.V * 8.0
+    return np.floor(np.maximum(free_bytes - ms.weight_bytes() / t, 0.0) / per)
+
+
+def decode_step_time(st: Setting, ms: ModelShape, t, busy, batch, ctx):
+    """Seconds of one decode step per replica with `batch` active sequences of context `ctx`."""
+    hw = st.hw
+    t = np.asarray(t, np.float64)
+    rate, bw, ovh = rates(hw, ms.dtype, busy)
+    flops = ms.decode_flops(batch, ctx) / t
+    nbytes = (ms.weight_bytes() / t + batch * ctx * ms.kv_bytes_per_token / ms.kv_shards(t)
+              * hw.efficiency.kv_read_factor + batch * ms.V * 4.0)
+    core = roofline(hw, flops, nbytes, ms.mm_size(batch, t), rate, bw)
+    tp = 2.0 * ms.L * collective_time(hw, "all_reduce", batch * ms.D * ms.act_bytes_per, t, 1)
+    return core + tp + hw.efficiency.decode_step_s * ovh + ms.L * hw.efficiency.layer_s * ovh
+
+
+def generate_stage(st: Setting, ms: ModelShape, n_gen: int, t, slots, async_ks=(), recompute: bool = False):
+    """Generation on `n_gen` devices as n_gen/t replicas with `slots` sequences each.
+
+    Returns (seconds, parts, finished_at, async_seconds):
+      seconds: one synchronous batch; the slowest replica's Σ_bins steps · t_step plus prefill.
+      finished_at(q): per candidate, when a fraction q of the batch has finished (streamed pieces).
+      async_seconds[k]: steady-state seconds per step under staleness k ≥ 1, when admission is
+        continuous (up to (k+1)·batch sequences in flight): throughput-bound, the tail hidden,
+            steps = n_rep·E[len] / c,  c = min(slots, (k+1)·n_rep),  ctx ≈ P + E[len²]/(2E[len])
+        plus, with `recompute` (colocated: KV dropped while training runs), re-prefilling the c
+        sequences in flight."""
+    t = np.atleast_1d(np.asarray(t, np.int64))
+    slots = np.atleast_1d(np.asarray(slots, np.int64))
+    t, slots = np.broadcast_arrays(t, slots)
+    reps = np.maximum(n_gen // t, 1)
+    n_rep = -(-st.B // reps)
+    total, decode, prefill = np.zeros(t.shape), np.zeros(t.shape), np.zeros(t.shape)
+    asy = {k: np.zeros(t.shape) for k in async_ks}
+    curves: list = [None] * len(t)
+    for ti, ri, si in set(zip(t.tolist(), reps.tolist(), slots.tolist())):
+        idx = np.nonzero((t == ti) & (reps == ri) & (slots == si))[0]
+        ni = -(-st.B // ri)
+        sched = gen_schedule(st.dist, st.B, int(ri), int(max(si, 1)), st.P)
+        per_bin = [p.steps * decode_step_time(st, ms, ti, n_gen, p.batch, p.ctx) for p in sched.critical]
+        w = int(np.argmax([b.sum() for b in per_bin]))
+        pf = _prefill_time(st, ms, ti, n_gen, -(-ni // st.G), st.P)
+        decode[idx], prefill[idx] = per_bin[w].sum(), pf
+        total[idx] = pf + per_bin[w].sum()
+        cum = np.concatenate([[0.0], np.cumsum(per_bin[w])]) + pf
+        for i in idx:
+            curves[i] = (sched.finish_step, sched.critical[w].bin_edges, cum)
+        ctx = st.P + sched.mean_sq_len / (2.0 * max(sched.mean_len, 1.0))
+        for k in async_ks:
+            c = float(min(si, (k + 1) * ni))
+            steps = ni * sched.mean_len / c
+            t_a = steps * decode_step_time(st, ms, ti, n_gen, c, ctx) + pf
+            if recompute:
+                t_a = t_a + _prefill_time(st, ms, ti, n_gen, c, ctx)
+            asy[k][idx] = t_a
+    total = total + st.hw.efficiency.dispatch_s
+
+    def finished_at(q: float) -> np.ndarray:
+        out = np.empty(len(t))
+        for i, (fin, edges, cum) in enumerate(curves):
+            step = fin[min(len(fin) - 1, max(0, int(np.ceil(q * len(fin))) - 1))]
+            out[i] = np.interp(step, edges, cum)
+        return out
+
+    return total, {"prefill": prefill, "decode": decode}, finished_at, asy
+
+
+def _prefill_time(st: Setting, ms: ModelShape, t, busy, seqs, seq_len):
+    """Prefill of `seqs` sequences of `seq_len` tokens on one replica (a GRPO group's prompt is
+    prefilled once and its pages shared, so callers pass prompts, not sequences)."""
+    hw = st.hw
+    tokens = seqs * seq_len
+    rate, bw, ovh = rates(hw, ms.dtype, busy)
+    flops = ms.forward_flops(tokens, seqs, seqs * seq_len ** 2, st.causal_skip) / t
+    nbytes = ms.weight_bytes() / t + tokens * ms.kv_bytes_per_token / ms.kv_shards(t)
+    core = roofline(hw, flops, nbytes, ms.mm_size(tokens, t), rate, bw)
+    tp = 2.0 * ms.L * collective_time(hw, "all_reduce", tokens * ms.D * ms.act_bytes_per, t, 1)
+    return float(core + tp + ms.L * hw.efficiency.layer_s * ovh)
+
+
+def elementwise_stage(st: Setting, busy, arrays: int = 6):
+    """Advantages/returns: a few [B, R] float32 arrays read and written once."""
+    rate, bw, _ = rates(st.hw, "float32", busy)
+    nbytes = arrays * st.B * st.R * 4.0 / np.maximum(np.asarray(busy, np.float64), 1.0)
+    return nbytes / (bw * interp_eff(st.hw.efficiency.memory, nbytes)) + st.hw.efficiency.dispatch_s
+
+
+def reward_stage(st: Setting, per_seq_s: float = 2e-6):
+    """Host-side verifiers: a fixed cost per sequence (string parsing), not device work."""
+    return st.B * per_seq_s
