@@ -1,0 +1,190 @@
+"""The stage compiler: a planned RPEG -> one program per (fused) stage.
+
+    registry = KernelRegistry()                       # the runtime fills it (rl, sampling kernels)
+    program = compile_graph(graph, plan, registry, context)
+    for cs in program.stages:                         # topological order within a step
+        outputs = cs(inputs)                          # {port: value} -> {port: value}
+
+A kernel is `fn(inputs: Mapping[port, value]) -> dict[port, value]`, built by a factory
+registered per StageKind (or per tuple of kinds for a dedicated fused kernel). Ports are the
+names on the graph's edges (a state's name, a data node's name, or a renamed port such as the
+update's `old_logp` wired to `behav_logp` after `elide_old_forward`). The graph never imports
+the kernels: users register their own kernels for existing or new stage kinds.
+
+A jittable stage becomes ONE `jax.jit` program: a fused stage without a dedicated kernel runs
+its parts' kernels in order inside that one program (the parts exchange data in a namespace;
+internal data never leaves the device program). Inputs the kernel donates (e.g. the actor's
+params and optimizer state in an update) are donated to XLA. Keys starting with `host_` inside
+a data value are host-side metadata (prompt texts, answers) and are not passed into jitted
+programs. Host stages (the sampler's generate loop, reward verifiers) run as plain Python.
+
+Called by: runtime/trainer.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import jax
+
+from rpeg_jax.graph.ir import DataNode, Graph, GraphError, Stage, StageKind, StateNode
+from rpeg_jax.graph.plan import Plan, StagePlan
+
+
+@dataclass(frozen=True)
+class Port:
+    """One input or output of a stage: the kernel's port name, the graph node, the state offset."""
+
+    name: str
+    node: str
+    offset: int = 0
+    state: bool = False
+    stream: bool = False
+
+
+@dataclass
+class Kernel:
+    fn: Callable[[Mapping[str, Any]], dict[str, Any]]
+    jittable: bool = True
+    donate: tuple[str, ...] = ()  # input ports whose buffers the program may reuse
+
+
+@dataclass(frozen=True)
+class StageEnv:
+    """What a kernel factory sees: its stage, its plan entry, its ports and the runtime context."""
+
+    stage: Stage
+    plan: StagePlan
+    reads: tuple[Port, ...]
+    writes: tuple[Port, ...]
+    graph: Graph
+    context: Any
+
+
+KernelFactory = Callable[[StageEnv], Kernel]
+
+
+class KernelRegistry:
+    """StageKind -> kernel factory; (kind, kind, ...) -> a dedicated fused kernel factory."""
+
+    def __init__(self):
+        self._single: dict[StageKind, KernelFactory] = {}
+        self._fused: dict[tuple[StageKind, ...], KernelFactory] = {}
+
+    def register(self, kind: StageKind, factory: KernelFactory, *, overwrite: bool = False) -> None:
+        if kind in self._single and not overwrite:
+            raise ValueError(f"a kernel for stage kind {kind.value!r} is registered already")
+        self._single[kind] = factory
+
+    def register_fused(self, kinds: tuple[StageKind, ...], factory: KernelFactory) -> None:
+        self._fused[tuple(kinds)] = factory
+
+    def kernel(self, env: StageEnv) -> Kernel:
+        st = env.stage
+        if not st.parts:
+            if st.kind not in self._single:
+                raise GraphError(st.name, f"no kernel registered for stage kind {st.kind.value!r}")
+            return self._single[st.kind](env)
+        kinds = tuple(p.kind for p in st.parts)
+        if kinds in self._fused:
+            return self._fused[kinds](env)
+        return self._compose(env)
+
+    def _compose(self, env: StageEnv) -> Kernel:
+        """Run the parts' kernels in order over one namespace (one program when all jittable)."""
+        kernels = []
+        for part in env.stage.parts:
+            if part.kind not in self._single:
+                raise GraphError(part.name, f"no kernel registered for stage kind {part.kind.value!r}")
+            kernels.append(self._single[part.kind](StageEnv(part, env.plan, env.reads, env.writes,
+                                                            env.graph, env.context)))
+        outs = [p.name for p in env.writes]
+
+        def fn(inputs):
+            space, metrics = dict(inputs), {}
+            for k in kernels:
+                out = dict(k.fn(space))
+                metrics.update(out.pop("metrics", None) or {})
+                space.update(out)
+            return {**{name: space[name] for name in outs}, "metrics": metrics}
+
+        donate = tuple(sorted({d for k in kernels for d in k.donate}))
+        return Kernel(fn, jittable=all(k.jittable for k in kernels), donate=donate)
+
+
+def stage_ports(graph: Graph, name: str) -> tuple[tuple[Port, ...], tuple[Port, ...]]:
+    reads = tuple(Port(e.port, e.src, e.offset, isinstance(graph.nodes[e.src], StateNode), e.stream)
+                  for e in graph.inputs(name))
+    writes = tuple(Port(e.port, e.dst, e.offset, isinstance(graph.nodes[e.dst], StateNode))
+                   for e in graph.outputs(name))
+    return reads, writes
+
+
+def device_view(value: Any) -> Any:
+    """Drop `host_*` entries of data dicts (host-side metadata never enters a jitted program)."""
+    if isinstance(value, dict):
+        return {k: device_view(v) for k, v in value.items() if not str(k).startswith("host_")}
+    return value
+
+
+@dataclass
+class CompiledStage:
+    stage: Stage
+    plan: StagePlan
+    reads: tuple[Port, ...]
+    writes: tuple[Port, ...]
+    kernel: Kernel
+    _jitted: Callable | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.stage.name
+
+    @property
+    def pieces(self) -> int:
+        return self.stage.microbatches
+
+    def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        if not self.kernel.jittable:
+            return self.kernel.fn(inputs)
+        donated = {k: device_view(v) for k, v in inputs.items() if k in self.kernel.donate}
+        kept = {k: device_view(v) for k, v in inputs.items() if k not in self.kernel.donate}
+        return self._jitted(donated, kept)
+
+
+@dataclass
+class Program:
+    graph: Graph
+    plan: Plan
+    stages: list[CompiledStage]
+
+    def stage(self, name: str) -> CompiledStage:
+        for cs in self.stages:
+            if cs.name == name:
+                return cs
+        raise GraphError(name, "not in the compiled program")
+
+
+def compile_graph(graph: Graph, plan: Plan, registry: KernelRegistry, context: Any) -> Program:
+    """Bind every stage of `graph` (checked against `plan`) to its program, in topological order."""
+    plan.check(graph)
+    stages = []
+    for st in graph.stages():
+        reads, writes = stage_ports(graph, st.name)
+        env = StageEnv(st, plan.stage(st.name), reads, writes, graph, context)
+        kernel = registry.kernel(env)
+        cs = CompiledStage(st, env.plan, reads, writes, kernel)
+        if kernel.jittable:
+            fn = kernel.fn
+            cs._jitted = jax.jit(lambda donated, kept, fn=fn: fn({**donated, **kept}), donate_argnums=(0,))
+        stages.append(cs)
+    return Program(graph, plan, stages)
+
+
+def data_ports(ports: tuple[Port, ...]) -> list[Port]:
+    return [p for p in ports if not p.state]
+
+
+def is_data(graph: Graph, node: str) -> bool:
+    return isinstance(graph.nodes.get(node), DataNode)

@@ -1,0 +1,86 @@
+"""Checkpoints of everything a resume needs, with orbax: written atomically and asynchronously.
+
+A checkpoint at step t holds three items:
+  - "train":  device arrays (actor/critic params, optimizer states, the PRNG key), restored
+              into the shardings of an abstract target, so a resume lands on the same layout;
+  - "buffer": the rollout buffer (host numpy arrays of rollouts generated ahead under bounded
+              asynchrony, with their policy versions), omitted when empty;
+  - "meta":   JSON: step, data-iterator state, versions, and a config fingerprint.
+orbax writes into a temporary directory and renames it when complete, so a process killed
+mid-save leaves the previous checkpoint intact. Non-finite parameters are refused: a NaN never
+reaches a checkpoint. Retention keeps the newest `keep` checkpoints.
+
+Called by: runtime/trainer.py.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def assert_finite(tree: Any, what: str) -> None:
+    """Raise NonFiniteError naming the first leaf path holding NaN/inf."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    floats = [(p, x) for p, x in leaves if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
+    if not floats:
+        return
+    ok = jax.device_get([jnp.isfinite(x).all() for _, x in floats])
+    for (path, _), good in zip(floats, ok):
+        if not bool(good):
+            raise NonFiniteError(f"{what}: non-finite values in {jax.tree_util.keystr(path)}; not checkpointed")
+
+
+class Checkpointer:
+    """Thin wrapper over ocp.CheckpointManager with the three items above."""
+
+    def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True):
+        self.directory = os.path.abspath(directory)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                               create=True)
+        self._mngr = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        return self._mngr.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._mngr.all_steps())
+
+    def save(self, step: int, train: Any, meta: dict, buffer: dict | None = None) -> None:
+        assert_finite(train, f"checkpoint at step {step}")
+        items = {"train": ocp.args.StandardSave(train), "meta": ocp.args.JsonSave(meta)}
+        if buffer:
+            items["buffer"] = ocp.args.StandardSave({k: np.asarray(v) for k, v in buffer.items()})
+        self._mngr.save(step, args=ocp.args.Composite(**items), force=True)
+
+    def restore(self, step: int, train_target: Any) -> tuple[Any, dict, dict]:
+        """(train arrays laid out like `train_target`, meta, buffer) of checkpoint `step`."""
+        abstract = jax.tree.map(_abstract, train_target)
+        names = set(self._mngr.item_metadata(step).keys()) if hasattr(self._mngr, "item_metadata") else set()
+        items = {"train": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
+        if "buffer" in names:
+            items["buffer"] = ocp.args.StandardRestore()
+        out = self._mngr.restore(step, args=ocp.args.Composite(**items))
+        buffer = {k: np.asarray(v) for k, v in (out.get("buffer") or {}).items()} if "buffer" in names else {}
+        return out["train"], dict(out["meta"]), buffer
+
+    def wait(self) -> None:
+        self._mngr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mngr.wait_until_finished()
+        self._mngr.close()
+
+
+def _abstract(x):
+    x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))

@@ -1,0 +1,264 @@
+"""Runs a compiled RPEG step after step: versioned state, per-step data, device-group threads.
+
+A task is (stage, step, piece). Dependencies come from the graph (`Graph.deps`): a data input
+waits for its producer in the same step (piece i only for piece i when the edge is streamed);
+a state read at offset o waits for the writer of version t+o. Under bounded asynchrony
+(`generate` reads rollout_weights at t-k) generation *leads* by k steps: slot t runs
+generate(t+k) next to the training stages of step t. Each device group runs its tasks of a
+slot in one thread, in an order that respects dependencies; disjoint groups (split placement)
+run concurrently, so generation of the next batch overlaps the update of this one.
+
+Bookkeeping is exact: every task records the versions of the state it read and the steps and
+pieces of the data it consumed (`Executor.consumed`), and state reads check the version they
+get against the one the graph says (a mismatch is a bug, raised at once).
+
+Called by: runtime/trainer.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from rpeg_jax.graph.compile import CompiledStage, Program
+from rpeg_jax.graph.ir import TIMING_NAMES, DataNode, StageKind, StateNode
+
+
+class ExecutionError(RuntimeError):
+    pass
+
+
+def tree_concat(pieces: list) -> Any:
+    return jax.tree.map(lambda *xs: np.concatenate(xs) if isinstance(xs[0], np.ndarray)
+                        else jax.numpy.concatenate(xs), *pieces)
+
+
+def tree_piece(value: Any, i: int, n: int) -> Any:
+    def take(x):
+        b = x.shape[0]
+        if b % n:
+            raise ExecutionError(f"cannot split a batch of {b} into {n} pieces")
+        return x[i * b // n:(i + 1) * b // n]
+
+    return jax.tree.map(take, value)
+
+
+@dataclass
+class Store:
+    """Data of each step (whole, or as pieces) and versioned state."""
+
+    data: dict[tuple[str, int], dict[int, Any]] = field(default_factory=lambda: defaultdict(dict))
+    pieces: dict[tuple[str, int], int] = field(default_factory=dict)
+    state: dict[str, dict[int, Any]] = field(default_factory=lambda: defaultdict(dict))
+    frozen: dict[str, Any] = field(default_factory=dict)
+    keep_versions: int = 3
+
+    def put_data(self, node: str, step: int, value: Any, piece: int = 0, pieces: int = 1) -> None:
+        self.data[(node, step)][piece] = value
+        self.pieces[(node, step)] = pieces
+
+    def get_data(self, node: str, step: int, piece: int | None = None, n: int = 1) -> Any:
+        have = self.data.get((node, step))
+        total = self.pieces.get((node, step))
+        if not have or total is None or len(have) < (1 if piece is not None and total == n else total):
+            raise ExecutionError(f"data {node!r} of step {step} is not ready")
+        if piece is not None and total == n:
+            return have[piece]
+        whole = have[0] if total == 1 else tree_concat([have[i] for i in range(total)])
+        return whole if piece is None or n == 1 else tree_piece(whole, piece, n)
+
+    def drop_step(self, step: int) -> None:
+        for key in [k for k in self.data if k[1] <= step]:
+            del self.data[key]
+            self.pieces.pop(key, None)
+
+    def put_state(self, node: str, version: int, value: Any) -> None:
+        versions = self.state[node]
+        versions[version] = value
+        for v in [v for v in versions if v < version - self.keep_versions]:
+            del versions[v]
+
+    def get_state(self, node: str, version: int) -> Any:
+        if node in self.frozen:
+            return self.frozen[node]
+        versions = self.state.get(node, {})
+        if version in versions:
+            return versions[version]
+        raise ExecutionError(f"state {node!r} version {version} is not available (have {sorted(versions)})")
+
+    def latest(self, node: str) -> tuple[int, Any]:
+        if node in self.frozen:
+            return 0, self.frozen[node]
+        v = max(self.state[node])
+        return v, self.state[node][v]
+
+
+@dataclass
+class Task:
+    stage: CompiledStage
+    step: int
+    piece: int
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.stage.name, self.step, self.piece)
+
+
+class Executor:
+    def __init__(self, program: Program, store: Store, *, tracer=None, sync: bool = True):
+        self.program, self.store, self.tracer, self.sync = program, store, tracer, sync
+        g = program.graph
+        self.graph = g
+        self.order = {cs.name: i for i, cs in enumerate(program.stages)}
+        self.lead = {cs.name: self._lead(cs) for cs in program.stages}
+        self.done: set[tuple[str, int, int]] = set()
+        self.events: dict[tuple[str, int, int], threading.Event] = defaultdict(threading.Event)
+        self.metrics: dict[int, dict[str, float]] = defaultdict(dict)
+        self.consumed: dict[tuple[str, int, int], dict[str, Any]] = {}
+        self.next_lead_step: dict[str, int] = {n: 0 for n, k in self.lead.items() if k > 0}
+        self._errors: list[BaseException] = []
+
+    def _lead(self, cs: CompiledStage) -> int:
+        """How many steps ahead a stage may run: k for generation reading weights at t-k."""
+        offs = [p.offset for p in cs.reads if p.state and not isinstance(self.graph.nodes[p.node], DataNode)
+                and not self.graph.nodes[p.node].frozen]
+        return max(0, -min(offs)) if offs else 0
+
+    # ---- one slot ---------------------------------------------------------------------
+    def run_slot(self, t: int) -> dict[int, dict[str, float]]:
+        """Run the tasks of slot t: lead stages for steps up to t+k, the rest for step t."""
+        tasks = []
+        for cs in self.program.stages:
+            k = self.lead[cs.name]
+            steps = [t] if k == 0 else list(range(max(self.next_lead_step[cs.name], t), t + k + 1))
+            if k:
+                self.next_lead_step[cs.name] = t + k + 1
+            for s in steps:
+                tasks += [Task(cs, s, i) for i in range(cs.pieces)]
+        by_group: dict[str, list[Task]] = defaultdict(list)
+        for task in tasks:
+            by_group[task.stage.plan.group].append(task)
+        t0 = time.perf_counter()
+        if len(by_group) == 1:
+            self._run_group(next(iter(by_group)), self._sorted(next(iter(by_group.values()))), threaded=False)
+        else:
+            threads = [threading.Thread(target=self._run_group, args=(gname, self._sorted(ts), True),
+                                        name=f"rpeg-{gname}", daemon=True) for gname, ts in by_group.items()]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            if self._errors:
+                raise self._errors[0]
+        self.metrics[t]["timing_s/step"] = time.perf_counter() - t0
+        return self.metrics
+
+    def _sorted(self, tasks: list[Task]) -> list[Task]:
+        """Earlier steps first, then pieces in order (streaming), single-piece stages after the
+        pieces they wait for, then topological order."""
+        def key(task: Task):
+            cs = task.stage
+            piece = task.piece if cs.pieces > 1 else (self._upstream_pieces(cs.name) if cs.pieces == 1 else 0)
+            return (task.step - self.lead[cs.name], piece, self.order[cs.name])
+        return sorted(tasks, key=key)
+
+    def _upstream_pieces(self, name: str) -> int:
+        deps = [d for d in self.graph.deps(name) if d.step_offset == 0]
+        return max([self.program.stage(d.stage).pieces for d in deps] + [0])
+
+    def _run_group(self, group: str, tasks: list[Task], threaded: bool) -> None:
+        try:
+            for task in tasks:
+                self._run_task(task, threaded)
+        except BaseException as e:  # surfaced by run_slot
+            self._errors.append(e)
+            for ev in list(self.events.values()):
+                ev.set()
+            if not threaded:
+                raise
+
+    # ---- one task ---------------------------------------------------------------------
+    def _wait(self, stage: str, step: int, piece: int | None, threaded: bool) -> None:
+        n = self.program.stage(stage).pieces
+        pieces = range(n) if piece is None else [piece]
+        for i in pieces:
+            key = (stage, step, i)
+            if key in self.done:
+                continue
+            if not threaded:
+                raise ExecutionError(f"{stage}[step {step}, piece {i}] has not run; the task order is wrong")
+            self.events[key].wait()
+            if self._errors:
+                raise ExecutionError("another device group failed") from self._errors[0]
+
+    def _inputs(self, task: Task, threaded: bool) -> tuple[dict, dict]:
+        cs, t, g = task.stage, task.step, self.graph
+        inputs = {"_step": np.int32(t), "_piece": task.piece, "_pieces": cs.pieces} if not cs.kernel.jittable \
+            else {"_step": np.int32(t)}
+        record = {}
+        for dep in g.deps(cs.name):
+            step = t + dep.step_offset
+            if step >= 0 and dep.stage != cs.name:
+                same_pieces = dep.streamed and self.program.stage(dep.stage).pieces == cs.pieces
+                self._wait(dep.stage, step, task.piece if same_pieces else None, threaded)
+            elif step >= 0 and dep.stage == cs.name and step < t:
+                self._wait(dep.stage, step, None, threaded)
+        for port in cs.reads:
+            node = g.nodes[port.node]
+            if isinstance(node, StateNode):
+                version = max(0, t + port.offset)
+                inputs[port.name] = self.store.get_state(port.node, version)
+                record[port.name] = version if not node.frozen else "frozen"
+            else:
+                streamed = port.stream and self.store.pieces.get((port.node, t)) == cs.pieces
+                inputs[port.name] = self.store.get_data(port.node, t, task.piece if cs.pieces > 1 else None,
+                                                        cs.pieces)
+                record[port.name] = (t, task.piece if (streamed or cs.pieces > 1) else "all")
+        return inputs, record
+
+    def _run_task(self, task: Task, threaded: bool) -> None:
+        cs, t = task.stage, task.step
+        inputs, record = self._inputs(task, threaded)
+        start = time.perf_counter()
+        outputs = cs(inputs)
+        metrics = outputs.pop("metrics", None) if isinstance(outputs, dict) else None
+        if self.sync:
+            jax.block_until_ready([v for k, v in outputs.items() if not k.startswith("host_")])
+        end = time.perf_counter()
+        for port in cs.writes:
+            if port.name not in outputs:
+                raise ExecutionError(f"stage {cs.name!r} did not produce {port.name!r}")
+            if port.state:
+                self.store.put_state(port.node, t + 1, outputs[port.name])
+            else:
+                self.store.put_data(port.node, t, outputs[port.name], task.piece, cs.pieces)
+        self.consumed[task.key] = record
+        m = self.metrics[t]
+        # A fused stage is one program: it is timed under its own name (e.g. timing_s/forwards).
+        name = cs.name if cs.stage.parts else verl_name(cs.stage.kind)
+        m[f"timing_s/{name}"] = m.get(f"timing_s/{name}", 0.0) + (end - start)
+        if metrics:
+            for k, v in metrics.items():
+                m[k] = v
+        if self.tracer is not None:
+            self.tracer.add(cs.name, cs.plan.group, start, end, t)
+        self.done.add(task.key)
+        self.events[task.key].set()
+
+    def forget_before(self, step: int) -> None:
+        """Drop finished bookkeeping and data of steps < step (memory stays bounded)."""
+        self.store.drop_step(step - 1)
+        for key in [k for k in self.done if k[1] < step - 1]:
+            self.done.discard(key)
+            self.events.pop(key, None)
+            self.consumed.pop(key, None)
+
+
+def verl_name(kind: StageKind) -> str:
+    return TIMING_NAMES.get(kind, kind.value)

@@ -1,0 +1,99 @@
+"""Metrics sinks for the step loop: JSONL (always), TensorBoard (optional), a progress bar.
+
+Only process 0 writes (`enabled=False` elsewhere). Each record is one step: the step number,
+verl-compatible names (`timing_s/gen`, `actor/pg_loss`, `perf/mfu`, ...) and our own
+(`predicted_s/<stage>`). Values are plain floats/ints; non-finite values are kept (as JSON
+null) so a NaN is visible rather than dropped.
+
+Called by: runtime/trainer.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+
+def _plain(v: Any):
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return v
+    if isinstance(v, (bool, int)) and not isinstance(v, float):
+        return int(v)
+    return f if math.isfinite(f) else None
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str, *, enabled: bool = True, tensorboard: bool = True,
+                 progress: bool = True, total_steps: int = 0, start_step: int = 0):
+        self.enabled = enabled
+        self._jsonl = None
+        self._tb = None
+        self._bar = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        if progress and total_steps > start_step:
+            self._bar = _Progress(total_steps, start_step)
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, step)
+        if self._bar is not None:
+            self._bar.update(step, record)
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb:
+            self._tb.close()
+        if self._bar:
+            self._bar.close()
+
+
+class _Progress:
+    """A rich progress bar with ETA and the latest reward/step time."""
+
+    def __init__(self, total: int, start: int):
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self._p = Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+                           TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                           TextColumn("{task.fields[info]}"), transient=False)
+        self._task = self._p.add_task("train", total=total, completed=start, info="")
+        self._p.start()
+        self._t = time.time()
+
+    def update(self, step: int, record: dict) -> None:
+        info = " ".join(f"{k.split('/')[-1]}={record[k]:.3g}" for k in ("reward/mean", "timing_s/step")
+                        if isinstance(record.get(k), float))
+        self._p.update(self._task, completed=step, info=info)
+
+    def close(self) -> None:
+        self._p.stop()
+
+
+def read_metrics(path: str) -> list[dict]:
+    """All records of a metrics.jsonl (later records for a step replace earlier ones)."""
+    by_step: dict[int, dict] = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                by_step[rec["step"]] = rec
+    return [by_step[s] for s in sorted(by_step)]

@@ -1,0 +1,191 @@
+"""Rollouts: sampler outputs -> the rollout batch layout; reward scoring; the prompt cache and
+the rollout buffer that enforces the staleness bound.
+
+Rollout layout (see the team contract): B = prompts x G sequences, prompts LEFT-padded to P,
+responses RIGHT-padded to R, S = P + R. P and R are bucketed up to a multiple of
+`LENGTH_BUCKET` (fewer padded tokens, few distinct compiled shapes) unless the run streams
+micro-batches, where every piece must have the configured shape so pieces concatenate.
+
+Called by: runtime/kernels.py (generate, reward), runtime/trainer.py (checkpoint state).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from rpeg_jax.data.rewards import Sample, score as score_samples
+from rpeg_jax.data.tokenizer import completion_ids
+from rpeg_jax.sampling import SamplingParams
+
+LENGTH_BUCKET = 8
+
+
+class StalenessError(RuntimeError):
+    pass
+
+
+def bucket(n: int, fixed: int | None) -> int:
+    return fixed if fixed is not None else max(LENGTH_BUCKET, -(-n // LENGTH_BUCKET) * LENGTH_BUCKET)
+
+
+@dataclass
+class StepPrompts:
+    """The data-iterator state node's value: one PromptBatch per step, fetched in step order."""
+
+    pipeline: Any
+    cache: dict[int, Any] = field(default_factory=dict)
+
+    def get(self, step: int):
+        while step not in self.cache:
+            batch = next(self.pipeline)
+            self.cache[batch.step] = batch
+            if batch.step > step:
+                raise RuntimeError(f"data pipeline is at step {batch.step}, step {step} was asked for")
+        for s in [s for s in self.cache if s < step - 1]:
+            del self.cache[s]
+        return self.cache[step]
+
+    def state(self) -> dict:
+        return self.pipeline.get_state()
+
+
+@dataclass
+class RolloutBuffer:
+    """Rollouts admitted ahead of their update (bounded asynchrony): admission refuses a rollout
+    for step t made with weights older than t - k. Survives resume through `admitted`."""
+
+    max_staleness: int
+    admitted: dict[int, int] = field(default_factory=dict)  # step -> weights version
+
+    def admit(self, step: int, version: int) -> None:
+        if step - version > self.max_staleness:
+            raise StalenessError(f"rollout for step {step} with weights version {version} exceeds the "
+                                 f"staleness bound k={self.max_staleness}")
+        self.admitted[step] = version
+        for s in [s for s in self.admitted if s < step - self.max_staleness - 1]:
+            del self.admitted[s]
+
+
+def rollout_seed(base: int, step: int) -> int:
+    return (base * 1_000_003 + step * 7919 + 17) % (2**31 - 1)
+
+
+def generate_piece(ctx, params, version: int, batch, step: int, piece: int, pieces: int):
+    """Sample piece `piece` of step `step` and lay it out; returns (completions, behav_logp, metrics)."""
+    n = len(batch.prompt_tokens)
+    lo, hi = piece * n // pieces, (piece + 1) * n // pieces
+    sampler, cfg = ctx.sampler, ctx.cfg
+    if sampler.version != version:
+        sampler.update_weights(params, version)
+    G = cfg.rl.group_size
+    sp = SamplingParams.from_rollout(cfg.rollout, n=G, seed=rollout_seed(cfg.train.seed, step))
+    prompts = [list(p) for p in batch.prompt_tokens[lo:hi]]
+    t0 = time.perf_counter()
+    outs = sampler.generate(prompts, sp, prompt_ids=[ctx.prompt_offset + i for i in range(lo, hi)])
+    gen_s = time.perf_counter() - t0
+    rows = [(o.prompt_tokens, c) for o in outs for c in o.completions]
+    fixed = ctx.fixed_shapes
+    P = bucket(max(len(p) for p, _ in rows), cfg.data.max_prompt_len if fixed else None)
+    R = bucket(max(len(c.tokens) for _, c in rows), cfg.rollout.max_new_tokens if fixed else None)
+    B = len(rows)
+    tokens = np.full((B, P + R), cfg.model.pad_id, np.int32)
+    positions = np.zeros((B, P + R), np.int32)
+    segments = np.zeros((B, P + R), np.int32)
+    mask = np.zeros((B, R), np.float32)
+    behav = np.zeros((B, R), np.float32)
+    versions = np.full((B, R), version, np.int32)
+    for b, (p, c) in enumerate(rows):
+        lp, lr = len(p), len(c.tokens)
+        tokens[b, P - lp:P] = p
+        tokens[b, P:P + lr] = c.tokens
+        positions[b, P - lp:P + lr] = np.arange(lp + lr)
+        segments[b, P - lp:P + lr] = 1
+        mask[b, :lr] = 1.0
+        behav[b, :lr] = c.logprobs
+        versions[b, :lr] = c.policy_versions
+    gid = np.repeat(np.arange(lo, hi, dtype=np.int32), G)
+    pi = np.repeat(np.arange(lo, hi), G)
+    comps = {"tokens_BxS": tokens, "positions_BxS": positions, "segment_ids_BxS": segments,
+             "response_mask_BxR": mask, "versions_BxR": versions, "group_ids_B": gid}
+    comps = {k: ctx.put_batch(v) for k, v in comps.items()}
+    comps.update(host_prompt=_objects(batch.prompts, pi), host_answer=_objects(batch.answers, pi),
+                 host_record=_objects(batch.records, pi),
+                 host_finish=np.array([c.finish_reason for _, c in rows], dtype=object),
+                 host_preempted=np.array([c.num_preemptions for _, c in rows], np.int32))
+    new_tokens = int(mask.sum())
+    metrics = {"perf/gen_tokens_per_s": new_tokens / gen_s if gen_s > 0 else 0.0,
+               "rollout/preemptions": float(sum(c.num_preemptions for _, c in rows)),
+               "rollout/stop_frac": float(np.mean([c.finish_reason == "stop" for _, c in rows])),
+               "rollout/weights_version": float(version)}
+    return comps, ctx.put_batch(behav), metrics
+
+
+def _objects(values, index) -> np.ndarray:
+    out = np.empty(len(index), dtype=object)
+    for j, i in enumerate(index):
+        out[j] = values[i]
+    return out
+
+
+def score(ctx, comps: dict) -> tuple[Any, dict]:
+    """Rewards [B] of a rollout batch with the configured verifier (host), and metrics."""
+    tok = ctx.tokenizer
+    R = comps["response_mask_BxR"].shape[1]
+    tokens = np.asarray(comps["tokens_BxS"])[:, -R:]
+    lengths = np.asarray(comps["response_mask_BxR"]).sum(1).astype(int)
+    stop_ids = tuple(ctx.cfg.rollout.stop_token_ids)
+    samples = []
+    for b in range(tokens.shape[0]):
+        ids = completion_ids(tokens[b, :lengths[b]].tolist(), tok.eos_id, stop_ids)
+        samples.append(Sample(prompt=comps["host_prompt"][b], completion=tok.decode(ids), completion_ids=tuple(ids),
+                              answer=comps["host_answer"][b], record=comps["host_record"][b]))
+    t0 = time.perf_counter()
+    rewards, errors = score_samples(samples, ctx.reward_fn, ctx.cfg.data.reward_on_error, ctx.reward_name)
+    return ctx.put_batch(rewards), {"reward/errors": float(errors),
+                                    "timing_s/reward_fn": time.perf_counter() - t0}
+
+
+def assert_staleness(versions_BxR, mask_BxR, step: int, k: int) -> dict:
+    """Every consumed token was produced by weights version >= step - k (checked on the host)."""
+    v = np.asarray(versions_BxR)[np.asarray(mask_BxR) > 0]
+    if v.size == 0:
+        return {}
+    lag = step - v
+    if lag.max() > k:
+        raise StalenessError(f"step {step} consumed tokens of weights version {int(v.min())}: staleness "
+                             f"{int(lag.max())} exceeds k={k}")
+    return {"staleness/max": float(lag.max()), "staleness/mean": float(lag.mean())}
+
+
+def useful_flops(cfg, comps: dict, *, forwards: int, train_passes: int) -> float:
+    """Matmul FLOPs of the step's useful work: generation (2N per generated token, plus the
+    prompt once per group), `forwards` logprob/value passes and `train_passes` updates (6N per
+    token) over real (unpadded) tokens. Attention's score/value FLOPs included (4·L·D·ctx)."""
+    m = cfg.model
+    n = m.num_params(with_lm_head=True) - m.vocab_size * m.hidden_size  # embedding lookup is not a matmul
+    mask = np.asarray(comps["response_mask_BxR"])
+    seg = np.asarray(comps["segment_ids_BxS"])
+    resp = mask.sum(1)
+    prompt = seg.sum(1) - resp
+    G = cfg.rl.group_size
+    attn = 4 * m.num_layers * m.num_heads * m.head_size
+    ctx_len = prompt + resp / 2.0
+    gen = 2.0 * n * resp.sum() + 2.0 * n * prompt.sum() / G + attn * float((resp * ctx_len).sum())
+    seq = prompt + resp
+    per_pass = 2.0 * n * seq.sum() + attn * float((seq * seq / 2.0).sum())
+    return float(gen + forwards * per_pass + train_passes * 3 * per_pass)
+
+
+def jnp_put(x):
+    return jnp.asarray(x)
+
+
+def mean_or_nan(xs) -> float:
+    xs = [float(x) for x in xs]
+    return sum(xs) / len(xs) if xs else math.nan
