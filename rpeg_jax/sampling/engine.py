@@ -1,0 +1,127 @@
+"""The sampler's jitted device functions: prefill into pages, copy pages (GRPO fork), and a chunk of
+up to K decode steps inside one `lax.while_loop`. The host scheduler (`sampling/sampler.py`) calls
+them between its bookkeeping; nothing here allocates pages.
+
+Every function takes the model's `graphdef` (static, hashable) and its params as a jit ARGUMENT, so
+new weights of the same shapes/dtypes/shardings run without recompiling, and donates the KV pools
+(`pools = (k_pool_LxPxSxKxE, v_pool_LxPxSxKxE)`) so they are updated in place. The functions are
+module-level, so samplers of the same model shape share compiled code.
+
+Decode convention: a slot's state is its last token `token_B` at position `pos_B` (not yet in the
+cache). A step writes that token's K/V at `pos`, attends over positions <= pos, and samples the token
+at pos + 1. Prefill therefore writes all but the last known token of a sequence, and every sampled
+token comes from the same decode step (one place for sampling, logprobs and stop checks).
+
+Letters: B slots, T tokens, W page-table width, N stop ids per slot, K chunk steps (buffer size).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rpeg_jax.sampling.paged_attention import PagedAttention, copy_pages, write_targets
+from rpeg_jax.sampling.transforms import sample, sequence_keys
+
+
+class DecodeState(NamedTuple):
+    """Per-slot inputs of a decode chunk (all traced; sizes fixed by max_slots and the W bucket)."""
+
+    token_B: jax.Array  # int32 last token (input of the next step)
+    pos_B: jax.Array  # int32 its position
+    active_B: jax.Array  # bool: slot is generating
+    end_B: jax.Array  # int32 sequence length at which the slot stops (prompt + max_new_tokens)
+    table_BxW: jax.Array  # int32 pages (0 = null page)
+    stop_ids_BxN: jax.Array  # int32 stop token ids, -1 = unused
+    temperature_B: jax.Array  # float32, 0 = greedy
+    top_k_B: jax.Array  # int32, 0 = off
+    top_p_B: jax.Array  # float32, 1 = off
+    min_p_B: jax.Array  # float32, 0 = off
+    seed_B: jax.Array  # int32 (with prompt_id and sample_id: the sequence's random stream)
+    prompt_id_B: jax.Array  # int32
+    sample_id_B: jax.Array  # int32
+
+
+class ChunkResult(NamedTuple):
+    tokens_KxB: jax.Array  # int32 sampled tokens per step (-1 where the slot was inactive)
+    logprobs_KxB: jax.Array  # float32
+    steps: jax.Array  # int32 steps actually run
+    token_B: jax.Array  # state after the chunk
+    pos_B: jax.Array
+    active_B: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
+def prefill(graphdef, params, pools, tokens_BxT, lengths_B, table_BxW):
+    """Run the model over right-padded `tokens_BxT` (the first lengths_B of each row are real) and
+    write their K/V into the rows' pages. Padding rows use length 0. Returns the pools."""
+    model = nnx.merge(graphdef, params)
+    b, t = tokens_BxT.shape
+    num_pages, page_size = pools[0].shape[1], pools[0].shape[2]
+    pos_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    page, off = write_targets(table_BxW, pos_BxT, pos_BxT < lengths_B[:, None], num_pages, page_size)
+    attention = PagedAttention(page, off, table_BxW, pos_BxT, lengths_B)
+    _, pools = model.hidden(tokens_BxT, pos_BxT, attention=attention, cache=pools)
+    return pools
+
+
+@functools.partial(jax.jit, donate_argnames=("pools",))
+def fork_pages(pools, src_N, dst_N):
+    """Copy pages src -> dst in every layer (dst >= num_pages: padding, dropped)."""
+    return copy_pages(pools[0], pools[1], src_N, dst_N)
+
+
+def _decode_step(model, pools, st: DecodeState, keys_Bx2, token_B, pos_B, active_B):
+    """One step for every slot: write K/V at pos, attend, sample the token at pos + 1."""
+    num_pages, page_size = pools[0].shape[1], pools[0].shape[2]
+    pos_Bx1 = pos_B[:, None]
+    page, off = write_targets(st.table_BxW, pos_Bx1, active_B[:, None], num_pages, page_size)
+    attention = PagedAttention(page, off, st.table_BxW, pos_Bx1, jnp.where(active_B, pos_B + 1, 0))
+    h, pools = model.hidden(token_B[:, None], pos_Bx1, attention=attention, cache=pools)
+    logits_BxV = model.logits(h[:, 0])
+    new_B, logp_B = sample(logits_BxV, keys_Bx2, pos_B + 1, st.temperature_B, st.top_k_B, st.top_p_B,
+                           st.min_p_B)
+    return pools, new_B, logp_B
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk"), donate_argnames=("pools",))
+def decode_chunk(graphdef, params, pools, st: DecodeState, num_steps, *, chunk: int):
+    """Up to min(num_steps, chunk) decode steps in one while_loop; exits early once every slot has
+    stopped (stop id sampled or end reached). Returns (pools, ChunkResult)."""
+    model = nnx.merge(graphdef, params)
+    b = st.token_B.shape[0]
+    keys_Bx2 = sequence_keys(st.seed_B, st.prompt_id_B, st.sample_id_B)
+    limit = jnp.minimum(num_steps, chunk)
+
+    def cond(carry):
+        step, _, _, _, active_B, _, _ = carry
+        return (step < limit) & jnp.any(active_B)
+
+    def body(carry):
+        step, pools, token_B, pos_B, active_B, tok_KxB, logp_KxB = carry
+        pools, new_B, logp_B = _decode_step(model, pools, st, keys_Bx2, token_B, pos_B, active_B)
+        stopped = jnp.any(new_B[:, None] == st.stop_ids_BxN, axis=1) | (pos_B + 2 >= st.end_B)
+        tok_KxB = tok_KxB.at[step].set(jnp.where(active_B, new_B, -1))
+        logp_KxB = logp_KxB.at[step].set(jnp.where(active_B, logp_B, 0.0))
+        token_B = jnp.where(active_B, new_B, token_B)
+        pos_B = jnp.where(active_B, pos_B + 1, pos_B)
+        return step + 1, pools, token_B, pos_B, active_B & ~stopped, tok_KxB, logp_KxB
+
+    init = (jnp.zeros((), jnp.int32), pools, st.token_B, st.pos_B, st.active_B,
+            jnp.full((chunk, b), -1, jnp.int32), jnp.zeros((chunk, b), jnp.float32))
+    steps, pools, token_B, pos_B, active_B, tok_KxB, logp_KxB = jax.lax.while_loop(cond, body, init)
+    return pools, ChunkResult(tok_KxB, logp_KxB, steps, token_B, pos_B, active_B)
+
+
+def make_pools(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype,
+               sharding: Any = None):
+    """Zero-initialised (k_pool, v_pool), each [L, P, S, K, E], optionally placed with `sharding`."""
+    shape = (num_layers, num_pages, page_size, kv_heads, head_dim)
+    if sharding is None:
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return zeros(), zeros()

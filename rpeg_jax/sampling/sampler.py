@@ -1,0 +1,286 @@
+"""`Sampler`: the paged-attention generation engine the runtime calls every RL step.
+
+    sampler = Sampler(model, SamplerConfig(page_size=16, max_slots=128, max_seq_len=64))
+    outs = sampler.generate(prompts, SamplingParams(n=8, temperature=1.0, max_new_tokens=32))
+    outs[i].completions[j].tokens / .logprobs / .finish_reason / .policy_versions / .num_preemptions
+    sampler.update_weights(new_params)      # after each optimizer step; never recompiles
+    sampler.stats()
+
+The host loop (`step`) alternates bookkeeping (`sampling/scheduler.py`, `sampling/allocator.py`) with
+device calls (`sampling/engine.py`): admit whole groups and prefill each prompt once (the group's
+other members get the prompt's full pages shared and the partial last page copied), reserve pages for
+the next chunk, run up to K decode steps in one jitted while_loop, read tokens and logprobs back once,
+retire finished sequences (their pages return to the pool) and admit new ones.
+
+Shapes that reach the compiler are bucketed: decode is [max_slots] x power-of-two page-table widths;
+prefill is power-of-two rows x power-of-two lengths (>= min_prefill_len). Everything else (sampling
+settings, lengths, step limits, stop ids) is a traced argument.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rpeg_jax.sampling import engine
+from rpeg_jax.sampling.allocator import PageAllocator
+from rpeg_jax.sampling.scheduler import Scheduler, Sequence
+from rpeg_jax.sampling.sharding import SamplerSharding
+from rpeg_jax.sampling.stops import StopMatcher
+from rpeg_jax.sampling.types import Completion, RequestOutput, SamplerConfig, SamplingParams
+from rpeg_jax.sampling.weights import CompileCounter, ParamSignature, as_params
+
+_COMPILES = CompileCounter()
+
+
+def pow2ceil(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+class Sampler:
+    """Generation engine over one model shape; see the module docstring."""
+
+    def __init__(self, model: nnx.Module, config: SamplerConfig | None = None, *, tokenizer: Any = None,
+                 mesh: jax.sharding.Mesh | None = None):
+        cfg = config or SamplerConfig()
+        cfg.validate()
+        mcfg = model.cfg
+        self.cfg, self.model_cfg, self.tokenizer = cfg, mcfg, tokenizer
+        self._graphdef, self.params = as_params(model)
+        self._signature = ParamSignature.of(self.params)
+        self.max_seq_len = cfg.max_seq_len or mcfg.max_position_embeddings
+        if self.max_seq_len > mcfg.max_position_embeddings:
+            raise ValueError(f"sampler.max_seq_len={self.max_seq_len}: exceeds model.max_position_embeddings="
+                             f"{mcfg.max_position_embeddings}")
+        per_seq = -(-self.max_seq_len // cfg.page_size)
+        num_pages = cfg.num_pages or 1 + cfg.max_slots * per_seq + math.ceil(cfg.watermark * cfg.max_slots * per_seq)
+        if num_pages - 1 < per_seq:
+            raise ValueError(f"sampler.num_pages={num_pages}: cannot hold one sequence of max_seq_len="
+                             f"{self.max_seq_len} tokens ({per_seq} pages of {cfg.page_size} + the null page)")
+        self.num_pages, self.max_width = num_pages, pow2ceil(per_seq)
+        self.eos_ids = tuple(cfg.eos_token_ids if cfg.eos_token_ids is not None else (mcfg.eos_id,))
+        self.sharding = SamplerSharding(mesh, mcfg.num_kv_heads, cfg.max_slots)
+        kv_dtype = jnp.dtype(cfg.kv_dtype or mcfg.dtype)
+        self.pools = engine.make_pools(mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads,
+                                       mcfg.head_size, kv_dtype, self.sharding.pools)
+        self.alloc = PageAllocator(num_pages, cfg.page_size, cfg.max_slots, debug=cfg.debug_checks)
+        self.sched = Scheduler(self.alloc, math.ceil(cfg.watermark * (num_pages - 1)))
+        self.version, self._pending = 0, None
+        self._calls = 0
+        self._stats = dict(new_tokens=0, prefill_tokens=0, chunks=0, decode_steps=0, pages_peak=0,
+                           recompiles=0, generate_s=0.0, last_tokens_per_s=0.0, page_copies=0)
+
+    # ---- public API ---------------------------------------------------------------------------
+    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | None = None, *,
+                 prompt_ids: Seq[int] | None = None) -> list[RequestOutput]:
+        """Sample params.n completions of every prompt; returns one RequestOutput per prompt.
+        `prompt_ids` (default 0..len-1) name each prompt's random stream together with params.seed."""
+        t0 = time.perf_counter()
+        seqs = self.submit(prompts, params, prompt_ids=prompt_ids)
+        while any(s.finish_reason is None for s in seqs):
+            self.step()
+        dt = time.perf_counter() - t0
+        n_new = sum(len(s.tokens) for s in seqs)
+        self._stats["generate_s"] += dt
+        self._stats["last_tokens_per_s"] = n_new / dt if dt > 0 else 0.0
+        return self._outputs(prompts, seqs)
+
+    def submit(self, prompts: Seq[Seq[int]], params: SamplingParams | None = None, *,
+               prompt_ids: Seq[int] | None = None) -> list[Sequence]:
+        """Queue prompts (streaming use: then call `step()` until the sequences finish)."""
+        params = params or SamplingParams()
+        params.validate()
+        prompts = [list(map(int, p)) for p in prompts]
+        prompt_ids = list(range(len(prompts))) if prompt_ids is None else [int(i) for i in prompt_ids]
+        if len(prompt_ids) != len(prompts):
+            raise ValueError(f"generate: prompt_ids has {len(prompt_ids)} entries for {len(prompts)} prompts")
+        seed = params.seed if params.seed is not None else self.cfg.seed + self._calls
+        self._calls += 1
+        opts = _Options.build(self, params, seed)
+        for i, p in enumerate(prompts):
+            self._check_prompt(i, p, params)
+        all_seqs = []
+        for i, p in enumerate(prompts):
+            seqs = [Sequence(request=i, sample_index=j, prompt=p, end=len(p) + params.max_new_tokens,
+                             opts=(opts, prompt_ids[i])) for j in range(params.n)]
+            self.sched.submit(seqs)
+            all_seqs += seqs
+        return all_seqs
+
+    def step(self) -> list[Sequence]:
+        """Admit, prefill, run one decode chunk, retire finished sequences; returns them."""
+        if self._pending is not None and not self.sched.running:
+            self._swap(*self._pending)
+        if self._pending is None:
+            self._prefill(self.sched.admit(self.cfg.chunk_steps))
+        k, _ = self.sched.reserve(self.cfg.chunk_steps)
+        self._stats["pages_peak"] = max(self._stats["pages_peak"], self.alloc.num_used)
+        if k == 0:
+            return []
+        return self._decode(k)
+
+    def update_weights(self, params: Any, version: int | None = None) -> None:
+        """Swap in new weights (same tree, shapes, dtypes, shardings: no recompile; else ValueError).
+        In-flight sequences follow config.on_weight_update: "finish" (default) lets them finish with
+        the old weights before the new ones serve anything; "recompute" drops their KV and
+        recomputes it with the new weights (tokens so far keep their versions)."""
+        _, new = as_params(params)
+        self._signature.check(new)
+        version = self.version + 1 if version is None else int(version)
+        if not self.sched.running:
+            self._swap(new, version)
+        elif self.cfg.on_weight_update == "recompute":
+            self.sched.preempt_all()
+            self._swap(new, version)
+        else:
+            self._pending = (new, version)
+
+    def stats(self) -> dict:
+        """Throughput, page usage, preemptions and compile counts so far."""
+        s = dict(self._stats)
+        s.update(pages_total=self.num_pages - 1, pages_used=self.alloc.num_used,
+                 page_usage=self.alloc.num_used / (self.num_pages - 1),
+                 preemptions=self.sched.num_preemptions, policy_version=self.version,
+                 tokens_per_s=s["new_tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0)
+        return s
+
+    # ---- device calls -------------------------------------------------------------------------
+    def _device(self, fn, *args, **kw):
+        before = _COMPILES.count
+        out = fn(*args, **kw)
+        self._stats["recompiles"] += _COMPILES.count - before
+        return out
+
+    def _prefill(self, plan) -> None:
+        if plan.rows:
+            rows = len(plan.rows)
+            longest = max(len(t) for _, t in plan.rows)
+            r_b, t_b = pow2ceil(rows), max(self.cfg.min_prefill_len, pow2ceil(longest))
+            w_b = pow2ceil(-(-t_b // self.cfg.page_size))
+            tokens = np.zeros((r_b, t_b), np.int32)
+            lengths = np.zeros((r_b,), np.int32)
+            for r, (_, toks) in enumerate(plan.rows):
+                tokens[r, :len(toks)], lengths[r] = toks, len(toks)
+            table = np.zeros((r_b, w_b), np.int32)
+            table[:rows] = self.alloc.table([slot for slot, _ in plan.rows], w_b)
+            self.pools = self._device(engine.prefill, self._graphdef, self.params, self.pools,
+                                      *self.sharding.put_rows(tokens, lengths, table))
+            self._stats["prefill_tokens"] += int(lengths.sum())
+        if plan.copies:
+            n = pow2ceil(len(plan.copies))
+            src = np.zeros((n,), np.int32)
+            dst = np.full((n,), self.num_pages, np.int32)  # out of range: dropped
+            src[:len(plan.copies)], dst[:len(plan.copies)] = zip(*plan.copies)
+            self.pools = self._device(engine.fork_pages, self.pools, jnp.asarray(src), jnp.asarray(dst))
+            self._stats["page_copies"] += len(plan.copies)
+
+    def _decode(self, k: int) -> list[Sequence]:
+        seqs = self.sched.running_seqs()
+        st = self._decode_state(seqs, k)
+        self.pools, res = self._device(engine.decode_chunk, self._graphdef, self.params, self.pools, st,
+                                       jnp.int32(k), chunk=self.cfg.chunk_steps)
+        toks, logps, steps = jax.device_get((res.tokens_KxB, res.logprobs_KxB, res.steps))
+        self._stats["chunks"] += 1
+        self._stats["decode_steps"] += int(steps)
+        done = []
+        for s in seqs:
+            col = toks[:steps, s.slot]
+            n = int((col >= 0).sum())
+            s.tokens += col[:n].tolist()
+            s.logprobs += logps[:n, s.slot].tolist()
+            s.versions += [self.version] * n
+            self._stats["new_tokens"] += n
+            reason = s.opts[0].finish_reason(s, n)
+            if reason is not None:
+                self.sched.finish(s, reason)
+                done.append(s)
+        return done
+
+    def _decode_state(self, seqs: list[Sequence], k: int) -> engine.DecodeState:
+        b, cfg = self.cfg.max_slots, self.cfg
+        need = max(self.alloc.pages_for(min(s.pos + k, s.end - 1)) for s in seqs)
+        w = min(pow2ceil(need), self.max_width)
+        a = dict(token=np.zeros(b, np.int32), pos=np.zeros(b, np.int32), active=np.zeros(b, bool),
+                 end=np.zeros(b, np.int32), stop=np.full((b, cfg.max_stop_ids), -1, np.int32),
+                 temp=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32),
+                 min_p=np.zeros(b, np.float32), seed=np.zeros(b, np.int32), pid=np.zeros(b, np.int32),
+                 sid=np.zeros(b, np.int32))
+        for s in seqs:
+            o, pid = s.opts
+            i = s.slot
+            a["token"][i], a["pos"][i], a["active"][i], a["end"][i] = s.known()[-1], s.pos, True, s.end
+            a["stop"][i, :len(o.stop_ids)] = o.stop_ids
+            a["temp"][i], a["top_k"][i], a["top_p"][i], a["min_p"][i] = o.temperature, o.top_k, o.top_p, o.min_p
+            a["seed"][i], a["pid"][i], a["sid"][i] = o.seed, pid, s.sample_index
+        table = self.alloc.table(range(b), w)
+        return self.sharding.put_state(engine.DecodeState(
+            a["token"], a["pos"], a["active"], a["end"], table, a["stop"], a["temp"], a["top_k"], a["top_p"],
+            a["min_p"], a["seed"], a["pid"], a["sid"]))
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _swap(self, params, version: int) -> None:
+        self.params, self.version, self._pending = params, version, None
+
+    def _check_prompt(self, i: int, p: list[int], params: SamplingParams) -> None:
+        v = self.model_cfg.vocab_size
+        if not p:
+            raise ValueError(f"generate: prompts[{i}] is empty (a prompt needs at least one token, e.g. bos)")
+        if min(p) < 0 or max(p) >= v:
+            raise ValueError(f"generate: prompts[{i}] has token ids outside [0, vocab_size={v}): "
+                             f"min {min(p)}, max {max(p)}")
+        if len(p) + params.max_new_tokens > self.max_seq_len:
+            raise ValueError(f"generate: prompts[{i}] length {len(p)} + max_new_tokens={params.max_new_tokens} "
+                             f"exceeds sampler.max_seq_len={self.max_seq_len}")
+
+    def _outputs(self, prompts, seqs: list[Sequence]) -> list[RequestOutput]:
+        outs = [RequestOutput(prompt_index=i, prompt_tokens=list(p)) for i, p in enumerate(prompts)]
+        for s in seqs:
+            outs[s.request].completions.append(Completion(
+                tokens=np.asarray(s.tokens, np.int32), logprobs=np.asarray(s.logprobs, np.float32),
+                finish_reason=s.finish_reason, policy_versions=np.asarray(s.versions, np.int32),
+                num_preemptions=s.preemptions, sample_index=s.sample_index))
+        for o in outs:
+            o.completions.sort(key=lambda c: c.sample_index)
+        return outs
+
+
+class _Options:
+    """Resolved per-request settings shared by the request's sequences."""
+
+    def __init__(self, params: SamplingParams, seed: int, stop_ids: tuple[int, ...], matcher: StopMatcher):
+        self.temperature, self.top_k, self.top_p, self.min_p = (params.temperature, params.top_k, params.top_p,
+                                                               params.min_p)
+        self.seed, self.stop_ids, self.matcher = seed, stop_ids, matcher
+
+    @classmethod
+    def build(cls, sampler: Sampler, params: SamplingParams, seed: int) -> "_Options":
+        v = sampler.model_cfg.vocab_size
+        for t in params.stop_token_ids:
+            if not 0 <= t < v:
+                raise ValueError(f"sampling_params.stop_token_ids: {t} outside [0, vocab_size={v})")
+        ids = tuple(dict.fromkeys((() if params.ignore_eos else sampler.eos_ids) + tuple(params.stop_token_ids)))
+        if len(ids) > sampler.cfg.max_stop_ids:
+            raise ValueError(f"sampling_params.stop_token_ids: {len(ids)} stop ids (with eos) exceed "
+                             f"sampler.max_stop_ids={sampler.cfg.max_stop_ids}")
+        if not -(2 ** 31) <= seed < 2 ** 31:
+            raise ValueError(f"sampling_params.seed={seed}: must fit in int32")
+        return cls(params, seed, ids, StopMatcher(params.stop, sampler.tokenizer))
+
+    def finish_reason(self, s: Sequence, n_new: int) -> str | None:
+        """'stop' / 'length' / None for a sequence that just received n_new tokens (may truncate it
+        at a stop sequence, dropping what the device sampled after it)."""
+        cut = self.matcher.find(s.tokens, n_new)
+        if cut is not None:
+            del s.tokens[cut:], s.logprobs[cut:], s.versions[cut:]
+            return "stop"
+        if n_new and s.tokens[-1] in self.stop_ids:
+            return "stop"
+        if len(s.prompt) + len(s.tokens) >= s.end:
+            return "length"
+        return None

@@ -1,0 +1,80 @@
+"""Token sampling on device: temperature, top-k, top-p, min-p, greedy, per-sequence random keys,
+and the float32 logprob of the sampled token under the distribution actually sampled from.
+
+Called inside the decode loop (`sampling/engine.py`); pure functions of arrays, one row per
+sequence (B rows, V vocabulary entries). Every per-row setting is a traced array, so changing a
+temperature or top-p never recompiles.
+
+Definitions (row-wise; l = float32 logits, T = temperature):
+- sampling row (T > 0): s = l / T; top-k keeps the k largest s (k = 0: all); top-p keeps the
+  smallest prefix of the sorted top-k distribution whose mass reaches p (the token that crosses p is
+  kept); min-p keeps tokens with prob >= min_p * max prob. Ties with the last kept value are kept.
+  The distribution is softmax(s) renormalised over the kept set, and the returned logprob is
+  log of that: s_tok - logsumexp(s over kept). With top_k = 0, top_p = 1, min_p = 0 this is
+  exactly log_softmax(l / T), what a trainer recomputes.
+- greedy row (T == 0): the token is argmax l; its logprob is log_softmax(l)[tok] (T = 1, no
+  truncation), as vLLM reports it; a point mass has no useful logprob.
+- randomness: key = fold_in(fold_in(fold_in(PRNGKey(seed), prompt_id), sample_id), position), where
+  position is the sampled token's position in the sequence, so a sequence's draws do not depend on
+  its batch, slot, page size, chunk size or preemption. Gumbel-max draws the token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sequence_keys(seed_B, prompt_id_B, sample_id_B):
+    """Per-sequence base keys (raw uint32 [B, 2])."""
+    def one(seed, pid, sid):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), pid), sid)
+    return jax.vmap(one)(seed_B, prompt_id_B, sample_id_B)
+
+
+def _truncate_sorted(s_BxV, top_k_B, top_p_B):
+    """Mask (to -inf) the tokens outside top-k, then outside top-p, using one descending sort."""
+    v = s_BxV.shape[-1]
+    sorted_BxV = -jnp.sort(-s_BxV, axis=-1)
+    rank_V = jnp.arange(v, dtype=jnp.int32)
+    k_B = jnp.where((top_k_B > 0) & (top_k_B < v), top_k_B, v)
+    in_k = rank_V[None, :] < k_B[:, None]
+    p = jnp.where(in_k, jax.nn.softmax(sorted_BxV, axis=-1), 0.0)
+    p = p / jnp.sum(p, axis=-1, keepdims=True)
+    mass_before = jnp.cumsum(p, axis=-1) - p  # exclusive prefix sum: keep until mass reaches top_p
+    keep = in_k & (mass_before < top_p_B[:, None])
+    n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
+    threshold_B = jnp.take_along_axis(sorted_BxV, (n_keep - 1)[:, None], axis=-1)
+    return jnp.where(s_BxV >= threshold_B, s_BxV, -jnp.inf)
+
+
+def processed_logits(logits_BxV, temperature_B, top_k_B, top_p_B, min_p_B):
+    """float32 [B, V]: l / T with excluded tokens at -inf (greedy rows: T treated as 1)."""
+    l = logits_BxV.astype(jnp.float32)
+    t = jnp.where(temperature_B > 0, temperature_B, 1.0).astype(jnp.float32)
+    s = l / t[:, None]
+    sampling = temperature_B > 0
+    needs_sort = jnp.any(sampling & (((top_k_B > 0) & (top_k_B < l.shape[-1])) | (top_p_B < 1.0)))
+    # Sorting the vocabulary is the costly part; skip it at run time when no row asks for it.
+    truncated = jax.lax.cond(needs_sort, _truncate_sorted, lambda x, *_: x, s, top_k_B, top_p_B)
+    s = jnp.where(sampling[:, None], truncated, s)
+    # min-p in log space: p_i >= min_p * p_max  <=>  s_i >= s_max + log(min_p) (log 0 = -inf).
+    floor = jnp.max(s, axis=-1, keepdims=True) + jnp.log(min_p_B.astype(jnp.float32))[:, None]
+    return jnp.where(sampling[:, None] & (s < floor), -jnp.inf, s)
+
+
+def sample(logits_BxV, key_Bx2, position_B, temperature_B, top_k_B, top_p_B, min_p_B):
+    """(token_B int32, logprob_B float32): one draw per row; see the module docstring."""
+    s = processed_logits(logits_BxV, temperature_B, top_k_B, top_p_B, min_p_B)
+    greedy = temperature_B <= 0
+
+    def gumbel(_):
+        keys = jax.vmap(jax.random.fold_in)(key_Bx2, position_B)
+        return jax.vmap(lambda k: jax.random.gumbel(k, s.shape[-1:], jnp.float32))(keys)
+
+    # All-greedy batches skip the random draw at run time.
+    g = jax.lax.cond(jnp.all(greedy), lambda _: jnp.zeros_like(s), gumbel, None)
+    token_B = jnp.argmax(jnp.where(greedy[:, None], s, s + g), axis=-1).astype(jnp.int32)
+    s_tok = jnp.take_along_axis(s, token_B[:, None], axis=-1)[:, 0]
+    logprob_B = s_tok - jax.nn.logsumexp(s, axis=-1)
+    return token_B, logprob_B

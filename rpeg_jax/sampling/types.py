@@ -1,0 +1,125 @@
+"""The sampler's public value types: engine settings, per-request sampling parameters, results.
+
+Pure dataclasses (no JAX), used by `Sampler` (sampling/sampler.py), the runtime's generate stage
+and the benchmarks. Validation errors name the field and the value and are raised before anything
+is compiled or allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from rpeg_jax.config.base import check
+from rpeg_jax.config.rollout import RolloutConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplerConfig:
+    """Engine settings (fixed for a Sampler's lifetime: they set the compiled shapes)."""
+
+    page_size: int = 16  # S: tokens per KV page
+    num_pages: int | None = None  # P incl. the null page; None -> max_slots full-length sequences
+    max_slots: int = 64  # B: concurrent sequences (decode batch)
+    max_seq_len: int | None = None  # prompt + completion tokens; None -> model max positions
+    chunk_steps: int = 64  # K: decode steps per jitted while_loop chunk
+    watermark: float = 0.01  # fraction of pages kept free when admitting groups
+    on_weight_update: Literal["finish", "recompute"] = "finish"  # policy for in-flight sequences
+    attention: Literal["gather"] = "gather"  # paged attention implementation
+    kv_dtype: str | None = None  # KV pool dtype; None -> the model's compute dtype
+    eos_token_ids: tuple[int, ...] | None = None  # None -> (model.cfg.eos_id,)
+    max_stop_ids: int = 8  # N: stop token ids per sequence on device (eos + stop_token_ids)
+    min_prefill_len: int = 16  # smallest prefill length bucket (powers of two above it)
+    seed: int = 0  # base seed for requests whose SamplingParams.seed is None
+    debug_checks: bool = False  # check allocator invariants after every operation
+
+    def validate(self, path: str = "sampler") -> None:
+        for name in ("page_size", "max_slots", "chunk_steps", "max_stop_ids", "min_prefill_len"):
+            v = getattr(self, name)
+            check(isinstance(v, int) and v >= 1, f"{path}.{name}", v, "must be an int >= 1")
+        if self.num_pages is not None:
+            check(self.num_pages >= 2, f"{path}.num_pages", self.num_pages, "must be >= 2 (page 0 is the null page)")
+        if self.max_seq_len is not None:
+            check(self.max_seq_len >= 2, f"{path}.max_seq_len", self.max_seq_len, "must be >= 2")
+        check(0.0 <= self.watermark < 1.0, f"{path}.watermark", self.watermark, "must be in [0, 1)")
+        check(self.on_weight_update in ("finish", "recompute"), f"{path}.on_weight_update",
+              self.on_weight_update, "must be 'finish' or 'recompute'")
+        check(self.attention == "gather", f"{path}.attention", self.attention, "only 'gather' exists")
+
+    @classmethod
+    def from_rollout(cls, r: RolloutConfig, *, max_slots: int, max_seq_len: int | None = None,
+                     **overrides) -> "SamplerConfig":
+        """Engine settings from the run config's rollout section."""
+        kw = dict(page_size=r.page_size, num_pages=r.num_pages, max_slots=r.max_slots or max_slots,
+                  max_seq_len=max_seq_len, chunk_steps=r.chunk_steps, watermark=r.watermark,
+                  on_weight_update=r.on_weight_update, attention=r.attention)
+        return cls(**{**kw, **overrides})
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """Per-request sampling (vLLM names). temperature 0 = greedy. `stop` holds stop sequences:
+    token-id tuples, or strings (these need a tokenizer given to the Sampler)."""
+
+    n: int = 1  # G: completions per prompt (a GRPO group; the prompt is prefilled once)
+    temperature: float = 1.0  # T
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    max_new_tokens: int = 32
+    stop_token_ids: tuple[int, ...] = ()  # besides eos; they stop even with ignore_eos
+    stop: tuple = ()  # stop sequences: tuple[int, ...] or str each
+    ignore_eos: bool = False  # benchmarks: run to max_new_tokens
+    seed: int | None = None  # None -> sampler seed + call counter (fresh samples per call)
+
+    def validate(self, path: str = "sampling_params") -> None:
+        check(isinstance(self.n, int) and self.n >= 1, f"{path}.n", self.n, "must be an int >= 1")
+        check(self.temperature >= 0, f"{path}.temperature", self.temperature, "must be >= 0 (0 = greedy)")
+        check(isinstance(self.top_k, int) and self.top_k >= 0, f"{path}.top_k", self.top_k, "must be an int >= 0")
+        check(0.0 < self.top_p <= 1.0, f"{path}.top_p", self.top_p, "must be in (0, 1]")
+        check(0.0 <= self.min_p < 1.0, f"{path}.min_p", self.min_p, "must be in [0, 1)")
+        check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, f"{path}.max_new_tokens",
+              self.max_new_tokens, "must be an int >= 1")
+        for s in self.stop:
+            ok = (isinstance(s, str) and s) or (isinstance(s, (tuple, list)) and s and all(isinstance(t, int) for t in s))
+            check(bool(ok), f"{path}.stop", s, "each stop sequence must be a non-empty str or tuple of token ids")
+
+    @classmethod
+    def from_rollout(cls, r: RolloutConfig, *, n: int = 1, seed: int | None = None) -> "SamplingParams":
+        return cls(n=n, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p,
+                   max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(r.stop_token_ids),
+                   ignore_eos=r.ignore_eos, seed=seed)
+
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class Completion:
+    """One sampled continuation. `tokens` include the stop token / stop sequence that ended it."""
+
+    tokens: np.ndarray  # int32 [n_tokens]
+    logprobs: np.ndarray  # float32 [n_tokens]: log p(token) under the distribution sampled from
+    finish_reason: FinishReason
+    policy_versions: np.ndarray  # int32 [n_tokens]: weights version that produced each token
+    num_preemptions: int = 0
+    sample_index: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """All completions of one prompt, in sample order."""
+
+    prompt_index: int
+    prompt_tokens: list[int]
+    completions: list[Completion] = field(default_factory=list)
+
+
+def replace(obj, **changes):
+    """dataclasses.replace + validate()."""
+    out = dataclasses.replace(obj, **changes)
+    out.validate()
+    return out
