@@ -7,9 +7,10 @@ micro-batches). Its columns are the base durations of every stage kind and the p
 device; rows that do not fit the memory budget are dropped before anything is simulated.
 
 Memory per device (reference §3.3-3.5), colocated (everything shares the devices):
-    resident = actor (+ critic) training state / (f·t) + reference weights / (f'·t')
+    resident = actor (+ critic) params + Adam moments / (f·t) + reference weights / (f'·t')
                + rollout weights / t_g
-    peak     = max(resident + KV pages + gen working set, resident + update transients,
+    peak     = max(resident + KV pages + gen working set,
+                   resident + update transients (grads, guarded new state, activations),
                    resident + forward weight copies + forward transients)
 Split: the generation group holds rollout weights and KV; the training group the rest.
 
@@ -82,7 +83,7 @@ def _best_train(st, roles: Roles, busy, lay: np.ndarray, trained: list[ModelShap
         for r in REMATS:
             cols = [j for j, o in enumerate(opts) if o[1] == r]
             tt, _ = S.train_stage(st, ms, busy, d, f, t, micro[:, cols], r, roles.epochs, roles.minibatches)
-            mem = S.train_memory(st, ms, d, f, t, micro[:, cols], r, roles.minibatches) - ms.train_state_bytes() / (f * t)
+            mem = S.train_memory(st, ms, d, f, t, micro[:, cols], r, roles.minibatches) - ms.resident_state_bytes() / (f * t)
             time[:, cols] += tt
             trans[:, cols] = np.maximum(trans[:, cols], mem)
     valid = (st.B / (d * f) / (roles.minibatches * micro)) >= 1
@@ -109,10 +110,13 @@ def build(st: S.Setting, roles: Roles, n_total: int, placement: str, gen_sizes: 
     """All feasible rows of a placement family (see the module docstring)."""
     allocs = [(n_total, n_total)] if placement == "colocated" else [(g, n_total - g) for g in gen_sizes]
     parts = [_alloc_rows(st, roles, ng, nt, placement, tensor_sizes, max_staleness) for ng, nt in allocs]
+    considered = sum(p.pop("considered", 0) for p in parts if p)
     parts = [p for p in parts if p and len(p["n_gen"])]
     if not parts:
         return {}
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    out["considered"] = np.full(len(out["n_gen"]), considered)
+    return out
 
 
 def _alloc_rows(st, roles: Roles, n_gen: int, n_train: int, placement: str, tensor_sizes, max_k: int) -> dict:
@@ -128,7 +132,7 @@ def _alloc_rows(st, roles: Roles, n_gen: int, n_train: int, placement: str, tens
     up_t, up_m, up_opts = _best_train(st, roles, n_train, lay, trained)
     fw_times, fw_m, fw_micros = _best_forward(st, n_train, lay, [m for _, m in fwd_models])
     ft = lay[:, 1] * lay[:, 2]  # parameter shards of a layout (fsdp × tensor)
-    state = sum(m.train_state_bytes() for m in trained) / ft  # [i]
+    state = sum(m.resident_state_bytes() for m in trained) / ft  # [i]
     ref_res = (roles.ref.weight_bytes() / ft) if roles.ref else np.zeros(len(lay))  # [j]
     rollout = actor.weight_bytes() / gl  # [g]
     # Broadcast over (i train layout, j forward layout, g generation layout).
@@ -156,8 +160,9 @@ def _alloc_rows(st, roles: Roles, n_gen: int, n_train: int, placement: str, tens
     # Up to (k+1) batches are in flight under staleness k; a synchronous plan uses n_rep slots.
     slots = quantize_slots(S.max_slots(st, actor, t_g, free), n_rep * (max_k + 1))
     ok = np.isfinite(fw_best) & np.isfinite(up_best) & (slots >= 1)
+    considered = len(I) * len(up_opts) * len(fw_micros)
     if not ok.any():
-        return {}
+        return {"considered": considered}
     I, J, G, t_g, slots, n_rep = I[ok], J[ok], G[ok], t_g[ok], slots[ok], n_rep[ok]
     resident, copies, same = resident[ok], copies[ok], same[ok]
     fw_pick, up_pick = fw_pick[ok], up_pick[ok]
@@ -171,7 +176,7 @@ def _alloc_rows(st, roles: Roles, n_gen: int, n_train: int, placement: str, tens
     peak_fw = resident + copies + fw_m[J, fw_pick]
     peak = np.maximum(np.maximum(peak_up, peak_fw), gen_mem)
     peak_sync = np.maximum(np.maximum(peak_up, peak_fw), gen_mem_sync)
-    row = {"n_gen": np.full(len(I), n_gen), "n_train": np.full(len(I), n_train),
+    row = {"considered": considered, "n_gen": np.full(len(I), n_gen), "n_train": np.full(len(I), n_train),
            "t_g": t_g, "slots": slots, "n_rep": n_rep,
            "d": lay[I, 0], "f": lay[I, 1], "t": lay[I, 2],
            "fd": lay[J, 0], "ff": lay[J, 1], "ft": lay[J, 2],

@@ -40,7 +40,7 @@ from rpeg_jax.graph.ir import Graph, GraphError, Op, StageKind
 from rpeg_jax.graph.passes import apply_pipeline
 from rpeg_jax.graph.plan import DeviceGroup, Plan, StagePlan, knobs_of, rules_for
 
-KEEP_ROWS = 96  # rows per family and proxy kept for schedule simulation
+KEEP_ROWS = 256  # rows per family and proxy kept for schedule simulation
 
 
 @dataclass
@@ -52,7 +52,6 @@ class Context:
     N: int
     st: S.Setting
     base: Graph  # synchronous unfused graph of the config
-    useful_flops: float  # model FLOPs of one step on real tokens (utilization numerator)
 
 
 @dataclass
@@ -82,7 +81,8 @@ class SearchResult:
     runners_up: list[Prediction]
     baselines: dict[str, Prediction]
     search_seconds: float
-    evaluations: int  # candidate plans scored (rows × structural options simulated + rows built)
+    evaluations: int  # complete plans scored: table rows + (row × structural option) simulations
+    plans_considered: int  # every (layouts × micro-batch × remat) combination priced, before pruning
     hardware: str
     num_devices: int
     notes: list[str] = field(default_factory=list)
@@ -106,7 +106,7 @@ def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile) -> Conte
     st = S.Setting(hw=hw, B=sz["B"], P=sz["P"], R=sz["R"], G=sz["G"], dist=length_dist(cfg),
                    causal_skip=flash, dense_scores=not flash, packing=c.sequence_packing,
                    budget_bytes=c.memory_budget * hw.hbm_bytes)
-    return Context(cfg, hw, num_devices, st, base, useful_flops(st, base))
+    return Context(cfg, hw, num_devices, st, base)
 
 
 def roles_of(ctx: Context, graph: Graph) -> C.Roles:
@@ -123,8 +123,9 @@ def roles_of(ctx: Context, graph: Graph) -> C.Roles:
 
 def useful_flops(st: S.Setting, g: Graph) -> float:
     """FLOPs of one step's model work on the real (unpadded) tokens: generation (2N per token +
-    attention), each forward, each update (3× forward). Plan-independent, so utilization is
-    proportional to throughput."""
+    attention), each forward, each update (3× forward), for the stages `g` has (a shared
+    backbone does less work than a separate critic, and is not credited for the difference).
+    Recomputation (remat) and padding are not useful work."""
     lens = st.dist.lengths(st.B).astype(np.float64)
     tok, scored, sq = float(np.sum(st.P + lens)), float(np.sum(lens)), float(np.sum((st.P + lens) ** 2))
     total = 0.0
@@ -283,7 +284,7 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None) -> Sea
     ctx = make_context(cfg, n, hw)
     cache: dict = {}
     scored: list[_Scored] = []
-    evaluations = 0
+    evaluations = considered = 0
     for placement, share in families(ctx):
         pairs = _graphs(ctx, structural_options(ctx, placement, share))
         if not pairs:
@@ -292,6 +293,7 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None) -> Sea
         if not tab:
             continue
         evaluations += len(tab["n_gen"])
+        considered += int(tab["considered"][0])
         sub = _take(tab, _prune(tab, ctx, pairs[0][1], KEEP_ROWS))
         for pipe, g in pairs:
             dur, pieces = durations(ctx, g, sub)
@@ -302,13 +304,22 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None) -> Sea
         raise GraphError("plan", f"no plan fits: every layout exceeds {ctx.st.budget_bytes / GB:.1f} GB per device "
                                  f"(costmodel.memory_budget={cfg.costmodel.memory_budget} of {hw.name})")
     scored.sort(key=lambda s: float(np.min(s.period)))
-    best = [predict(ctx, s.graph, s.pipeline, s.tab, int(np.argmin(s.period)), "chosen" if i == 0 else f"runner-up {i}")
-            for i, s in enumerate(scored[: 1 + cfg.costmodel.runners_up])]
+    best: list[Prediction] = []
+    seen = set()
+    for s in scored:  # runners-up differ in placement, staleness, sharing or layout, not only in fusion
+        if len(best) > cfg.costmodel.runners_up:
+            break
+        i = int(np.argmin(s.period))
+        key = (s.pipeline.placement, s.pipeline.staleness, s.pipeline.share_actor_critic,
+               *(int(s.tab[c][i]) for c in ("n_gen", "t_g", "d", "f", "t", "fd", "ff", "ft")))
+        if key not in seen:
+            seen.add(key)
+            best.append(predict(ctx, s.graph, s.pipeline, s.tab, i, "chosen" if not best else f"runner-up {len(best)}"))
     baselines = {name: b for name, b in ((nm, baseline(ctx, nm, cache)) for nm in ("verl_like", "real_like"))
                  if b is not None}
     res = SearchResult(chosen=best[0], runners_up=best[1:], baselines=baselines,
                        search_seconds=time.perf_counter() - t0, evaluations=evaluations,
-                       hardware=hw.name, num_devices=n)
+                       plans_considered=considered, hardware=hw.name, num_devices=n)
     res.notes = explain(ctx, res)
     return res
 
@@ -339,7 +350,7 @@ def predict(ctx: Context, graph: Graph, pipe: PipelineConfig, tab: dict, i: int,
     period, latency, starts, ends = simulate(prog, dur, pieces, record=True)
     period, latency = float(period[0]), float(latency[0])
     peak = ctx.hw.peak(roles_of(ctx, graph).actor.dtype)
-    util = ctx.useful_flops / (period * ctx.N * peak) if period > 0 else 0.0
+    util = useful_flops(ctx.st, graph) / (period * ctx.N * peak) if period > 0 else 0.0
     r = {k: v[0].item() if np.ndim(v[0]) == 0 else v[0] for k, v in row.items()}
     sync = not pipe.staleness
     slots = min(int(r["slots"]), int(r["n_rep"])) if sync else int(r["slots"])
@@ -404,6 +415,22 @@ def choose_plan(cfg: RunConfig, num_devices: int | None = None, hardware=None) -
 def predicted_stage_times(plan: Plan) -> dict[str, float]:
     """Per-stage predicted seconds of a planner Plan (empty for manual plans)."""
     return dict(plan.predicted.get("stage_times_s", {}))
+
+
+def compare(plan: Plan, measured_s: dict[str, float]) -> dict[str, float]:
+    """Metrics for logging predicted vs measured time per stage each step:
+    `predicted_s/<stage>` and `pred_error/<stage>` = (predicted - measured) / measured, plus the
+    step (`step` key in `measured_s`, compared with the steady-state step time)."""
+    pred = predicted_stage_times(plan)
+    if "step" in measured_s and "step_time_s" in plan.predicted:
+        pred = {**pred, "step": float(plan.predicted["step_time_s"])}
+    out = {}
+    for name, p in pred.items():
+        out[f"predicted_s/{name}"] = p
+        m = measured_s.get(name)
+        if m is not None and m > 0:
+            out[f"pred_error/{name}"] = (p - m) / m
+    return out
 
 
 def explain(ctx: Context, res: SearchResult) -> list[str]:

@@ -12,7 +12,8 @@ arrays of thousands of candidate plans at once:
 Stages on disjoint groups overlap; colocated stages serialise. Bounded asynchrony (generate at t
 reading weights of t-k) turns the unrolled steps into a pipeline whose steady-state period,
 measured over the last steps, is set by the slowest group. On a shared-host profile all groups
-are one resource (the CPU devices share the host's cores).
+are one resource (the CPU devices share the host's cores). Host stages (reward verifiers) run on
+a resource of their own.
 
 Callers: costmodel/planner.py, tests.
 """
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rpeg_jax.graph.ir import Graph
+from rpeg_jax.graph.ir import Graph, Op
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ def unroll(g: Graph, shared_resource: bool = False, steps: int | None = None) ->
     pieces = {n: g.stage(n).microbatches for n in order}
     m = max(pieces.values())
     deps = {n: g.deps(n) for n in order}
+    # Host stages (reward verifiers) run in Python beside the devices, not on them.
+    host = {n: all(p.workload is not None and p.workload.op == Op.HOST for p in (g.stage(n).parts or (g.stage(n),)))
+            for n in order}
     keyed = []
     for s in range(steps):
         for n in order:
@@ -74,7 +78,7 @@ def unroll(g: Graph, shared_resource: bool = False, steps: int | None = None) ->
                 dl.append(index[(ds, d.stage, j)])
             else:
                 dl.append(index[(ds, d.stage, pieces[d.stage] - 1)])
-        group = "all" if shared_resource else g.stage(n).placement
+        group = "host" if host[n] else ("all" if shared_resource else g.stage(n).placement)
         tasks.append(Task(s, n, j, group, tuple(sorted(set(dl)))))
     step_tasks = [[i for i, t in enumerate(tasks) if t.step == s] for s in range(steps)]
     return Program(tasks, steps, window=min(2 * (k + 1), steps - 1), step_tasks=step_tasks)

@@ -23,6 +23,7 @@ import numpy as np
 from rpeg_jax.graph.ir import DTYPE_BYTES, ModelDims
 
 LOGITS_BUDGET = 1 << 24  # float32 logits elements per chunk (models/logprobs.py LOGITS_BUDGET)
+UPDATE_COPIES = 3  # new params, m, v held beside the old ones by rl/update.py's NaN guard
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,20 @@ class ModelShape:
     def weight_bytes(self, dtype_bytes: int | None = None) -> float:
         return float(self.num_params * (dtype_bytes or self.act_bytes_per))
 
+    def resident_state_bytes(self) -> float:
+        """What a trained model keeps between steps: params + Adam m, v in the parameter dtype
+        (optax keeps the moments in it)."""
+        return 3.0 * self.num_params * self.param_bytes_per
+
+    def update_state_bytes(self, micro=1):
+        """Extra parameter-sized buffers live during an update (rl/update.py): the gradients; the
+        new params, m and v beside the old ones (its NaN guard selects between them, so the update
+        cannot happen in place); a float32 accumulator with micro-batches > 1."""
+        acc = np.where(np.asarray(micro) > 1, 4.0 * self.num_params, 0.0)
+        return (1.0 + UPDATE_COPIES) * self.num_params * self.param_bytes_per + acc
+
     def train_state_bytes(self) -> float:
-        """params + grads + Adam m, v, all in the parameter dtype (optax keeps m, v in it)."""
+        """params + grads + Adam m, v (the ZeRO paper's 16 bytes per parameter in float32)."""
         return 4.0 * self.num_params * self.param_bytes_per
 
     def act_bytes_per_token_layer(self, t, remat: str, dense_scores_ctx=0.0):

@@ -118,7 +118,7 @@ def train_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, remat: str, e
 
 
 def train_memory(st: Setting, ms: ModelShape, d, f, t, micro, remat: str, minibatches: int = 1):
-    """Peak bytes per device of a training stage beyond nothing: its state + transients."""
+    """Peak bytes per device of a training stage: resident state + update buffers + activations."""
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
     seqs_mb = st.B / (d * f) / (minibatches * micro)
     tok_mb = seqs_mb * st.seq_tokens
@@ -128,7 +128,8 @@ def train_memory(st: Setting, ms: ModelShape, d, f, t, micro, remat: str, miniba
         act = act + tok_mb * ms.act_bytes_per_token_layer(t, "none", dense_ctx)
     gather = np.where(f > 1, 2.0 * ms.layer_params * ms.param_bytes_per / t, 0.0)
     logits = ms.logits_bytes(seqs_mb * st.seq_scored)
-    return ms.train_state_bytes() / (f * t) + act + gather + logits
+    state = (ms.resident_state_bytes() + ms.update_state_bytes(micro)) / (f * t)
+    return state + act + gather + logits
 
 
 def forward_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, heads: int = 1):

@@ -1,0 +1,113 @@
+"""P1 of ../shared/WORKLOADS.md: planning at scale (model only; no device is touched).
+
+    python bench/plan_scale.py --json out.json [--quick]
+
+For 64/128/256 GH200 (4 per node) and 8-GPU H100/H200 nodes, Qwen2-shaped 1.5B/7B/32B/72B,
+GRPO (G=16) and PPO, prompt 512, responses 4k-16k tokens long-tailed (4096 + lognormal, median
+6144, clipped at 16384), global batch 512 sequences: the chosen plan with its predicted step
+time, memory per GPU and utilization; the verl-like and ReaL-like baselines (each the best of
+its family on the same hardware) and their ratios; and the search time on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rpeg_jax.config import load_config  # noqa: E402
+from rpeg_jax.costmodel.hardware import load_hardware  # noqa: E402
+from rpeg_jax.costmodel.planner import search  # noqa: E402
+from rpeg_jax.graph.ir import GraphError  # noqa: E402
+
+MODELS = {"1.5B": "qwen2-1.5b", "7B": "qwen2-7b", "32B": "qwen2-32b", "72B": "qwen2-72b"}
+WORKLOAD = ["model.dtype=bfloat16", "model.param_dtype=float32", "data.max_prompt_len=512",
+            "rollout.max_new_tokens=16384", "costmodel.response_len_min=4096",
+            "costmodel.response_len_median=6144", "costmodel.response_len_sigma=0.8",
+            "costmodel.sequence_packing=true", "rl.kl_coef=0.001"]
+ALGOS = {"GRPO": ["rl.algorithm=grpo", "rl.group_size=16", "data.prompts_per_step=32"],
+         "PPO": ["rl.algorithm=ppo", "rl.group_size=1", "data.prompts_per_step=512"]}
+MACHINES = [("gh200", 64), ("gh200", 128), ("gh200", 256), ("h100", 8), ("h200", 8)]
+
+
+def one(hw_name: str, gpus: int, model: str, algo: str) -> dict:
+    cfg = load_config(None, [f"model.preset={MODELS[model]}", *WORKLOAD, *ALGOS[algo]])
+    row = {"hardware": hw_name, "gpus": gpus, "model": model, "algorithm": algo}
+    t0 = time.perf_counter()
+    try:
+        res = search(cfg, gpus, load_hardware(hw_name, calibrated=False))
+    except GraphError as e:
+        row.update(fits=False, reason=str(e), search_seconds=time.perf_counter() - t0)
+        return row
+    c = res.chosen
+    row.update(fits=True, search_seconds=res.search_seconds, evaluations=res.evaluations,
+               plans_considered=res.plans_considered,
+               chosen={"step_time_s": c.step_time_s, "utilization": c.utilization,
+                       "memory_per_gpu_gb": c.memory_per_gpu_gb, "knobs": c.knobs, "layout": c.layout,
+                       "stage_times_s": c.stage_times_s})
+    for name, b in res.baselines.items():
+        row[name] = {"step_time_s": b.step_time_s, "utilization": b.utilization,
+                     "memory_per_gpu_gb": b.memory_per_gpu_gb, "ratio": b.step_time_s / c.step_time_s,
+                     "layout": b.layout}
+    return row
+
+
+def describe(row: dict) -> str:
+    c = row["chosen"]
+    k, lay = c["knobs"], c["layout"]
+    groups = "+".join(str(v) for v in lay["groups"].values())
+    g, t = lay["generate"], lay["train"]
+    return (f"{k['placement'][:5]} {groups} k={k['staleness']}{' share' if k['share_actor_critic'] else ''} "
+            f"gen tp{g['tensor']} train d{t['data']}f{t['fsdp']}t{t['tensor']}")
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'hw':<6}{'gpus':>5} {'model':<5} {'algo':<5} {'chosen plan':<44}{'step s':>8}{'util':>7}{'GB':>6}"
+            f"{'verl s':>9}{'x':>6}{'ReaL s':>9}{'x':>6}{'search s':>9}")
+    out = [head, "-" * len(head)]
+    for r in rows:
+        pre = f"{r['hardware']:<6}{r['gpus']:>5} {r['model']:<5} {r['algorithm']:<5} "
+        if not r["fits"]:
+            out.append(pre + f"{'does not fit (fp32 Adam state)':<44}" + f"{'':>56}{r['search_seconds']:>9.2f}")
+            continue
+        c = r["chosen"]
+        base = ""
+        for name in ("verl_like", "real_like"):
+            b = r.get(name)
+            base += f"{b['step_time_s']:>9.1f}{b['ratio']:>6.2f}" if b else f"{'no fit':>9}{'-':>6}"
+        out.append(pre + f"{describe(r):<44}{c['step_time_s']:>8.1f}{100 * c['utilization']:>6.1f}%"
+                   f"{c['memory_per_gpu_gb']:>6.1f}{base}{r['search_seconds']:>9.2f}")
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true", help="only 7B GRPO on 256 GH200 and one H100 node")
+    args = ap.parse_args()
+    jobs = [(h, n, m, a) for h, n in MACHINES for m in MODELS for a in ALGOS]
+    if args.quick:
+        jobs = [("gh200", 256, "7B", "GRPO"), ("h100", 8, "7B", "GRPO")]
+    rows = []
+    for job in jobs:
+        rows.append(one(*job))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    print()
+    print(table(rows))
+    big = [r["search_seconds"] for r in rows if r["gpus"] == 256]
+    summary = {"max_search_seconds_256": max(big) if big else None,
+               "max_search_seconds": max(r["search_seconds"] for r in rows),
+               "target_search_seconds_256": 60.0}
+    print(f"\nlongest search at 256 GPUs: {summary['max_search_seconds_256']:.2f} s (target < 60 s, one core)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"workload": "P1", "rows": rows, "summary": summary}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

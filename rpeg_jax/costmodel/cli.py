@@ -1,0 +1,61 @@
+"""`rpeg plan --config X [--hardware gh200] [--gpus 256] [--model qwen2-7b] [--json out.json] [k=v ...]`.
+
+Prints the chosen plan (predicted step time, memory per GPU, utilization, per-stage breakdown),
+the runners-up, the verl-like and ReaL-like baselines with their ratios, and the search time;
+`--json` writes the same (see costmodel/report.py for the fields), `--save-plan` the chosen
+Plan (loadable with `pipeline.plan: <path>`). Imports no JAX and touches no device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from rpeg_jax.config.run import load_config
+from rpeg_jax.graph.ir import GraphError
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", default=None, help="YAML preset (default: configs/default.yaml)")
+    p.add_argument("--hardware", default=None, help="profile name (configs/hardware/) or YAML path; "
+                                                    "default costmodel.hardware")
+    p.add_argument("--gpus", "--devices", dest="gpus", type=int, default=None,
+                   help="devices to plan for (default costmodel.num_devices, else the profile's node)")
+    p.add_argument("--model", default=None, help="model preset, e.g. qwen2-7b (= model.preset=...)")
+    p.add_argument("--json", default=None, help="write the result as JSON here")
+    p.add_argument("--save-plan", default=None, help="write the chosen Plan JSON here")
+    p.add_argument("--quiet", action="store_true", help="print only the one-line summary")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+
+
+def run(args) -> int:
+    from rpeg_jax.costmodel.hardware import load_hardware
+    from rpeg_jax.costmodel.planner import search
+    from rpeg_jax.costmodel.report import render_text, to_json_dict
+
+    overrides = list(args.overrides)
+    if args.model:
+        overrides.insert(0, f"model.preset={args.model}")
+    cfg = load_config(args.config, overrides)
+    hw = load_hardware(args.hardware or cfg.costmodel.hardware)
+    n = args.gpus or cfg.costmodel.num_devices or hw.node.devices
+    try:
+        res = search(cfg, n, hw)
+    except GraphError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    if args.quiet:
+        c = res.chosen
+        print(f"chosen {c.step_time_s:.4g} s/step, {c.memory_per_gpu_gb:.2f} GB/GPU, util {100 * c.utilization:.1f}%; "
+              + ", ".join(f"{k} {v.step_time_s / c.step_time_s:.2f}x" for k, v in res.baselines.items())
+              + f"; search {res.search_seconds:.2f} s")
+    else:
+        print(render_text(res), end="")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(to_json_dict(res), f, indent=1)
+    if args.save_plan:
+        res.chosen.plan.save(args.save_plan)
+    return 0

@@ -1,0 +1,71 @@
+"""Calibration: fitting measured micro-benchmarks into a valid profile, and the `rpeg calibrate`
+command end to end (tiny sizes)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rpeg_jax.costmodel.calibrate import _monotone_table, fit
+from rpeg_jax.costmodel.hardware import check_table, interp_eff, load_hardware
+from rpeg_jax.costmodel import planner as P
+
+
+def synthetic():
+    return {"matmul": [(2 * 64 ** 3, 1e9), (2 * 256 ** 3, 8e9), (2 * 1024 ** 3, 2e10)],
+            "memory": [(1e5, 2e9), (1e7, 1e10), (1e8, 8e9)],
+            "overheads": {"dispatch_s": 5e-5, "layer_s": 3e-6, "decode_step_s": 1e-6},
+            "allreduce": [(4096.0, 1e-4, 8), (1 << 20, 2e-3, 8)]}
+
+
+def test_fit_cpu_sets_measured_peaks_and_valid_tables():
+    base = load_hardware("cpu", calibrated=False)
+    prof = fit(base, synthetic())
+    assert prof.device.peak_flops == 2e10 and prof.device.memory_bw == 1e10
+    e = prof.efficiency
+    for t in (e.matmul, e.memory, e.intra_node):
+        check_table(t, "t")
+    assert interp_eff(e.matmul, 2 * 1024 ** 3) == pytest.approx(1.0)
+    assert interp_eff(e.matmul, 2 * 64 ** 3) == pytest.approx(1e9 / 2e10)
+    assert e.dispatch_s == 5e-5 and e.layer_s == 3e-6
+    # all-reduce busbw = 2(n-1)/n · S / t; the link rate is the best one measured.
+    assert prof.node.link_bw == pytest.approx(2 * 7 / 8 * (1 << 20) / 2e-3)
+
+
+def test_fit_gpu_keeps_nominal_peak():
+    base = load_hardware("h200", calibrated=False)
+    meas = synthetic()
+    meas["matmul"] = [(1e9, 3e14), (1e11, 7e14)]
+    prof = fit(base, meas)
+    assert prof.device.peak_flops == base.device.peak_flops
+    assert interp_eff(prof.efficiency.matmul, 1e11) == pytest.approx(7e14 / base.device.peak_flops)
+
+
+def test_monotone_table_drops_time_reversals():
+    t = _monotone_table([(1e3, 0.01), (2e3, 0.5), (1e6, 0.9)])
+    check_table(t, "t")  # 50x the efficiency at 2x the size would make time go backwards
+    assert t[1][1] == pytest.approx(0.02)
+
+
+def test_calibrated_profile_changes_predictions():
+    from rpeg_jax.config import load_config
+
+    base = load_hardware("cpu", calibrated=False)
+    slow = fit(base, {**synthetic(), "matmul": [(2 * 1024 ** 3, 1e9)]})
+    cfg = load_config(None, [])
+    a = P.search(cfg, 8, base).chosen.step_time_s
+    b = P.search(cfg, 8, slow).chosen.step_time_s
+    assert b > a
+
+
+def test_rpeg_calibrate_command(tmp_path):
+    out = tmp_path / "cpu.yaml"
+    env = dict(os.environ, RPEG_CACHE=str(tmp_path / "cache"))
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run([sys.executable, "-m", "rpeg_jax.cli", "calibrate", "--quick", "--devices", "4",
+                        "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "calibrated cpu" in r.stdout
+    prof = load_hardware(str(out))
+    assert prof.device.peak_flops > 1e8 and prof.node.link_bw > 0 and prof.calibrated

@@ -1,0 +1,158 @@
+"""Per-stage formulas against independent hand computations (float64 numpy / plain Python)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from rpeg_jax.config.model import model_preset
+from rpeg_jax.costmodel import stages as S
+from rpeg_jax.costmodel.hardware import load_hardware
+from rpeg_jax.costmodel.lengths import LengthDist, gen_schedule
+from rpeg_jax.costmodel.shape import ModelShape
+from rpeg_jax.graph.algorithms import model_dims
+
+
+def shape(preset, **kw):
+    return ModelShape.of(model_dims(model_preset(preset, **kw), "actor"))
+
+
+def setting(hw="gh200", B=64, P=512, R=1024, dense=False, **kw):
+    return S.Setting(hw=load_hardware(hw, calibrated=False), B=B, P=P, R=R, G=8, dist=LengthDist.fixed(R),
+                     causal_skip=not dense, dense_scores=dense, packing=False, budget_bytes=80e9, **kw)
+
+
+def test_megatron_gpt_layer_flops():
+    # GPT-style shape (MHA, E = D/H, SwiGLU with F = 8D/3 has the same 8D² MLP params as 4D GELU):
+    # Megatron's forward per token per layer = 24 D² + 4 s D (attention over context s).
+    D, H = 3072, 24
+    ms = shape("tiny", hidden_size=D, num_heads=H, num_kv_heads=H, intermediate_size=8 * D // 3,
+               num_layers=1, vocab_size=256, max_position_embeddings=8192, bos_id=1, eos_id=2)
+    assert ms.layer_matmul_flops == 24 * D * D
+    s = 2048
+    dense_attn = float(ms.attn_flops(s * s, causal_skip=False))
+    assert dense_attn == pytest.approx(4 * s * D * s)  # 4 s D per token, s tokens
+    assert float(ms.attn_flops(s * s, causal_skip=True)) == pytest.approx(dense_attn / 2)
+
+
+def test_qwen_flops_against_parameter_count():
+    # For a decoder the forward matmul FLOPs per token are 2 × (non-embedding matmul params) + 2DV.
+    cfg = model_preset("qwen2-7b")
+    ms = ModelShape.of(model_dims(cfg, "actor"))
+    d, e, f, L, V = cfg.hidden_size, cfg.head_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
+    q, kv = cfg.num_heads * e, cfg.num_kv_heads * e
+    matmul_params = L * (d * q + 2 * d * kv + q * d + 3 * d * f)
+    fwd = float(ms.forward_flops(tokens=1, scored=1, sum_sq=0, causal_skip=True))
+    assert fwd == 2 * matmul_params + 2 * d * V
+    # 6N rule: training FLOPs per token ≈ 6 × params (within the share of norms/biases/embedding).
+    st = setting(B=8, P=0, R=2)
+    t, parts = S.train_stage(st, ms, 1, 1, 1, 1, 1, "none")
+    tokens = st.B * st.seq_tokens
+    assert float(parts["flops"]) / tokens == pytest.approx(6 * (matmul_params + d * V), rel=0.02)
+    assert 6 * cfg.num_params() / (float(parts["flops"]) / tokens) == pytest.approx(1.0, rel=0.12)
+
+
+def test_kv_bytes_per_token_table():
+    # Reference §3.5 table (bf16): Qwen2.5-7B 56 KiB, Qwen2.5-32B 256 KiB, Llama-3-70B 320 KiB.
+    for preset, kib in (("qwen2-7b", 56), ("qwen2-32b", 256), ("llama3-70b", 320)):
+        ms = shape(preset, dtype="bfloat16")
+        assert ms.kv_bytes_per_token == kib * 1024
+
+
+def test_train_state_memory_replicated_fsdp_tensor():
+    ms = shape("qwen2-1.5b", param_dtype="float32")
+    st = setting(B=64)
+    n = ms.num_params
+    # float32: params, m, v resident (12 B/param) + during the update the gradients and the new
+    # params, m, v beside the old (rl/update.py's NaN guard): 7 copies = 28 B/param; plus a
+    # float32 gradient accumulator (4 B/param) with micro-batches > 1.
+    assert ms.resident_state_bytes() == 12.0 * n
+    assert float(ms.update_state_bytes(1)) == 16.0 * n and float(ms.update_state_bytes(4)) == 20.0 * n
+    rep = float(S.train_memory(st, ms, 8, 1, 1, 1, "full"))
+    fsdp = float(S.train_memory(st, ms, 1, 8, 1, 1, "full"))
+    tp = float(S.train_memory(st, ms, 1, 1, 8, 8, "full"))
+    state = 28.0 * n
+    act_rep = rep - state
+    assert act_rep > 0
+    assert fsdp - state / 8 == pytest.approx(act_rep + 2 * ms.layer_params * 4, rel=1e-6)  # + gather buffers
+    assert tp - (state + 4.0 * n) / 8 < act_rep  # tensor parallelism also splits activations
+    assert tp < rep
+
+
+def test_activation_memory_remat_and_tensor_split():
+    ms = shape("qwen2-1.5b", dtype="bfloat16")
+    a, D, q, kv, F = 2, ms.D, ms.H * ms.E, ms.K * ms.E, ms.F
+    none = float(ms.act_bytes_per_token_layer(1, "none"))
+    assert none == a * (4 * D + 2 * q + 2 * kv + 3 * F)
+    assert float(ms.act_bytes_per_token_layer(2, "none")) == a * (4 * D + (2 * q + 2 * kv + 3 * F) / 2)
+    assert float(ms.act_bytes_per_token_layer(1, "full")) == a * D
+    # Dense attention keeps f32 scores and probabilities: 8 bytes per head per context position.
+    assert float(ms.act_bytes_per_token_layer(1, "none", 100)) == none + 8 * ms.H * 100
+
+
+def test_decode_memory_bound_small_batch_compute_bound_large():
+    st = setting(B=4096)
+    ms = shape("qwen2-7b", dtype="bfloat16")
+    hw = st.hw
+    t1 = float(S.decode_step_time(st, ms, 1, 1, 1, 1))
+    # Batch 1: the weights are read once per step at the memory bandwidth.
+    w = ms.weight_bytes() / (hw.device.memory_bw * 0.85)
+    assert t1 == pytest.approx(w + hw.efficiency.decode_step_s + ms.L * hw.efficiency.layer_s, rel=0.05)
+    times = np.array([float(S.decode_step_time(st, ms, 1, 1, b, 1)) for b in (1, 8, 64, 2048, 4096)])
+    assert times[1] / times[0] < 1.2  # memory-bound: 8x the batch costs almost nothing
+    assert times[4] / times[3] == pytest.approx(2.0, rel=0.15)  # compute-bound: linear in batch
+    # The crossover sits near peak/bandwidth (~250 tokens per step on GH200, reference §3.6).
+    b = np.arange(16, 2048, 16)
+    flops = ms.decode_flops(b, 1) / (hw.peak("bfloat16") * 0.78)
+    cross = b[np.argmax(flops > ms.weight_bytes() / (hw.device.memory_bw * 0.85))]
+    assert 150 <= cross <= 450
+
+
+def test_decode_grows_with_context():
+    st = setting()
+    ms = shape("qwen2-7b", dtype="bfloat16")
+    short = float(S.decode_step_time(st, ms, 1, 1, 64, 512))
+    long = float(S.decode_step_time(st, ms, 1, 1, 64, 16384))
+    kv = 64 * (16384 - 512) * ms.kv_bytes_per_token * st.hw.efficiency.kv_read_factor
+    assert long - short == pytest.approx(kv / (st.hw.device.memory_bw * 0.85), rel=0.1)
+
+
+def test_forward_roofline_and_fsdp_comm():
+    st = setting(B=64, P=512, R=512)
+    ms = shape("qwen2-7b", dtype="bfloat16", param_dtype="float32")
+    t, parts = S.forward_stage(st, ms, 64, 64, 1, 1, 1)
+    flops = float(ms.forward_flops(1024, 512, 1024 ** 2, True))
+    assert float(parts["flops"]) == pytest.approx(flops)
+    assert float(parts["compute"]) >= flops / st.hw.peak("bfloat16")
+    _, p8 = S.forward_stage(st, ms, 64, 8, 8, 1, 1)
+    assert float(p8["comm"]) > 0 and float(parts["comm"]) == 0
+
+
+def test_generation_tail_and_async():
+    st = setting(B=64, P=128, R=4096)
+    st = dataclasses.replace(st, dist=LengthDist(max_len=4096, min_len=64, median=512, sigma=1.0))
+    ms = shape("qwen2-1.5b", dtype="bfloat16")
+    sync, parts, finished_at, asy = S.generate_stage(st, ms, 8, [1], [64], async_ks=(1,))
+    lens = st.dist.lengths(64)
+    # The synchronous stage lasts at least the longest response's decode steps at batch 1.
+    floor = lens.max() * float(S.decode_step_time(st, ms, 1, 8, 1, st.P))
+    assert sync[0] >= floor * 0.99
+    # Completion curve: monotone, ending at the stage end.
+    qs = [finished_at(q)[0] for q in (0.25, 0.5, 0.75, 1.0)]
+    assert np.all(np.diff(qs) >= 0) and qs[-1] <= sync[0] + 1e-9
+    assert asy[1][0] < sync[0]  # continuous admission hides the tail
+
+
+def test_gen_schedule_continuous_batching():
+    d = LengthDist(max_len=100, min_len=1, median=20, sigma=0.8)
+    lens = d.lengths(32)
+    full = gen_schedule(d, 32, 1, 32, 10)
+    assert full.critical[0].total_steps == lens.max()
+    assert full.critical[0].batch[0] == pytest.approx(32, rel=0.2)
+    few = gen_schedule(d, 32, 1, 4, 10)
+    assert few.critical[0].total_steps >= lens.sum() / 4
+    # Σ over bins of steps × batch = Σ lengths (every token decoded once).
+    for sch in (full, few):
+        p = sch.critical[0]
+        assert float(np.sum(p.steps * p.batch)) == pytest.approx(lens.sum())
+    assert np.all(np.diff(full.finish_step) >= 0) and len(full.finish_step) == 32

@@ -1,0 +1,140 @@
+"""The planner: imports no JAX, returns checked plans, rejects what does not fit, finds the
+optimum of what it searches, and its baselines are the best of their own families."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from rpeg_jax.config import load_config
+from rpeg_jax.costmodel import planner as P
+from rpeg_jax.costmodel.hardware import load_hardware
+from rpeg_jax.costmodel.schedule import simulate, unroll
+from rpeg_jax.graph.ir import GraphError
+from rpeg_jax.graph.plan import Plan, graph_for_plan
+
+GH = load_hardware("gh200", calibrated=False)
+CPU = load_hardware("cpu", calibrated=False)
+P1 = ["model.dtype=bfloat16", "model.param_dtype=float32", "data.prompts_per_step=32", "rl.group_size=16",
+      "data.max_prompt_len=512", "rollout.max_new_tokens=4096", "costmodel.response_len_min=256",
+      "costmodel.response_len_median=1024", "costmodel.response_len_sigma=0.8", "costmodel.sequence_packing=true"]
+
+
+def cfg_of(*extra, model="qwen2-1.5b"):
+    return load_config(None, [f"model.preset={model}", *P1, *extra])
+
+
+def test_planning_path_imports_no_jax():
+    code = ("import sys, rpeg_jax.costmodel.planner, rpeg_jax.costmodel.cli, rpeg_jax.costmodel.calibrate; "
+            "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib', 'flax'))]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_choose_plan_default_config_is_a_checked_plan():
+    cfg = load_config(None, [])
+    plan = P.choose_plan(cfg, 8, CPU)
+    assert isinstance(plan, Plan) and plan.source == "planner"
+    g = graph_for_plan(cfg, plan)
+    plan.check(g)
+    times = P.predicted_stage_times(plan)
+    assert set(times) == set(g.stage_names()) and all(t >= 0 for t in times.values())
+    for key in ("step_time_s", "memory_per_gpu_gb", "utilization", "settings"):
+        assert key in plan.predicted
+    again = Plan.from_json(plan.to_json())
+    assert again.stages == plan.stages and again.knobs == plan.knobs
+
+
+def test_rejects_plans_that_do_not_fit():
+    cfg = cfg_of("costmodel.memory_budget=0.05", model="qwen2-72b")
+    with pytest.raises(GraphError, match="no plan fits"):
+        P.search(cfg, 4, GH)
+
+
+def test_memory_forces_sharding_and_every_plan_fits():
+    # 7B with float32 Adam state is 16 B/param = 122 GB replicated: it must be sharded on 8 H100s.
+    hw = load_hardware("h100", calibrated=False)
+    cfg = cfg_of(model="qwen2-7b")
+    res = P.search(cfg, 8, hw)
+    budget = cfg.costmodel.memory_budget * hw.hbm_bytes / 1e9
+    for p in [res.chosen, *res.runners_up, *res.baselines.values()]:
+        assert p.memory_per_gpu_gb <= budget + 1e-6
+        tr = p.layout["train"]
+        assert tr["fsdp"] * tr["tensor"] >= 2
+
+
+def test_slow_links_rule_out_tensor_parallelism():
+    cfg = cfg_of(model="qwen2-7b")
+    fast = P.search(cfg, 4, GH)
+    slow_hw = dataclasses.replace(GH, node=dataclasses.replace(GH.node, latency_s=2e-3, link_bw=1e9))
+    slow = P.search(cfg, 4, slow_hw)
+    assert slow.chosen.layout["generate"]["tensor"] == 1
+    assert slow.chosen.layout["train"]["tensor"] == 1
+    assert fast.chosen.step_time_s < slow.chosen.step_time_s
+
+
+def test_long_tail_favours_bounded_asynchrony_when_allowed():
+    cfg = cfg_of("costmodel.max_staleness=1")
+    res = P.search(cfg, 16, GH)
+    assert res.chosen.knobs["staleness"] == 1
+    sync_only = P.search(cfg_of("costmodel.max_staleness=0"), 16, GH)
+    assert sync_only.chosen.knobs["staleness"] == 0
+    assert res.chosen.step_time_s < sync_only.chosen.step_time_s
+
+
+def _all_periods(ctx, placement, share, graph, tab):
+    dur, pieces = P.durations(ctx, graph, tab)
+    return simulate(unroll(graph, shared_resource=ctx.hw.shared_host), dur, pieces)[0]
+
+
+@pytest.mark.parametrize("algo, n", [("grpo", 8), ("ppo", 8)])
+def test_search_finds_the_optimum_of_its_space_and_baselines_are_family_best(algo, n):
+    cfg = cfg_of(f"rl.algorithm={algo}", "rl.kl_coef=0.05")
+    res = P.search(cfg, n, GH)
+    ctx = P.make_context(cfg, n, GH)
+    cache = {}
+    best = np.inf
+    for placement, share in P.families(ctx):  # brute force: every option x every row, no pruning
+        for pipe, g in P._graphs(ctx, P.structural_options(ctx, placement, share)):
+            tab = P._table(ctx, g, placement, cache)
+            best = min(best, float(np.min(_all_periods(ctx, placement, share, g, tab))))
+    assert res.chosen.step_time_s == pytest.approx(best, rel=1e-9)
+    # Baselines: best over their own family (colocated, synchronous, unfused).
+    base = P._graphs(ctx, [P.PipelineConfig(placement="colocated")])[0][1]
+    tab = P._table(ctx, base, "colocated", cache)
+    per = _all_periods(ctx, "colocated", False, base, tab)
+    verl = (tab["d"] == tab["fd"]) & (tab["f"] == tab["ff"]) & (tab["t"] == tab["ft"])
+    assert res.baselines["real_like"].step_time_s == pytest.approx(per.min(), rel=1e-9)
+    assert res.baselines["verl_like"].step_time_s == pytest.approx(per[verl].min(), rel=1e-9)
+    assert res.chosen.step_time_s <= res.baselines["real_like"].step_time_s <= res.baselines["verl_like"].step_time_s
+    v = res.baselines["verl_like"].layout
+    assert v["train"] == {**v["train"], **{k: v["forward"][k] for k in ("data", "fsdp", "tensor")}}
+    assert all(b.knobs["staleness"] == 0 and not b.knobs["fuse"] for b in res.baselines.values())
+
+
+def test_cli_json_fields(tmp_path, capsys):
+    from rpeg_jax.cli import main
+
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--hardware", "gh200", "--gpus", "16", "--model", "qwen2-1.5b", "--json", str(out),
+               "--save-plan", str(tmp_path / "chosen.json"), *P1])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "verl_like" in text and "real_like" in text and "why:" in text
+    d = json.loads(out.read_text())
+    for k in ("step_time_s", "memory_per_gpu_gb", "utilization", "stage_times_s", "plan"):
+        assert k in d["chosen"]
+    for b in ("verl_like", "real_like"):
+        assert d["baselines"][b]["step_time_s"] > 0 and d["ratios"][b] >= 1.0 - 1e-9
+    assert d["search_seconds"] > 0 and d["evaluations"] > 0
+    assert Plan.load(str(tmp_path / "chosen.json")).num_devices == 16
+
+
+def test_256_gpu_search_is_fast():
+    res = P.search(cfg_of("rollout.max_new_tokens=16384", "costmodel.response_len_min=4096",
+                          "costmodel.response_len_median=6144", model="qwen2-7b"), 256, GH)
+    assert res.search_seconds < 60
+    assert res.evaluations / res.search_seconds >= 1e3
