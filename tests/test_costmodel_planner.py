@@ -42,7 +42,7 @@ def test_choose_plan_default_config_is_a_checked_plan():
     plan.check(g)
     times = P.predicted_stage_times(plan)
     assert set(times) == set(g.stage_names()) and all(t >= 0 for t in times.values())
-    for key in ("step_time_s", "memory_per_gpu_gb", "utilization", "settings"):
+    for key in ("step_time_s", "memory_per_gpu_gb", "utilization", "settings", "stage_s"):
         assert key in plan.predicted
     again = Plan.from_json(plan.to_json())
     assert again.stages == plan.stages and again.knobs == plan.knobs
@@ -83,6 +83,19 @@ def test_long_tail_favours_bounded_asynchrony_when_allowed():
     sync_only = P.search(cfg_of("costmodel.max_staleness=0"), 16, GH)
     assert sync_only.chosen.knobs["staleness"] == 0
     assert res.chosen.step_time_s < sync_only.chosen.step_time_s
+
+
+def test_continuous_admission_hides_the_tail():
+    # Without it (the runtime today) each step's batch is one generate call, tail included, and
+    # staleness only overlaps the groups; with it generation becomes throughput-bound.
+    base = P.search(cfg_of("costmodel.max_staleness=1"), 16, GH)
+    ca = P.search(cfg_of("costmodel.max_staleness=1", "costmodel.continuous_admission=true"), 16, GH)
+    assert ca.chosen.step_time_s < base.chosen.step_time_s
+    assert ca.chosen.stage_times_s["generate"] < base.chosen.stage_times_s["generate"]
+    ctx = P.make_context(cfg_of("costmodel.max_staleness=1"), 16, GH)
+    assert {o.staleness for o in P.structural_options(ctx, "colocated", False)} == {0}
+    ctx = P.make_context(cfg_of("costmodel.max_staleness=1", "costmodel.continuous_admission=true"), 16, GH)
+    assert {o.staleness for o in P.structural_options(ctx, "colocated", False)} == {0, 1}
 
 
 def _all_periods(ctx, placement, share, graph, tab):

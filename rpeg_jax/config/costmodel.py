@@ -23,6 +23,8 @@ class CostModelConfig:
     response_len_sigma: float = 0.6  # lognormal shape of response lengths (long tail); 0 = fixed
     attention: Literal["auto", "dense", "flash"] = "auto"  # auto: dense on cpu, flash on accelerators
     sequence_packing: bool = False  # trainer packs sequences (no padding to max_new_tokens)
+    continuous_admission: bool = False  # under staleness k the sampler admits later steps' prompts while a
+    #   step's tail finishes (partial rollouts), so generation is throughput-bound; False = one batch per call
     # Search space (structural knobs the planner may change).
     max_staleness: int = 1  # k the planner may choose, 0..max_staleness (0: synchronous only)
     search_share_actor_critic: bool = True  # PPO: may share one backbone between actor and critic

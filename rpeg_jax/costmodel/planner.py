@@ -149,9 +149,11 @@ def structural_options(ctx: Context, placement: str, share: bool) -> list[Pipeli
     cfg, c = ctx.cfg, ctx.cfg.costmodel
     elide = cfg.pipeline.elide_old_forward
     fuses = [()] + ([("forwards",), ("advantage",), ("forwards", "advantage")] if c.search_fusion else [])
-    # Staleness also pays colocated: admission stays continuous across the training phase
-    # (partial rollouts, KV recomputed), so generation is throughput-bound instead of tail-bound.
+    # Staleness pays colocated only with continuous admission: partial rollouts continue across
+    # the training phase (KV recomputed), so generation is throughput-bound instead of tail-bound.
     ks = [0] if elide else list(range(0, c.max_staleness + 1))
+    if placement == "colocated" and not c.continuous_admission:
+        ks = [0]
     pieces = [1] if placement == "colocated" else [m for m in (1, 2, 4, 8) if ctx.base.sizes["N"] % m == 0]
     out = []
     for k, fz, m in itertools.product(ks, fuses, pieces):
@@ -263,8 +265,9 @@ def _graphs(ctx: Context, opts: list[PipelineConfig]) -> list[tuple[PipelineConf
 def _table(ctx: Context, graph: Graph, placement: str, cache: dict) -> dict:
     key = (placement, bool(graph.attrs.get("shared")))
     if key not in cache:
-        cache[key] = C.build(ctx.st, roles_of(ctx, graph), ctx.N, placement, gen_sizes(ctx),
-                             ctx.cfg.costmodel.tensor_sizes, ctx.cfg.costmodel.max_staleness)
+        c = ctx.cfg.costmodel
+        cache[key] = C.build(ctx.st, roles_of(ctx, graph), ctx.N, placement, gen_sizes(ctx), c.tensor_sizes,
+                             c.max_staleness, c.continuous_admission)
     return cache[key]
 
 
@@ -398,7 +401,7 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
         entries.append(StagePlan(s.name, s.placement, _mesh(part), rules_for(s, ctx.cfg), s.microbatches))
     predicted = {"step_time_s": pred.step_time_s, "latency_s": pred.latency_s,
                  "memory_per_gpu_gb": pred.memory_per_gpu_gb, "utilization": pred.utilization,
-                 "stage_times_s": pred.stage_times_s, "hardware": ctx.hw.name,
+                 "stage_s": pred.stage_times_s, "hardware": ctx.hw.name,
                  "settings": {"rl.micro_batches": lay["train"]["micro_batches"], "model.remat": lay["train"]["remat"],
                               "rollout.max_slots": lay["generate"]["slots"],
                               "forward_micro_batches": lay["forward"]["micro_batches"]}}
@@ -414,7 +417,7 @@ def choose_plan(cfg: RunConfig, num_devices: int | None = None, hardware=None) -
 
 def predicted_stage_times(plan: Plan) -> dict[str, float]:
     """Per-stage predicted seconds of a planner Plan (empty for manual plans)."""
-    return dict(plan.predicted.get("stage_times_s", {}))
+    return dict(plan.predicted.get("stage_s", {}))
 
 
 def compare(plan: Plan, measured_s: dict[str, float]) -> dict[str, float]:
