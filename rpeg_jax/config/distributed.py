@@ -1,24 +1,31 @@
-"""Distributed section: multi-host initialisation and failure detection."""
+"""Distributed section: multi-host initialisation and failure detection (see
+rpeg_jax/sharding/distributed.py for where each value may also come from: flags, SLURM, JAX env)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from rpeg_jax.config.base import check, key
 
 
 @dataclass(frozen=True, kw_only=True)
 class DistributedConfig:
-    coordinator: str | None = None  # host:port; None -> SLURM / JAX environment / single process
+    coordinator: str | None = None  # host:port of process 0; None -> flags / JAX env / SLURM / single process
     num_processes: int | None = None
     process_id: int | None = None
-    heartbeat_timeout_s: float = 30.0  # a lost peer makes the others exit non-zero within about this
-    initialization_timeout_s: float = 120.0
+    heartbeat_timeout_s: float = 30.0  # s; a lost peer makes the others exit non-zero (code 75) within about this
+    initialization_timeout_s: float = 120.0  # s; how long initialize waits for all processes to connect
+    cpu_collectives: Literal["gloo", "mpi"] = "gloo"  # collectives between CPU devices of different processes
+    watchdog: bool = True  # heartbeat watchdog that names a lost process (else only JAX's own detection)
 
     def validate(self, path: str) -> None:
         check(self.heartbeat_timeout_s > 0, key(path, "heartbeat_timeout_s"), self.heartbeat_timeout_s, "must be > 0")
         check(self.initialization_timeout_s > 0, key(path, "initialization_timeout_s"),
               self.initialization_timeout_s, "must be > 0")
+        if self.coordinator is not None:
+            host, _, port = self.coordinator.rpartition(":")
+            check(bool(host) and port.isdigit(), key(path, "coordinator"), self.coordinator, "must be host:port")
         if self.num_processes is not None:
             check(self.num_processes >= 1, key(path, "num_processes"), self.num_processes, "must be >= 1")
             if self.process_id is not None:

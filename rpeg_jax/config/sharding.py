@@ -1,25 +1,67 @@
-"""Sharding section: the mesh, the logical-axis rule presets per stage role, overrides and plugins."""
+"""Sharding section: the mesh, the logical-axis rule presets per stage role, overrides and plugins.
+
+Pure Python (no JAX): the rules themselves and their semantics live in rpeg_jax/sharding/rules.py;
+the extension point (overrides, tactics, plugins) in rpeg_jax/sharding/tactics.py.
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from rpeg_jax.config.base import check, key
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "tensor")  # outermost .. innermost (fastest-changing, kept inside a node)
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ShardingConfig:
-    mesh: dict[str, int] = field(default_factory=lambda: {"data": -1, "fsdp": 1, "tensor": 1})
-    train_rules: str = "fsdp"  # rule preset for training stages
+    mesh: dict[str, int] = field(default_factory=lambda: {"data": -1, "fsdp": 1, "tensor": 1})  # axis -> size, -1 fills
+    generate_mesh: dict[str, int] | None = None  # mesh of generation stages; None -> `mesh`
+    train_rules: str = "fsdp"  # rule preset for training stages (replicated|data|fsdp|tensor|fsdp_tensor|custom)
     generate_rules: str = "data"  # rule preset for generation
+    rules: dict[str, Any] = field(default_factory=dict)  # custom presets: name -> [[logical, mesh axes(, policy)], ...]
     overrides: tuple[tuple[str, str], ...] = ()  # (parameter-path regex, tactic or partition), first match wins
     plugins: tuple[str, ...] = ()  # importable modules that register tactics/rules
+    axis_types: Literal["auto", "explicit"] = "auto"  # jax.sharding.AxisType of every mesh axis
+    devices_per_node: int | None = None  # e.g. 4 on GH200 nodes: checks that `tensor` stays inside a node
 
     def validate(self, path: str) -> None:
-        for name, size in self.mesh.items():
-            check(name in MESH_AXES, key(path, f"mesh.{name}"), size, f"unknown mesh axis; known: {', '.join(MESH_AXES)}")
-            check(size == -1 or size >= 1, key(path, f"mesh.{name}"), size, "must be -1 (fill) or >= 1")
-        check(sum(1 for s in self.mesh.values() if s == -1) <= 1, key(path, "mesh"), self.mesh,
-              "at most one axis may be -1")
+        for name, mesh in (("mesh", self.mesh), ("generate_mesh", self.generate_mesh)):
+            if mesh is not None:
+                _check_mesh(mesh, key(path, name))
+        for name, data in self.rules.items():
+            _check_rules(data, key(path, f"rules.{name}"))
+        for i, pair in enumerate(self.overrides):
+            try:
+                re.compile(pair[0])
+            except re.error as e:
+                check(False, key(path, f"overrides[{i}]"), pair[0], f"bad regular expression: {e}")
+        for i, mod in enumerate(self.plugins):
+            check(bool(_MODULE.match(mod)), key(path, f"plugins[{i}]"), mod, "must be a dotted module name")
+        if self.devices_per_node is not None:
+            check(self.devices_per_node >= 1, key(path, "devices_per_node"), self.devices_per_node, "must be >= 1")
+
+
+def _check_mesh(mesh: dict[str, int], path: str) -> None:
+    for name, size in mesh.items():
+        check(name in MESH_AXES, key(path, name), size, f"unknown mesh axis; known: {', '.join(MESH_AXES)}")
+        check(size == -1 or size >= 1, key(path, name), size, "must be -1 (fill) or >= 1")
+    check(sum(1 for s in mesh.values() if s == -1) <= 1, path, mesh, "at most one axis may be -1")
+
+
+def _check_rules(data: Any, path: str) -> None:
+    check(isinstance(data, (list, tuple)), path, data, "must be a list of [logical, mesh axes(, policy)]")
+    for i, item in enumerate(data):
+        ok = isinstance(item, (list, tuple)) and len(item) in (2, 3) and isinstance(item[0], str)
+        check(ok, f"{path}[{i}]", item, "must be [logical axis, mesh axes or null(, error|replicate|next)]")
+        mesh = item[1]
+        axes = [mesh] if isinstance(mesh, str) else list(mesh or [])
+        for a in axes:
+            for part in str(a).split("+"):
+                check(part in MESH_AXES, f"{path}[{i}]", item, f"unknown mesh axis {part!r}; known: {MESH_AXES}")
+        if len(item) == 3:
+            check(item[2] in ("error", "replicate", "next"), f"{path}[{i}]", item,
+                  "policy must be error, replicate or next")
