@@ -7,9 +7,11 @@ GRPO (G=16) and PPO, prompt 512, responses 4k-16k tokens long-tailed (4096 + log
 6144, clipped at 16384), global batch 512 sequences: the chosen plan with its predicted step
 time, memory per GPU and utilization; the verl-like and ReaL-like baselines (each the best of
 its family on the same hardware) and their ratios; and the search time on one core.
-The main columns model the runtime as it is (each step's batch is one generate call, tail
-included); "CA s" is the chosen plan's step time if generation admitted the next steps' prompts
-while a step's tail finishes (costmodel.continuous_admission, partial rollouts).
+The main columns model our runtime as it is: each step's batch is one generate call (tail
+included) and the sampler's KV page pool is replicated over the generation group's data axis.
+The baselines are priced with their own engines (one KV pool per replica). "next s" is our
+chosen plan once the sampler shards its pool per replica and admits the next steps' prompts
+while a step's tail finishes (costmodel.kv_pool=sharded, continuous_admission=true).
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ MACHINES = [("gh200", 64), ("gh200", 128), ("gh200", 256), ("h100", 8), ("h200",
 
 def one(hw_name: str, gpus: int, model: str, algo: str) -> dict:
     row = _search(hw_name, gpus, model, algo, [])
-    if row["fits"]:  # what continuous admission (partial rollouts under staleness) would add
-        ca = _search(hw_name, gpus, model, algo, ["costmodel.continuous_admission=true"])
-        row["continuous_admission"] = {"step_time_s": ca["chosen"]["step_time_s"], "knobs": ca["chosen"]["knobs"],
+    if row["fits"]:  # with a per-replica KV pool and continuous admission (partial rollouts)
+        ca = _search(hw_name, gpus, model, algo, ["costmodel.kv_pool=sharded", "costmodel.continuous_admission=true"])
+        row["next"] = {"step_time_s": ca["chosen"]["step_time_s"], "knobs": ca["chosen"]["knobs"],
                                        "layout": ca["chosen"]["layout"], "search_seconds": ca["search_seconds"]}
     return row
 
@@ -79,7 +81,7 @@ def describe(row: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     head = (f"{'hw':<6}{'gpus':>5} {'model':<5} {'algo':<5} {'chosen plan':<44}{'step s':>8}{'util':>7}{'GB':>6}"
-            f"{'verl s':>9}{'x':>6}{'ReaL s':>9}{'x':>6}{'search s':>9}{'CA s':>8}{'x verl':>7}")
+            f"{'verl s':>9}{'x':>6}{'ReaL s':>9}{'x':>6}{'search s':>9}{'next s':>8}{'x verl':>7}")
     out = [head, "-" * len(head)]
     for r in rows:
         pre = f"{r['hardware']:<6}{r['gpus']:>5} {r['model']:<5} {r['algorithm']:<5} "
@@ -91,7 +93,7 @@ def table(rows: list[dict]) -> str:
         for name in ("verl_like", "real_like"):
             b = r.get(name)
             base += f"{b['step_time_s']:>9.1f}{b['ratio']:>6.2f}" if b else f"{'no fit':>9}{'-':>6}"
-        ca = r.get("continuous_admission")
+        ca = r.get("next")
         v = r.get("verl_like")
         extra = f"{ca['step_time_s']:>8.1f}" + (f"{v['step_time_s'] / ca['step_time_s']:>7.2f}" if v else f"{'-':>7}")
         out.append(pre + f"{describe(r):<44}{c['step_time_s']:>8.1f}{100 * c['utilization']:>6.1f}%"

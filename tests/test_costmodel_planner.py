@@ -105,7 +105,8 @@ def _all_periods(ctx, placement, share, graph, tab):
 
 @pytest.mark.parametrize("algo, n", [("grpo", 8), ("ppo", 8)])
 def test_search_finds_the_optimum_of_its_space_and_baselines_are_family_best(algo, n):
-    cfg = cfg_of(f"rl.algorithm={algo}", "rl.kl_coef=0.05")
+    # With the same generation engine (per-replica KV pools) our space contains both baselines.
+    cfg = cfg_of(f"rl.algorithm={algo}", "rl.kl_coef=0.05", "costmodel.kv_pool=sharded")
     res = P.search(cfg, n, GH)
     ctx = P.make_context(cfg, n, GH)
     cache = {}
@@ -126,6 +127,30 @@ def test_search_finds_the_optimum_of_its_space_and_baselines_are_family_best(alg
     v = res.baselines["verl_like"].layout
     assert v["train"] == {**v["train"], **{k: v["forward"][k] for k in ("data", "fsdp", "tensor")}}
     assert all(b.knobs["staleness"] == 0 and not b.knobs["fuse"] for b in res.baselines.values())
+
+
+def test_baselines_use_their_own_engines():
+    # Our sampler replicates its KV pool over the data axis; verl/ReaL engines do not, and are
+    # priced that way (no straw men), so the baselines are the same whatever kv_pool says.
+    rep = P.search(cfg_of("costmodel.kv_pool=replicated"), 16, GH)
+    shd = P.search(cfg_of("costmodel.kv_pool=sharded"), 16, GH)
+    for name in ("verl_like", "real_like"):
+        assert rep.baselines[name].step_time_s == pytest.approx(shd.baselines[name].step_time_s)
+    assert shd.chosen.step_time_s <= rep.chosen.step_time_s + 1e-9
+
+
+def test_replicated_kv_pool_costs_memory_per_replica():
+    from rpeg_jax.costmodel import stages as S
+
+    ctx = P.make_context(cfg_of(model="qwen2-7b"), 16, GH)
+    ms = P.roles_of(ctx, ctx.base).actor
+    st = ctx.st
+    one = float(S.generate_memory(st, ms, 4, 8, reps=1))
+    four = float(S.generate_memory(st, ms, 4, 8, reps=4))
+    kv = 8 * (st.P + st.R) * ms.kv_bytes_per_token / 4
+    assert four - one == pytest.approx(3 * kv)
+    sharded = dataclasses.replace(st, kv_replicated=False)
+    assert float(S.generate_memory(sharded, ms, 4, 8, reps=4)) == pytest.approx(one)
 
 
 def test_cli_json_fields(tmp_path, capsys):

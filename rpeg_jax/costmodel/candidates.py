@@ -162,12 +162,12 @@ def _alloc_rows(st, roles: Roles, n_gen: int, n_train: int, placement: str, tens
     free = budget - (resident - (rollout[G] if coloc else 0.0))
     # With continuous admission up to (k+1) batches are in flight under staleness k; otherwise
     # a generate call holds one batch (n_rep sequences per replica).
-    slots = quantize_slots(S.max_slots(st, actor, t_g, free), n_rep * ((max_k if continuous else 0) + 1))
+    slots = quantize_slots(S.max_slots(st, actor, t_g, free, reps), n_rep * ((max_k if continuous else 0) + 1))
     ok = np.isfinite(fw_best) & np.isfinite(up_best) & (slots >= 1)
     considered = len(I) * len(up_opts) * len(fw_micros)
     if not ok.any():
         return {"considered": considered}
-    I, J, G, t_g, slots, n_rep = I[ok], J[ok], G[ok], t_g[ok], slots[ok], n_rep[ok]
+    I, J, G, t_g, slots, n_rep, reps = I[ok], J[ok], G[ok], t_g[ok], slots[ok], n_rep[ok], reps[ok]
     resident, copies, same = resident[ok], copies[ok], same[ok]
     fw_pick, up_pick = fw_pick[ok], up_pick[ok]
     ks = tuple(range(1, max_k + 1))
@@ -177,8 +177,8 @@ def _alloc_rows(st, roles: Roles, n_gen: int, n_train: int, placement: str, tens
         gen_async = {k: gen_t for k in ks}
     gen_q = np.stack([finished_at(q / 8) for q in range(1, 8)], axis=1)
     others = resident - rollout[G] if coloc else 0.0
-    gen_mem = S.generate_memory(st, actor, t_g, slots) + others
-    gen_mem_sync = S.generate_memory(st, actor, t_g, np.minimum(slots, n_rep)) + others
+    gen_mem = S.generate_memory(st, actor, t_g, slots, reps) + others
+    gen_mem_sync = S.generate_memory(st, actor, t_g, np.minimum(slots, n_rep), reps) + others
     peak_up = resident + up_m[I, up_pick]
     peak_fw = resident + copies + fw_m[J, fw_pick]
     peak = np.maximum(np.maximum(peak_up, peak_fw), gen_mem)

@@ -105,7 +105,7 @@ def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile) -> Conte
     sz = base.sizes
     st = S.Setting(hw=hw, B=sz["B"], P=sz["P"], R=sz["R"], G=sz["G"], dist=length_dist(cfg),
                    causal_skip=flash, dense_scores=not flash, packing=c.sequence_packing,
-                   budget_bytes=c.memory_budget * hw.hbm_bytes)
+                   budget_bytes=c.memory_budget * hw.hbm_bytes, kv_replicated=c.kv_pool == "replicated")
     return Context(cfg, hw, num_devices, st, base)
 
 
@@ -328,7 +328,12 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None) -> Sea
 
 
 def baseline(ctx: Context, name: str, cache: dict) -> Prediction | None:
-    """The best plan of a baseline family on the same table (see the module docstring)."""
+    """The best plan of a baseline family on the same hardware (see the module docstring). The
+    baselines generate with their own engines (vLLM/SGLang-style: one KV pool per replica), so
+    they are priced with a sharded pool whatever our sampler does (no straw men)."""
+    if ctx.st.kv_replicated:
+        ctx = dataclasses.replace(ctx, st=dataclasses.replace(ctx.st, kv_replicated=False))
+        cache = cache.setdefault("baselines", {})
     pipe = PipelineConfig(placement="colocated")
     g = apply_pipeline(ctx.base, pipe, ctx.cfg.rl)
     tab = _table(ctx, g, "colocated", cache)

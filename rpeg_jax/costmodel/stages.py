@@ -44,6 +44,7 @@ class Setting:
     dense_scores: bool  # attention materialises [T, T] scores (dense) and saves them
     packing: bool  # trainer packs sequences instead of padding to R
     budget_bytes: float  # memory per device plans may use
+    kv_replicated: bool = False  # the sampler's page pool is replicated over the generation data axis
 
     @property
     def seq_tokens(self) -> float:
@@ -168,19 +169,23 @@ def kv_bytes_per_seq(st: Setting, ms: ModelShape, t):
     return (st.P + st.R) * ms.kv_bytes_per_token / ms.kv_shards(t)
 
 
-def generate_memory(st: Setting, ms: ModelShape, t, slots):
-    """Bytes per device of generation: weights in the generation layout, KV pages, working set."""
+def generate_memory(st: Setting, ms: ModelShape, t, slots, reps=1):
+    """Bytes per device of generation: weights in the generation layout, KV pages, working set.
+    `slots` per replica; with a replicated page pool (`st.kv_replicated`, the sampler today) every
+    device of the group holds the pages of all `reps` replicas."""
     t, slots = np.asarray(t, np.float64), np.asarray(slots, np.float64)
-    kv = slots * kv_bytes_per_seq(st, ms, t)
-    gather = kv / ms.L  # one layer's pages gathered to dense for attention
+    held = slots * (np.asarray(reps, np.float64) if st.kv_replicated else 1.0)
+    kv = held * kv_bytes_per_seq(st, ms, t)
+    gather = slots * kv_bytes_per_seq(st, ms, t) / ms.L  # one layer's pages gathered to dense
     logits = slots * ms.V * 4.0 * 2.0
     return ms.weight_bytes() / t + kv + gather + logits
 
 
-def max_slots(st: Setting, ms: ModelShape, t, free_bytes):
+def max_slots(st: Setting, ms: ModelShape, t, free_bytes, reps=1):
     """Concurrent sequences per replica that fit in `free_bytes` per device (after weights)."""
     t = np.asarray(t, np.float64)
-    per = kv_bytes_per_seq(st, ms, t) * (1.0 + 1.0 / ms.L) + ms.V * 8.0
+    held = np.asarray(reps, np.float64) if st.kv_replicated else 1.0
+    per = kv_bytes_per_seq(st, ms, t) * (held + 1.0 / ms.L) + ms.V * 8.0
     return np.floor(np.maximum(free_bytes - ms.weight_bytes() / t, 0.0) / per)
 
 
