@@ -2,8 +2,9 @@
 
 With `AxisType.Explicit` mesh axes a gather or a reshape of a sharded batch dimension needs its
 output sharding spelled out; here it keeps the batch axis where it was (a permutation stays
-sharded like its input; [B, ...] -> [n, B/n, ...] puts the sharding on the B/n axis). Without a
-mesh, or with Auto axes, these are the plain jnp operations.
+sharded like its input; [B, ...] -> [n, B/n, ...] puts the sharding on the B/n axis, and the
+pieces are strided so that each one is spread over all data devices). Without a mesh, or with
+Auto axes, these are the plain jnp operations.
 
 Called by: rl.update (minibatches, per-epoch shuffles, micro-batches).
 """
@@ -30,13 +31,34 @@ def take_rows(x, index):
     return x.at[index].get(out_sharding=jax.P(*spec))
 
 
+def _axis_size(x, entry) -> int:
+    if entry is None:
+        return 1
+    names = entry if isinstance(entry, tuple) else (entry,)
+    shape = jax.typeof(x).sharding.mesh.shape
+    size = 1
+    for n in names:
+        size *= shape[n]
+    return size
+
+
 def split_rows(x, n: int):
-    """[B, ...] -> [n, B/n, ...] (row-major: piece k = rows k·B/n ... (k+1)·B/n - 1)."""
-    shape = (n, x.shape[0] // n) + tuple(x.shape[1:])
+    """[B, ...] -> [n, B/n, ...], strided: piece k = rows k, k+n, k+2n, ...
+
+    Strided (not contiguous) so that, with the batch sharded in contiguous blocks over the data
+    devices, every piece is spread evenly over all of them and no rows move between devices."""
+    b = x.shape[0]
+    rest = tuple(x.shape[1:])
     spec = explicit_spec(x)
     if spec is None:
-        return x.reshape(shape)
-    return jax.lax.reshape(x, shape, out_sharding=jax.P(None, *spec))
+        return x.reshape((b // n, n) + rest).swapaxes(0, 1)
+    devices = _axis_size(x, spec[0])
+    if (b // n) % devices:
+        raise ValueError(f"cannot split a batch of {b} rows sharded over {devices} devices ({spec[0]!r}) into "
+                         f"{n} pieces: each piece of {b // n} rows must divide evenly over the devices "
+                         f"(lower rl.minibatches / rl.micro_batches or raise the batch size)")
+    y = jax.lax.reshape(x, (b // n, n) + rest, out_sharding=jax.P(spec[0], None, *spec[1:]))
+    return y.swapaxes(0, 1)
 
 
 def permute_tree(tree, index):

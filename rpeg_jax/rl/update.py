@@ -9,7 +9,8 @@ of arrays, each with the leading batch axis B (keys as in the brief's rollout la
 response_mask_BxR, advantages_BxR, old_logp_BxR; anything else policy_fn needs rides along).
 
 One call runs rl.ppo_epochs × rl.minibatches optimizer steps (a per-epoch permutation drawn
-from `rng`; None keeps the order). Each optimizer step sums the gradients of rl.micro_batches
+from `rng`; None keeps the order; minibatch k of M takes rows k, k+M, k+2M, ... of the
+(permuted) batch, see rl.layout.split_rows). Each optimizer step sums the gradients of rl.micro_batches
 micro-batches (lax.scan); the loss weights are fixed over the minibatch (rl.losses.agg_weights),
 so accumulation equals the big-batch gradient. NaN guard: when the loss or the gradient norm of a
 step is not finite, the step keeps the old params and optimizer state and is counted in
@@ -106,7 +107,7 @@ def make_update(loss_fn, optimizer: optax.GradientTransformation, cfg, *, prefix
     def step(carry, mb):
         params, opt_state = carry
         loss, aux, grads = _minibatch_grads(grad_fn, params, mb, cfg, accum_dtype)
-        gnorm = optax.global_norm(grads)
+        gnorm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         empty = masked_count(mb[MASK]) == 0
         ok = finite & ~empty
