@@ -15,6 +15,7 @@ Called by: runtime/trainer.py.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -57,6 +58,7 @@ class Checkpointer:
 
     def save(self, step: int, train: Any, meta: dict, buffer: dict | None = None) -> None:
         assert_finite(train, f"checkpoint at step {step}")
+        meta = json.loads(json.dumps(meta, default=_json_scalar))  # fail here, not in the async writer
         items = {"train": ocp.args.StandardSave(train), "meta": ocp.args.JsonSave(meta)}
         if buffer:
             items["buffer"] = ocp.args.StandardSave({k: np.asarray(v) for k, v in buffer.items()})
@@ -84,3 +86,9 @@ class Checkpointer:
 def _abstract(x):
     x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def _json_scalar(x):
+    if isinstance(x, (np.integer, np.floating, np.bool_)):
+        return x.item()
+    raise TypeError(f"checkpoint meta: {type(x).__name__} is not JSON serialisable")

@@ -164,13 +164,14 @@ class Executor:
         pieces they wait for, then topological order."""
         def key(task: Task):
             cs = task.stage
-            piece = task.piece if cs.pieces > 1 else (self._upstream_pieces(cs.name) if cs.pieces == 1 else 0)
+            if cs.pieces > 1:
+                piece = task.piece
+            else:  # after every piece of anything it may wait for within the step
+                piece = most if any(d.step_offset == 0 for d in self.graph.deps(cs.name)) else 0
             return (task.step - self.lead[cs.name], piece, self.order[cs.name])
-        return sorted(tasks, key=key)
 
-    def _upstream_pieces(self, name: str) -> int:
-        deps = [d for d in self.graph.deps(name) if d.step_offset == 0]
-        return max([self.program.stage(d.stage).pieces for d in deps] + [0])
+        most = max(cs.pieces for cs in self.program.stages)
+        return sorted(tasks, key=key)
 
     def _run_group(self, group: str, tasks: list[Task], threaded: bool) -> None:
         try:
@@ -241,7 +242,7 @@ class Executor:
         self.consumed[task.key] = record
         m = self.metrics[t]
         # A fused stage is one program: it is timed under its own name (e.g. timing_s/forwards).
-        name = cs.name if cs.stage.parts else verl_name(cs.stage.kind)
+        name = cs.name.replace("+", "_") if cs.stage.parts else verl_name(cs.stage.kind)
         m[f"timing_s/{name}"] = m.get(f"timing_s/{name}", 0.0) + (end - start)
         if metrics:
             for k, v in metrics.items():

@@ -165,7 +165,7 @@ def generate(env: StageEnv) -> Kernel:
     weights_offset = next(p.offset for p in env.reads if p.node == "rollout_weights")
 
     def fn(i: dict[str, Any]) -> dict[str, Any]:
-        step, piece, pieces = i["_step"], i["_piece"], i["_pieces"]
+        step, piece, pieces = int(i["_step"]), i["_piece"], i["_pieces"]
         version = max(0, step + weights_offset)
         prompts = i["data_iterator"].get(step)
         if "rollout_buffer" in i:
