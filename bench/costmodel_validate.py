@@ -4,16 +4,16 @@
 
 Measures >= 20 stage configurations (model sizes, batch sizes, lengths, meshes data x fsdp x
 tensor of the 8 CPU devices): forward logprob passes and actor updates (rpeg_jax.models +
-rpeg_jax.rl.make_actor_update, the code the runtime runs), and generation when the sampler is
-importable. Each is compiled once, run `repeats` times (median), and compared with the model's
+rpeg_jax.rl.make_actor_update, the code the runtime runs), and generation (rpeg_jax.sampling). Each is compiled once, run `repeats` times (median), and compared with the model's
 prediction on the calibrated `cpu` profile (`rpeg calibrate` first; the profile is fitted on
 micro-benchmarks only, never on these stages). Peak memory per device is XLA's compiled memory
 analysis (arguments + outputs + temporaries - aliased).
 
 JSON: stages[...] (config, measured_s, predicted_s, error, memory measured/predicted),
-mape_stage {kind: MAPE}, memory_error (mean |relative error|), and the step-level fields
-mape_step, spearman, chosen_vs_best, which need the runtime to run whole RL steps of candidate
-plans: they are null (with `pending` saying why) until rpeg_jax.runtime provides `run_plan_steps`.
+mape_stage {kind: MAPE}, memory_error (mean |relative error|), and with --step-level the
+step-level fields mape_step (the chosen plan of the default config), spearman (>= 10 candidate
+plans, predicted vs measured step time) and chosen_vs_best, from whole RL steps run by
+rpeg_jax.runtime.train under each plan (null with `pending` otherwise).
 
 The machine is shared: timings taken while others run tests are noisy; rerun when it is quiet.
 """
@@ -76,7 +76,16 @@ CONFIGS = [
     ("train", "W", 16, 16, 48, (2, 1, 4), 1, "dots"),
     ("train", "W", 16, 32, 32, (2, 4, 1), 2, "full"),
 ]
-QUICK = [CONFIGS[i] for i in (0, 3, 8, 10, 13, 18)]
+# generate: (kind, model, B sequences, P prompt, R new tokens, mesh, G group size, "-")
+CONFIGS += [
+    ("generate", "T", 64, 16, 32, (8, 1, 1), 8, "-"),
+    ("generate", "T", 128, 16, 32, (8, 1, 1), 8, "-"),
+    ("generate", "T", 32, 16, 64, (4, 1, 2), 4, "-"),
+    ("generate", "M", 32, 16, 32, (8, 1, 1), 8, "-"),
+    ("generate", "M", 16, 16, 32, (1, 1, 1), 4, "-"),
+    ("generate", "W", 16, 16, 32, (4, 1, 2), 4, "-"),
+]
+QUICK = [CONFIGS[i] for i in (0, 3, 8, 10, 13, 18, 21)]
 
 # logical axis -> mesh axis for parameters (FSDP over 'fsdp', Megatron-style over 'tensor')
 PARAM_RULES = {"embed": "fsdp", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
@@ -135,8 +144,52 @@ class _traced:
             return self.fn.lower(*args)
 
 
+def build_generate(mname, B, P, R, mesh_shape, G):
+    """(callable, args) generating B = (B/G prompts) x G completions of R tokens (eos ignored)."""
+    import jax
+    from flax import nnx
+
+    from rpeg_jax.models import init_model
+    from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
+
+    n = int(np.prod(mesh_shape))
+    mesh = jax.make_mesh(mesh_shape, ("data", "fsdp", "tensor"), devices=jax.devices()[:n],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    model = init_model(model_cfg(mname, "none"), seed=0)
+    state = nnx.state(model, nnx.Param)
+    shard, _ = layout(state, mesh)
+    nnx.update(model, jax.device_put(state, shard))
+    sampler = Sampler(model, SamplerConfig(max_slots=B, max_seq_len=P + R), mesh=mesh)
+    rng = np.random.default_rng(0)
+    prompts = [[1] + rng.integers(3, 100, P - 1).tolist() for _ in range(B // G)]
+    params = SamplingParams(n=G, max_new_tokens=R, ignore_eos=True, temperature=1.0)
+    return _Gen(sampler, prompts, params), (), mesh
+
+
+class _Gen:
+    """Sampler.generate with the timing interface of a compiled stage (compiles on first call)."""
+
+    def __init__(self, sampler, prompts, params):
+        self.sampler, self.prompts, self.params = sampler, prompts, params
+
+    def lower(self, *args):
+        return self
+
+    def compile(self):
+        self.sampler.generate(self.prompts, self.params)  # compiles prefill and decode buckets
+        return self
+
+    def memory_analysis(self):
+        return None
+
+    def __call__(self, *args):
+        return self.sampler.generate(self.prompts, self.params)
+
+
 def build(kind, mname, B, P, R, mesh_shape, micro, remat):
     """(jitted fn, args) for one stage configuration on a mesh of the first d*f*t devices."""
+    if kind == "generate":
+        return build_generate(mname, B, P, R, mesh_shape, micro)
     import jax
     import jax.numpy as jnp
     import optax
@@ -199,7 +252,8 @@ def measure(kind, fn, args, repeats):
     for i in range(repeats + 1):
         t = time.perf_counter()
         out = compiled(*state)
-        jax.block_until_ready(out)
+        if kind != "generate":
+            jax.block_until_ready(out)
         if i:
             times.append(time.perf_counter() - t)
         if kind == "train":  # donated params/opt state: feed the outputs back
@@ -208,11 +262,17 @@ def measure(kind, fn, args, repeats):
 
 
 def predict(hw, kind, mname, B, P, R, mesh_shape, micro, remat):
-    ms = ModelShape.of(model_dims(model_cfg(mname, remat), "actor"))
+    ms = ModelShape.of(model_dims(model_cfg(mname, remat if kind != "generate" else "none"), "actor"))
     st = S.Setting(hw=hw, B=B, P=P, R=R, G=1, dist=LengthDist.fixed(R), causal_skip=False, dense_scores=True,
                    packing=False, budget_bytes=hw.hbm_bytes)
     d, f, t = mesh_shape
     busy = d * f * t
+    if kind == "generate":  # the sampler's slots are global: B / (d·f) per data replica
+        st = dataclasses.replace(st, G=micro, kv_replicated=True)
+        n = busy
+        sec = S.generate_stage(st, ms, n, [t], [-(-B // (n // t))])[0][0]
+        mem = float(S.generate_memory(st, ms, t, -(-B // (n // t)), n // t))
+        return float(sec), mem
     if kind == "forward":
         sec = S.forward_stage(st, ms, busy, d, f, t, micro)[0]
         mem = ms.weight_bytes(ms.param_bytes_per) / (f * t) + S.forward_memory(st, ms, d, f, t, micro)
@@ -227,13 +287,28 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
+def run_plan_steps(cfg, plan, steps: int, warmup: int = 2) -> list[float]:
+    """Seconds per RL step (after `warmup` steps) of `cfg` run by the runtime under `plan`."""
+    import tempfile
+
+    from rpeg_jax.costmodel.planner import apply_plan_settings
+    from rpeg_jax.runtime import train
+
+    cfg = apply_plan_settings(cfg, plan)
+    with tempfile.TemporaryDirectory() as d:
+        tr = dataclasses.replace(cfg.train, steps=warmup + steps, run_dir=d, checkpoint_every=0,
+                                 tensorboard=False, progress=False, resume="never")
+        train(dataclasses.replace(cfg, train=tr), plan=plan)
+        with open(os.path.join(d, "metrics.jsonl")) as f:
+            recs = [json.loads(line) for line in f if line.strip()]
+    return [r["timing_s/step"] for r in recs[warmup:] if "timing_s/step" in r]
+
+
 def step_level(args):
-    """End-to-end step time and plan ranking need whole RL steps of candidate plans."""
-    try:
-        from rpeg_jax.runtime import run_plan_steps  # noqa: F401  (provided by the runtime issue)
-    except ImportError:
+    """End-to-end step time of the default config's plans, measured by the runtime."""
+    if not args.step_level:
         return {"mape_step": None, "spearman": None, "chosen_vs_best": None,
-                "pending": "rpeg_jax.runtime.run_plan_steps(cfg, plan, steps) is not available yet"}
+                "pending": "run with --step-level (needs a runtime that honours each plan's meshes)"}
     return run_step_validation(args)
 
 
@@ -241,19 +316,20 @@ def run_step_validation(args):
     """Measure >= 10 candidate plans of the default config against their predictions."""
     from rpeg_jax.config import load_config
     from rpeg_jax.costmodel import planner as P
-    from rpeg_jax.runtime import run_plan_steps
 
     cfg = load_config(None, [])
-    hw = load_hardware(args.hardware)
-    res = P.search(dataclasses.replace(cfg, costmodel=dataclasses.replace(cfg.costmodel, runners_up=12)), 8, hw)
+    cfg = dataclasses.replace(cfg, costmodel=dataclasses.replace(cfg.costmodel, runners_up=12))
+    res = P.search(cfg, 8, load_hardware(args.hardware))
     plans = [res.chosen, *res.runners_up, *res.baselines.values()]
     measured = [float(np.median(run_plan_steps(cfg, p.plan, steps=args.steps))) for p in plans]
     predicted = [p.step_time_s for p in plans]
+    for p, q, m in zip(plans, predicted, measured):
+        print(f"plan {p.label:<12} predicted {q:8.3f} s  measured {m:8.3f} s  ({100 * (q - m) / m:+.1f}%)", flush=True)
     err = [abs(p - m) / m for p, m in zip(predicted, measured)]
     return {"mape_step": float(err[0]), "mape_step_all": float(np.mean(err)),
             "spearman": spearman(predicted, measured),
             "chosen_vs_best": measured[0] / min(measured) - 1.0,
-            "plans": [{"label": p.label, "predicted_s": q, "measured_s": m}
+            "plans": [{"label": p.label, "predicted_s": q, "measured_s": m, "knobs": p.knobs, "layout": p.layout}
                       for p, q, m in zip(plans, predicted, measured)]}
 
 
@@ -264,6 +340,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--hardware", default="cpu")
+    ap.add_argument("--step-level", action="store_true", help="also run whole RL steps of >= 10 plans")
     args = ap.parse_args()
     hw = load_hardware(args.hardware)
     rows = []

@@ -176,3 +176,15 @@ def test_256_gpu_search_is_fast():
                           "costmodel.response_len_median=6144", model="qwen2-7b"), 256, GH)
     assert res.search_seconds < 60
     assert res.evaluations / res.search_seconds >= 1e3
+
+
+def test_apply_plan_settings():
+    cfg = cfg_of(model="qwen2-7b")
+    res = P.search(cfg, 16, GH)
+    out = P.apply_plan_settings(cfg, res.chosen.plan)
+    lay = res.chosen.layout
+    assert out.rl.micro_batches == lay["train"]["micro_batches"]
+    assert out.model.remat == lay["train"]["remat"]
+    assert out.rollout.max_slots == lay["generate"]["slots"]
+    assert out.pipeline.staleness == res.chosen.knobs["staleness"]
+    assert out.pipeline.placement == res.chosen.knobs["placement"]

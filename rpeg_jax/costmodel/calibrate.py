@@ -151,11 +151,16 @@ def fit(base: HardwareProfile, meas: dict) -> HardwareProfile:
     return with_nodes(base, device=device, efficiency=eff, node=node, calibrated=calibrated)
 
 
-def measure(dtype: str, quick: bool) -> dict:
+def measure(dtype: str, quick: bool, accelerator: bool = False) -> dict:
     reps = 3 if quick else 7
-    mm_sizes = (64, 256, 512) if quick else (64, 128, 256, 512, 1024, 2048)
-    mem_sizes = (1 << 16, 1 << 20, 1 << 24) if quick else (1 << 14, 1 << 16, 1 << 20, 1 << 24, 1 << 26)
-    ar_sizes = (1 << 12, 1 << 16, 1 << 20) if quick else (1 << 10, 1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
+    if accelerator:  # big enough to reach the tensor-core and HBM plateaus
+        mm_sizes = (256, 1024, 4096) if quick else (256, 512, 1024, 2048, 4096, 8192)
+        mem_sizes = (1 << 20, 1 << 26) if quick else (1 << 16, 1 << 20, 1 << 24, 1 << 28, 1 << 30)
+        ar_sizes = (1 << 16, 1 << 24) if quick else (1 << 12, 1 << 16, 1 << 20, 1 << 24, 1 << 28)
+    else:
+        mm_sizes = (64, 256, 512) if quick else (64, 128, 256, 512, 1024, 2048)
+        mem_sizes = (1 << 16, 1 << 20, 1 << 24) if quick else (1 << 14, 1 << 16, 1 << 20, 1 << 24, 1 << 26)
+        ar_sizes = (1 << 12, 1 << 16, 1 << 20) if quick else (1 << 10, 1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
     return {"matmul": bench_matmul(dtype, mm_sizes, reps), "memory": bench_memory(mem_sizes, reps),
             "overheads": bench_overheads(reps), "allreduce": bench_allreduce(ar_sizes, reps)}
 
@@ -169,7 +174,7 @@ def run(args) -> int:
     on_gpu = jax.default_backend() == "gpu"
     name = args.profile or ("h200" if on_gpu else "cpu")
     base = load_hardware(name, calibrated=False)
-    meas = measure("float32" if base.kind == "cpu" else "bfloat16", args.quick)
+    meas = measure("float32" if base.kind == "cpu" else "bfloat16", args.quick, accelerator=base.kind != "cpu")
     prof = fit(base, meas)
     path = save_hardware(prof, args.out or calibrated_path(name))
     d, e = prof.device, prof.efficiency

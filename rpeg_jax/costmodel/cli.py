@@ -48,7 +48,8 @@ def run(args) -> int:
     if args.quiet:
         c = res.chosen
         print(f"chosen {c.step_time_s:.4g} s/step, {c.memory_per_gpu_gb:.2f} GB/GPU, util {100 * c.utilization:.1f}%; "
-              + ", ".join(f"{k} {v.step_time_s / c.step_time_s:.2f}x" for k, v in res.baselines.items())
+              + (", ".join(f"{k} {v.step_time_s / c.step_time_s:.2f}x" for k, v in res.baselines.items())
+                 or "no baseline fits")
               + f"; search {res.search_seconds:.2f} s")
     else:
         print(render_text(res), end="")

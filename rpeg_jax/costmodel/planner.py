@@ -420,6 +420,21 @@ def choose_plan(cfg: RunConfig, num_devices: int | None = None, hardware=None) -
     return search(cfg, num_devices, hardware).chosen.plan
 
 
+def apply_plan_settings(cfg: RunConfig, plan: Plan) -> RunConfig:
+    """`cfg` with the plan's knobs (pipeline section) and the per-stage settings the planner chose
+    that live in other sections: rl.micro_batches, model.remat, rollout.max_slots (validated)."""
+    s = plan.predicted.get("settings", {})
+    rl = dataclasses.replace(cfg.rl, micro_batches=int(s.get("rl.micro_batches", cfg.rl.micro_batches)))
+    model = dataclasses.replace(cfg.model, remat=s.get("model.remat", cfg.model.remat))
+    rollout = dataclasses.replace(cfg.rollout, max_slots=s.get("rollout.max_slots", cfg.rollout.max_slots))
+    pipeline = plan.pipeline_config(cfg.pipeline)
+    out = dataclasses.replace(cfg, rl=rl, model=model, rollout=rollout, pipeline=pipeline)
+    for name in ("rl", "model", "rollout", "pipeline"):
+        getattr(out, name).validate(name)
+    out.validate()
+    return out
+
+
 def predicted_stage_times(plan: Plan) -> dict[str, float]:
     """Per-stage predicted seconds of a planner Plan (empty for manual plans)."""
     return dict(plan.predicted.get("stage_s", {}))
@@ -462,6 +477,9 @@ def explain(ctx: Context, res: SearchResult) -> list[str]:
     for name, b in res.baselines.items():
         out.append(f"{name}: {b.step_time_s:.3g} s/step ({b.step_time_s / c.step_time_s:.2f}x the chosen plan); "
                    f"its largest stage is {max(b.stage_times_s, key=b.stage_times_s.get)}")
+    for name in ("verl_like", "real_like"):
+        if name not in res.baselines:
+            out.append(f"{name}: no plan of that family fits (colocated, synchronous, batch divisible by its meshes)")
     out.append(f"memory: {c.memory_per_gpu_gb:.1f} GB of a {ctx.st.budget_bytes / GB:.1f} GB budget per device; "
                f"layouts that do not fit were rejected before simulation")
     return out

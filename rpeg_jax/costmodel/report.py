@@ -12,6 +12,8 @@ from typing import Any
 
 from rpeg_jax.costmodel.planner import Prediction, SearchResult
 
+BASELINES = ("verl_like", "real_like")  # null in the JSON when no plan of that family fits
+
 
 def _entry(p: Prediction) -> dict[str, Any]:
     out = p.summary()
@@ -28,8 +30,9 @@ def to_json_dict(res: SearchResult) -> dict[str, Any]:
             "plans_considered": res.plans_considered,
             "evaluations_per_s": res.evaluations / max(res.search_seconds, 1e-9),
             "chosen": _entry(res.chosen), "runners_up": [_entry(p) for p in res.runners_up],
-            "baselines": {k: _entry(b) for k, b in res.baselines.items()},
-            "ratios": {k: b.step_time_s / c for k, b in res.baselines.items()}, "notes": list(res.notes)}
+            "baselines": {k: (_entry(res.baselines[k]) if k in res.baselines else None) for k in BASELINES},
+            "ratios": {k: (res.baselines[k].step_time_s / c if k in res.baselines else None) for k in BASELINES},
+            "notes": list(res.notes)}
 
 
 def _layout(p: Prediction) -> str:
