@@ -31,7 +31,7 @@ from flax import nnx
 from rpeg_jax.sampling import engine
 from rpeg_jax.sampling.allocator import PageAllocator
 from rpeg_jax.sampling.scheduler import Scheduler, Sequence
-from rpeg_jax.sampling.sharding import SamplerSharding
+from rpeg_jax.sampling.sharding import SamplerSharding, mesh_of
 from rpeg_jax.sampling.stops import StopMatcher
 from rpeg_jax.sampling.types import Completion, RequestOutput, SamplerConfig, SamplingParams
 from rpeg_jax.sampling.weights import CompileCounter, ParamSignature, as_params
@@ -52,7 +52,9 @@ class Sampler:
         cfg.validate()
         mcfg = model.cfg
         self.cfg, self.model_cfg, self.tokenizer = cfg, mcfg, tokenizer
-        self._graphdef, self.params = as_params(model)
+        self._graphdef, params = as_params(model)
+        self.sharding = SamplerSharding(mesh or mesh_of(params), mcfg.num_kv_heads, cfg.max_slots)
+        self.params = self.sharding.place_params(params)
         self._signature = ParamSignature.of(self.params)
         self.max_seq_len = cfg.max_seq_len or mcfg.max_position_embeddings
         if self.max_seq_len > mcfg.max_position_embeddings:
@@ -65,7 +67,6 @@ class Sampler:
                              f"{self.max_seq_len} tokens ({per_seq} pages of {cfg.page_size} + the null page)")
         self.num_pages, self.max_width = num_pages, pow2ceil(per_seq)
         self.eos_ids = tuple(cfg.eos_token_ids if cfg.eos_token_ids is not None else (mcfg.eos_id,))
-        self.sharding = SamplerSharding(mesh, mcfg.num_kv_heads, cfg.max_slots)
         kv_dtype = jnp.dtype(cfg.kv_dtype or mcfg.dtype)
         self.pools = engine.make_pools(mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads,
                                        mcfg.head_size, kv_dtype, self.sharding.pools)
@@ -121,9 +122,10 @@ class Sampler:
             self._prefill(self.sched.admit(self.cfg.chunk_steps))
         k, _ = self.sched.reserve(self.cfg.chunk_steps)
         self._stats["pages_peak"] = max(self._stats["pages_peak"], self.alloc.num_used)
-        if k == 0:
-            return []
-        return self._decode(k)
+        done = self._decode(k) if k else []
+        if self._pending is not None and not self.sched.running:
+            self._swap(*self._pending)  # the old weights' last sequences just finished
+        return done
 
     def update_weights(self, params: Any, version: int | None = None) -> None:
         """Swap in new weights (same tree, shapes, dtypes, shardings: no recompile; else ValueError).
@@ -131,6 +133,7 @@ class Sampler:
         the old weights before the new ones serve anything; "recompute" drops their KV and
         recomputes it with the new weights (tokens so far keep their versions)."""
         _, new = as_params(params)
+        new = self.sharding.place_params(new)
         self._signature.check(new)
         version = self.version + 1 if version is None else int(version)
         if not self.sched.running:
@@ -161,7 +164,8 @@ class Sampler:
         if plan.rows:
             rows = len(plan.rows)
             longest = max(len(t) for _, t in plan.rows)
-            r_b, t_b = pow2ceil(rows), max(self.cfg.min_prefill_len, pow2ceil(longest))
+            r_b = pow2ceil(max(rows, self.cfg.min_prefill_rows))
+            t_b = pow2ceil(max(self.cfg.min_prefill_len, longest))
             w_b = pow2ceil(-(-t_b // self.cfg.page_size))
             tokens = np.zeros((r_b, t_b), np.int32)
             lengths = np.zeros((r_b,), np.int32)
@@ -205,7 +209,7 @@ class Sampler:
     def _decode_state(self, seqs: list[Sequence], k: int) -> engine.DecodeState:
         b, cfg = self.cfg.max_slots, self.cfg
         need = max(self.alloc.pages_for(min(s.pos + k, s.end - 1)) for s in seqs)
-        w = min(pow2ceil(need), self.max_width)
+        w = min(pow2ceil(max(need, cfg.min_table_width)), self.max_width)
         a = dict(token=np.zeros(b, np.int32), pos=np.zeros(b, np.int32), active=np.zeros(b, bool),
                  end=np.zeros(b, np.int32), stop=np.full((b, cfg.max_stop_ids), -1, np.int32),
                  temp=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32),

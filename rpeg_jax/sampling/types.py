@@ -33,11 +33,15 @@ class SamplerConfig:
     eos_token_ids: tuple[int, ...] | None = None  # None -> (model.cfg.eos_id,)
     max_stop_ids: int = 8  # N: stop token ids per sequence on device (eos + stop_token_ids)
     min_prefill_len: int = 16  # smallest prefill length bucket (powers of two above it)
+    min_prefill_rows: int = 1  # smallest prefill row bucket (powers of two above it)
+    min_table_width: int = 1  # smallest decode page-table width bucket, in pages (fewer compiles
+    #                           against more gathered columns; capped at the widest table)
     seed: int = 0  # base seed for requests whose SamplingParams.seed is None
     debug_checks: bool = False  # check allocator invariants after every operation
 
     def validate(self, path: str = "sampler") -> None:
-        for name in ("page_size", "max_slots", "chunk_steps", "max_stop_ids", "min_prefill_len"):
+        for name in ("page_size", "max_slots", "chunk_steps", "max_stop_ids", "min_prefill_len", "min_prefill_rows",
+                     "min_table_width"):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= 1, f"{path}.{name}", v, "must be an int >= 1")
         if self.num_pages is not None:

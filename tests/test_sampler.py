@@ -1,0 +1,157 @@
+"""End-to-end tests of the paged sampler against independent references: argmax decoding with the model's
+plain forward (no cache) on the Hugging Face fixtures, the trainer's `token_logprobs` (float32, 1e-5),
+runs with other page sizes / chunk sizes / slot counts / prompt orders / a pool small enough to
+preempt, an unshared run of a GRPO group, stop conditions, and in-place weight updates (zero
+recompiles). Most tests share the llama_tiny fixture and one engine shape, so compiled code is reused."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rpeg_jax.models import load_hf, token_logprobs
+from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
+from rpeg_jax.sampling.sampler import _COMPILES
+
+HF = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
+# One bucket of each kind per engine shape (prefill rows/length, page-table width): one compile each.
+FIXED = dict(max_seq_len=32, min_prefill_len=32, min_prefill_rows=8, min_table_width=16)
+BASE = SamplerConfig(page_size=4, max_slots=8, chunk_steps=8, **FIXED)
+OTHER = SamplerConfig(page_size=3, max_slots=1, chunk_steps=5, **FIXED)  # another page size, chunk and slot count
+LP_TOL = 1e-5  # float32 logprob agreement (sampler vs trainer forward / vs other engine shapes)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_hf(os.path.join(HF, "llama_tiny"))
+
+
+def prompts_of(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 128, size=n).tolist() for n in lengths]
+
+
+def greedy_reference(model, prompts, max_new):
+    """Argmax decoding with the plain forward pass over the whole sequence each step (no cache)."""
+    width = max(map(len, prompts)) + max_new
+    fwd = jax.jit(lambda t: model(t))
+    seqs = [list(p) for p in prompts]
+    for _ in range(max_new):
+        toks = np.zeros((len(seqs), width), np.int32)
+        for i, s in enumerate(seqs):
+            toks[i, :len(s)] = s
+        logits = np.asarray(fwd(jnp.asarray(toks)))
+        for i, s in enumerate(seqs):
+            s.append(int(np.argmax(logits[i, len(s) - 1])))
+    return [s[len(p):] for s, p in zip(seqs, prompts)], fwd
+
+
+def flat(outs):
+    return [(o.prompt_index, c.sample_index, c.tokens.tolist(), c.logprobs, c.finish_reason)
+            for o in outs for c in o.completions]
+
+
+def assert_same(a, b, tol=LP_TOL):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x[:3] == y[:3], f"tokens differ for prompt {x[0]} sample {x[1]}"
+        np.testing.assert_allclose(x[3], y[3], atol=tol)
+        assert x[4] == y[4]
+
+
+@pytest.mark.parametrize("name", ["llama_tiny", "qwen2_tiny"])
+def test_greedy_equals_plain_forward_argmax_on_hf_fixtures(name, llama):
+    model = llama if name == "llama_tiny" else load_hf(os.path.join(HF, name))
+    prompts = prompts_of([5, 1, 9, 4, 7])
+    sampler = Sampler(model, BASE)
+    outs = sampler.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True))
+    ref, fwd = greedy_reference(model, prompts, 16)
+    for o, r, p in zip(outs, ref, prompts):
+        c = o.completions[0]
+        assert c.tokens.tolist() == r and c.finish_reason == "length"
+        # greedy logprob = log_softmax(logits)[token] of the plain forward
+        seq = np.asarray([p + r], np.int32)
+        logits = np.asarray(fwd(jnp.asarray(np.pad(seq, ((0, 0), (0, 32 - seq.shape[1]))))))[0]
+        ls = jax.nn.log_softmax(logits[len(p) - 1:len(p) + 15], axis=-1)
+        np.testing.assert_allclose(c.logprobs, np.take_along_axis(np.asarray(ls), np.asarray(r)[:, None], 1)[:, 0],
+                                   atol=LP_TOL)
+
+
+def rollout_batch(outs):
+    """The runtime's layout: prompts left-padded to P, responses right-padded to R."""
+    rows = [(o.prompt_tokens, c) for o in outs for c in o.completions]
+    P = max(len(p) for p, _ in rows)
+    R = max(len(c.tokens) for _, c in rows)
+    tok = np.zeros((len(rows), P + R), np.int32)
+    pos, seg = np.zeros_like(tok), np.zeros_like(tok)
+    mask, behav = np.zeros((len(rows), R), np.float32), np.zeros((len(rows), R), np.float32)
+    for i, (p, c) in enumerate(rows):
+        n = len(c.tokens)
+        tok[i, P - len(p):P], tok[i, P:P + n] = p, c.tokens
+        pos[i, P - len(p):P + n] = np.arange(len(p) + n)
+        seg[i, P - len(p):P + n] = 1
+        mask[i, :n], behav[i, :n] = 1, c.logprobs
+    return tok, pos, seg, mask, behav, P, R
+
+
+def test_logprobs_equal_trainer_forward(llama):
+    prompts = prompts_of([6, 3, 10])
+    for temp in (1.0, 0.7):
+        outs = Sampler(llama, BASE).generate(prompts, SamplingParams(n=3, temperature=temp, max_new_tokens=12, seed=4))
+        tok, pos, seg, mask, behav, P, R = rollout_batch(outs)
+        targets = np.concatenate([tok[:, 1:], np.zeros((len(tok), 1), np.int32)], axis=1)
+        logp, _ = token_logprobs(llama, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(targets),
+                                 start=P - 1, length=R, temperature=temp)
+        err = np.abs(np.asarray(logp) - behav) * mask
+        assert err.max() < LP_TOL, f"max |sampler - trainer| = {err.max():.2e} at T={temp}"
+
+
+SAMPLED = SamplingParams(n=2, temperature=1.0, top_k=40, max_new_tokens=14, seed=11)
+
+
+@pytest.fixture(scope="module")
+def baseline(llama):
+    prompts = prompts_of([7, 2, 10, 5, 9, 3], seed=1)
+    return prompts, flat(Sampler(llama, BASE).generate(prompts, SAMPLED))
+
+
+def test_invariant_to_page_size_chunk_size_slots_and_order(llama, baseline):
+    prompts, ref = baseline
+    order = [5, 2, 0, 4, 1, 3]
+    outs = Sampler(llama, OTHER).generate([prompts[i] for i in order], SAMPLED, prompt_ids=order)
+    got = sorted(flat(outs), key=lambda x: (order[x[0]], x[1]))
+    assert_same([(order[g[0]],) + g[1:] for g in got], ref)
+
+
+def test_invariant_under_preemption(llama, baseline):
+    prompts, ref = baseline
+    tiny = SamplerConfig(page_size=4, max_slots=8, chunk_steps=8, num_pages=12, watermark=0.0, **FIXED)
+    sampler = Sampler(llama, tiny)
+    outs = sampler.generate(prompts, SAMPLED)
+    assert_same(flat(outs), ref)
+    assert sampler.stats()["preemptions"] > 0
+    assert sum(c.num_preemptions for o in outs for c in o.completions) == sampler.stats()["preemptions"]
+    assert sampler.stats()["pages_used"] == 0  # every page came back
+
+
+def test_grpo_group_prefills_once_shares_pages_and_equals_unshared_run(llama):
+    prompt = prompts_of([10], seed=2)  # 9 prefilled tokens: 2 full pages + 1 partial page of 4
+    params = SamplingParams(n=8, temperature=1.0, max_new_tokens=6, seed=3)
+    probe = Sampler(llama, BASE)  # host bookkeeping only: admit, inspect, never run
+    probe.submit(prompt, params)
+    plan = probe.sched.admit(k=1)
+    assert len(plan.rows) == 1 and len(plan.rows[0][1]) == 9, "one prefill for the group"
+    assert len(plan.copies) == 7 and probe.alloc.num_used == 2 + 8  # full pages + G x partial page
+    table = probe.alloc.table(range(8), 4)
+    assert (table[:, :2] == table[0, :2]).all() and len(set(table[:, 2].tolist())) == 8
+
+    shared = Sampler(llama, BASE)
+    outs = shared.generate(prompt, params)
+    assert shared.stats()["prefill_tokens"] == 9 and shared.stats()["page_copies"] == 7
+    unshared = Sampler(llama, OTHER)
+    ref = unshared.generate(prompt, params)  # max_slots=1: each sample is prefilled on its own
+    assert unshared.stats()["page_copies"] == 0 and unshared.stats()["prefill_tokens"] == 8 * 9
+    assert_same(flat(outs), flat(ref))

@@ -1,0 +1,176 @@
+"""Sampler API behaviour: stop token ids / stop sequences / stop strings / max_new_tokens / ignore_eos with
+their finish reasons, clean errors before any compile, in-place weight updates (zero recompiles, the
+'finish' and 'recompute' policies, per-token versions) and the compile count under a sweep of
+request shapes. References are independent runs (ignore_eos runs, fresh samplers, shorter prompts)."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rpeg_jax.models import load_hf
+from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
+from rpeg_jax.sampling.sampler import _COMPILES
+
+HF = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
+FIXED = dict(max_seq_len=32, min_prefill_len=32, min_prefill_rows=8, min_table_width=16)
+BASE = SamplerConfig(page_size=4, max_slots=8, chunk_steps=8, **FIXED)  # same shape as test_sampler.py
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_hf(os.path.join(HF, "llama_tiny"))
+
+
+def prompts_of(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 128, size=n).tolist() for n in lengths]
+
+
+def perturbed(model, scale=0.05, seed=9):
+    """Weights B: the same tree/shapes/dtypes/shardings with different values."""
+    from flax import nnx
+    _, params = nnx.split(model, nnx.Param)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    new = [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    return jax.tree.unflatten(treedef, new)
+
+
+def model_with(model, params):
+    from flax import nnx
+    graphdef, _ = nnx.split(model, nnx.Param)
+    return nnx.merge(graphdef, params)
+
+
+def test_stop_ids_sequences_strings_length_and_ignore_eos(llama):
+    prompts = prompts_of([6, 4])
+    sampler = Sampler(llama, BASE)
+    free = sampler.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True))
+    run = [c.tokens.tolist() for o in free for c in o.completions]
+    assert all(c.finish_reason == "length" and len(c.tokens) == 20 for o in free for c in o.completions)
+
+    def greedy(**kw):
+        outs = sampler.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=20, **kw))
+        return [(c.tokens.tolist(), c.finish_reason, c.logprobs) for o in outs for c in o.completions]
+
+    def cut_at(seq, stop):  # independent reference: first occurrence of a stop (sub)sequence
+        for end in range(len(stop), len(seq) + 1):
+            if seq[end - len(stop):end] == stop:
+                return seq[:end], "stop"
+        return seq, "length"
+
+    stop_id = run[0][5]
+    for (toks, reason, _), r in zip(greedy(stop_token_ids=(stop_id,), ignore_eos=True), run):
+        assert (toks, reason) == cut_at(r, [stop_id])
+    seq_stop = tuple(run[1][7:9])
+    for (toks, reason, lp), r in zip(greedy(stop=(seq_stop,), ignore_eos=True), run):
+        assert (toks, reason) == cut_at(r, list(seq_stop)) and len(lp) == len(toks)
+    eos_ids = (run[0][3], run[1][2])  # several eos ids
+    eos = Sampler(llama, SamplerConfig(page_size=4, max_slots=8, chunk_steps=8, eos_token_ids=eos_ids, **FIXED))
+    outs = eos.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=20))
+    first = [min(i for i, t in enumerate(r) if t in eos_ids) for r in run]
+    assert [c.tokens.tolist() for o in outs for c in o.completions] == [r[:i + 1] for r, i in zip(run, first)]
+    assert all(c.finish_reason == "stop" for o in outs for c in o.completions)
+    outs = eos.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True))
+    assert [c.tokens.tolist() for o in outs for c in o.completions] == [r[:9] for r in run]
+
+    class Chars:  # a toy tokenizer: token t -> one character
+        def decode(self, ids):
+            return "".join(chr(48 + t % 64) for t in ids)
+    text = Chars().decode(run[0])
+    stopper = Sampler(llama, BASE, tokenizer=Chars())
+    outs = stopper.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True,
+                                                        stop=(text[10:12],)))
+    c = outs[0].completions[0]
+    assert c.finish_reason == "stop" and c.tokens.tolist() == run[0][:text.index(text[10:12]) + 2]
+
+
+def test_errors_are_clear_and_raised_before_compiling(llama):
+    sampler = Sampler(llama, BASE)
+    before = _COMPILES.count
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+        sampler.generate([[5], []], SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match="exceeds sampler.max_seq_len=32"):
+        sampler.generate([[5] * 30], SamplingParams(max_new_tokens=3))
+    with pytest.raises(ValueError, match="vocab_size=128"):
+        sampler.generate([[5, 300]], SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match="sampling_params.top_p"):
+        sampler.generate([[5]], SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        sampler.generate([[5]], SamplingParams(max_new_tokens=4, stop=("ab",)))
+    with pytest.raises(ValueError, match="num_pages=3: cannot hold one sequence"):
+        Sampler(llama, SamplerConfig(page_size=4, num_pages=3, max_seq_len=32))
+    with pytest.raises(ValueError, match="sampler.page_size"):
+        Sampler(llama, SamplerConfig(page_size=0))
+    assert sampler.sched.idle() and _COMPILES.count == before
+
+
+def test_update_weights_in_place_zero_recompiles_and_mismatch_errors(llama):
+    prompts = prompts_of([5, 8, 3])
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=2)
+    sampler = Sampler(llama, BASE)
+    sampler.generate(prompts, params)  # warm-up: every bucket this workload uses is compiled
+    new = perturbed(llama)
+    before = _COMPILES.count
+    sampler.update_weights(new)
+    outs = sampler.generate(prompts, params)
+    assert _COMPILES.count == before, "update_weights + generate recompiled"
+    assert all((c.policy_versions == 1).all() for o in outs for c in o.completions)
+    fresh = Sampler(model_with(llama, new), BASE).generate(prompts, params)
+    for o, f in zip(outs, fresh):
+        for c, d in zip(o.completions, f.completions):
+            assert c.tokens.tolist() == d.tokens.tolist()
+            np.testing.assert_allclose(c.logprobs, d.logprobs, atol=1e-6)
+    bad_shape = jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.ones((65,)) if "final_norm" in jax.tree_util.keystr(path) else x, new)
+    with pytest.raises(ValueError, match=r"final_norm.*shape \(65,\) differs"):
+        sampler.update_weights(bad_shape)
+    bad_dtype = jax.tree.map(lambda x: x.astype(jnp.bfloat16), new)
+    with pytest.raises(ValueError, match="dtype bfloat16 differs"):
+        sampler.update_weights(bad_dtype)
+    missing = {k: v for k, v in new.items() if k != "lm_head"}
+    with pytest.raises(ValueError, match="tree differs"):
+        sampler.update_weights(type(new)(missing))
+    assert sampler.version == 1
+
+
+@pytest.mark.parametrize("policy", ["finish", "recompute"])
+def test_weight_update_policies_for_in_flight_sequences(llama, policy):
+    prompts = prompts_of([5, 8])
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=20, seed=5, ignore_eos=True)
+    cfg = SamplerConfig(page_size=4, max_slots=8, chunk_steps=8, on_weight_update=policy, **FIXED)
+    old = Sampler(llama, cfg).generate(prompts, params)
+    new = perturbed(llama)
+    sampler = Sampler(llama, cfg)
+    seqs = sampler.submit(prompts, params)
+    sampler.step()  # one chunk of 8 tokens under version 0
+    sampler.update_weights(new)
+    while any(s.finish_reason is None for s in seqs):
+        sampler.step()
+    for s, o in zip(seqs, old):
+        ref = o.completions[0]
+        if policy == "finish":  # the in-flight sequences finish with the old weights
+            assert s.tokens == ref.tokens.tolist() and set(s.versions) == {0}
+            np.testing.assert_allclose(s.logprobs, ref.logprobs, atol=1e-6)
+        else:  # the first chunk stays; the rest is recomputed and sampled with the new weights
+            assert s.versions == [0] * 8 + [1] * 12 and s.tokens[:8] == ref.tokens.tolist()[:8]
+            cont = Sampler(model_with(llama, new), cfg).generate(
+                [s.prompt + s.tokens[:8]], SamplingParams(temperature=1.0, max_new_tokens=12, seed=5, ignore_eos=True),
+                prompt_ids=[s.request])[0].completions[0]
+            assert s.tokens[8:] == cont.tokens.tolist()
+            np.testing.assert_allclose(s.logprobs[8:], cont.logprobs, atol=1e-5)
+            assert s.preemptions == 1
+    assert sampler.version == 1
+
+
+def test_compile_count_constant_across_request_shapes_after_warmup(llama):
+    sampler = Sampler(llama, BASE)
+    sampler.generate(prompts_of([4]), SamplingParams(max_new_tokens=4))  # warm-up
+    before, stat = _COMPILES.count, sampler.stats()["recompiles"]
+    for i, (lengths, n, new) in enumerate([([3, 9], 1, 5), ([12], 3, 17), ([2, 2, 2, 7, 5], 1, 9), ([1], 8, 2)]):
+        sampler.generate(prompts_of(lengths, seed=i), SamplingParams(n=n, max_new_tokens=new, temperature=0.5 + i / 4,
+                                                                     top_p=0.9, top_k=i, min_p=0.01 * i, seed=i))
+    assert _COMPILES.count == before and sampler.stats()["recompiles"] == stat
