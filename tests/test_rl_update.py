@@ -183,7 +183,8 @@ def np_value_grad(v, v_old, ret, mask, clip):
 def test_critic_step_matches_analytic_gradient():
     params, batch = make_case(6, critic=True)
     new, _, m = run(params, batch, kind="critic", value_clip=0.2)
-    ref = -0.5 * np_value_grad(params["v"], batch["values_BxR"], batch["returns_BxR"], np.asarray(batch["response_mask_BxR"]), 0.2)
+    mask = np.asarray(batch["response_mask_BxR"])
+    ref = -0.5 * np_value_grad(params["v"], batch["values_BxR"], batch["returns_BxR"], mask, 0.2)
     np.testing.assert_allclose(np.asarray(new["v"] - params["v"]), ref, rtol=1e-5, atol=1e-6)
     assert 0 < float(m["critic/vf_clipfrac"]) < 1 and "critic/vpred_mean" in m
 

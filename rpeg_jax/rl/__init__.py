@@ -3,7 +3,8 @@
 The runtime calls:
   compute_advantages(batch, rl_cfg) -> ({advantages_BxR, returns_BxR}, metrics)   advantage stage
   make_optimizer(optim_cfg, total_steps) -> optax transformation; tx.init(params)
-  make_actor_update / make_critic_update / make_actor_critic_update(fn, tx, rl_cfg)
+  make_actor_update / make_critic_update / make_actor_critic_update(fn, tx, rl_cfg,
+                                                                    accum_dtype=grad_dtype(optim_cfg))
       -> update(params, opt_state, batch, rng=None) -> (params, opt_state, metrics)
   batch_metrics(batch, version=...) -> reward/*, response_length/*, ... metrics
 rl imports no model code: the forward is a function handed in (see rl.update).
