@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     except dist.DistributedInitError as e:
         print(f"rpeg launch: {e}", file=sys.stderr)
         return EXIT_INIT
-    logging.basicConfig(level=logging.INFO if spec.process_id == 0 else logging.WARNING,
-                        format=f"[p{spec.process_id}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=f"[p{spec.process_id}] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("rpeg_jax").setLevel(logging.INFO if spec.process_id == 0 else logging.WARNING)
     watchdog = dist.Watchdog(spec.process_id, spec.num_processes, d.heartbeat_timeout_s).start() \
         if spec.multi and d.watchdog else None
     try:

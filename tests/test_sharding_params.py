@@ -2,7 +2,6 @@
 activation constraints, `rpeg shardings`, and the model's loss and gradients under every preset
 and several mesh shapes against the single-device values."""
 
-import textwrap
 
 import jax
 import jax.numpy as jnp

@@ -7,8 +7,8 @@ Where the distributed parameters come from, first found wins:
   1. flags / the config's `distributed.coordinator, num_processes, process_id`;
   2. JAX's variables JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID;
   3. SLURM (SLURM_NTASKS > 1): SLURM_PROCID, SLURM_NTASKS, the first host of
-     SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST) and port RPEG_COORDINATOR_PORT or one derived
-     from SLURM_JOB_ID (as JAX's own SLURM detection does, so all tasks agree);
+     SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST) and port RPEG_COORDINATOR_PORT, JAX_COORDINATOR_PORT
+     or one derived from SLURM_JOB_ID (as JAX's own SLURM detection does, so all tasks agree);
   4. none of these: a single process, no initialisation.
 
 Failure detection. Each process bumps a heartbeat counter in the coordination service's
@@ -82,7 +82,8 @@ def resolve_spec(coordinator: str | None = None, num_processes: int | None = Non
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
         if not nodes:
             raise DistributedInitError("SLURM job without SLURM_STEP_NODELIST/SLURM_JOB_NODELIST")
-        port = env.get("RPEG_COORDINATOR_PORT") or str(int(env["SLURM_JOB_ID"]) % 2**12 + (65535 - 2**12 + 1))
+        port = (env.get("RPEG_COORDINATOR_PORT") or env.get("JAX_COORDINATOR_PORT")
+                or str(int(env["SLURM_JOB_ID"]) % 2**12 + (65535 - 2**12 + 1)))
         return DistributedSpec(f"{first_host(nodes)}:{port}", ntasks, int(env["SLURM_PROCID"]), "slurm")
     return DistributedSpec(None, 1, 0, "single")
 
@@ -97,6 +98,8 @@ def initialize(spec: DistributedSpec, heartbeat_timeout_s: float, initialization
 
     where = (f"coordinator={spec.coordinator}, num_processes={spec.num_processes}, process_id={spec.process_id} "
              f"(from {spec.source})")
+    if spec.process_id != 0:  # JAX aborts the process on a connect timeout; report it ourselves first
+        wait_for_coordinator(spec.coordinator, initialization_timeout_s, where)
     try:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
         jax.distributed.initialize(
@@ -108,6 +111,24 @@ def initialize(spec: DistributedSpec, heartbeat_timeout_s: float, initialization
     except Exception as e:
         raise DistributedInitError(f"jax.distributed.initialize failed for {where}: {type(e).__name__}: "
                                    f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from e
+
+
+def wait_for_coordinator(address: str, timeout_s: float, where: str = "") -> None:
+    """Poll a TCP connection to the coordinator until it accepts or `timeout_s` passes."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    end, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < end:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(2.0, timeout_s)):
+                return
+        except OSError as e:
+            last = e
+            time.sleep(0.2)
+    raise DistributedInitError(f"coordinator {address} not reachable within {timeout_s:g} s "
+                               f"(distributed.initialization_timeout_s) for {where or address}: "
+                               f"{type(last).__name__}: {last}")
 
 
 def _client():
