@@ -97,3 +97,21 @@ def test_plan_reports_bytes_for_cost_model(setup):
     abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), state)
     assert plan.bytes_moved == reshard_bytes(abstract, train.params(state), gen.params(state)) > 0
     assert "moved" in plan.summary()
+
+
+@pytest.mark.parametrize("src_spec,dst_spec", [(P("x", None), P(None, "x")), (P(("x", "y")), P("y", "x")),
+                                               (P(), P("y")), (P("y", "x"), P())])
+def test_abstract_bytes_agree_with_device_count(src_spec, dst_spec):
+    """The device-free count (for the cost model) equals the one from JAX's own index maps."""
+    from rpeg_jax.sharding.reshard import reshard_bytes_abstract
+
+    devs = jax.devices()
+    shape = (16, 8)
+    arr = jax.ShapeDtypeStruct(shape, jnp.float32)
+    m = make_mesh({"x": 2, "y": 4}, devs)
+    other_a, other_b = make_mesh({"x": 2, "y": 2}, devs[:4]), make_mesh({"x": 2, "y": 2}, devs[4:])
+    sizes, small = {"x": 2, "y": 4}, {"x": 2, "y": 2}
+    assert reshard_bytes_abstract(shape, 4, src_spec, sizes, dst_spec, sizes, True) == \
+        reshard_bytes(arr, NamedSharding(m, src_spec), NamedSharding(m, dst_spec))
+    assert reshard_bytes_abstract(shape, 4, src_spec, small, dst_spec, small, False) == \
+        reshard_bytes(arr, NamedSharding(other_a, src_spec), NamedSharding(other_b, dst_spec))

@@ -110,6 +110,41 @@ def reshard_bytes(shapes: Any, src: Any, dst: Any) -> int:
     return sum(bytes_received(tuple(x.shape), x.dtype, s, d) for x, s, d in zip(leaves, srcs, dsts))
 
 
+def _blocks(shape: tuple[int, ...], spec: Any, sizes: dict[str, int]) -> list[tuple[slice, ...]]:
+    """Each device's block (row-major device positions) of an array laid out by `spec` on a mesh
+    of `sizes`: what `devices_indices_map` gives, without devices."""
+    from rpeg_jax.sharding.rules import mesh_axes_tuple
+
+    names, dims = list(sizes), list(sizes.values())
+    entries = list(tuple(spec)) + [None] * (len(shape) - len(tuple(spec)))
+    out = []
+    for k in range(math.prod(dims)):
+        coord = dict(zip(names, np.unravel_index(k, dims))) if dims else {}
+        block = []
+        for n, entry in zip(shape, entries):
+            axes = mesh_axes_tuple(entry)
+            ways = math.prod(sizes[a] for a in axes)
+            idx = int(np.ravel_multi_index([coord[a] for a in axes], [sizes[a] for a in axes])) if axes else 0
+            block.append(slice(idx * (n // ways), (idx + 1) * (n // ways)))
+        out.append(tuple(block))
+    return out
+
+
+def reshard_bytes_abstract(shape: tuple[int, ...], itemsize: int, src_spec: Any, src_sizes: dict[str, int],
+                           dst_spec: Any, dst_sizes: dict[str, int], shared_devices: bool) -> int:
+    """`bytes_received` without devices (the cost model plans clusters it cannot see): the two
+    meshes are either over the same devices in the same order (`shared_devices`, a colocated
+    layout change) or over disjoint devices (a split placement)."""
+    shape = tuple(shape)
+    src, dst = _blocks(shape, src_spec, src_sizes), _blocks(shape, dst_spec, dst_sizes)
+    if shared_devices and len(src) != len(dst):
+        raise ShardingError(f"shared_devices needs meshes of one size, got {src_sizes} and {dst_sizes}")
+    total = 0
+    for k, idx in enumerate(dst):
+        total += _block_bytes(idx, shape) - (_overlap(idx, src[k], shape) if shared_devices else 0)
+    return total * itemsize
+
+
 class _Transfer:
     """The collective method for one (shape, dtype, src, dst); see the module docstring."""
 
@@ -118,7 +153,7 @@ class _Transfer:
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
         self.shape, self.dtype, self.dst = shape, dtype, dst
-        a, b = list(src._device_assignment), list(dst._device_assignment)
+        a, b = _devices(src), _devices(dst)
         self.scalar = len(shape) == 0
         shp = (1,) if self.scalar else shape
         m, d = _transfer_split(shp, math.gcd(len(a), len(b)))
@@ -150,7 +185,7 @@ class _Transfer:
         import jax.numpy as jnp
 
         pid = jax.process_index()
-        local = [d for d in self.union._device_assignment if d.process_index == pid]
+        local = [d for d in _devices(self.union) if d.process_index == pid]
         if not local:  # this process takes no part in the transfer
             return jax.make_array_from_single_device_arrays(self.shape, self.dst, [], dtype=self.dtype)
         xa, have = None, {}
@@ -165,6 +200,14 @@ class _Transfer:
             return jax.make_array_from_single_device_arrays(self.shape, self.dst, [], dtype=self.dtype)
         yb = jax.make_array_from_single_device_arrays((1,) if self.scalar else self.shape, self.t_dst, mine)
         return jax.device_put(yb.reshape(()) if self.scalar else yb, self.dst)
+
+
+def _devices(sharding: Any) -> list[Any]:
+    """A sharding's devices in its own order (a NamedSharding's mesh order)."""
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and hasattr(mesh, "devices"):
+        return list(mesh.devices.flat)
+    return list(sharding._device_assignment)
 
 
 def _transfer_split(shape: tuple[int, ...], g: int) -> tuple[int, int]:
