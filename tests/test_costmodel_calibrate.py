@@ -69,3 +69,33 @@ def test_rpeg_calibrate_command(tmp_path):
     assert "calibrated cpu" in r.stdout
     prof = load_hardware(str(out))
     assert prof.device.peak_flops > 1e8 and prof.node.link_bw > 0 and prof.calibrated
+
+
+def test_stage_fit_recovers_known_factors():
+    # Synthetic "measurements" made by a profile with a known elementwise factor, layer cost and a
+    # 2x slower matmul rate: the fit must find them back from the uncalibrated profile.
+    import dataclasses
+
+    from rpeg_jax.costmodel import stages as S
+    from rpeg_jax.costmodel.calibrate import STAGE_SHAPES, fit_stages, synthetic_shape
+    from rpeg_jax.costmodel.lengths import LengthDist
+
+    base = load_hardware("cpu", calibrated=False)
+    truth = dataclasses.replace(
+        base, device=dataclasses.replace(base.device, peak_flops=base.device.peak_flops / 2,
+                                         peak_flops_fp32=base.device.peak_flops_fp32 / 2),
+        efficiency=dataclasses.replace(base.efficiency, elementwise_factor=1.7, layer_s=4e-5))
+    meas = []
+    for kind, L, B, T, n, D in STAGE_SHAPES:
+        ms = synthetic_shape(L, D)
+        st = S.Setting(hw=truth, B=B, P=0, R=T, G=1, dist=LengthDist.fixed(T), causal_skip=False,
+                       dense_scores=True, packing=False, budget_bytes=1e12)
+        fn = S.forward_stage if kind == "forward" else S.train_stage
+        args = (1,) if kind == "forward" else (1, "none")
+        meas.append({"kind": kind, "L": L, "B": B, "T": T, "devices": n, "D": D,
+                     "seconds": float(fn(st, ms, n, n, 1, 1, *args)[0])})
+    fitted, resid = fit_stages(base, meas)
+    assert fitted.device.peak_flops == pytest.approx(truth.device.peak_flops, rel=0.05)
+    assert fitted.efficiency.elementwise_factor == pytest.approx(1.7, rel=0.1)  # weak prior b = 1
+    assert fitted.efficiency.layer_s == pytest.approx(4e-5, rel=0.1)
+    assert resid["stage_fit_mape"] < 0.02

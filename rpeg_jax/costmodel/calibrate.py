@@ -8,6 +8,10 @@ Micro-benchmarks (each a few hundred ms; the whole run well under a minute on CP
   layers      a jitted scan over L tiny layers, two L values -> efficiency.layer_s (slope)
   loop        a while_loop of trivial steps                 -> efficiency.decode_step_s
   all-reduce  psum over all local devices, several sizes     -> node.link_bw and the intra_node table
+then a stage-level fit: a synthetic dense decoder (pure jnp, forward and train step, 1 and 8
+devices, a few depths and batch shapes) whose measured times fit, by least squares on relative
+error, a matmul scale, `efficiency.elementwise_factor` and `efficiency.layer_s`. The validation
+benchmark (bench/costmodel_validate.py) uses the real models, meshes and shapes, never these.
 On a CPU profile the measured rates replace the peaks; on an accelerator the nominal peak stays
 and the tables become measured / nominal. JAX is imported inside the functions only, so
 importing this module (and `rpeg plan`) never initialises a device.
@@ -30,6 +34,7 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default=None, help="where to save (default ~/.cache/rpeg_jax/hardware/<profile>.yaml)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (tests)")
     p.add_argument("--devices", type=int, default=8, help="forced CPU devices for the collective benchmark")
+    p.add_argument("--no-stages", action="store_true", help="micro-benchmarks only (skip the stage-level fit)")
 
 
 def _timeit(fn, *args, repeats: int = 5, warmup: int = 1) -> float:
@@ -116,6 +121,154 @@ def bench_allreduce(sizes_bytes, repeats: int) -> list[tuple[float, float, int]]
     return out
 
 
+# ---- stage-level fit on a synthetic decoder (pure jnp; costmodel imports no model code) --------
+STAGE_SHAPES = [  # (kind, L, B, T, devices, D): depth, width and batch vary so the parts separate
+    ("forward", 2, 8, 32, 1, 64), ("forward", 6, 8, 32, 1, 256), ("forward", 2, 32, 64, 8, 256),
+    ("forward", 6, 16, 64, 8, 64), ("train", 2, 8, 32, 1, 256), ("train", 6, 8, 32, 1, 64),
+    ("train", 2, 32, 64, 8, 64), ("train", 6, 16, 64, 8, 256),
+    ("forward", 8, 1, 8, 1, 64), ("train", 8, 1, 8, 1, 64),  # tiny work: the per-layer cost shows
+]
+SYN = dict(H=4, V=512)  # heads, vocab; F = 3D
+PRIOR = 0.01  # weight of the priors a = 1, b = 1 against one measurement's relative error
+
+
+def synthetic_shape(L: int, D: int):
+    """The synthetic decoder's ModelShape (MHA, SwiGLU, untied head, float32)."""
+    from rpeg_jax.costmodel.shape import ModelShape
+
+    H, F, V = SYN["H"], 3 * D, SYN["V"]
+    layer = 4 * D * D + 3 * D * F + 2 * D
+    return ModelShape(num_params=2 * V * D + L * layer + D, L=L, D=D, H=H, K=H, E=D // H, F=F, V=V,
+                      param_bytes_per=4, act_bytes_per=4, dtype="float32")
+
+
+def _synthetic_fns(L: int, B: int, T: int, n: int, D: int):
+    """(forward fn, train fn, params, tokens) of a dense decoder, batch sharded over n devices."""
+    import jax
+    import jax.numpy as jnp
+
+    H, F, V = SYN["H"], 3 * D, SYN["V"]
+    E = D // H
+    ks = iter(jax.random.split(jax.random.PRNGKey(0), 16))
+    w = lambda *sh: jax.random.normal(next(ks), sh, jnp.float32) * 0.02  # noqa: E731
+    params = {"embed": w(V, D), "head": w(D, V), "norm": jnp.ones((D,)),
+              "layers": {"wq": w(L, D, D), "wk": w(L, D, D), "wv": w(L, D, D), "wo": w(L, D, D),
+                         "wg": w(L, D, F), "wu": w(L, D, F), "wd": w(L, F, D),
+                         "n1": jnp.ones((L, D)), "n2": jnp.ones((L, D))}}
+    mask = jnp.tril(jnp.ones((T, T), bool))
+
+    def rms(x, g):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * g
+
+    def layer(x, p):
+        h = rms(x, p["n1"])
+        q, k, v = ((h @ p[n]).reshape(B // n_dev, T, H, E) for n in ("wq", "wk", "wv"))
+        s = jnp.einsum("bthe,bshe->bhts", q, k) / jnp.sqrt(E)
+        a = jax.nn.softmax(jnp.where(mask, s, -1e30), axis=-1)
+        x = x + jnp.einsum("bhts,bshe->bthe", a, v).reshape(x.shape) @ p["wo"]
+        h = rms(x, p["n2"])
+        return x + (jax.nn.silu(h @ p["wg"]) * (h @ p["wu"])) @ p["wd"], None
+
+    n_dev = n
+
+    def loss(p, tok):
+        x = jnp.take(p["embed"], tok, axis=0)
+        x, _ = jax.lax.scan(layer, x, p["layers"])
+        logits = rms(x, p["norm"]) @ p["head"]
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, tok[..., None], -1)[..., 0])
+
+    def train(p, tok):
+        g = jax.grad(loss)(p, tok)
+        return jax.tree.map(lambda a, b: a - 1e-3 * b, p, g)
+
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,))
+    tok = jax.device_put(jnp.ones((B, T), jnp.int32), jax.NamedSharding(mesh, jax.P("data")))
+    rep = jax.NamedSharding(mesh, jax.P())
+    params = jax.device_put(params, rep)
+    fwd = jax.jit(jax.shard_map(lambda p, t: jax.lax.pmean(loss(p, t), "data"), mesh=mesh,
+                                in_specs=(jax.P(), jax.P("data")), out_specs=jax.P()))
+    trn = jax.jit(jax.shard_map(lambda p, t: jax.tree.map(lambda a: jax.lax.pmean(a, "data"), train(p, t)),
+                                mesh=mesh, in_specs=(jax.P(), jax.P("data")), out_specs=jax.P()))
+    return fwd, trn, params, tok
+
+
+def bench_stages(repeats: int, shapes=STAGE_SHAPES) -> list[dict]:
+    """Measured seconds of the synthetic decoder's forward / train step at a few shapes."""
+    import jax
+
+    out = []
+    n_max = len(jax.devices())
+    for kind, L, B, T, n, D in shapes:
+        n = min(n, n_max)
+        fwd, trn, params, tok = _synthetic_fns(L, B, T, n, D)
+        sec = _timeit(fwd if kind == "forward" else trn, params, tok, repeats=repeats)
+        out.append({"kind": kind, "L": L, "B": B, "T": T, "devices": n, "D": D, "seconds": sec})
+    return out
+
+
+def fit_stages(prof: HardwareProfile, stages: list[dict]) -> tuple[HardwareProfile, dict]:
+    """Least-squares (relative error) fit of a matmul scale a, the elementwise factor b and the
+    per-layer overhead c:  t ≈ a·matmul + b·elementwise + c·(layer passes) + comm + dispatch."""
+    import numpy as np
+
+    from rpeg_jax.costmodel import stages as S
+    from rpeg_jax.costmodel.lengths import LengthDist
+
+    base = dataclasses.replace(prof, efficiency=dataclasses.replace(prof.efficiency, elementwise_factor=1.0,
+                                                                    layer_s=0.0))
+    rows, ys, fixed = [], [], []
+    for m in stages:
+        ms = synthetic_shape(m["L"], m["D"])
+        st = S.Setting(hw=base, B=m["B"], P=0, R=m["T"], G=1, dist=LengthDist.fixed(m["T"]), causal_skip=False,
+                       dense_scores=True, packing=False, budget_bytes=base.hbm_bytes)
+        n = m["devices"]
+        if m["kind"] == "forward":
+            _, p = S.forward_stage(st, ms, n, n, 1, 1, 1)
+            passes = 1.0
+        else:
+            _, p = S.train_stage(st, ms, n, n, 1, 1, 1, "none")
+            passes = 3.0
+        _, _, ovh = S.rates(base, "float32", n)
+        rows.append([float(p["matmul"]), float(p["elementwise"]), passes * ms.L * float(ovh)])
+        fixed.append(float(p["comm"]) + base.efficiency.dispatch_s + float(p.get("optimizer", 0.0)))
+        ys.append(m["seconds"])
+    A, y, f0 = np.array(rows), np.array(ys), np.array(fixed)
+    w = 1.0 / y  # relative errors
+    # Weak priors a ≈ 1 (the micro-benchmarks' matmul rate) and b ≈ 1 keep the fit well-posed
+    # when the shapes cannot separate the parts (e.g. on a noisy machine).
+    prior = np.array([[PRIOR, 0.0, 0.0], [0.0, PRIOR, 0.0]])
+    coef = _nnls(np.vstack([A * w[:, None], prior]), np.concatenate([(y - f0) * w, [PRIOR, PRIOR]]))
+    pred = A @ coef + f0
+    a = max(coef[0], 1e-3)
+    eff = prof.efficiency
+    if prof.kind == "cpu":  # the measured peak absorbs the matmul scale
+        device = dataclasses.replace(prof.device, peak_flops=prof.device.peak_flops / a,
+                                     peak_flops_fp32=prof.device.peak_flops_fp32 / a)
+    else:
+        device = prof.device
+        eff = dataclasses.replace(eff, matmul=tuple((sz, min(1.0, e / a)) for sz, e in eff.matmul))
+        eff = dataclasses.replace(eff, matmul=_monotone_table(list(eff.matmul)))
+    eff = dataclasses.replace(eff, elementwise_factor=max(float(coef[1]), 0.05), layer_s=float(coef[2]))
+    resid = {"stage_fit_mape": float(np.mean(np.abs(pred - y) / y)), "stage_fit_matmul_scale": float(a),
+             "stage_fit_points": float(len(y))}
+    return with_nodes(prof, device=device, efficiency=eff), resid
+
+
+def _nnls(A, b, iters: int = 50):
+    """Non-negative least squares for a few unknowns (active set by clipping and refitting)."""
+    import numpy as np
+
+    free = np.ones(A.shape[1], bool)
+    x = np.zeros(A.shape[1])
+    for _ in range(iters):
+        x = np.zeros(A.shape[1])
+        x[free] = np.linalg.lstsq(A[:, free], b, rcond=None)[0]
+        if (x >= 0).all():
+            return x
+        free &= x > 0
+    return np.maximum(x, 0.0)
+
+
 def _monotone_table(points: list[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
     """Sorted [size, eff] rows with eff in (0, 1], dropping rows that would make time non-monotone."""
     rows: list[tuple[float, float]] = []
@@ -165,6 +318,17 @@ def measure(dtype: str, quick: bool, accelerator: bool = False) -> dict:
             "overheads": bench_overheads(reps), "allreduce": bench_allreduce(ar_sizes, reps)}
 
 
+def calibrate(base: HardwareProfile, quick: bool, stages: bool = True) -> HardwareProfile:
+    """Micro-benchmarks -> fitted profile, then the stage-level fit on the synthetic decoder."""
+    meas = measure("float32" if base.kind == "cpu" else "bfloat16", quick, accelerator=base.kind != "cpu")
+    prof = fit(base, meas)
+    if stages:
+        shapes = STAGE_SHAPES[1::2] if quick else STAGE_SHAPES
+        prof, resid = fit_stages(prof, bench_stages(3 if quick else 5, shapes))
+        prof = dataclasses.replace(prof, calibrated={**prof.calibrated, **resid})
+    return prof
+
+
 def run(args) -> int:
     if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -174,12 +338,13 @@ def run(args) -> int:
     on_gpu = jax.default_backend() == "gpu"
     name = args.profile or ("h200" if on_gpu else "cpu")
     base = load_hardware(name, calibrated=False)
-    meas = measure("float32" if base.kind == "cpu" else "bfloat16", args.quick, accelerator=base.kind != "cpu")
-    prof = fit(base, meas)
+    prof = calibrate(base, args.quick, stages=not args.no_stages)
     path = save_hardware(prof, args.out or calibrated_path(name))
     d, e = prof.device, prof.efficiency
     print(f"calibrated {name} on {jax.default_backend()} ({len(jax.local_devices())} devices): "
           f"peak {d.peak_flops / 1e9:.1f} GFLOP/s, memory {d.memory_bw / 1e9:.1f} GB/s, "
           f"dispatch {e.dispatch_s * 1e6:.0f} us, layer {e.layer_s * 1e6:.1f} us, "
-          f"loop step {e.decode_step_s * 1e6:.1f} us, link {prof.node.link_bw / 1e9:.2f} GB/s -> {path}")
+          f"loop step {e.decode_step_s * 1e6:.1f} us, link {prof.node.link_bw / 1e9:.2f} GB/s, "
+          f"elementwise x{e.elementwise_factor:.2f}, stage fit MAPE "
+          f"{100 * prof.calibrated.get('stage_fit_mape', float('nan')):.1f}% -> {path}")
     return 0

@@ -106,12 +106,14 @@ class EfficiencySpec:
     layer_s: float = 2e-5  # fixed cost per layer per pass (launches inside the layer scan), s
     decode_step_s: float = 3e-5  # fixed cost per decode step (host sync, sampling), s
     kv_read_factor: float = 2.0  # KV bytes moved per cached byte per step (gather attention copies pages)
+    elementwise_factor: float = 1.0  # fitted multiplier on the elementwise kernels' activation traffic
 
     def validate(self, path: str) -> None:
         for name in ("matmul", "memory", "intra_node", "inter_node"):
             check_table(getattr(self, name), key(path, name))
         check(0.0 <= self.overlap <= 1.0, key(path, "overlap"), self.overlap, "must be in [0, 1]")
         check(self.kv_read_factor >= 1.0, key(path, "kv_read_factor"), self.kv_read_factor, "must be >= 1")
+        check(self.elementwise_factor > 0, key(path, "elementwise_factor"), self.elementwise_factor, "must be > 0")
         for name in ("dispatch_s", "layer_s", "decode_step_s"):
             v = getattr(self, name)
             check(v >= 0, key(path, name), v, "must be >= 0")
@@ -200,11 +202,22 @@ def save_hardware(profile: HardwareProfile, path: str) -> str:
     """Write a profile as YAML (atomically: a temp file renamed into place)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    data = to_dict(profile)
+    data = _plain(to_dict(profile))
     with open(tmp, "w") as f:
         yaml.safe_dump(data, f, sort_keys=False)
     os.replace(tmp, path)
     return path
+
+
+def _plain(x):
+    """numpy scalars -> Python numbers (yaml.safe_dump writes plain types only)."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
 
 
 def with_nodes(profile: HardwareProfile, **changes) -> HardwareProfile:

@@ -80,6 +80,22 @@ def roofline(hw: HardwareProfile, flops, nbytes, mm_size, rate, bw):
     return np.maximum(t_c, t_m)
 
 
+def layer_core(hw: HardwareProfile, flops, w_bytes, ew_bytes, mm_size, rate, bw):
+    """(seconds, matmul part, elementwise part) of the layers' kernels: matmuls are a roofline of
+    their FLOPs and weight reads; the elementwise kernels between them (norms, RoPE, softmax,
+    SwiGLU, residuals) are separate memory-bound kernels, so their time adds (× the profile's
+    fitted elementwise_factor)."""
+    mm = roofline(hw, flops, w_bytes, mm_size, rate, bw)
+    ew = hw.efficiency.elementwise_factor * ew_bytes / (bw * interp_eff(hw.efficiency.memory, ew_bytes))
+    return mm + ew, mm, ew
+
+
+def elementwise_bytes(st: Setting, ms: ModelShape, t, tokens):
+    """Activation bytes written and read once by a forward's elementwise kernels."""
+    dense_ctx = st.P + st.R if st.dense_scores else 0.0
+    return 2.0 * ms.L * tokens * ms.act_bytes_per_token_layer(t, "none", dense_ctx)
+
+
 def _exposed(hw: HardwareProfile, core, overlappable, serial):
     return serial + overlappable - hw.efficiency.overlap * np.minimum(overlappable, core)
 
@@ -95,12 +111,12 @@ def train_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, remat: str, e
     fwd = ms.forward_flops(seqs * st.seq_tokens, seqs * st.seq_scored * heads, seqs * st.seq_sumsq,
                            st.causal_skip) / t
     layer_fwd = ms.forward_flops(seqs * st.seq_tokens, 0.0, seqs * st.seq_sumsq, st.causal_skip) / t
+    passes = 3.0 + REMAT_EXTRA_FWD[remat]  # forward + backward (2x) [+ recomputed forward]
     flops = epochs * (3.0 * fwd + REMAT_EXTRA_FWD[remat] * layer_fwd)
     rate, bw, ovh = rates(hw, ms.dtype, busy)
-    w_read = ms.weight_bytes() / t
-    act = ms.L * ms.act_bytes_per_token_layer(t, remat, st.P + st.R if st.dense_scores else 0.0)
-    nbytes = epochs * (3.0 * w_read * n_mb + 3.0 * act * seqs * st.seq_tokens)
-    core = roofline(hw, flops, nbytes, ms.mm_size(tok_mb, t), rate, bw)
+    w_read = epochs * passes * n_mb * ms.weight_bytes() / t
+    ew = epochs * passes * elementwise_bytes(st, ms, t, seqs * st.seq_tokens)
+    core, mm, ewt = layer_core(hw, flops, w_read, ew, ms.mm_size(tok_mb, t), rate, bw)
     # Collectives per micro-batch: FSDP gathers each layer twice (forward, backward) and
     # reduce-scatters its gradient; TP all-reduces 2 activations per layer per direction.
     layer_p = ms.layer_params * ms.param_bytes_per / t
@@ -115,7 +131,8 @@ def train_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, remat: str, e
     opt = epochs * minibatches * opt_bytes / (bw * interp_eff(hw.efficiency.memory, opt_bytes))
     over = epochs * (minibatches * hw.efficiency.dispatch_s + 3.0 * n_mb * ms.L * hw.efficiency.layer_s * ovh)
     total = core + comm + opt + over
-    return total, {"compute": core, "comm": comm, "optimizer": opt, "overhead": over, "flops": flops}
+    return total, {"compute": core, "matmul": mm, "elementwise": ewt, "comm": comm, "optimizer": opt,
+                   "overhead": over, "flops": flops}
 
 
 def train_memory(st: Setting, ms: ModelShape, d, f, t, micro, remat: str, minibatches: int = 1):
@@ -142,15 +159,15 @@ def forward_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, heads: int 
     flops = ms.forward_flops(seqs * st.seq_tokens, seqs * st.seq_scored * heads, seqs * st.seq_sumsq,
                              st.causal_skip) / t
     rate, bw, ovh = rates(hw, ms.dtype, busy)
-    act = ms.L * ms.act_bytes_per_token_layer(t, "none", 0.0) / 3.0  # written once, read once
-    nbytes = micro * ms.weight_bytes() / t + act * seqs * st.seq_tokens
-    core = roofline(hw, flops, nbytes, ms.mm_size(tok_mb, t), rate, bw)
+    ew = elementwise_bytes(st, ms, t, seqs * st.seq_tokens)
+    core, mm, ewt = layer_core(hw, flops, micro * ms.weight_bytes() / t, ew, ms.mm_size(tok_mb, t), rate, bw)
     layer_p = ms.layer_params * ms.param_bytes_per / t
     fsdp = micro * ms.L * collective_time(hw, "all_gather", layer_p, f, t)
     tp = micro * 2.0 * ms.L * collective_time(hw, "all_reduce", tok_mb * ms.D * ms.act_bytes_per, t, 1)
     comm = _exposed(hw, core, fsdp, tp)
     over = hw.efficiency.dispatch_s + micro * ms.L * hw.efficiency.layer_s * ovh
-    return core + comm + over, {"compute": core, "comm": comm, "overhead": over, "flops": flops}
+    return core + comm + over, {"compute": core, "matmul": mm, "elementwise": ewt, "comm": comm,
+                                "overhead": over, "flops": flops}
 
 
 def forward_memory(st: Setting, ms: ModelShape, d, f, t, micro):
