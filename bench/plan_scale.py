@@ -86,7 +86,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         pre = f"{r['hardware']:<6}{r['gpus']:>5} {r['model']:<5} {r['algorithm']:<5} "
         if not r["fits"]:
-            out.append(pre + f"{'does not fit (fp32 Adam state)':<44}" + f"{'':>56}{r['search_seconds']:>9.2f}")
+            out.append(pre + f"{'no layout fits in memory':<44}" + f"{'':>56}{r['search_seconds']:>9.2f}")
             continue
         c = r["chosen"]
         base = ""

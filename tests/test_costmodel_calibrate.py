@@ -63,7 +63,7 @@ def test_rpeg_calibrate_command(tmp_path):
     out = tmp_path / "cpu.yaml"
     env = dict(os.environ, RPEG_CACHE=str(tmp_path / "cache"))
     env.pop("XLA_FLAGS", None)
-    r = subprocess.run([sys.executable, "-m", "rpeg_jax.cli", "calibrate", "--quick", "--devices", "4",
+    r = subprocess.run([sys.executable, "-m", "rpeg_jax.cli", "calibrate", "--quick", "--no-stages", "--devices", "4",
                         "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "calibrated cpu" in r.stdout

@@ -188,3 +188,21 @@ def test_apply_plan_settings():
     assert out.rollout.max_slots == lay["generate"]["slots"]
     assert out.pipeline.staleness == res.chosen.knobs["staleness"]
     assert out.pipeline.placement == res.chosen.knobs["placement"]
+
+
+def test_useful_flops_counts_fused_parts_and_sharing():
+    from rpeg_jax.config.pipeline import PipelineConfig
+    from rpeg_jax.graph.algorithms import build_graph
+    from rpeg_jax.graph.passes import apply_pipeline
+
+    cfg = cfg_of("rl.algorithm=ppo", "rl.kl_coef=0.05")
+    ctx = P.make_context(cfg, 8, GH)
+    plain = P.useful_flops(ctx.st, ctx.base)
+    fused = apply_pipeline(build_graph(cfg), PipelineConfig(fuse=("forwards", "advantage")), cfg.rl)
+    assert P.useful_flops(ctx.st, fused) == pytest.approx(plain)
+    shared = apply_pipeline(build_graph(cfg), PipelineConfig(share_actor_critic=True), cfg.rl)
+    # Sharing removes the critic's forward and update: 4 forward-equivalents of the model.
+    ms = P.roles_of(ctx, ctx.base).actor
+    lens = ctx.st.dist.lengths(ctx.st.B).astype(float)
+    one = float(ms.forward_flops(np.sum(ctx.st.P + lens), np.sum(lens), np.sum((ctx.st.P + lens) ** 2), True))
+    assert plain - P.useful_flops(ctx.st, shared) == pytest.approx(4 * one, rel=0.01)

@@ -129,15 +129,12 @@ def useful_flops(st: S.Setting, g: Graph) -> float:
     lens = st.dist.lengths(st.B).astype(np.float64)
     tok, scored, sq = float(np.sum(st.P + lens)), float(np.sum(lens)), float(np.sum((st.P + lens) ** 2))
     total = 0.0
-    for s in g.stages():
-        w = s.workload
+    for p in (p for s in g.stages() for p in (s.parts or (s,))):  # fused stages count their parts
+        w = p.workload
         if w is None or not w.models:
             continue
-        ms = ModelShape.of(w.models[0])
-        fwd = float(ms.forward_flops(tok, scored, sq, causal_skip=True))
-        if w.op == Op.GENERATE:
-            total += fwd
-        elif w.op == Op.FORWARD:
+        fwd = float(ModelShape.of(w.models[0]).forward_flops(tok, scored, sq, causal_skip=True))
+        if w.op in (Op.GENERATE, Op.FORWARD):
             total += fwd
         elif w.op == Op.TRAIN:
             total += 3.0 * fwd * w.epochs
