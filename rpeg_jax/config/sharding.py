@@ -25,7 +25,7 @@ class ShardingConfig:
     rules: dict[str, Any] = field(default_factory=dict)  # custom presets: name -> [[logical, mesh axes(, policy)], ...]
     overrides: tuple[tuple[str, str], ...] = ()  # (parameter-path regex, tactic or partition), first match wins
     plugins: tuple[str, ...] = ()  # importable modules that register tactics/rules
-    axis_types: Literal["auto", "explicit"] = "auto"  # jax.sharding.AxisType of every mesh axis
+    axis_types: Literal["auto", "explicit"] = "auto"  # AxisType of all mesh axes (explicit: see docs/sharding.md)
     devices_per_node: int | None = None  # e.g. 4 on GH200 nodes: checks that `tensor` stays inside a node
 
     def validate(self, path: str) -> None:
