@@ -155,3 +155,22 @@ def test_grpo_group_prefills_once_shares_pages_and_equals_unshared_run(llama):
     ref = unshared.generate(prompt, params)  # max_slots=1: each sample is prefilled on its own
     assert unshared.stats()["page_copies"] == 0 and unshared.stats()["prefill_tokens"] == 8 * 9
     assert_same(flat(outs), flat(ref))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [
+    dict(page_size=1), dict(page_size=16), dict(page_size=64, max_seq_len=64), dict(chunk_steps=1),
+    dict(max_slots=3), dict(max_slots=5, num_pages=13, page_size=3, watermark=0.0), dict(min_chunk_steps=1),
+    dict(min_table_width=1)])
+def test_invariance_matrix(llama, baseline, variant):
+    """Each factor on its own (the default run covers them combined)."""
+    prompts, ref = baseline
+    cfg = dict(page_size=4, max_slots=8, chunk_steps=8, **FIXED)
+    cfg.update(variant)
+    order = list(range(len(prompts)))[::-1] if variant.get("max_slots") == 3 else list(range(len(prompts)))
+    sampler = Sampler(llama, SamplerConfig(**cfg))
+    outs = sampler.generate([prompts[i] for i in order], SAMPLED, prompt_ids=order)
+    got = sorted(flat(outs), key=lambda x: (order[x[0]], x[1]))
+    assert_same([(order[g[0]],) + g[1:] for g in got], ref)
+    if "num_pages" in variant:
+        assert sampler.stats()["preemptions"] > 0

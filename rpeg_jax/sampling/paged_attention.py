@@ -9,18 +9,20 @@ E head_dim, L layers, P pages, S page size, W page-table width, C = W * S key co
 Pools are stacked over layers: `k_pool_LxPxSxKxE`, `v_pool_LxPxSxKxE`; page 0 is the null page.
 
 Safety: key column c of sequence b holds position c. Columns >= kv_len_B (stale or garbage pages,
-the tail of a partial page, the null page) are masked in the scores AND zeroed in K and V before
-the matmuls, so a NaN there cannot leak into the output even as NaN * 0. A different kernel (e.g. a
+the tail of a partial page, the null page) are masked in the scores by a select (so a NaN score is
+replaced, not multiplied) AND zeroed in V before p @ V, so a NaN there cannot leak into the output
+even as NaN * 0. A different kernel (e.g. a
 fused GPU paged kernel) can replace `attend_pages` behind the same `PagedAttention` interface.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
+
+NEG_INF = -1e30  # finite, as in the model's attention: masked scores, never NaN from inf - inf
 
 
 def write_pages(pool_LxPxSxKxE, layer, x_BxTxKxE, page_BxT, offset_BxT):
@@ -38,28 +40,24 @@ def gather_pages(pool_LxPxSxKxE, layer, table_BxW):
     return pool_LxPxSxKxE[layer, table_BxW].reshape(b, w * s, kh, e)
 
 
-def dense_attention(q_BxTxHxE, k_BxCxKxE, v_BxCxKxE, q_pos_BxT, kv_len_B, *, scale=None):
-    """Causal GQA attention where key column c sits at position c; columns >= kv_len_B are
-    invalid. Scores and softmax in float32; output in q's dtype. A query with no valid column
-    returns zeros (it only happens for padding rows)."""
+def dense_attention(q_BxTxHxE, k_BxCxKxE, v_BxCxKxE, q_pos_BxT, kv_len_B):
+    """Causal GQA attention where key column c sits at position c; columns >= kv_len_B are invalid.
+    Scores and softmax in float32 (as the model's DenseAttention), output in q's dtype.
+
+    NaN safety: a garbage K column only reaches its own score, which the select replaces by NEG_INF;
+    a garbage V column would reach the output through p * v even with p = 0, so V is zeroed there.
+    A query with no valid column (padding rows only) returns zeros."""
     b, t, h, e = q_BxTxHxE.shape
     c, kh = k_BxCxKxE.shape[1], k_BxCxKxE.shape[2]
-    scale = 1.0 / math.sqrt(e) if scale is None else scale
     col_C = jnp.arange(c, dtype=jnp.int32)
     valid_BxC = col_C[None, :] < kv_len_B[:, None]
-    zero = jnp.zeros((), k_BxCxKxE.dtype)
-    k = jnp.where(valid_BxC[:, :, None, None], k_BxCxKxE, zero)  # mask K and V, not only scores
-    v = jnp.where(valid_BxC[:, :, None, None], v_BxCxKxE, zero)
+    v = jnp.where(valid_BxC[:, :, None, None], v_BxCxKxE, jnp.zeros((), v_BxCxKxE.dtype))
     q = q_BxTxHxE.reshape(b, t, kh, h // kh, e)
-    s_BxKxGxTxC = jnp.einsum("btkge,bcke->bkgtc", q, k, preferred_element_type=jnp.float32) * scale
+    s_BxKxGxTxC = jnp.einsum("btkge,bcke->bkgtc", q, k_BxCxKxE, preferred_element_type=jnp.float32)
+    s_BxKxGxTxC = s_BxKxGxTxC * (e ** -0.5)
     mask_BxTxC = valid_BxC[:, None, :] & (col_C[None, None, :] <= q_pos_BxT[:, :, None])
-    mask = mask_BxTxC[:, None, None]
-    s = jnp.where(mask, s_BxKxGxTxC, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(mask, jnp.exp(s - m), 0.0)
-    denom = jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
-    p = (p / denom).astype(v.dtype)
+    s = jnp.where(mask_BxTxC[:, None, None], s_BxKxGxTxC, NEG_INF)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgtc,bcke->btkge", p, v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, e).astype(q_BxTxHxE.dtype)
 

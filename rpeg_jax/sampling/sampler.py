@@ -121,6 +121,7 @@ class Sampler:
         if self._pending is None:
             self._prefill(self.sched.admit(self.cfg.chunk_steps))
         k, _ = self.sched.reserve(self.cfg.chunk_steps)
+        k = self._align_chunk(k)
         self._stats["pages_peak"] = max(self._stats["pages_peak"], self.alloc.num_used)
         done = self._decode(k) if k else []
         if self._pending is not None and not self.sched.running:
@@ -206,10 +207,26 @@ class Sampler:
                 done.append(s)
         return done
 
+    def _width(self, k: int) -> int:
+        """Page-table width bucket covering k more steps of every running sequence."""
+        need = max(self.alloc.pages_for(min(s.pos + k, s.end - 1)) for s in self.sched.running_seqs())
+        return min(pow2ceil(max(need, self.cfg.min_table_width)), self.max_width)
+
+    def _align_chunk(self, k: int) -> int:
+        """End the chunk where the width bucket would grow (after at least min_chunk_steps), so
+        every step gathers at most ~2x the columns it needs instead of the chunk's final width."""
+        lo = min(k, self.cfg.min_chunk_steps)
+        if k <= lo:
+            return k
+        w, hi = self._width(lo), k
+        while lo < hi:  # largest k' in [lo, k] whose width is still w (width is monotone in k')
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self._width(mid) <= w else (lo, mid - 1)
+        return lo
+
     def _decode_state(self, seqs: list[Sequence], k: int) -> engine.DecodeState:
         b, cfg = self.cfg.max_slots, self.cfg
-        need = max(self.alloc.pages_for(min(s.pos + k, s.end - 1)) for s in seqs)
-        w = min(pow2ceil(max(need, cfg.min_table_width)), self.max_width)
+        w = self._width(k)
         a = dict(token=np.zeros(b, np.int32), pos=np.zeros(b, np.int32), active=np.zeros(b, bool),
                  end=np.zeros(b, np.int32), stop=np.full((b, cfg.max_stop_ids), -1, np.int32),
                  temp=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32),

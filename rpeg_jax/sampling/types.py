@@ -25,7 +25,9 @@ class SamplerConfig:
     num_pages: int | None = None  # P incl. the null page; None -> max_slots full-length sequences
     max_slots: int = 64  # B: concurrent sequences (decode batch)
     max_seq_len: int | None = None  # prompt + completion tokens; None -> model max positions
-    chunk_steps: int = 64  # K: decode steps per jitted while_loop chunk
+    chunk_steps: int = 64  # K: decode steps per jitted while_loop chunk (at most)
+    min_chunk_steps: int = 8  # a chunk ends early where the page-table width bucket grows, but
+    #                           not before this many steps (= chunk_steps: never end early)
     watermark: float = 0.01  # fraction of pages kept free when admitting groups
     on_weight_update: Literal["finish", "recompute"] = "finish"  # policy for in-flight sequences
     attention: Literal["gather"] = "gather"  # paged attention implementation
@@ -40,7 +42,7 @@ class SamplerConfig:
     debug_checks: bool = False  # check allocator invariants after every operation
 
     def validate(self, path: str = "sampler") -> None:
-        for name in ("page_size", "max_slots", "chunk_steps", "max_stop_ids", "min_prefill_len", "min_prefill_rows",
+        for name in ("page_size", "max_slots", "chunk_steps", "min_chunk_steps", "max_stop_ids", "min_prefill_len", "min_prefill_rows",
                      "min_table_width"):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= 1, f"{path}.{name}", v, "must be an int >= 1")

@@ -1,0 +1,167 @@
+"""G1 generation throughput (../shared/WORKLOADS.md): rpeg_jax's paged sampler against the naive
+baseline (bench/naive_generate.py), with the fraction of this machine's limit measured in the same run.
+
+    python bench/generate.py --json out.json [--workloads G1-T-greedy,G1-S-greedy] [--reps 3] [--no-naive]
+
+Records: {workload, variant ("rpeg" | "naive"), new_tokens_per_s (best of reps), median_tokens_per_s,
+limit_fraction, limit_kind ("matmul" | "bandwidth"), limit_tokens_per_s, ...}. The limit:
+- matmul-bound workloads (T at batch >= 64): FLOPs per new token (2 x matmul params + attention over
+  the mean context) over the measured float matmul rate;
+- bandwidth-bound ones (S, batch 8): bytes per decode step (all weights except the embedding table,
+  plus the batch's KV at the mean context) over the measured memory bandwidth.
+Timings follow one warm-up run of each workload (all compiles). On a shared machine they are noisy.
+On a GPU the S model runs in bfloat16 and a ~0.5B Qwen2-shaped model is added (G1-Q05-greedy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from rpeg_jax.config.model import ModelConfig, model_preset  # noqa: E402
+from rpeg_jax.models import init_model  # noqa: E402
+from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from naive_generate import naive_generate  # noqa: E402
+
+ON_GPU = jax.default_backend() == "gpu"
+# name -> (model preset, prompts, prompt_len, n, new_tokens, temperature, bound)
+WORKLOADS = {
+    "G1-T-greedy": ("tiny", 64, 16, 1, 128, 0.0, "matmul"),
+    "G1-T-sample": ("tiny", 64, 16, 1, 128, 1.0, "matmul"),
+    "G1-S-greedy": ("small", 8, 32, 1, 128, 0.0, "bandwidth"),
+    "G1-T-grpo": ("tiny", 16, 16, 8, 128, 1.0, "matmul"),
+}
+GPU_WORKLOADS = {"G1-Q05-greedy": ("qwen2-0.5b", 64, 32, 1, 128, 0.0, "bandwidth")}
+
+
+# ---- machine limits -----------------------------------------------------------------------------
+def _best_time(fn, *args, reps=5) -> float:
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_limits(dtype) -> dict:
+    """Matmul FLOP/s (square matmuls, best size) and memory bandwidth (read-only reduction and a copy,
+    the better), both through JAX in `dtype`."""
+    n_mm = 8192 if ON_GPU else 1536
+    a = jnp.ones((n_mm, n_mm), dtype)
+    flops = 2 * n_mm ** 3 / _best_time(jax.jit(lambda x: x @ x), a)
+    n_bw = (1 << 30 if ON_GPU else 1 << 26)  # elements: 4 GiB / 256 MiB of float32
+    x = jnp.ones((n_bw,), jnp.float32)
+    read = 4 * n_bw / _best_time(jax.jit(lambda x: jnp.sum(x)), x)
+    copy = 8 * n_bw / _best_time(jax.jit(lambda x: x * 2.0), x)
+    return {"matmul_flops": flops, "bandwidth_bytes_s": max(read, copy), "bw_read": read, "bw_copy": copy}
+
+
+def work_per_token(cfg: ModelConfig, batch: int, mean_ctx: float, param_bytes: int) -> tuple[float, float]:
+    """(FLOPs per new token, bytes per decode step)."""
+    d, e, f, v = cfg.hidden_size, cfg.head_size, cfg.intermediate_size, cfg.vocab_size
+    h, k, layers = cfg.num_heads, cfg.num_kv_heads, cfg.num_layers
+    matmul_params = layers * (d * h * e * 2 + d * k * e * 2 + 3 * d * f) + d * v
+    attn = layers * 4 * h * e * mean_ctx  # q.k and p.v
+    flops = 2 * matmul_params + attn
+    kv_bytes = layers * 2 * k * e * param_bytes
+    weight_bytes = (cfg.num_params() - v * d * (0 if cfg.tie_embeddings else 1)) * param_bytes
+    return flops, weight_bytes + batch * mean_ctx * kv_bytes
+
+
+# ---- runs ---------------------------------------------------------------------------------------
+def model_for(preset: str):
+    kw = {}
+    if ON_GPU and preset != "tiny":
+        kw = dict(dtype="bfloat16", param_dtype="bfloat16")
+    cfg = model_preset(preset, **kw)
+    return init_model(cfg, seed=0)
+
+
+def run_rpeg(model, prompts, n, new, temp, reps) -> list[float]:
+    batch = len(prompts) * n
+    cfg = SamplerConfig(page_size=16, max_slots=batch, max_seq_len=len(prompts[0]) + new, chunk_steps=new,
+                        min_prefill_len=len(prompts[0]))
+    sampler = Sampler(model, cfg)
+    params = SamplingParams(n=n, temperature=temp, max_new_tokens=new, ignore_eos=True, seed=0)
+    sampler.generate(prompts, params)  # warm-up: compiles
+    rates = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        outs = sampler.generate(prompts, params)
+        dt = time.perf_counter() - t0
+        rates.append(sum(len(c.tokens) for o in outs for c in o.completions) / dt)
+    return rates
+
+
+def run_naive(model, prompts, n, new, temp, reps) -> list[float]:
+    naive_generate(model, prompts, new, temp, n=n)  # warm-up
+    rates = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        toks = naive_generate(model, prompts, new, temp, n=n)
+        rates.append(toks.size / (time.perf_counter() - t0))
+    return rates
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the records here")
+    ap.add_argument("--workloads", default=None, help="comma-separated subset (default: all G1)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-naive", action="store_true", help="skip the naive baseline")
+    args = ap.parse_args(argv)
+    table = {**WORKLOADS, **(GPU_WORKLOADS if ON_GPU else {})}
+    names = args.workloads.split(",") if args.workloads else list(table)
+    for name in names:
+        if name not in table:
+            raise SystemExit(f"--workloads: unknown {name!r}; known: {', '.join(table)}")
+    limits = measure_limits(jnp.bfloat16 if ON_GPU else jnp.float32)
+    print(f"device {jax.devices()[0].device_kind}: matmul {limits['matmul_flops'] / 1e9:.1f} GFLOP/s, "
+          f"bandwidth {limits['bandwidth_bytes_s'] / 1e9:.1f} GB/s", flush=True)
+    records, models = [], {}
+    for name in names:
+        preset, num_prompts, plen, n, new, temp, bound = table[name]
+        model = models.setdefault(preset, model_for(preset))
+        rng = np.random.default_rng(0)
+        prompts = rng.integers(3, model.cfg.vocab_size, size=(num_prompts, plen)).tolist()
+        batch = num_prompts * n
+        pbytes = jnp.dtype(model.cfg.param_dtype).itemsize
+        flops, step_bytes = work_per_token(model.cfg, batch, plen + new / 2, pbytes)
+        limit = (limits["matmul_flops"] / flops if bound == "matmul"
+                 else batch * limits["bandwidth_bytes_s"] / step_bytes)
+        variants = [("rpeg", run_rpeg)] + ([] if args.no_naive else [("naive", run_naive)])
+        for variant, fn in variants:
+            rates = fn(model, prompts, n, new, temp, args.reps)
+            best = max(rates)
+            rec = dict(workload=name, variant=variant, new_tokens_per_s=best, median_tokens_per_s=statistics.median(rates),
+                       limit_fraction=best / limit, limit_kind=bound, limit_tokens_per_s=limit, batch=batch,
+                       flops_per_token=flops, bytes_per_step=step_bytes, device=jax.devices()[0].device_kind,
+                       **{k: limits[k] for k in ("matmul_flops", "bandwidth_bytes_s")})
+            records.append(rec)
+            print(f"{name:14s} {variant:6s} {best:10.1f} new tok/s (median {rec['median_tokens_per_s']:.1f}) "
+                  f"= {rec['limit_fraction']:.1%} of the {bound} limit ({limit:.0f} tok/s)", flush=True)
+        by = {r["variant"]: r["new_tokens_per_s"] for r in records if r["workload"] == name}
+        if "naive" in by:
+            print(f"{name:14s} rpeg / naive = {by['rpeg'] / by['naive']:.2f}x", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
