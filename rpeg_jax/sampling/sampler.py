@@ -75,7 +75,7 @@ class Sampler:
         self.version, self._pending = 0, None
         self._calls = 0
         self._stats = dict(new_tokens=0, prefill_tokens=0, chunks=0, decode_steps=0, pages_peak=0,
-                           recompiles=0, generate_s=0.0, last_tokens_per_s=0.0, page_copies=0)
+                           recompiles=0, xla_compiles=0, generate_s=0.0, last_tokens_per_s=0.0, page_copies=0)
 
     # ---- public API ---------------------------------------------------------------------------
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | None = None, *,
@@ -156,9 +156,10 @@ class Sampler:
 
     # ---- device calls -------------------------------------------------------------------------
     def _device(self, fn, *args, **kw):
-        before = _COMPILES.count
+        before, backend = _COMPILES.count, _COMPILES.backend
         out = fn(*args, **kw)
-        self._stats["recompiles"] += _COMPILES.count - before
+        self._stats["recompiles"] += _COMPILES.count - before  # jit cache misses (traces)
+        self._stats["xla_compiles"] += _COMPILES.backend - backend
         return out
 
     def _prefill(self, plan) -> None:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 
 
 def as_params(obj: Any) -> tuple[Any, Any]:
@@ -66,13 +67,18 @@ class ParamSignature:
 
 
 class CompileCounter:
-    """Counts XLA backend compilations in this process (jax.monitoring event)."""
+    """Counts, in this process, jit cache misses (`count`: every miss traces the function, whether or
+    not a persistent compilation cache then spares the XLA compile) and XLA backend compilations
+    (`backend`), from jax.monitoring events."""
 
     def __init__(self):
         self.count = 0
+        self.backend = 0
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
     def _on_event(self, event: str, duration: float, **kwargs) -> None:
-        if event == BACKEND_COMPILE_EVENT:
+        if event == TRACE_EVENT:
             self.count += 1
+        elif event == BACKEND_COMPILE_EVENT:
+            self.backend += 1
 
