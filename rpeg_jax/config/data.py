@@ -37,8 +37,8 @@ class DataConfig:
     num_epochs: int | None = None  # None: repeat forever
     prompts_per_step: int = 16  # prompts per RL step over all processes (each sampled G times)
     num_examples: int = 4096  # size of a built-in task's generated dataset
-    min_digits: int = 3  # built-in tasks: operand/string length range (difficulty knob)
-    max_digits: int = 5
+    min_digits: int = 1  # built-in tasks: operand/string length range, the difficulty knob (data/tasks.py)
+    max_digits: int = 3
     max_prompt_len: int = 32  # tokens incl. bos; longer prompts are an error (or skipped)
 
     def validate(self, path: str) -> None:

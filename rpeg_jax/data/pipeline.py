@@ -32,7 +32,7 @@ from rpeg_jax.config.base import ConfigError
 from rpeg_jax.config.data import DataConfig
 from rpeg_jax.config.run import RunConfig
 from rpeg_jax.data.jsonl import read_jsonl
-from rpeg_jax.data.tasks import TASKS, make_records
+from rpeg_jax.data.tasks import make_records
 from rpeg_jax.data.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
 
 STATE_FORMAT = "rpeg_jax.data.pipeline/1"
@@ -202,4 +202,4 @@ def build_pipeline(cfg: RunConfig, *, shard_index: int, shard_count: int, split:
                           skipped=skipped, split=split)
 
 
-__all__ = ["PromptBatch", "PromptPipeline", "build_pipeline", "left_pad", "load_records", "TASKS"]
+__all__ = ["PromptBatch", "PromptPipeline", "build_pipeline", "left_pad", "load_records"]

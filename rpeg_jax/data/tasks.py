@@ -13,15 +13,19 @@ Why reverse with per-position credit learns from random initialization (the defa
 A random model T samples ~uniformly over 128 tokens, so an all-or-nothing reward is nonzero
 with probability ~(1/128)^n and GRPO's group-normalised advantage (r - mean_G) / std_G is zero
 for almost every group: no gradient. Scoring each position separately, credit = (1/n) Σ_i
-[c_i = t_i], makes every correct character count, and with G = 8 samples × n positions a group
-has some variance early on. Reverse then offers a ladder of sub-skills of increasing
-difficulty: (1) emit digits at all (once learned, each position is right 1/10 of the time, so
-the signal becomes dense); (2) the first answer digit is the token just before "=" (a
-previous-token lookup that a one-layer model learns quickly, worth 1/n); (3) later positions k
-sit at a fixed relative offset 2k+1 behind the token being predicted (reachable with RoPE).
-Text after the n-th character is ignored (like R1's "starts with"), so the model need not
-learn to stop before it is paid for digits. Strings of 3-5 digits keep prompts short (<= 8
-tokens with bos); data.min_digits / data.max_digits are the difficulty knob.
+[c_i = t_i], makes every correct character count, so a group of G = 8 has some variance early.
+Reverse then offers a ladder of sub-skills: (1) emit digits at all; (2) the first answer digit
+is the token just before "=" (a previous-token lookup, the easiest attention pattern); (3)
+answer position k sits at the fixed offset 2k+1 behind the token being predicted. Text after
+the n-th character is ignored (like R1's "starts with"), so the model is paid for digits before
+it learns to stop. Short strings matter: with 1-3 digits the first-position skill alone is
+worth mean(1, 1/2, 1/3) = 0.61, with 3-5 digits only 0.26, and the rest is the hard part.
+
+Measured (a minimal GRPO loop on model T, 16 prompts x G=8, 8 new tokens, AdamW, no KL; CPU
+shared with other jobs, so times are loose): 1-3 digits, lr 3e-4: mean reward of the first
+tenth of 150 steps 0.014 -> last tenth 0.39; lr 1e-4: 0.009 -> 0.37. With lr 1e-3 (1-3 or 3-5
+digits) the policy collapsed to one repeated digit ("22222222") and plateaued near 0.2.
+Hence the defaults data.min_digits=1, data.max_digits=3; raise them to make the task harder.
 
 Called by: data/pipeline.py (records), data/rewards.py (registers each task's reward).
 """
