@@ -145,12 +145,24 @@ class CompiledStage:
     def pieces(self) -> int:
         return self.stage.microbatches
 
+    context: Any = field(default=None, repr=False)
+
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """Run the stage. A context may provide `place_inputs(stage, inputs)` (move inputs into
+        the stage's layout) and `stage_scope(stage)` (a context manager active while tracing,
+        e.g. the layout's activation sharding rules)."""
         if not self.kernel.jittable:
             return self.kernel.fn(inputs)
+        place = getattr(self.context, "place_inputs", None)
+        if place is not None:
+            inputs = place(self, inputs)
         donated = {k: device_view(v) for k, v in inputs.items() if k in self.kernel.donate}
         kept = {k: device_view(v) for k, v in inputs.items() if k not in self.kernel.donate}
-        return self._jitted(donated, kept)
+        scope = getattr(self.context, "stage_scope", None)
+        if scope is None:
+            return self._jitted(donated, kept)
+        with scope(self):
+            return self._jitted(donated, kept)
 
 
 @dataclass
@@ -174,7 +186,7 @@ def compile_graph(graph: Graph, plan: Plan, registry: KernelRegistry, context: A
         reads, writes = stage_ports(graph, st.name)
         env = StageEnv(st, plan.stage(st.name), reads, writes, graph, context)
         kernel = registry.kernel(env)
-        cs = CompiledStage(st, env.plan, reads, writes, kernel)
+        cs = CompiledStage(st, env.plan, reads, writes, kernel, context=context)
         if kernel.jittable:
             fn = kernel.fn
             cs._jitted = jax.jit(lambda donated, kept, fn=fn: fn({**donated, **kept}), donate_argnums=(0,))

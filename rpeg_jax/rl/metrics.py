@@ -19,8 +19,9 @@ def _stats(prefix, x, mask, which=("mean", "max", "min")):
     return {f"{prefix}/{w}": fns[w](x, mask) for w in which}
 
 
-def batch_metrics(batch: dict, *, version=None) -> dict:
-    """Scalar float32 metrics of a rollout batch (fields that are absent are skipped)."""
+def batch_metrics(batch: dict, *, version=None, max_response_len: int | None = None) -> dict:
+    """Scalar float32 metrics of a rollout batch (fields that are absent are skipped).
+    `max_response_len` is the generation limit (a response reaching it was clipped); default R."""
     mask = batch["response_mask_BxR"]
     out = {}
     if "rewards_B" in batch:
@@ -33,7 +34,7 @@ def batch_metrics(batch: dict, *, version=None) -> dict:
     length = jnp.sum(mask > 0, -1).astype(jnp.float32)
     out.update({"response_length/mean": jnp.mean(length), "response_length/max": jnp.max(length),
                 "response_length/min": jnp.min(length),
-                "response_length/clip_ratio": jnp.mean((length >= mask.shape[-1]).astype(jnp.float32))})
+                "response_length/clip_ratio": jnp.mean((length >= (max_response_len or mask.shape[-1])).astype(jnp.float32))})
     for key, name in (("advantages_BxR", "advantages"), ("returns_BxR", "returns")):
         if key in batch:
             out.update(_stats(name, batch[key].astype(jnp.float32), mask))

@@ -61,19 +61,21 @@ class Checkpointer:
         meta = json.loads(json.dumps(meta, default=_json_scalar))  # fail here, not in the async writer
         items = {"train": ocp.args.StandardSave(train), "meta": ocp.args.JsonSave(meta)}
         if buffer:
-            items["buffer"] = ocp.args.StandardSave({k: np.asarray(v) for k, v in buffer.items()})
+            items["buffer"] = ocp.args.StandardSave(dict(buffer))
         self._mngr.save(step, args=ocp.args.Composite(**items), force=True)
 
-    def restore(self, step: int, train_target: Any) -> tuple[Any, dict, dict]:
-        """(train arrays laid out like `train_target`, meta, buffer) of checkpoint `step`."""
-        abstract = jax.tree.map(_abstract, train_target)
-        names = set(self._mngr.item_metadata(step).keys()) if hasattr(self._mngr, "item_metadata") else set()
-        items = {"train": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
-        if "buffer" in names:
-            items["buffer"] = ocp.args.StandardRestore()
+    def restore_meta(self, step: int) -> dict:
+        out = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(out["meta"])
+
+    def restore(self, step: int, train_target: Any, buffer_target: Any = None) -> tuple[Any, dict, dict]:
+        """(train arrays laid out like `train_target`, meta, buffer laid out like `buffer_target`)."""
+        items = {"train": ocp.args.StandardRestore(jax.tree.map(_abstract, train_target)),
+                 "meta": ocp.args.JsonRestore()}
+        if buffer_target:
+            items["buffer"] = ocp.args.StandardRestore(buffer_target)
         out = self._mngr.restore(step, args=ocp.args.Composite(**items))
-        buffer = {k: np.asarray(v) for k, v in (out.get("buffer") or {}).items()} if "buffer" in names else {}
-        return out["train"], dict(out["meta"]), buffer
+        return out["train"], dict(out["meta"]), dict(out["buffer"]) if buffer_target else {}
 
     def wait(self) -> None:
         self._mngr.wait_until_finished()

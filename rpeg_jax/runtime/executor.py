@@ -123,6 +123,7 @@ class Executor:
         self.consumed: dict[tuple[str, int, int], dict[str, Any]] = {}
         self.next_lead_step: dict[str, int] = {n: 0 for n, k in self.lead.items() if k > 0}
         self._errors: list[BaseException] = []
+        self.start = 0  # steps before this were run by an earlier process (restored from a checkpoint)
 
     def _lead(self, cs: CompiledStage) -> int:
         """How many steps ahead a stage may run: k for generation reading weights at t-k."""
@@ -186,6 +187,8 @@ class Executor:
 
     # ---- one task ---------------------------------------------------------------------
     def _wait(self, stage: str, step: int, piece: int | None, threaded: bool) -> None:
+        if step < self.start:
+            return
         n = self.program.stage(stage).pieces
         pieces = range(n) if piece is None else [piece]
         for i in pieces:

@@ -27,7 +27,7 @@ from flax import nnx
 from rpeg_jax.graph.compile import Kernel, KernelRegistry, StageEnv
 from rpeg_jax.graph.ir import StageKind
 from rpeg_jax.models.logprobs import token_logprobs
-from rpeg_jax.rl import (batch_metrics, compute_advantages, make_actor_critic_update, make_actor_update,
+from rpeg_jax.rl import (batch_metrics, compute_advantages, grad_dtype, make_actor_critic_update, make_actor_update,
                          make_critic_update)
 from rpeg_jax.runtime import rollouts
 
@@ -88,7 +88,7 @@ def ref_forward(env: StageEnv) -> Kernel:
 def old_forward(env: StageEnv) -> Kernel:
     """π_old over the batch; with a shared backbone the same pass yields the values."""
     ctx = env.context
-    want_values = any(p.name == "values" for p in env.writes)
+    want_values = "values" in env.stage.workload.heads  # a shared backbone (share_actor_critic)
     fwd = forward_fn(ctx.graphdefs["actor"], temperature=ctx.temperature, logp=True, entropy=False,
                      values=want_values)
 
@@ -104,7 +104,7 @@ def old_forward(env: StageEnv) -> Kernel:
 
 def critic_forward(env: StageEnv) -> Kernel:
     ctx = env.context
-    src = "critic" if any(p.name == "critic" for p in env.reads) else "actor"
+    src = "critic" if env.stage.workload.models[0].role == "critic" else "actor"  # actor: shared backbone
     fwd = forward_fn(ctx.graphdefs[src], temperature=ctx.temperature, logp=False, entropy=False, values=True)
     return Kernel(lambda i: {"values": fwd(i[src], i["completions"])["values"]})
 
@@ -115,11 +115,9 @@ def advantage(env: StageEnv) -> Kernel:
     def fn(i):
         batch = _rl_batch(i, _BATCH_KEYS)
         out, metrics = compute_advantages(batch, cfg)
-        metrics.update(batch_metrics({**batch, **out}))
-        res = {"advantages": out["advantages_BxR"], "metrics": metrics}
-        if any(p.name == "returns" for p in env.writes):
-            res["returns"] = out["returns_BxR"]
-        return res
+        metrics.update(batch_metrics({**batch, **out}, version=i["_step"],
+                                     max_response_len=env.context.cfg.rollout.max_new_tokens))
+        return {"advantages": out["advantages_BxR"], "returns": out["returns_BxR"], "metrics": metrics}
 
     return Kernel(fn)
 
@@ -133,7 +131,7 @@ def actor_update(env: StageEnv) -> Kernel:
                      entropy=rl.entropy_coef > 0, values=shared)
     policy = lambda params, mb: fwd(params, mb)  # noqa: E731  (mb carries the completion arrays)
     make = make_actor_critic_update if shared else make_actor_update
-    update = make(policy, ctx.optimizers["actor"], rl)
+    update = make(policy, ctx.optimizers["actor"], rl, accum_dtype=grad_dtype(ctx.cfg.optim))
 
     def fn(i):
         batch = _rl_batch(i, _BATCH_KEYS)
@@ -147,7 +145,8 @@ def actor_update(env: StageEnv) -> Kernel:
 def critic_update(env: StageEnv) -> Kernel:
     ctx = env.context
     fwd = forward_fn(ctx.graphdefs["critic"], temperature=ctx.temperature, logp=False, entropy=False, values=True)
-    update = make_critic_update(lambda params, mb: fwd(params, mb), ctx.optimizers["critic"], ctx.cfg.rl)
+    update = make_critic_update(lambda params, mb: fwd(params, mb), ctx.optimizers["critic"], ctx.cfg.rl,
+                                accum_dtype=grad_dtype((ctx.cfg.critic_optim or ctx.cfg.optim)))
 
     def fn(i):
         batch = _rl_batch(i, _BATCH_KEYS)

@@ -11,11 +11,11 @@ Called by: runtime/kernels.py (generate, reward), runtime/trainer.py (checkpoint
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -36,23 +36,32 @@ def bucket(n: int, fixed: int | None) -> int:
 
 @dataclass
 class StepPrompts:
-    """The data-iterator state node's value: one PromptBatch per step, fetched in step order."""
+    """The data-iterator state node's value: one PromptBatch per step, fetched in step order.
+    Remembers the pipeline state before each fetch, so a checkpoint can rewind to it."""
 
     pipeline: Any
     cache: dict[int, Any] = field(default_factory=dict)
+    before: dict[int, dict] = field(default_factory=dict)
 
     def get(self, step: int):
         while step not in self.cache:
+            state = self.pipeline.get_state()
             batch = next(self.pipeline)
-            self.cache[batch.step] = batch
+            self.cache[batch.step], self.before[batch.step] = batch, state
             if batch.step > step:
                 raise RuntimeError(f"data pipeline is at step {batch.step}, step {step} was asked for")
         for s in [s for s in self.cache if s < step - 1]:
             del self.cache[s]
+        for s in [s for s in self.before if s < step - 16]:
+            del self.before[s]
         return self.cache[step]
 
     def state(self) -> dict:
         return self.pipeline.get_state()
+
+    def state_before(self, step: int) -> dict:
+        """The pipeline state just before step `step`'s prompts were drawn."""
+        return self.before[step]
 
 
 @dataclass
@@ -109,21 +118,23 @@ def generate_piece(ctx, params, version: int, batch, step: int, piece: int, piec
         mask[b, :lr] = 1.0
         behav[b, :lr] = c.logprobs
         versions[b, :lr] = c.policy_versions
-    gid = np.repeat(np.arange(lo, hi, dtype=np.int32), G)
-    pi = np.repeat(np.arange(lo, hi), G)
+    gid = np.repeat(np.arange(lo, hi, dtype=np.int32) + ctx.prompt_offset, G)
     comps = {"tokens_BxS": tokens, "positions_BxS": positions, "segment_ids_BxS": segments,
              "response_mask_BxR": mask, "versions_BxR": versions, "group_ids_B": gid}
     comps = {k: ctx.put_batch(v) for k, v in comps.items()}
-    comps.update(host_prompt=_objects(batch.prompts, pi), host_answer=_objects(batch.answers, pi),
-                 host_record=_objects(batch.records, pi),
-                 host_finish=np.array([c.finish_reason for _, c in rows], dtype=object),
-                 host_preempted=np.array([c.num_preemptions for _, c in rows], np.int32))
+    comps.update(host_fields(ctx, batch, lo, hi, tokens, mask))
     new_tokens = int(mask.sum())
     metrics = {"perf/gen_tokens_per_s": new_tokens / gen_s if gen_s > 0 else 0.0,
                "rollout/preemptions": float(sum(c.num_preemptions for _, c in rows)),
-               "rollout/stop_frac": float(np.mean([c.finish_reason == "stop" for _, c in rows])),
                "rollout/weights_version": float(version)}
     return comps, ctx.put_batch(behav), metrics
+
+
+def host_fields(ctx, batch, lo: int, hi: int, tokens: np.ndarray, mask: np.ndarray) -> dict:
+    """Host-side fields of prompts [lo, hi) of a PromptBatch, G rows each (for the reward)."""
+    pi = np.repeat(np.arange(lo, hi), ctx.cfg.rl.group_size)
+    return {"host_tokens": tokens, "host_mask": mask, "host_prompt": _objects(batch.prompts, pi),
+            "host_answer": _objects(batch.answers, pi), "host_record": _objects(batch.records, pi)}
 
 
 def _objects(values, index) -> np.ndarray:
@@ -136,9 +147,9 @@ def _objects(values, index) -> np.ndarray:
 def score(ctx, comps: dict) -> tuple[Any, dict]:
     """Rewards [B] of a rollout batch with the configured verifier (host), and metrics."""
     tok = ctx.tokenizer
-    R = comps["response_mask_BxR"].shape[1]
-    tokens = np.asarray(comps["tokens_BxS"])[:, -R:]
-    lengths = np.asarray(comps["response_mask_BxR"]).sum(1).astype(int)
+    R = comps["host_mask"].shape[1]
+    tokens = comps["host_tokens"][:, -R:]
+    lengths = comps["host_mask"].sum(1).astype(int)
     stop_ids = tuple(ctx.cfg.rollout.stop_token_ids)
     samples = []
     for b in range(tokens.shape[0]):
@@ -151,41 +162,39 @@ def score(ctx, comps: dict) -> tuple[Any, dict]:
                                     "timing_s/reward_fn": time.perf_counter() - t0}
 
 
-def assert_staleness(versions_BxR, mask_BxR, step: int, k: int) -> dict:
-    """Every consumed token was produced by weights version >= step - k (checked on the host)."""
-    v = np.asarray(versions_BxR)[np.asarray(mask_BxR) > 0]
-    if v.size == 0:
-        return {}
-    lag = step - v
-    if lag.max() > k:
-        raise StalenessError(f"step {step} consumed tokens of weights version {int(v.min())}: staleness "
-                             f"{int(lag.max())} exceeds k={k}")
-    return {"staleness/max": float(lag.max()), "staleness/mean": float(lag.mean())}
+@jax.jit
+def _token_stats(versions_BxR, mask_BxR, segment_ids_BxS):
+    """Global reductions over a rollout batch (works on multi-process arrays)."""
+    m = mask_BxR > 0
+    resp = mask_BxR.sum(1)
+    seq = segment_ids_BxS.sum(1).astype(jnp.float32)
+    prompt = seq - resp
+    return {"min_version": jnp.min(jnp.where(m, versions_BxR, jnp.iinfo(jnp.int32).max)),
+            "resp": resp.sum(), "prompt": prompt.sum(), "seq": seq.sum(),
+            "resp_ctx": (resp * (prompt + resp / 2.0)).sum(), "seq_sq": (seq * seq / 2.0).sum()}
 
 
-def useful_flops(cfg, comps: dict, *, forwards: int, train_passes: int) -> float:
-    """Matmul FLOPs of the step's useful work: generation (2N per generated token, plus the
-    prompt once per group), `forwards` logprob/value passes and `train_passes` updates (6N per
-    token) over real (unpadded) tokens. Attention's score/value FLOPs included (4·L·D·ctx)."""
+def token_stats(comps: dict) -> dict[str, float]:
+    out = _token_stats(comps["versions_BxR"], comps["response_mask_BxR"], comps["segment_ids_BxS"])
+    return {k: float(v) for k, v in jax.device_get(out).items()}
+
+
+def assert_staleness(stats: dict, step: int, k: int) -> None:
+    """Every consumed token was produced by weights version >= step - k (the staleness/*
+    metrics come from rl.batch_metrics)."""
+    if stats["resp"] and step - stats["min_version"] > k:
+        raise StalenessError(f"step {step} consumed tokens of weights version {int(stats['min_version'])}: "
+                             f"staleness {int(step - stats['min_version'])} exceeds k={k}")
+
+
+def useful_flops(cfg, stats: dict, *, forwards: int, train_passes: int) -> float:
+    """Matmul FLOPs of the step's useful work over real (unpadded) tokens: generation (2N per
+    generated token, the prompt once per group), `forwards` logprob/value passes (2N per token)
+    and `train_passes` updates (6N per token), plus attention (4·L·H·E per query-key pair)."""
     m = cfg.model
-    n = m.num_params(with_lm_head=True) - m.vocab_size * m.hidden_size  # embedding lookup is not a matmul
-    mask = np.asarray(comps["response_mask_BxR"])
-    seg = np.asarray(comps["segment_ids_BxS"])
-    resp = mask.sum(1)
-    prompt = seg.sum(1) - resp
+    n = m.num_params(with_lm_head=True) - m.vocab_size * m.hidden_size  # the embedding is a lookup
     G = cfg.rl.group_size
     attn = 4 * m.num_layers * m.num_heads * m.head_size
-    ctx_len = prompt + resp / 2.0
-    gen = 2.0 * n * resp.sum() + 2.0 * n * prompt.sum() / G + attn * float((resp * ctx_len).sum())
-    seq = prompt + resp
-    per_pass = 2.0 * n * seq.sum() + attn * float((seq * seq / 2.0).sum())
+    gen = 2.0 * n * stats["resp"] + 2.0 * n * stats["prompt"] / G + attn * stats["resp_ctx"]
+    per_pass = 2.0 * n * stats["seq"] + attn * stats["seq_sq"]
     return float(gen + forwards * per_pass + train_passes * 3 * per_pass)
-
-
-def jnp_put(x):
-    return jnp.asarray(x)
-
-
-def mean_or_nan(xs) -> float:
-    xs = [float(x) for x in xs]
-    return sum(xs) / len(xs) if xs else math.nan

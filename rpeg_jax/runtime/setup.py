@@ -10,12 +10,12 @@ Called by: runtime/trainer.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from rpeg_jax.config.run import RunConfig
@@ -23,16 +23,19 @@ from rpeg_jax.data.pipeline import build_pipeline
 from rpeg_jax.data.rewards import resolve_reward
 from rpeg_jax.graph.ir import Graph, StateKind
 from rpeg_jax.graph.plan import Plan
-from rpeg_jax.models import init_model, load_hf
+from rpeg_jax.models import Transformer, load_hf
 from rpeg_jax.rl import make_optimizer, optimizer_steps
 from rpeg_jax.runtime.executor import Store
+from rpeg_jax.runtime.placement import Placement
 from rpeg_jax.runtime.rollouts import RolloutBuffer, StepPrompts
 from rpeg_jax.sampling import Sampler, SamplerConfig
+from rpeg_jax.sharding import shard_model
 
 
 @dataclass
 class RuntimeContext:
-    """What kernels may use: the config, model graphdefs, optimizers, sampler, tokenizer, reward."""
+    """What kernels may use: the config, model graphdefs, optimizers, sampler, tokenizer, reward,
+    and the placement of arrays (runtime/placement.py)."""
 
     cfg: RunConfig
     graphdefs: dict[str, Any]
@@ -44,66 +47,87 @@ class RuntimeContext:
     temperature: float
     update_key: jax.Array
     fixed_shapes: bool
+    placement: Placement
     prompt_offset: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
 
     def put_batch(self, x):
-        """Host rollout arrays -> device arrays of the training stages."""
-        return jnp.asarray(x)
+        """This process's rollout rows -> device arrays of the training stages."""
+        return self.placement.put_batch(x)
 
     def to_rollout(self, params):
-        """Weights in the training layout -> the sampler's layout (identity when they match)."""
-        return params
+        """Weights in the training layout -> the sampler's layout (explicit, cached resharding)."""
+        return self.placement.to_rollout(params)
+
+    def host_rows(self, x):
+        return self.placement.host_rows(x)
+
+    def place_inputs(self, cs, inputs):
+        return self.placement.place_inputs(cs, inputs)
+
+    def stage_scope(self, cs):
+        layout = self.placement.layouts.get(cs.name)
+        return layout.activations() if layout is not None else contextlib.nullcontext()
 
 
-def _load(cfg_model, path: str | None, seed: int, value_head: bool = False):
+def _model(cfg_model, path: str | None, seed: int, layout, value_head: bool = False):
+    """A model built directly in `layout` (sharded init), or loaded from a local HF checkpoint."""
     if path:
-        return load_hf(path, value_head=value_head, dtype=cfg_model.param_dtype)
-    return init_model(dataclasses.replace(cfg_model, value_head=value_head or cfg_model.value_head), seed)
+        model = load_hf(path, value_head=value_head, dtype=cfg_model.param_dtype)
+        graphdef, params = nnx.split(model, nnx.Param)
+        return nnx.merge(graphdef, jax.device_put(params, layout.params(params)))
+    mcfg = dataclasses.replace(cfg_model, value_head=value_head or cfg_model.value_head)
+    return shard_model(lambda: Transformer(mcfg, rngs=nnx.Rngs(params=seed)), layout.mesh, layout.rules,
+                       list(layout.overrides))
 
 
-def build_models(cfg: RunConfig, graph: Graph) -> dict[str, nnx.Module]:
-    """actor (+ value head when the backbone is shared), reference (a copy of the initial actor)
-    when β > 0, and a separate critic for PPO without sharing."""
+def build_models(cfg: RunConfig, graph: Graph, placement: Placement) -> dict[str, nnx.Module]:
+    """actor (+ value head when the backbone is shared), reference (the initial actor's weights,
+    separate buffers) when β > 0, and a separate critic for PPO without sharing."""
     shared = bool(graph.attrs.get("shared"))
-    models = {"actor": _load(cfg.model, cfg.model.path, cfg.train.seed, value_head=shared)}
+    seed = cfg.train.seed
+    models = {"actor": _model(cfg.model, cfg.model.path, seed, placement.state_layout("actor"), shared)}
     if graph.has(StateKind.REFERENCE.value):
-        models["reference"] = _load(cfg.model, cfg.model.path, cfg.train.seed, value_head=False)
+        models["reference"] = _model(cfg.model, cfg.model.path, seed, placement.state_layout("reference"))
     if graph.has(StateKind.CRITIC.value):
         critic_cfg = cfg.critic_model
-        models["critic"] = _load(critic_cfg, critic_cfg.path, cfg.train.seed + 1, value_head=True)
+        models["critic"] = _model(critic_cfg, critic_cfg.path, seed + 1, placement.state_layout("critic"), True)
     return models
 
 
 def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Store]:
     pipeline = build_pipeline(cfg, shard_index=jax.process_index(), shard_count=jax.process_count())
-    models = build_models(cfg, graph)
+    placement = Placement(cfg, graph, plan)
+    models = build_models(cfg, graph, placement)
     split = {name: nnx.split(m, nnx.Param) for name, m in models.items()}
     total = optimizer_steps(cfg.train.steps, cfg.rl)
     optimizers = {"actor": make_optimizer(cfg.optim, total)}
     if "critic" in models:
         optimizers["critic"] = make_optimizer(cfg.critic_optim or cfg.optim, total)
+    rollout_params = placement.to_rollout(split["actor"][1])
     batch = cfg.data.prompts_per_step * cfg.rl.group_size // jax.process_count()
     max_seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     scfg = SamplerConfig.from_rollout(cfg.rollout, max_slots=batch, max_seq_len=max_seq, seed=cfg.train.seed)
-    sampler = Sampler(models["actor"], scfg, tokenizer=pipeline.tokenizer)
+    sampler = Sampler(nnx.merge(split["actor"][0], rollout_params), scfg, tokenizer=pipeline.tokenizer,
+                      mesh=placement.generate.mesh)
     reward_name, reward_fn = resolve_reward(cfg.data)
     ctx = RuntimeContext(
         cfg=cfg, graphdefs={k: v[0] for k, v in split.items()}, optimizers=optimizers, sampler=sampler,
         tokenizer=pipeline.tokenizer, reward_name=reward_name, reward_fn=reward_fn,
         temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
-        update_key=jax.random.key(cfg.train.seed + 12345), fixed_shapes=cfg.pipeline.microbatches > 1,
+        update_key=jax.random.key(cfg.train.seed + 12345),
+        fixed_shapes=cfg.pipeline.microbatches > 1 or jax.process_count() > 1, placement=placement,
         prompt_offset=jax.process_index() * (cfg.data.prompts_per_step // jax.process_count()))
     store = Store(keep_versions=cfg.pipeline.staleness + 2)
     store.put_state("actor", 0, split["actor"][1])
-    store.put_state("actor_opt", 0, optimizers["actor"].init(split["actor"][1]))
-    store.put_state("rollout_weights", 0, ctx.to_rollout(split["actor"][1]))
+    store.put_state("actor_opt", 0, placement.init_opt_state(optimizers["actor"], split["actor"][1]))
+    store.put_state("rollout_weights", 0, rollout_params)
     store.put_state("data_iterator", 0, StepPrompts(pipeline))
     if "reference" in split:
         store.frozen["reference"] = split["reference"][1]
     if "critic" in split:
         store.put_state("critic", 0, split["critic"][1])
-        store.put_state("critic_opt", 0, optimizers["critic"].init(split["critic"][1]))
+        store.put_state("critic_opt", 0, placement.init_opt_state(optimizers["critic"], split["critic"][1]))
     if graph.has(StateKind.ROLLOUT_BUFFER.value):
         k = graph.nodes["rollout_buffer"].attrs.get("max_staleness", cfg.pipeline.staleness)
         store.put_state("rollout_buffer", 0, RolloutBuffer(max_staleness=k))

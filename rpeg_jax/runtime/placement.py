@@ -1,0 +1,154 @@
+"""Where the runtime's arrays live: the plan's per-stage layouts applied to state and data.
+
+Every device stage of the plan gets a StageLayout (its group's devices, its mesh shape and rule
+preset; rpeg_jax/sharding). State (params, optimizer states) is kept in the layout of the stage
+that writes it; before a stage runs, inputs in another layout are moved into the stage's own
+(cached Resharder plans: ReaL-style parameter reallocation when the planner picks different
+layouts per stage, a no-op when they match). Rollout batches are sharded over the `data` axis.
+
+Generation is per process: with several processes, every process samples its own share of the
+prompts on its local devices (no collective depends on how long its sequences run), so the
+sampler's weights are gathered to a full copy on each process's devices; the rollout arrays are
+then assembled into global arrays for the training stages.
+
+Called by: runtime/setup.py (initial placement, sampler), graph/compile.py via the context
+(`place_inputs`), runtime/kernels.py (`put_batch`, `to_rollout`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from rpeg_jax.config.run import RunConfig
+from rpeg_jax.graph.compile import CompiledStage
+from rpeg_jax.graph.ir import Graph, Op, StageKind
+from rpeg_jax.graph.plan import Plan
+from rpeg_jax.sharding import Resharder, StageLayout, layout_for
+
+
+def _ops(stage) -> set[Op]:
+    return {p.workload.op for p in (stage.parts or (stage,))}
+
+
+class Placement:
+    def __init__(self, cfg: RunConfig, graph: Graph, plan: Plan):
+        self.cfg, self.graph, self.plan = cfg, graph, plan
+        self.multi = jax.process_count() > 1
+        devices = jax.devices()
+        self.layouts: dict[str, StageLayout] = {}
+        for st in graph.stages():
+            if _ops(st) <= {Op.HOST, Op.TRANSFER}:
+                continue
+            sp = plan.stage(st.name)
+            devs = [devices[i] for i in plan.group(sp.group).devices]
+            role = "generate" if Op.GENERATE in _ops(st) else "train"
+            if role == "generate" and self.multi:  # this process's share of the group
+                devs = [d for d in devs if d.process_index == jax.process_index()]
+                mesh = {"data": len(devs)}
+            else:
+                mesh = sp.mesh
+            self.layouts[st.name] = layout_for(mesh, sp.rules, cfg.sharding, devs, role=role)
+        self.resharder = Resharder()
+        self._shardings: dict[tuple[str, str], Any] = {}
+
+    # ---- layouts of the graph's roles ----------------------------------------------------------
+    def layout_of(self, kind: StageKind) -> StageLayout:
+        holder = self.graph.find(kind)
+        if holder is None or holder.name not in self.layouts:
+            return self.train
+        return self.layouts[holder.name]
+
+    @property
+    def train(self) -> StageLayout:
+        return self.layout_of(StageKind.ACTOR_UPDATE)
+
+    @property
+    def generate(self) -> StageLayout:
+        return self.layout_of(StageKind.GENERATE)
+
+    def state_layout(self, name: str) -> StageLayout:
+        """Layout a state node is kept in: the stage writing it (reference: its forward)."""
+        kind = {"critic": StageKind.CRITIC_UPDATE, "critic_opt": StageKind.CRITIC_UPDATE,
+                "reference": StageKind.REF_FORWARD}.get(name, StageKind.ACTOR_UPDATE)
+        return self.layout_of(kind)
+
+    # ---- state -----------------------------------------------------------------------------------
+    def shardings(self, layout: StageLayout, key: str, tree) -> Any:
+        cache_key = (id(layout), key)
+        if cache_key not in self._shardings:
+            self._shardings[cache_key] = layout.params(tree)
+        return self._shardings[cache_key]
+
+    def put_params(self, name: str, params) -> Any:
+        layout = self.state_layout(name)
+        return self.resharder(params, self.shardings(layout, name, params))
+
+    def init_opt_state(self, tx, params) -> Any:
+        """tx.init under jit: moments take the parameters' shardings; scalars (step counts,
+        injected hyperparameters) are replicated on the same mesh, so a restored state lands
+        on the same devices as the parameters."""
+        state = jax.jit(tx.init)(params)
+        mesh = next(x.sharding.mesh for x in jax.tree.leaves(params) if isinstance(x.sharding, NamedSharding))
+        replicated = NamedSharding(mesh, P())
+        return jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+                            else jax.device_put(x, replicated), state)
+
+    # ---- data ------------------------------------------------------------------------------------
+    def batch_sharding(self, layout: StageLayout, shape) -> NamedSharding:
+        return layout.sharding(("batch",) + (None,) * (len(shape) - 1), shape)
+
+    def put_batch(self, local: np.ndarray) -> jax.Array:
+        """This process's rows -> a global array sharded over `data` of the training layout."""
+        local = np.asarray(local)
+        shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
+        sharding = self.batch_sharding(self.train, shape)
+        if not self.multi:
+            return jax.device_put(local, sharding)
+        return jax.make_array_from_process_local_data(sharding, local, shape)
+
+    # ---- stages ----------------------------------------------------------------------------------
+    def place_inputs(self, cs: CompiledStage, inputs: dict) -> dict:
+        """Move state inputs of `cs` into its layout when they sit elsewhere."""
+        layout = self.layouts.get(cs.name)
+        if layout is None:
+            return inputs
+        out = dict(inputs)
+        for port in cs.reads:
+            if port.state and port.node in ("actor", "critic", "reference", "actor_opt", "critic_opt"):
+                if port.node.endswith("_opt"):
+                    continue  # optimizer states never leave their update's layout
+                out[port.name] = self.resharder(inputs[port.name], self.shardings(layout, port.node, inputs[port.name]))
+        return out
+
+    def to_rollout(self, params) -> Any:
+        """Training layout -> the sampler's (generation) layout."""
+        layout = self.generate
+        if not self.multi:
+            return self.resharder(params, self.shardings(layout, "rollout", params))
+        full = self.resharder(params, jax.tree.map(
+            lambda x: NamedSharding(x.sharding.mesh, P()), params))  # gather a full copy everywhere
+        local = layout.mesh
+
+        def localise(x):
+            sh = NamedSharding(local, P())
+            bufs = [s.data for s in x.addressable_shards if s.device in set(local.devices.flat)]
+            return jax.make_array_from_single_device_arrays(x.shape, sh, bufs)
+
+        return jax.tree.map(localise, full)
+
+    def host_rows(self, x) -> np.ndarray:
+        """This process's rows of a global batch array, as numpy."""
+        if not self.multi:
+            return np.asarray(x)
+        shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+        rows, seen = [], set()
+        for s in shards:
+            start = s.index[0].start or 0
+            if start not in seen:
+                seen.add(start)
+                rows.append(np.asarray(s.data))
+        return np.concatenate(rows)

@@ -1,0 +1,90 @@
+"""What a checkpoint holds and how a run continues from one, exactly.
+
+After step t the run's future depends on: the training state (actor/critic params and optimizer
+states, with their versions), the data iterator, and, under bounded asynchrony (k >= 1), the
+rollouts already generated for steps t..t+k-1 with the weights they were made with (the rollout
+buffer) plus the generate-side metrics of those steps. Everything else is a function of these
+and of (seed, step): sampler streams, minibatch permutations, the sampler's weights.
+
+Rollout arrays are saved as global device arrays (each process writes its shards). Host-side
+fields (prompt texts, answers, records) are not saved: the data iterator state saved is the one
+*before* the buffered steps were drawn, and a resume draws them again (each process its own
+share) to rebuild those fields, ending in the same iterator state.
+
+Called by: runtime/trainer.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from rpeg_jax.runtime.checkpoint import Checkpointer
+from rpeg_jax.runtime.executor import Executor, Store
+from rpeg_jax.runtime.rollouts import host_fields
+
+TRAIN_STATES = ("actor", "actor_opt", "critic", "critic_opt")
+BUFFERED = ("completions", "behav_logp")
+
+
+def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, lead: int) -> None:
+    train = {name: store.latest(name)[1] for name in TRAIN_STATES if name in store.state}
+    prompts = store.latest("data_iterator")[1]
+    meta = {"step": step, "versions": {n: store.latest(n)[0] for n in TRAIN_STATES if n in store.state},
+            "data_iterator": prompts.state_before(step) if lead else prompts.state(),
+            "next_lead_step": dict(ex.next_lead_step), "buffer_steps": list(range(step, step + lead)),
+            "buffer_specs": {}, "pending_metrics": {}}
+    if "rollout_buffer" in store.state:
+        meta["admitted"] = {str(s): v for s, v in store.latest("rollout_buffer")[1].admitted.items()}
+    buffer = {}
+    for s in meta["buffer_steps"]:
+        for node in BUFFERED:
+            value = store.get_data(node, s)
+            for key, arr in (value.items() if isinstance(value, dict) else [("", value)]):
+                if not key.startswith("host_"):
+                    name = f"{s}/{node}/{key}"
+                    buffer[name] = arr
+                    meta["buffer_specs"][name] = [list(arr.shape), str(arr.dtype)]
+        meta["pending_metrics"][str(s)] = {k: float(np.asarray(v)) for k, v in ex.metrics.get(s, {}).items()}
+    ckpt.save(step, train, meta, buffer=buffer)
+
+
+def restore(ckpt: Checkpointer, store: Store, ex: Executor, ctx) -> int:
+    """Load the newest checkpoint into `store`/`ex`; returns the step to continue from (0: none)."""
+    step = ckpt.latest_step()
+    if step is None:
+        return 0
+    target = {name: store.latest(name)[1] for name in TRAIN_STATES if name in store.state}
+    layout = ctx.placement.train
+    meta_only = ckpt.restore_meta(step)
+    buffer_target = {name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype),
+                                                sharding=ctx.placement.batch_sharding(layout, tuple(shape)))
+                     for name, (shape, dtype) in meta_only.get("buffer_specs", {}).items()}
+    train, meta, buffer = ckpt.restore(step, target, buffer_target or None)
+    for name, value in train.items():
+        store.put_state(name, meta["versions"][name], value)
+    version, actor = store.latest("actor")
+    store.put_state("rollout_weights", version, ctx.to_rollout(actor))
+    lead = len(meta["buffer_steps"])
+    prompts = store.latest("data_iterator")[1]
+    prompts.pipeline.set_state(meta["data_iterator"])
+    for s in meta["buffer_steps"]:  # draw the buffered steps' prompts again (host fields)
+        batch = prompts.get(s)
+        arrays = {k.split("/", 2)[2]: v for k, v in buffer.items() if k.startswith(f"{s}/completions/")}
+        comps = dict(arrays)
+        comps.update(host_fields(ctx, batch, 0, len(batch.prompt_tokens), ctx.host_rows(arrays["tokens_BxS"]),
+                                 ctx.host_rows(arrays["response_mask_BxR"])))
+        store.put_data("completions", s, comps)
+        store.put_data("behav_logp", s, buffer[f"{s}/behav_logp/"])
+        for stage, k in ex.lead.items():
+            if k:
+                ex.done.update((stage, s, i) for i in range(ex.program.stage(stage).pieces))
+        ex.metrics[s].update(meta["pending_metrics"].get(str(s), {}))
+    store.put_state("data_iterator", step + lead, prompts)
+    if "admitted" in meta and "rollout_buffer" in store.state:
+        buf = store.latest("rollout_buffer")[1]
+        buf.admitted = {int(s): int(v) for s, v in meta["admitted"].items()}
+        store.put_state("rollout_buffer", step + lead, buf)
+    ex.start = step
+    ex.next_lead_step.update({k: int(v) for k, v in meta["next_lead_step"].items()})
+    return step

@@ -1,0 +1,149 @@
+"""End-to-end runtime tests on a tiny model: every rewrite against the plain synchronous graph,
+bounded asynchrony checked by version tags, exact resume after SIGKILL, Ctrl-C checkpoints."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from rpeg_jax.config import load_config
+from rpeg_jax.runtime.checkpoint import Checkpointer
+from rpeg_jax.runtime.metrics import read_metrics
+from rpeg_jax.runtime.trainer import train
+
+TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
+        "model.intermediate_size=128", "data.prompts_per_step=4", "rl.group_size=4", "rollout.max_new_tokens=6",
+        "data.max_prompt_len=12", "train.checkpoint_every=0", "train.tensorboard=false", "train.progress=false",
+        "optim.lr=1e-3", "optim.warmup_steps=0"]
+PPO = TINY + ["rl.algorithm=ppo", "rl.kl_coef=0.04"]
+SKIP = ("timing_s/", "perf/", "predicted_s/")
+ATOL = 2e-5  # float32: the same math in a different program/shape
+
+
+def run(tmp_path, name, overrides, steps=3, **kw):
+    cfg = load_config(None, overrides + [f"train.steps={steps}", f"train.run_dir={tmp_path / name}",
+                                         "train.resume=never"])
+    out = train(cfg, keep_state=True, **kw)
+    return read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")), out["state"]
+
+
+def assert_same_run(a, b, *, atol=ATOL):
+    (ma, sa), (mb, sb) = a, b
+    assert [r["step"] for r in ma] == [r["step"] for r in mb]
+    for ra, rb in zip(ma, mb):
+        keys = sorted(k for k in ra if not k.startswith(SKIP) and k in rb)
+        assert len(keys) > 10
+        for k in keys:
+            if isinstance(ra[k], float):
+                assert rb[k] == pytest.approx(ra[k], abs=atol, rel=1e-4), f"step {ra['step']} {k}"
+    for name in sa:
+        for x, y in zip(jax.tree.leaves(sa[name]), jax.tree.leaves(sb[name])):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=1e-4, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def ppo_reference(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("ppo"), "plain", PPO)
+
+
+@pytest.mark.parametrize("rewrite", [
+    ["pipeline.fuse=[forwards,advantage]"],
+    ["pipeline.microbatches=2"],
+    ["pipeline.microbatches=2", "pipeline.fuse=[forwards]"],
+])
+def test_rewrites_equal_the_plain_graph(tmp_path, ppo_reference, rewrite):
+    assert_same_run(ppo_reference, run(tmp_path, "rewritten", PPO + rewrite))
+
+
+def test_elide_old_forward_equals_recomputed_old_logprobs(tmp_path):
+    """The sampler's logprobs serve as π_old: same metrics and parameters as recomputing them."""
+    grpo = TINY + ["rl.kl_coef=0.04"]
+    assert_same_run(run(tmp_path, "recomputed", grpo), run(tmp_path, "elided", grpo + ["pipeline.elide_old_forward=true"]),
+                    atol=1e-4)
+
+
+def test_split_placement_equals_colocated(tmp_path):
+    """Generation on devices 0-3, training on 4-7 (separate threads) = everything on device 0."""
+    assert len(jax.devices()) >= 8
+    grpo = TINY + ["rl.kl_coef=0.04", "pipeline.placement=split", "pipeline.split_sizes=[4,4]"]
+    assert_same_run(run(tmp_path, "colocated", TINY + ["rl.kl_coef=0.04"]), run(tmp_path, "split", grpo))
+
+
+def test_staleness_one_consumes_rollouts_exactly_one_version_behind(tmp_path):
+    metrics, _ = run(tmp_path, "k1", TINY + ["pipeline.staleness=1"], steps=4)
+    for r in metrics:
+        t = r["step"] - 1  # the update of step t produces actor version t + 1
+        assert r["rollout/weights_version"] == max(0, t - 1)
+        expect = 0.0 if t == 0 else 1.0  # trainer version t minus the version tag of every token
+        assert r["staleness/max"] == expect and r["staleness/mean"] == expect, r
+        assert r["actor/version"] == t + 1
+
+
+def test_staleness_zero_is_synchronous(tmp_path):
+    metrics, _ = run(tmp_path, "k0", TINY, steps=2)
+    assert all(r["staleness/max"] == 0.0 and r["rollout/weights_version"] == r["step"] - 1 for r in metrics)
+
+
+_KILLER = textwrap.dedent("""
+    import os, signal, sys
+    from rpeg_jax.config import load_config
+    from rpeg_jax.runtime.trainer import train
+    stop = int(sys.argv[1])
+    def on_step(step, metrics):
+        if step == stop:
+            os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, as a crashed host
+    train(load_config(None, sys.argv[2:]), on_step=on_step)
+""")
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_resume_after_sigkill_is_exact(tmp_path, k):
+    n = 2
+    common = TINY + [f"pipeline.staleness={k}", f"train.steps={2 * n}", f"train.checkpoint_every={n}"]
+    straight = load_config(None, common + [f"train.run_dir={tmp_path / 'straight'}"])
+    want = train(straight, keep_state=True)
+    crash_dir = tmp_path / "crashed"
+    args = [sys.executable, "-c", _KILLER, str(n)] + common + [f"train.run_dir={crash_dir}"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**os.environ})
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert Checkpointer(str(crash_dir / "checkpoints")).latest_step() == n
+    got = train(load_config(None, common + [f"train.run_dir={crash_dir}"]), keep_state=True)
+    a = {r["step"]: r for r in read_metrics(str(tmp_path / "straight" / "metrics.jsonl"))}
+    b = {r["step"]: r for r in read_metrics(str(crash_dir / "metrics.jsonl"))}
+    for step in range(n + 1, 2 * n + 1):
+        keys = [key for key in a[step] if not key.startswith(SKIP)]
+        assert {key: a[step][key] for key in keys} == {key: b[step].get(key) for key in keys}, step
+    for name, tree in want["state"].items():
+        for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(got["state"][name])):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+
+
+def test_ctrl_c_writes_a_final_checkpoint(tmp_path):
+    def interrupt(step, metrics):
+        if step == 2:
+            raise KeyboardInterrupt
+
+    cfg = load_config(None, TINY + ["train.steps=5", f"train.run_dir={tmp_path}"])
+    out = train(cfg, on_step=interrupt)
+    assert out["interrupted"] and out["steps"] == 2
+    assert Checkpointer(str(tmp_path / "checkpoints")).latest_step() == 2
+
+
+def test_run_directory_outputs(tmp_path):
+    cfg = load_config(None, TINY + ["train.steps=1", f"train.run_dir={tmp_path}", "train.tensorboard=true"])
+    train(cfg)
+    for name in ("metrics.jsonl", "plan.json", "config.yaml", "trace.json", "timeline.png"):
+        assert (tmp_path / name).exists(), name
+    assert os.listdir(tmp_path / "tensorboard")
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"generate", "reward", "old_forward", "advantage", "actor_update", "weight_sync"} <= names
+    rec = read_metrics(str(tmp_path / "metrics.jsonl"))[0]
+    for key in ("timing_s/step", "timing_s/gen", "timing_s/old_log_prob", "timing_s/adv", "timing_s/update_actor",
+                "perf/tokens_per_s", "perf/tflops_per_device", "actor/pg_loss", "reward/mean"):
+        assert key in rec, key
