@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from rpeg_jax.data.rewards import Sample, score as score_samples
 from rpeg_jax.data.tokenizer import completion_ids
@@ -100,8 +101,11 @@ def generate_piece(ctx, params, version: int, batch, step: int, piece: int, piec
     gen_s = time.perf_counter() - t0
     rows = [(o.prompt_tokens, c) for o in outs for c in o.completions]
     fixed = ctx.fixed_shapes
-    P = bucket(max(len(p) for p, _ in rows), cfg.data.max_prompt_len if fixed else None)
-    R = bucket(max(len(c.tokens) for _, c in rows), cfg.rollout.max_new_tokens if fixed else None)
+    longest = np.array([max(len(p) for p, _ in rows), max(len(c.tokens) for _, c in rows)])
+    if jax.process_count() > 1:  # every process must lay its rows out with the same P and R
+        longest = multihost_utils.process_allgather(longest).max(axis=0)
+    P = bucket(int(longest[0]), cfg.data.max_prompt_len if fixed else None)
+    R = bucket(int(longest[1]), cfg.rollout.max_new_tokens if fixed else None)
     B = len(rows)
     tokens = np.full((B, P + R), cfg.model.pad_id, np.int32)
     positions = np.zeros((B, P + R), np.int32)

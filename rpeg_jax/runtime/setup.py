@@ -116,7 +116,7 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
         tokenizer=pipeline.tokenizer, reward_name=reward_name, reward_fn=reward_fn,
         temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
         update_key=jax.random.key(cfg.train.seed + 12345),
-        fixed_shapes=cfg.pipeline.microbatches > 1 or jax.process_count() > 1, placement=placement,
+        fixed_shapes=cfg.pipeline.microbatches > 1, placement=placement,
         prompt_offset=jax.process_index() * (cfg.data.prompts_per_step // jax.process_count()))
     store = Store(keep_versions=cfg.pipeline.staleness + 2)
     store.put_state("actor", 0, split["actor"][1])
