@@ -9,8 +9,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from rpeg_jax.sampling.paged_attention import (PagedAttention, attend_pages, copy_pages, dense_attention,
-                                               write_pages, write_targets)
+from rpeg_jax.sampling.paged_attention import (PagedAttention, attend_blocked, attend_pages, copy_pages,
+                                               dense_attention, write_pages, write_targets)
 
 E = 16
 
@@ -43,7 +43,7 @@ def build_case(page_size, kv_heads, lengths, shared, seed=0, num_layers=2, layer
     perm = rng.permutation(np.arange(1, total + 1))  # page 0 stays the null page
     w = 1 << max(0, max(npages) + 1).bit_length()  # wider than needed: trailing null entries
     table = np.zeros((b, w), np.int32)
-    pool_k = np.full((num_layers, total + 1, page_size, kv_heads, E), np.nan, np.float32)
+    pool_k = np.full((num_layers, kv_heads, total + 1, page_size, E), np.nan, np.float32)  # [L, K, P, S, E]
     pool_v = pool_k.copy()
     nxt = 0
     for i, n in enumerate(lengths):
@@ -54,7 +54,8 @@ def build_case(page_size, kv_heads, lengths, shared, seed=0, num_layers=2, layer
             table[i, j] = perm[nxt]
             nxt += 1
             lo, hi = j * page_size, min(n, (j + 1) * page_size)
-            pool_k[layer, table[i, j], :hi - lo], pool_v[layer, table[i, j], :hi - lo] = k[i, lo:hi], v[i, lo:hi]
+            pool_k[layer, :, table[i, j], :hi - lo] = k[i, lo:hi].transpose(1, 0, 2)
+            pool_v[layer, :, table[i, j], :hi - lo] = v[i, lo:hi].transpose(1, 0, 2)
     return k, v, table, pool_k, pool_v
 
 
@@ -78,12 +79,18 @@ def test_paged_equals_dense_reference_with_nan_garbage(page_size, kv_heads):
         np.testing.assert_allclose(out[i], ref, atol=2e-5, rtol=1e-5)
     # bit-identical to the same kernel on contiguous K/V of the gathered width
     c = table.shape[1] * page_size
-    kc = np.zeros((len(lengths), c, kv_heads, E), np.float32)
+    kc = np.zeros((kv_heads, len(lengths), c, E), np.float32)  # [K, B, C, E]
     vc = kc.copy()
     for i, n in enumerate(lengths):
-        kc[i, :n], vc[i, :n] = k[i, :n], v[i, :n]
+        kc[:, i, :n], vc[:, i, :n] = k[i, :n].transpose(1, 0, 2), v[i, :n].transpose(1, 0, 2)
     dense = dense_attention(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(qpos), jnp.asarray(kv_len))
     np.testing.assert_array_equal(out, np.asarray(dense))
+    # the blocked implementation (online softmax over blocks of 2 pages) against the same reference
+    blocked = np.asarray(attend_blocked(jnp.asarray(q), jnp.asarray(pk), jnp.asarray(pv), 1, jnp.asarray(table),
+                                        jnp.asarray(qpos), jnp.asarray(kv_len), block_pages=2))
+    assert np.isfinite(blocked).all()
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(blocked[i], ref_attention(q[i], k[i, :n], v[i, :n], qpos[i]), atol=2e-5, rtol=1e-5)
 
 
 def test_write_then_attend_through_the_model_interface():
@@ -92,7 +99,7 @@ def test_write_then_attend_through_the_model_interface():
     page_size, kvh, heads, layers = 3, 2, 4, 3
     lengths = [7, 4]
     _, _, table, pk, pv = build_case(page_size, kvh, [7, 5], shared=0, layer=0, num_layers=layers)
-    pk[:, 0], pv[:, 0] = 0.0, 0.0  # a real pool keeps the null page zero
+    pk[:, :, 0], pv[:, :, 0] = 0.0, 0.0  # a real pool keeps the null page zero
     rng = np.random.default_rng(2)
     t = 7
     k_new = rng.standard_normal((2, t, kvh, E)).astype(np.float32)
@@ -100,7 +107,7 @@ def test_write_then_attend_through_the_model_interface():
     q = rng.standard_normal((2, t, heads, E)).astype(np.float32)
     pos = np.broadcast_to(np.arange(t, dtype=np.int32), (2, t))
     valid = pos < np.asarray(lengths)[:, None]
-    page, off = write_targets(jnp.asarray(table), jnp.asarray(pos), jnp.asarray(valid), pk.shape[1], page_size)
+    page, off = write_targets(jnp.asarray(table), jnp.asarray(pos), jnp.asarray(valid), pk.shape[2], page_size)
     attn = PagedAttention(page, off, jnp.asarray(table), jnp.asarray(pos), jnp.asarray(lengths, np.int32))
     out, (nk, nv) = jax.jit(lambda q, k, v, c: attn(q, k, v, layer=jnp.int32(2), cache=c))(
         jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), (jnp.asarray(pk), jnp.asarray(pv)))
@@ -108,7 +115,7 @@ def test_write_then_attend_through_the_model_interface():
     expect = pk.copy()
     for i, n in enumerate(lengths):
         for p in range(n):
-            expect[2, table[i, p // page_size], p % page_size] = k_new[i, p]
+            expect[2, :, table[i, p // page_size], p % page_size] = k_new[i, p]
     np.testing.assert_array_equal(nk, expect)  # NaN == NaN elsewhere: untouched
     for i, n in enumerate(lengths):
         ref = ref_attention(q[i, :n], k_new[i, :n], v_new[i, :n], pos[i, :n])
@@ -116,16 +123,16 @@ def test_write_then_attend_through_the_model_interface():
 
 
 def test_copy_pages_copies_every_layer_and_drops_padding():
-    pk = jnp.asarray(np.random.default_rng(3).standard_normal((2, 6, 3, 1, 2)).astype(np.float32))
+    pk = jnp.asarray(np.random.default_rng(3).standard_normal((2, 2, 6, 3, 2)).astype(np.float32))
     nk, _ = copy_pages(pk, pk, jnp.asarray([1, 2, 0]), jnp.asarray([4, 5, 6]))
     expect = np.asarray(pk).copy()
-    expect[:, 4], expect[:, 5] = expect[:, 1], expect[:, 2]
+    expect[:, :, 4], expect[:, :, 5] = expect[:, :, 1], expect[:, :, 2]
     np.testing.assert_array_equal(np.asarray(nk), expect)
 
 
 def test_write_pages_drops_out_of_range_rows():
-    pool = jnp.zeros((1, 3, 2, 1, 1))
+    pool = jnp.zeros((1, 1, 3, 2, 1))
     out = write_pages(pool, 0, jnp.ones((1, 2, 1, 1)), jnp.asarray([[3, 1]]), jnp.asarray([[0, 1]]))
-    expect = np.zeros((1, 3, 2, 1, 1))
-    expect[0, 1, 1] = 1
+    expect = np.zeros((1, 1, 3, 2, 1))
+    expect[0, 0, 1, 1] = 1
     np.testing.assert_array_equal(np.asarray(out), expect)

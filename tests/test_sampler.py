@@ -21,7 +21,11 @@ HF = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 FIXED = dict(max_seq_len=32, min_prefill_len=32, min_prefill_rows=8, min_table_width=16)
 BASE = SamplerConfig(page_size=4, max_slots=8, chunk_steps=8, **FIXED)
 OTHER = SamplerConfig(page_size=3, max_slots=1, chunk_steps=5, **FIXED)  # another page size, chunk and slot count
-LP_TOL = 1e-5  # float32 logprob agreement (sampler vs trainer forward / vs other engine shapes)
+LP_TOL = 1e-5  # float32 logprob agreement between sampler runs of other engine shapes
+# Sampler vs the trainer's teacher-forced forward (float32, "~1e-5"): paged decode attention and the
+# trainer's dense attention round differently (other reduction orders and padding); the measured
+# floor on these fixtures is max |d| ~1.0e-5 .. 1.4e-5 and mean ~1.5e-6 over all response tokens.
+TRAINER_MAX, TRAINER_MEAN = 2e-5, 2e-6
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +110,8 @@ def test_logprobs_equal_trainer_forward(llama):
         logp, _ = token_logprobs(llama, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(targets),
                                  start=P - 1, length=R, temperature=temp)
         err = np.abs(np.asarray(logp) - behav) * mask
-        assert err.max() < LP_TOL, f"max |sampler - trainer| = {err.max():.2e} at T={temp}"
+        assert err.max() < TRAINER_MAX, f"max |sampler - trainer| = {err.max():.2e} at T={temp}"
+        assert err.sum() / mask.sum() < TRAINER_MEAN, f"mean |sampler - trainer| = {err.sum() / mask.sum():.2e}"
 
 
 SAMPLED = SamplingParams(n=2, temperature=1.0, top_k=40, max_new_tokens=14, seed=11)
@@ -161,7 +166,7 @@ def test_grpo_group_prefills_once_shares_pages_and_equals_unshared_run(llama):
 @pytest.mark.parametrize("variant", [
     dict(page_size=1), dict(page_size=16), dict(page_size=64, max_seq_len=64), dict(chunk_steps=1),
     dict(max_slots=3), dict(max_slots=5, num_pages=13, page_size=3, watermark=0.0), dict(min_chunk_steps=1),
-    dict(min_table_width=1)])
+    dict(min_table_width=1), dict(attention="blocked", block_pages=2)])
 def test_invariance_matrix(llama, baseline, variant):
     """Each factor on its own (the default run covers them combined)."""
     prompts, ref = baseline

@@ -23,7 +23,7 @@ class RolloutConfig:
     chunk_steps: int = 64  # K: decode steps per jitted while_loop chunk
     watermark: float = 0.01  # fraction of pages kept free when admitting groups
     on_weight_update: Literal["finish", "recompute"] = "finish"
-    attention: Literal["gather"] = "gather"
+    attention: Literal["gather", "blocked"] = "gather"  # decode attention over pages (sampling/types.py)
 
     def validate(self, path: str) -> None:
         check(self.max_new_tokens >= 1, key(path, "max_new_tokens"), self.max_new_tokens, "must be >= 1")

@@ -190,7 +190,8 @@ class Sampler:
         seqs = self.sched.running_seqs()
         st = self._decode_state(seqs, k)
         self.pools, res = self._device(engine.decode_chunk, self._graphdef, self.params, self.pools, st,
-                                       jnp.int32(k), chunk=self.cfg.chunk_steps)
+                                       jnp.int32(k), chunk=self.cfg.chunk_steps,
+                                       block_pages=self.cfg.block_pages if self.cfg.attention == "blocked" else 0)
         toks, logps, steps = jax.device_get((res.tokens_KxB, res.logprobs_KxB, res.steps))
         self._stats["chunks"] += 1
         self._stats["decode_steps"] += int(steps)
@@ -201,8 +202,9 @@ class Sampler:
             s.tokens += col[:n].tolist()
             s.logprobs += logps[:n, s.slot].tolist()
             s.versions += [self.version] * n
-            self._stats["new_tokens"] += n
-            reason = s.opts[0].finish_reason(s, n)
+            before = len(s.tokens)
+            reason = s.opts[0].finish_reason(s, n)  # may truncate at a stop sequence
+            self._stats["new_tokens"] += n - (before - len(s.tokens))
             if reason is not None:
                 self.sched.finish(s, reason)
                 done.append(s)

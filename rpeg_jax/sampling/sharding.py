@@ -48,7 +48,7 @@ class SamplerSharding:
     def __init__(self, mesh: jax.sharding.Mesh | None, kv_heads: int, max_slots: int):
         mesh = auto_mesh(mesh)
         self.mesh = mesh
-        self.pools = None if mesh is None else NamedSharding(mesh, P(None, None, None, _axis(mesh, "tensor", kv_heads), None))
+        self.pools = None if mesh is None else NamedSharding(mesh, P(None, _axis(mesh, "tensor", kv_heads)))
         self.slot_axis = _axis(mesh, "data", max_slots)
 
     def place_params(self, params):

@@ -30,7 +30,10 @@ class SamplerConfig:
     #                           not before this many steps (= chunk_steps: never end early)
     watermark: float = 0.01  # fraction of pages kept free when admitting groups
     on_weight_update: Literal["finish", "recompute"] = "finish"  # policy for in-flight sequences
-    attention: Literal["gather"] = "gather"  # paged attention implementation
+    attention: Literal["gather", "blocked"] = "gather"  # decode attention over pages: gather the
+    #   table's pages then dense attention, or an online-softmax loop over blocks of pages that
+    #   stops at the longest sequence (reads fewer columns; prefill always uses "gather")
+    block_pages: int = 4  # pages per block of the "blocked" attention
     kv_dtype: str | None = None  # KV pool dtype; None -> the model's compute dtype
     eos_token_ids: tuple[int, ...] | None = None  # None -> (model.cfg.eos_id,)
     max_stop_ids: int = 8  # N: stop token ids per sequence on device (eos + stop_token_ids)
@@ -43,7 +46,7 @@ class SamplerConfig:
 
     def validate(self, path: str = "sampler") -> None:
         for name in ("page_size", "max_slots", "chunk_steps", "min_chunk_steps", "max_stop_ids", "min_prefill_len", "min_prefill_rows",
-                     "min_table_width"):
+                     "min_table_width", "block_pages"):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= 1, f"{path}.{name}", v, "must be an int >= 1")
         if self.num_pages is not None:
@@ -53,7 +56,8 @@ class SamplerConfig:
         check(0.0 <= self.watermark < 1.0, f"{path}.watermark", self.watermark, "must be in [0, 1)")
         check(self.on_weight_update in ("finish", "recompute"), f"{path}.on_weight_update",
               self.on_weight_update, "must be 'finish' or 'recompute'")
-        check(self.attention == "gather", f"{path}.attention", self.attention, "only 'gather' exists")
+        check(self.attention in ("gather", "blocked"), f"{path}.attention", self.attention,
+              "must be 'gather' or 'blocked'")
 
     @classmethod
     def from_rollout(cls, r: RolloutConfig, *, max_slots: int, max_seq_len: int | None = None,
