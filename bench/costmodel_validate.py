@@ -250,12 +250,12 @@ def measure(kind, fn, args, repeats):
     times = []
     state = args
     for i in range(repeats + 1):
-        t = time.perf_counter()
+        t = CLOCK()
         out = compiled(*state)
         if kind != "generate":
             jax.block_until_ready(out)
         if i:
-            times.append(time.perf_counter() - t)
+            times.append(CLOCK() - t)
         if kind == "train":  # donated params/opt state: feed the outputs back
             state = (out[0], out[1], state[2])
     return statistics.median(times), peak
@@ -280,6 +280,9 @@ def predict(hw, kind, mname, B, P, R, mesh_shape, micro, remat):
         sec = S.train_stage(st, ms, busy, d, f, t, micro, remat)[0]
         mem = S.train_memory(st, ms, d, f, t, micro, remat)
     return float(sec), float(mem)
+
+
+CLOCK = time.perf_counter  # --clock cpu: process CPU seconds (use a profile calibrated with --clock cpu)
 
 
 def spearman(a, b) -> float:
@@ -341,12 +344,31 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--hardware", default="cpu")
     ap.add_argument("--step-level", action="store_true", help="also run whole RL steps of >= 10 plans")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: process CPU seconds (robust to other processes; pair with a profile from "
+                         "`rpeg calibrate --clock cpu`)")
+    ap.add_argument("--only", default=None, help="comma-separated kinds to measure (forward,train,generate)")
+    ap.add_argument("--reuse", default=None, help="re-predict the measurements of an earlier --json output "
+                                                 "(e.g. after recalibrating) instead of measuring again")
     args = ap.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     hw = load_hardware(args.hardware)
     rows = []
-    for c in (QUICK if args.quick else CONFIGS):
-        fn, fargs, _ = build(*c)
-        sec, peak = measure(c[0], fn, fargs, args.repeats)
+    kinds = set(args.only.split(",")) if args.only else {"forward", "train", "generate"}
+    old = {}
+    if args.reuse:
+        with open(args.reuse) as f:
+            for r in json.load(f)["stages"]:
+                old[(r["kind"], r["model"], r["B"], r["P"], r["R"], tuple(r["mesh"]), r["micro"], r["remat"])] = r
+    for c in [c for c in (QUICK if args.quick else CONFIGS) if c[0] in kinds]:
+        if args.reuse:
+            if c not in old:
+                continue
+            sec, peak = old[c]["measured_s"], old[c]["memory_measured"]
+        else:
+            fn, fargs, _ = build(*c)
+            sec, peak = measure(c[0], fn, fargs, args.repeats)
         psec, pmem = predict(hw, *c)
         row = dict(zip(("kind", "model", "B", "P", "R", "mesh", "micro", "remat"), c),
                    measured_s=sec, predicted_s=psec, error=(psec - sec) / sec,
@@ -357,7 +379,7 @@ def main() -> int:
               f"measured {sec * 1e3:8.2f} ms  predicted {psec * 1e3:8.2f} ms  ({100 * row['error']:+6.1f}%)  "
               f"mem {peak or 0:>11.0f} vs {pmem:>11.0f}", flush=True)
     kinds = sorted({r["kind"] for r in rows})
-    out = {"hardware": hw.name, "calibrated": bool(hw.calibrated), "stages": rows,
+    out = {"hardware": hw.name, "calibrated": bool(hw.calibrated), "clock": args.clock, "stages": rows,
            "mape_stage": {k: float(np.mean([abs(r["error"]) for r in rows if r["kind"] == k])) for k in kinds},
            "mape_stage_all": float(np.mean([abs(r["error"]) for r in rows])),
            "memory_error": float(np.mean([abs(r["memory_error"]) for r in rows if r["memory_error"] is not None])),

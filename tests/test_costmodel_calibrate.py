@@ -84,7 +84,7 @@ def test_stage_fit_recovers_known_factors():
     truth = dataclasses.replace(
         base, device=dataclasses.replace(base.device, peak_flops=base.device.peak_flops / 2,
                                          peak_flops_fp32=base.device.peak_flops_fp32 / 2),
-        efficiency=dataclasses.replace(base.efficiency, elementwise_factor=1.7, layer_s=4e-5))
+        efficiency=dataclasses.replace(base.efficiency, elementwise_factor=1.7, layer_s=4e-5, backward_factor=1.6))
     meas = []
     for kind, L, B, T, n, D in STAGE_SHAPES:
         ms = synthetic_shape(L, D)
@@ -98,4 +98,5 @@ def test_stage_fit_recovers_known_factors():
     assert fitted.device.peak_flops == pytest.approx(truth.device.peak_flops, rel=0.05)
     assert fitted.efficiency.elementwise_factor == pytest.approx(1.7, rel=0.1)  # weak prior b = 1
     assert fitted.efficiency.layer_s == pytest.approx(4e-5, rel=0.1)
+    assert fitted.efficiency.backward_factor == pytest.approx(1.6, rel=0.05)
     assert resid["stage_fit_mape"] < 0.02

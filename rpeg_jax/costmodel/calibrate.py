@@ -35,33 +35,52 @@ def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (tests)")
     p.add_argument("--devices", type=int, default=8, help="forced CPU devices for the collective benchmark")
     p.add_argument("--no-stages", action="store_true", help="micro-benchmarks only (skip the stage-level fit)")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall (default; a quiet machine) or cpu (process CPU seconds, robust to others' load)")
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = CLOCKS["wall"]
+
+
+def set_clock(name: str) -> None:
+    """wall: elapsed seconds (a quiet machine). cpu: this process's CPU seconds, which other
+    processes' load barely changes; a profile fitted on it predicts core-seconds (host_cores=1)."""
+    global _clock
+    _clock = CLOCKS[name]
 
 
 def _timeit(fn, *args, repeats: int = 5, warmup: int = 1) -> float:
-    """Median seconds of fn(*args) (blocking on the result)."""
+    """Median seconds of fn(*args) (blocking on the result) on the chosen clock."""
     import jax
 
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = _clock()
         jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
+        times.append(_clock() - t)
     return statistics.median(times)
 
 
+def _loop_count(work: float, target: float) -> int:
+    """Repetitions inside one jitted call so that dispatch does not pollute small sizes."""
+    return int(min(256, max(1, target // max(work, 1.0))))
+
+
 def bench_matmul(dtype: str, sizes, repeats: int) -> list[tuple[float, float]]:
-    """[(FLOPs of one matmul, FLOP/s)] on the first device."""
+    """[(FLOPs of one matmul, FLOP/s)] on the first device; small sizes repeat inside one call."""
     import jax
     import jax.numpy as jnp
 
     out = []
-    f = jax.jit(lambda a, b: a @ b)
     for n in sizes:
+        k = _loop_count(2.0 * n ** 3, 2e8)
+        f = jax.jit(lambda a, b, k=k: jax.lax.fori_loop(0, k, lambda i, x: (x @ b) * 0.5, a))
         a = jnp.ones((n, n), dtype) * 0.5
         sec = _timeit(f, a, a, repeats=repeats)
-        out.append((2.0 * n ** 3, 2.0 * n ** 3 / sec))
+        out.append((2.0 * n ** 3, k * 2.0 * n ** 3 / sec))
     return out
 
 
@@ -71,11 +90,12 @@ def bench_memory(sizes_bytes, repeats: int) -> list[tuple[float, float]]:
     import jax.numpy as jnp
 
     out = []
-    f = jax.jit(lambda x: x * 2.0 + 1.0)
     for nb in sizes_bytes:
+        k = _loop_count(2.0 * nb, 2e8)
+        f = jax.jit(lambda x, k=k: jax.lax.fori_loop(0, k, lambda i, y: y * 0.999 + 0.001, x))
         x = jnp.ones((int(nb) // 4,), jnp.float32)
         sec = _timeit(f, x, repeats=repeats)
-        out.append((2.0 * nb, 2.0 * nb / sec))
+        out.append((2.0 * nb, k * 2.0 * nb / sec))
     return out
 
 
@@ -177,9 +197,11 @@ def _synthetic_fns(L: int, B: int, T: int, n: int, D: int):
         logits = rms(x, p["norm"]) @ p["head"]
         return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, tok[..., None], -1)[..., 0])
 
-    def train(p, tok):
+    def train(p, tok):  # gradients + an Adam step (params, m, v read, written: as the model counts)
         g = jax.grad(loss)(p, tok)
-        return jax.tree.map(lambda a, b: a - 1e-3 * b, p, g)
+        m = jax.tree.map(lambda x: 0.1 * x, g)
+        v = jax.tree.map(lambda x: 0.001 * x * x, g)
+        return jax.tree.map(lambda a, mm, vv: a - 1e-3 * mm / (jnp.sqrt(vv) + 1e-8), p, m, v)
 
     mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,))
     tok = jax.device_put(jnp.ones((B, T), jnp.int32), jax.NamedSharding(mesh, jax.P("data")))
@@ -207,51 +229,75 @@ def bench_stages(repeats: int, shapes=STAGE_SHAPES) -> list[dict]:
 
 
 def fit_stages(prof: HardwareProfile, stages: list[dict]) -> tuple[HardwareProfile, dict]:
-    """Least-squares (relative error) fit of a matmul scale a, the elementwise factor b and the
-    per-layer overhead c:  t ≈ a·matmul + b·elementwise + c·(layer passes) + comm + dispatch."""
+    """Two least-squares fits on relative error. Forward points:
+        t ≈ a·matmul + b·elementwise + c·(layers · overhead multiplier) + dispatch
+    (a matmul scale, `elementwise_factor`, `layer_s`); then train points, with those fixed:
+        t ≈ (1 + 2k)·(one forward, incl. its layer cost) + comm + optimizer + dispatch
+    (k = `backward_factor`)."""
     import numpy as np
 
     from rpeg_jax.costmodel import stages as S
     from rpeg_jax.costmodel.lengths import LengthDist
 
-    base = dataclasses.replace(prof, efficiency=dataclasses.replace(prof.efficiency, elementwise_factor=1.0,
-                                                                    layer_s=0.0))
-    rows, ys, fixed = [], [], []
-    for m in stages:
+    def parts(hw, m):
         ms = synthetic_shape(m["L"], m["D"])
-        st = S.Setting(hw=base, B=m["B"], P=0, R=m["T"], G=1, dist=LengthDist.fixed(m["T"]), causal_skip=False,
-                       dense_scores=True, packing=False, budget_bytes=base.hbm_bytes)
+        st = S.Setting(hw=hw, B=m["B"], P=0, R=m["T"], G=1, dist=LengthDist.fixed(m["T"]), causal_skip=False,
+                       dense_scores=True, packing=False, budget_bytes=hw.hbm_bytes)
         n = m["devices"]
         if m["kind"] == "forward":
-            _, p = S.forward_stage(st, ms, n, n, 1, 1, 1)
-            passes = 1.0
-        else:
-            _, p = S.train_stage(st, ms, n, n, 1, 1, 1, "none")
-            passes = 3.0
-        _, _, ovh = S.rates(base, "float32", n)
-        rows.append([float(p["matmul"]), float(p["elementwise"]), passes * ms.L * float(ovh)])
-        fixed.append(float(p["comm"]) + base.efficiency.dispatch_s + float(p.get("optimizer", 0.0)))
-        ys.append(m["seconds"])
-    A, y, f0 = np.array(rows), np.array(ys), np.array(fixed)
-    w = 1.0 / y  # relative errors
+            return ms, S.forward_stage(st, ms, n, n, 1, 1, 1)[1], float(S.rates(hw, "float32", n)[2])
+        return ms, S.train_stage(st, ms, n, n, 1, 1, 1, "none")[1], float(S.rates(hw, "float32", n)[2])
+
+    eff0 = dataclasses.replace(prof.efficiency, elementwise_factor=1.0, layer_s=0.0, backward_factor=1.0)
+    base = dataclasses.replace(prof, efficiency=eff0)
+    fw = [m for m in stages if m["kind"] == "forward"]
+    rows, ys = [], []
+    for m in fw:
+        ms, p, ovh = parts(base, m)
+        rows.append([float(p["matmul"]), float(p["elementwise"]), ms.L * ovh])
+        ys.append(m["seconds"] - base.efficiency.dispatch_s)
+    A, y = np.array(rows), np.array(ys)
+    w = 1.0 / np.maximum(y, 1e-9)
     # Weak priors a ≈ 1 (the micro-benchmarks' matmul rate) and b ≈ 1 keep the fit well-posed
     # when the shapes cannot separate the parts (e.g. on a noisy machine).
     prior = np.array([[PRIOR, 0.0, 0.0], [0.0, PRIOR, 0.0]])
-    coef = _nnls(np.vstack([A * w[:, None], prior]), np.concatenate([(y - f0) * w, [PRIOR, PRIOR]]))
-    pred = A @ coef + f0
-    a = max(coef[0], 1e-3)
-    eff = prof.efficiency
+    a, b, c = _nnls(np.vstack([A * w[:, None], prior]), np.concatenate([y * w, [PRIOR, PRIOR]]))
+    a = max(a, 0.05)
+    eff = dataclasses.replace(prof.efficiency, elementwise_factor=max(float(b), 0.05), layer_s=float(c))
     if prof.kind == "cpu":  # the measured peak absorbs the matmul scale
-        device = dataclasses.replace(prof.device, peak_flops=prof.device.peak_flops / a,
-                                     peak_flops_fp32=prof.device.peak_flops_fp32 / a)
+        device = dataclasses.replace(prof.device, peak_flops=float(prof.device.peak_flops / a),
+                                     peak_flops_fp32=float(prof.device.peak_flops_fp32 / a))
     else:
         device = prof.device
-        eff = dataclasses.replace(eff, matmul=tuple((sz, min(1.0, e / a)) for sz, e in eff.matmul))
-        eff = dataclasses.replace(eff, matmul=_monotone_table(list(eff.matmul)))
-    eff = dataclasses.replace(eff, elementwise_factor=max(float(coef[1]), 0.05), layer_s=float(coef[2]))
-    resid = {"stage_fit_mape": float(np.mean(np.abs(pred - y) / y)), "stage_fit_matmul_scale": float(a),
-             "stage_fit_points": float(len(y))}
-    return with_nodes(prof, device=device, efficiency=eff), resid
+        eff = dataclasses.replace(eff, matmul=_monotone_table([(sz, min(1.0, e / a)) for sz, e in eff.matmul]))
+    fitted = with_nodes(prof, device=device, efficiency=eff)
+    # Backward factor from the train points, the forward part now fitted.
+    num = den = 0.0
+    for m in (m for m in stages if m["kind"] == "train"):
+        ms, p, ovh = parts(fitted, m)
+        one = float(p["forward_core"]) + ms.L * fitted.efficiency.layer_s * ovh
+        rest = float(p["comm"]) + float(p["optimizer"]) + fitted.efficiency.dispatch_s
+        x, r = 2.0 * one / m["seconds"], (m["seconds"] - rest - one) / m["seconds"]
+        num, den = num + x * r, den + x * x
+    k = max(num / den, 0.1) if den > 0 else 1.0
+    fitted = with_nodes(fitted, efficiency=dataclasses.replace(fitted.efficiency, backward_factor=float(k)))
+    errs = [abs(_predict(fitted, m) - m["seconds"]) / m["seconds"] for m in stages]
+    resid = {"stage_fit_mape": float(np.mean(errs)), "stage_fit_matmul_scale": float(a),
+             "stage_fit_points": float(len(stages))}
+    return fitted, resid
+
+
+def _predict(hw: HardwareProfile, m: dict) -> float:
+    from rpeg_jax.costmodel import stages as S
+    from rpeg_jax.costmodel.lengths import LengthDist
+
+    ms = synthetic_shape(m["L"], m["D"])
+    st = S.Setting(hw=hw, B=m["B"], P=0, R=m["T"], G=1, dist=LengthDist.fixed(m["T"]), causal_skip=False,
+                   dense_scores=True, packing=False, budget_bytes=hw.hbm_bytes)
+    n = m["devices"]
+    if m["kind"] == "forward":
+        return float(S.forward_stage(st, ms, n, n, 1, 1, 1)[0])
+    return float(S.train_stage(st, ms, n, n, 1, 1, 1, "none")[0])
 
 
 def _nnls(A, b, iters: int = 50):
@@ -318,10 +364,14 @@ def measure(dtype: str, quick: bool, accelerator: bool = False) -> dict:
             "overheads": bench_overheads(reps), "allreduce": bench_allreduce(ar_sizes, reps)}
 
 
-def calibrate(base: HardwareProfile, quick: bool, stages: bool = True) -> HardwareProfile:
+def calibrate(base: HardwareProfile, quick: bool, stages: bool = True, clock: str = "wall") -> HardwareProfile:
     """Micro-benchmarks -> fitted profile, then the stage-level fit on the synthetic decoder."""
+    set_clock(clock)
+    if clock == "cpu":  # core-seconds: one core's rate, overheads not divided among cores
+        base = dataclasses.replace(base, host_cores=1)
     meas = measure("float32" if base.kind == "cpu" else "bfloat16", quick, accelerator=base.kind != "cpu")
     prof = fit(base, meas)
+    prof = dataclasses.replace(prof, calibrated={**prof.calibrated, "clock_cpu": float(clock == "cpu")})
     if stages:
         shapes = STAGE_SHAPES[1::2] if quick else STAGE_SHAPES
         prof, resid = fit_stages(prof, bench_stages(3 if quick else 5, shapes))
@@ -338,7 +388,7 @@ def run(args) -> int:
     on_gpu = jax.default_backend() == "gpu"
     name = args.profile or ("h200" if on_gpu else "cpu")
     base = load_hardware(name, calibrated=False)
-    prof = calibrate(base, args.quick, stages=not args.no_stages)
+    prof = calibrate(base, args.quick, stages=not args.no_stages, clock=args.clock)
     path = save_hardware(prof, args.out or calibrated_path(name))
     d, e = prof.device, prof.efficiency
     print(f"calibrated {name} on {jax.default_backend()} ({len(jax.local_devices())} devices): "

@@ -107,6 +107,7 @@ class EfficiencySpec:
     decode_step_s: float = 3e-5  # fixed cost per decode step (host sync, sampling), s
     kv_read_factor: float = 2.0  # KV bytes moved per cached byte per step (gather attention copies pages)
     elementwise_factor: float = 1.0  # fitted multiplier on the elementwise kernels' activation traffic
+    backward_factor: float = 1.0  # backward time / (2 x forward time) of the same layers (fitted)
 
     def validate(self, path: str) -> None:
         for name in ("matmul", "memory", "intra_node", "inter_node"):
@@ -114,6 +115,7 @@ class EfficiencySpec:
         check(0.0 <= self.overlap <= 1.0, key(path, "overlap"), self.overlap, "must be in [0, 1]")
         check(self.kv_read_factor >= 1.0, key(path, "kv_read_factor"), self.kv_read_factor, "must be >= 1")
         check(self.elementwise_factor > 0, key(path, "elementwise_factor"), self.elementwise_factor, "must be > 0")
+        check(self.backward_factor > 0, key(path, "backward_factor"), self.backward_factor, "must be > 0")
         for name in ("dispatch_s", "layer_s", "decode_step_s"):
             v = getattr(self, name)
             check(v >= 0, key(path, name), v, "must be >= 0")

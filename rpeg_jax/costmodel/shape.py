@@ -23,7 +23,8 @@ import numpy as np
 from rpeg_jax.graph.ir import DTYPE_BYTES, ModelDims
 
 LOGITS_BUDGET = 1 << 24  # float32 logits elements per chunk (models/logprobs.py LOGITS_BUDGET)
-UPDATE_COPIES = 3  # new params, m, v held beside the old ones by rl/update.py's NaN guard
+UPDATE_COPIES = 2  # new m, v held beside the old ones by rl/update.py's NaN guard (the new params
+#                   fuse into its select); measured with XLA's memory analysis on CPU
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,12 @@ class ModelShape:
         d, q, kv, f = self.D, self.H * self.E, self.K * self.E, self.F
         return d * q + 2 * d * kv + q * d + 3 * d * f + 2 * d
 
+    def gather_bytes(self, t):
+        """FSDP gather buffers: XLA gathers each weight matrix of a layer right before its use,
+        so two of the largest (one in use, one prefetched) are live, not whole layers."""
+        d, q, kv, f = self.D, self.H * self.E, self.K * self.E, self.F
+        return 2.0 * max(d * q, d * kv, d * f) * self.param_bytes_per / np.asarray(t, np.float64)
+
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.L * self.K * self.E * self.act_bytes_per
@@ -106,8 +113,8 @@ class ModelShape:
 
     def update_state_bytes(self, micro=1):
         """Extra parameter-sized buffers live during an update (rl/update.py): the gradients; the
-        new params, m and v beside the old ones (its NaN guard selects between them, so the update
-        cannot happen in place); a float32 accumulator with micro-batches > 1."""
+        new m and v beside the old ones (its NaN guard selects between them, so the update cannot
+        happen in place); a float32 accumulator with micro-batches > 1."""
         acc = np.where(np.asarray(micro) > 1, 4.0 * self.num_params, 0.0)
         return (1.0 + UPDATE_COPIES) * self.num_params * self.param_bytes_per + acc
 
@@ -115,14 +122,16 @@ class ModelShape:
         """params + grads + Adam m, v (the ZeRO paper's 16 bytes per parameter in float32)."""
         return 4.0 * self.num_params * self.param_bytes_per
 
-    def act_bytes_per_token_layer(self, t, remat: str, dense_scores_ctx=0.0):
+    def act_bytes_per_token_layer(self, t, remat: str, dense_scores_ctx=0.0, score_arrays: int = 2):
         """Activation bytes a layer saves for backward per token (Korthikanti-style count for
         SwiGLU/GQA without dropout; tensor parallelism splits the head and mlp parts).
-        `dense_scores_ctx`: context length when attention materialises f32 scores and probs."""
+        `dense_scores_ctx`: context length when attention materialises f32 scores and probs
+        (`score_arrays` of them: 2 saved for backward, 1 live in a forward-only pass)."""
         t = np.asarray(t, np.float64)
         a = self.act_bytes_per
         q, kv, f = self.H * self.E, self.K * self.E, self.F
-        full = a * (4 * self.D + (2 * q + 2 * kv + 3 * f) / t) + 8.0 * self.H / t * np.asarray(dense_scores_ctx)
+        full = a * (4 * self.D + (2 * q + 2 * kv + 3 * f) / t) \
+            + 4.0 * score_arrays * self.H / t * np.asarray(dense_scores_ctx)
         if remat == "full":  # only the layer input (the scan carry) is kept
             return np.full_like(full, a * self.D)
         if remat == "dots":  # matmul outputs kept, elementwise results and scores recomputed

@@ -74,19 +74,26 @@ def rates(hw: HardwareProfile, dtype: str, busy):
     return hw.peak(dtype) * one, hw.device.memory_bw * one, one
 
 
-def roofline(hw: HardwareProfile, flops, nbytes, mm_size, rate, bw):
+def mem_time(hw: HardwareProfile, nbytes, bw, busy=1.0):
+    """Seconds to stream `nbytes` per device. The efficiency is looked up by the working set of
+    the whole host on a shared-host profile (8 CPU devices streaming 10 MB each miss the caches
+    that one device's 10 MB would hit)."""
+    ws = np.asarray(busy, np.float64) if hw.shared_host else 1.0
+    return nbytes / (bw * interp_eff(hw.efficiency.memory, np.asarray(nbytes, np.float64) * ws))
+
+
+def roofline(hw: HardwareProfile, flops, nbytes, mm_size, rate, bw, busy=1.0):
     t_c = flops / (rate * interp_eff(hw.efficiency.matmul, mm_size))
-    t_m = nbytes / (bw * interp_eff(hw.efficiency.memory, nbytes))
-    return np.maximum(t_c, t_m)
+    return np.maximum(t_c, mem_time(hw, nbytes, bw, busy))
 
 
-def layer_core(hw: HardwareProfile, flops, w_bytes, ew_bytes, mm_size, rate, bw):
+def layer_core(hw: HardwareProfile, flops, w_bytes, ew_bytes, mm_size, rate, bw, busy=1.0):
     """(seconds, matmul part, elementwise part) of the layers' kernels: matmuls are a roofline of
     their FLOPs and weight reads; the elementwise kernels between them (norms, RoPE, softmax,
     SwiGLU, residuals) are separate memory-bound kernels, so their time adds (× the profile's
     fitted elementwise_factor)."""
-    mm = roofline(hw, flops, w_bytes, mm_size, rate, bw)
-    ew = hw.efficiency.elementwise_factor * ew_bytes / (bw * interp_eff(hw.efficiency.memory, ew_bytes))
+    mm = roofline(hw, flops, w_bytes, mm_size, rate, bw, busy)
+    ew = hw.efficiency.elementwise_factor * mem_time(hw, ew_bytes, bw, busy)
     return mm + ew, mm, ew
 
 
@@ -110,13 +117,16 @@ def train_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, remat: str, e
     tok_mb = seqs * st.seq_tokens / n_mb
     fwd = ms.forward_flops(seqs * st.seq_tokens, seqs * st.seq_scored * heads, seqs * st.seq_sumsq,
                            st.causal_skip) / t
-    layer_fwd = ms.forward_flops(seqs * st.seq_tokens, 0.0, seqs * st.seq_sumsq, st.causal_skip) / t
-    passes = 3.0 + REMAT_EXTRA_FWD[remat]  # forward + backward (2x) [+ recomputed forward]
-    flops = epochs * (3.0 * fwd + REMAT_EXTRA_FWD[remat] * layer_fwd)
     rate, bw, ovh = rates(hw, ms.dtype, busy)
-    w_read = epochs * passes * n_mb * ms.weight_bytes() / t
-    ew = epochs * passes * elementwise_bytes(st, ms, t, seqs * st.seq_tokens)
-    core, mm, ewt = layer_core(hw, flops, w_read, ew, ms.mm_size(tok_mb, t), rate, bw)
+    # One forward's kernels; the backward does twice the work at the profile's backward_factor
+    # (1 on GPUs; more where transposed matmuls and weight-gradient reductions run slower), and
+    # full remat adds one more forward of the layers.
+    f_core, f_mm, f_ew = layer_core(hw, fwd, n_mb * ms.weight_bytes() / t,
+                                    elementwise_bytes(st, ms, t, seqs * st.seq_tokens),
+                                    ms.mm_size(tok_mb, t), rate, bw, busy)
+    passes = 1.0 + REMAT_EXTRA_FWD[remat] + 2.0 * hw.efficiency.backward_factor
+    flops = epochs * (3.0 + REMAT_EXTRA_FWD[remat]) * fwd
+    core, mm, ewt = epochs * passes * f_core, epochs * passes * f_mm, epochs * passes * f_ew
     # Collectives per micro-batch: FSDP gathers each layer twice (forward, backward) and
     # reduce-scatters its gradient; TP all-reduces 2 activations per layer per direction.
     layer_p = ms.layer_params * ms.param_bytes_per / t
@@ -128,11 +138,11 @@ def train_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, remat: str, e
     overl = epochs * (n_mb * fsdp + minibatches * dp)
     comm = _exposed(hw, core, overl, epochs * n_mb * tp)
     opt_bytes = 7.0 * ms.num_params * ms.param_bytes_per / (f * t)
-    opt = epochs * minibatches * opt_bytes / (bw * interp_eff(hw.efficiency.memory, opt_bytes))
-    over = epochs * (minibatches * hw.efficiency.dispatch_s + 3.0 * n_mb * ms.L * hw.efficiency.layer_s * ovh)
+    opt = epochs * minibatches * mem_time(hw, opt_bytes, bw, busy)
+    over = epochs * (minibatches * hw.efficiency.dispatch_s + passes * n_mb * ms.L * hw.efficiency.layer_s * ovh)
     total = core + comm + opt + over
     return total, {"compute": core, "matmul": mm, "elementwise": ewt, "comm": comm, "optimizer": opt,
-                   "overhead": over, "flops": flops}
+                   "overhead": over, "flops": flops, "forward_core": epochs * f_core, "passes": passes}
 
 
 def train_memory(st: Setting, ms: ModelShape, d, f, t, micro, remat: str, minibatches: int = 1):
@@ -144,7 +154,7 @@ def train_memory(st: Setting, ms: ModelShape, d, f, t, micro, remat: str, miniba
     act = ms.L * tok_mb * ms.act_bytes_per_token_layer(t, remat, dense_ctx)
     if remat != "none":  # one layer's full working set while it is recomputed
         act = act + tok_mb * ms.act_bytes_per_token_layer(t, "none", dense_ctx)
-    gather = np.where(f > 1, 2.0 * ms.layer_params * ms.param_bytes_per / t, 0.0)
+    gather = np.where(f > 1, ms.gather_bytes(t), 0.0)
     logits = ms.logits_bytes(seqs_mb * st.seq_scored)
     state = (ms.resident_state_bytes() + ms.update_state_bytes(micro)) / (f * t)
     return state + act + gather + logits
@@ -160,7 +170,7 @@ def forward_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, heads: int 
                              st.causal_skip) / t
     rate, bw, ovh = rates(hw, ms.dtype, busy)
     ew = elementwise_bytes(st, ms, t, seqs * st.seq_tokens)
-    core, mm, ewt = layer_core(hw, flops, micro * ms.weight_bytes() / t, ew, ms.mm_size(tok_mb, t), rate, bw)
+    core, mm, ewt = layer_core(hw, flops, micro * ms.weight_bytes() / t, ew, ms.mm_size(tok_mb, t), rate, bw, busy)
     layer_p = ms.layer_params * ms.param_bytes_per / t
     fsdp = micro * ms.L * collective_time(hw, "all_gather", layer_p, f, t)
     tp = micro * 2.0 * ms.L * collective_time(hw, "all_reduce", tok_mb * ms.D * ms.act_bytes_per, t, 1)
@@ -176,8 +186,8 @@ def forward_memory(st: Setting, ms: ModelShape, d, f, t, micro):
     seqs_mb = st.B / (d * f) / micro
     tok_mb = seqs_mb * st.seq_tokens
     dense_ctx = st.P + st.R if st.dense_scores else 0.0
-    live = 2.0 * tok_mb * ms.act_bytes_per_token_layer(t, "none", dense_ctx)
-    gather = np.where(f > 1, 2.0 * ms.layer_params * ms.param_bytes_per / t, 0.0)
+    live = tok_mb * ms.act_bytes_per_token_layer(t, "none", dense_ctx, score_arrays=1)  # one layer's
+    gather = np.where(f > 1, ms.gather_bytes(t), 0.0)
     return live + gather + ms.logits_bytes(seqs_mb * st.seq_scored)
 
 
@@ -214,7 +224,7 @@ def decode_step_time(st: Setting, ms: ModelShape, t, busy, batch, ctx):
     flops = ms.decode_flops(batch, ctx) / t
     nbytes = (ms.weight_bytes() / t + batch * ctx * ms.kv_bytes_per_token / ms.kv_shards(t)
               * hw.efficiency.kv_read_factor + batch * ms.V * 4.0)
-    core = roofline(hw, flops, nbytes, ms.mm_size(batch, t), rate, bw)
+    core = roofline(hw, flops, nbytes, ms.mm_size(batch, t), rate, bw, busy)
     tp = 2.0 * ms.L * collective_time(hw, "all_reduce", batch * ms.D * ms.act_bytes_per, t, 1)
     return core + tp + hw.efficiency.decode_step_s * ovh + ms.L * hw.efficiency.layer_s * ovh
 
@@ -278,7 +288,7 @@ def _prefill_time(st: Setting, ms: ModelShape, t, busy, seqs, seq_len):
     rate, bw, ovh = rates(hw, ms.dtype, busy)
     flops = ms.forward_flops(tokens, seqs, seqs * seq_len ** 2, st.causal_skip) / t
     nbytes = ms.weight_bytes() / t + tokens * ms.kv_bytes_per_token / ms.kv_shards(t)
-    core = roofline(hw, flops, nbytes, ms.mm_size(tokens, t), rate, bw)
+    core = roofline(hw, flops, nbytes, ms.mm_size(tokens, t), rate, bw, busy)
     tp = 2.0 * ms.L * collective_time(hw, "all_reduce", tokens * ms.D * ms.act_bytes_per, t, 1)
     return float(core + tp + ms.L * hw.efficiency.layer_s * ovh)
 
