@@ -120,6 +120,7 @@ class Executor:
         self.done: set[tuple[str, int, int]] = set()
         self.events: dict[tuple[str, int, int], threading.Event] = defaultdict(threading.Event)
         self.metrics: dict[int, dict[str, float]] = defaultdict(dict)
+        self.stage_seconds: dict[int, dict[str, float]] = defaultdict(dict)  # by graph stage name
         self.consumed: dict[tuple[str, int, int], dict[str, Any]] = {}
         self.next_lead_step: dict[str, int] = {n: 0 for n, k in self.lead.items() if k > 0}
         self._errors: list[BaseException] = []
@@ -157,7 +158,7 @@ class Executor:
                 th.join()
             if self._errors:
                 raise self._errors[0]
-        self.metrics[t]["timing_s/step"] = time.perf_counter() - t0
+        self.metrics[t]["timing_s/step"] = self.stage_seconds[t]["step"] = time.perf_counter() - t0
         return self.metrics
 
     def _sorted(self, tasks: list[Task]) -> list[Task]:
@@ -247,6 +248,8 @@ class Executor:
         # A fused stage is one program: it is timed under its own name (e.g. timing_s/forwards).
         name = cs.name.replace("+", "_") if cs.stage.parts else verl_name(cs.stage.kind)
         m[f"timing_s/{name}"] = m.get(f"timing_s/{name}", 0.0) + (end - start)
+        sec = self.stage_seconds[t]
+        sec[cs.name] = sec.get(cs.name, 0.0) + (end - start)
         if metrics:
             for k, v in metrics.items():
                 m[k] = v
@@ -262,6 +265,8 @@ class Executor:
             self.done.discard(key)
             self.events.pop(key, None)
             self.consumed.pop(key, None)
+        for t in [t for t in self.stage_seconds if t < step - 1]:
+            del self.stage_seconds[t]
 
 
 def verl_name(kind: StageKind) -> str:

@@ -48,7 +48,8 @@ class MetricsWriter:
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
+        # '+' joins fused stage names; TensorBoard tags do not allow it, so keys use '_' throughout
+        record = {"step": step, **{k.replace("+", "_"): _plain(v) for k, v in sorted(metrics.items())}}
         self._jsonl.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for k, v in record.items():

@@ -191,14 +191,36 @@ def assert_staleness(stats: dict, step: int, k: int) -> None:
                              f"staleness {int(step - stats['min_version'])} exceeds k={k}")
 
 
-def useful_flops(cfg, stats: dict, *, forwards: int, train_passes: int) -> float:
-    """Matmul FLOPs of the step's useful work over real (unpadded) tokens: generation (2N per
-    generated token, the prompt once per group), `forwards` logprob/value passes (2N per token)
-    and `train_passes` updates (6N per token), plus attention (4·L·H·E per query-key pair)."""
+def _matmul_weights(m) -> tuple[int, int]:
+    """(weights the decoder body multiplies per token, weights of the LM head), for FLOP counts:
+    the embedding is a lookup, not a matmul; the head is D x V whether or not it is tied."""
+    head = m.hidden_size * m.vocab_size
+    body = m.num_params(with_lm_head=True) - head - (0 if m.tie_embeddings else head)
+    return body, head
+
+
+def generation_flops(cfg, stats: dict) -> float:
+    """Sampling: 2·(body + head) per generated token, the prompt once per group through the body
+    (its logits are not needed), attention over each token's context (4·L·H·E per pair)."""
     m = cfg.model
-    n = m.num_params(with_lm_head=True) - m.vocab_size * m.hidden_size  # the embedding is a lookup
-    G = cfg.rl.group_size
+    body, head = _matmul_weights(m)
     attn = 4 * m.num_layers * m.num_heads * m.head_size
-    gen = 2.0 * n * stats["resp"] + 2.0 * n * stats["prompt"] / G + attn * stats["resp_ctx"]
-    per_pass = 2.0 * n * stats["seq"] + attn * stats["seq_sq"]
-    return float(gen + forwards * per_pass + train_passes * 3 * per_pass)
+    return (2.0 * (body + head) * stats["resp"] + 2.0 * body * stats["prompt"] / cfg.rl.group_size
+            + attn * stats["resp_ctx"])
+
+
+def pass_flops(m, stats: dict, *, logits: bool = True) -> float:
+    """One forward pass of model `m` over the batch's real tokens: the body on every token, the
+    LM head only where a response token is scored (prompt logits are never needed; none for a
+    value model), attention causal over each sequence."""
+    body, head = _matmul_weights(m)
+    attn = 4 * m.num_layers * m.num_heads * m.head_size
+    return 2.0 * body * stats["seq"] + (2.0 * head * stats["resp"] if logits else 0.0) + attn * stats["seq_sq"]
+
+
+def useful_flops(cfg, stats: dict, *, forwards: int, train_passes: int) -> float:
+    """Matmul FLOPs of the step's useful work over real (unpadded) tokens: generation, `forwards`
+    logprob/value passes and `train_passes` updates (3x a forward: forward + backward), each
+    counted with the actor's shape."""
+    per_pass = pass_flops(cfg.model, stats)
+    return float(generation_flops(cfg, stats) + forwards * per_pass + train_passes * 3 * per_pass)

@@ -39,11 +39,15 @@ class TrainingStopped(RuntimeError):
     pass
 
 
-def choose_plan(cfg: RunConfig) -> Plan:
-    planner = None
-    if cfg.pipeline.plan == "auto":
-        from rpeg_jax.costmodel.planner import choose_plan as planner  # noqa: F811  (optional layer)
-    return plan_for_config(cfg, jax.device_count(), planner=planner)
+def choose_plan(cfg: RunConfig) -> tuple[RunConfig, Plan]:
+    """The plan for this run (pipeline.plan: manual | auto | a file) and the config it implies
+    (the planner also chooses settings outside the pipeline section, e.g. rl.micro_batches)."""
+    if cfg.pipeline.plan != "auto":
+        return cfg, plan_for_config(cfg, jax.device_count())
+    from rpeg_jax.costmodel.planner import apply_plan_settings, choose_plan as planner  # the cost-model layer
+
+    plan = plan_for_config(cfg, jax.device_count(), planner=planner)
+    return apply_plan_settings(cfg, plan), plan
 
 
 def train(cfg: RunConfig, *, plan: Plan | None = None, registry=None, on_step=None,
@@ -51,7 +55,8 @@ def train(cfg: RunConfig, *, plan: Plan | None = None, registry=None, on_step=No
     """Run cfg.train.steps RL steps (resuming when allowed). `on_step(step, metrics)` is called
     after each step's metrics are written (and its checkpoint, if any, is committed); with
     `keep_state` the summary holds the final state values under "state"."""
-    plan = plan or choose_plan(cfg)
+    if plan is None:
+        cfg, plan = choose_plan(cfg)
     graph = graph_for_plan(cfg, plan)
     ctx, store = build(cfg, graph, plan)
     program = compile_graph(graph, plan, registry or default_registry(), ctx)
@@ -114,8 +119,10 @@ def _step_metrics(cfg, ctx: RuntimeContext, ex: Executor, store: Store, plan: Pl
     peak = ctx.extras.get("peak_flops_per_device")
     if peak:
         m["perf/mfu"] = flops / step_s / (peak * jax.device_count())
-    for stage, secs in (plan.predicted.get("stage_s") or {}).items():
-        m[f"predicted_s/{stage}"] = secs
+    if plan.predicted.get("stage_s"):  # the cost model's prediction next to what was measured
+        from rpeg_jax.costmodel.planner import compare
+
+        m.update(compare(plan, ex.stage_seconds.pop(t, {})))
     m["actor/version"] = float(store.latest("actor")[0])
     return {k: (float(np.asarray(v)) if np.ndim(v) == 0 else v) for k, v in m.items()}
 
