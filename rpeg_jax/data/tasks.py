@@ -22,10 +22,12 @@ it learns to stop. Short strings matter: with 1-3 digits the first-position skil
 worth mean(1, 1/2, 1/3) = 0.61, with 3-5 digits only 0.26, and the rest is the hard part.
 
 Measured (a minimal GRPO loop on model T, 16 prompts x G=8, 8 new tokens, AdamW, no KL; CPU
-shared with other jobs, so times are loose): 1-3 digits, lr 3e-4: mean reward of the first
-tenth of 150 steps 0.014 -> last tenth 0.39; lr 1e-4: 0.009 -> 0.37. With lr 1e-3 (1-3 or 3-5
-digits) the policy collapsed to one repeated digit ("22222222") and plateaued near 0.2.
-Hence the defaults data.min_digits=1, data.max_digits=3; raise them to make the task harder.
+shared with other jobs, so times are loose), mean reward of the first tenth of steps -> the
+last tenth: 1-3 digits, lr 3e-4, 150 steps: 0.014 -> 0.39; same, other seeds, 200 steps:
+0.021 -> 0.41; 1-3 digits, lr 1e-4, 150 steps: 0.009 -> 0.37; 3-5 digits, lr 3e-4, 200 steps:
+0.025 -> 0.27 (short of +0.3). With lr 1e-3 (1-3 or 3-5 digits) the policy collapsed to one
+repeated digit ("22222222") and plateaued near 0.2. Hence the defaults data.min_digits=1,
+data.max_digits=3 (with lr <= 3e-4); raise them to make the task harder.
 
 Called by: data/pipeline.py (records), data/rewards.py (registers each task's reward).
 """
