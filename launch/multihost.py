@@ -88,7 +88,13 @@ def run(cfg, spec, args) -> int:
             print(f"rpeg launch: training is not built yet (rpeg_jax.runtime.train is missing); the config is "
                   f"valid and {spec.num_processes} process(es) initialised", file=sys.stderr)
         return 0
-    result = train(cfg)
+    from rpeg_jax.runtime.trainer import expected_failures
+
+    try:
+        result = train(cfg)
+    except expected_failures() as e:
+        print(f"rpeg: process {spec.process_id}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     if args.result_json and spec.process_id == 0:
         with open(args.result_json, "w") as f:
             json.dump(_plain(result), f, indent=1, sort_keys=True)

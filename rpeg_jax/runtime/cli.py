@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 
 from rpeg_jax.config.run import load_config
 
@@ -16,7 +17,11 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     cfg = load_config(args.config, args.overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from rpeg_jax.runtime import train
+    from rpeg_jax.runtime.trainer import expected_failures, train
 
-    print(json.dumps(train(cfg)))
+    try:
+        print(json.dumps(train(cfg)))
+    except expected_failures() as e:
+        print(f"rpeg train: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 0

@@ -117,7 +117,8 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
         temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
         update_key=jax.random.key(cfg.train.seed + 12345),
         fixed_shapes=cfg.pipeline.microbatches > 1, placement=placement,
-        prompt_offset=jax.process_index() * (cfg.data.prompts_per_step // jax.process_count()))
+        prompt_offset=jax.process_index() * (cfg.data.prompts_per_step // jax.process_count()),
+        extras={"data_skipped": dict(pipeline.skipped)})
     store = Store(keep_versions=cfg.pipeline.staleness + 2)
     store.put_state("actor", 0, split["actor"][1])
     store.put_state("actor_opt", 0, placement.init_opt_state(optimizers["actor"], split["actor"][1]))

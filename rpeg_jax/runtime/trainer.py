@@ -39,6 +39,15 @@ class TrainingStopped(RuntimeError):
     pass
 
 
+def expected_failures() -> tuple[type[BaseException], ...]:
+    """Failures that end a run with one clear line (exit 1) rather than a traceback."""
+    from rpeg_jax.data.rewards import RewardError
+    from rpeg_jax.runtime.checkpoint import NonFiniteError
+    from rpeg_jax.runtime.rollouts import StalenessError
+
+    return (TrainingStopped, RewardError, NonFiniteError, StalenessError)
+
+
 def choose_plan(cfg: RunConfig) -> tuple[RunConfig, Plan]:
     """The plan for this run (pipeline.plan: manual | auto | a file) and the config it implies
     (the planner also chooses settings outside the pipeline section, e.g. rl.micro_batches)."""
@@ -124,6 +133,8 @@ def _step_metrics(cfg, ctx: RuntimeContext, ex: Executor, store: Store, plan: Pl
 
         m.update(compare(plan, ex.stage_seconds.pop(t, {})))
     m["actor/version"] = float(store.latest("actor")[0])
+    for reason, count in ctx.extras.get("data_skipped", {}).items():  # bad JSONL lines skipped at start-up
+        m[f"data/skipped_{reason}"] = float(count)
     return {k: (float(np.asarray(v)) if np.ndim(v) == 0 else v) for k, v in m.items()}
 
 
