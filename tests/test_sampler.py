@@ -4,6 +4,7 @@ runs with other page sizes / chunk sizes / slot counts / prompt orders / a pool 
 preempt, an unshared run of a GRPO group, stop conditions, and in-place weight updates (zero
 recompiles). Most tests share the llama_tiny fixture and one engine shape, so compiled code is reused."""
 
+import dataclasses
 import os
 
 import jax
@@ -66,11 +67,12 @@ def assert_same(a, b, tol=LP_TOL):
         assert x[4] == y[4]
 
 
-@pytest.mark.parametrize("name", ["llama_tiny", "qwen2_tiny"])
-def test_greedy_equals_plain_forward_argmax_on_hf_fixtures(name, llama):
+@pytest.mark.parametrize("name,forward", [("llama_tiny", "split"), ("qwen2_tiny", "split"), ("qwen2_tiny", "model")])
+def test_greedy_equals_plain_forward_argmax_on_hf_fixtures(name, forward, llama):
+    """Both sampler forwards (the model's own, and per-layer weights) against the plain forward."""
     model = llama if name == "llama_tiny" else load_hf(os.path.join(HF, name))
     prompts = prompts_of([5, 1, 9, 4, 7])
-    sampler = Sampler(model, BASE)
+    sampler = Sampler(model, dataclasses.replace(BASE, forward=forward))
     outs = sampler.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True))
     ref, fwd = greedy_reference(model, prompts, 16)
     for o, r, p in zip(outs, ref, prompts):
@@ -166,7 +168,7 @@ def test_grpo_group_prefills_once_shares_pages_and_equals_unshared_run(llama):
 @pytest.mark.parametrize("variant", [
     dict(page_size=1), dict(page_size=16), dict(page_size=64, max_seq_len=64), dict(chunk_steps=1),
     dict(max_slots=3), dict(max_slots=5, num_pages=13, page_size=3, watermark=0.0), dict(min_chunk_steps=1),
-    dict(min_table_width=1), dict(attention="blocked", block_pages=2)])
+    dict(min_table_width=1), dict(attention="blocked", block_pages=2), dict(forward="model")])
 def test_invariance_matrix(llama, baseline, variant):
     """Each factor on its own (the default run covers them combined)."""
     prompts, ref = baseline

@@ -2,8 +2,8 @@
 up to K decode steps inside one `lax.while_loop`. The host scheduler (`sampling/sampler.py`) calls
 them between its bookkeeping; nothing here allocates pages.
 
-Every function takes the model's `graphdef` (static, hashable) and its params as a jit ARGUMENT, so
-new weights of the same shapes/dtypes/shardings run without recompiling, and donates the KV pools
+Every function takes a forward (`sampling/forward.py`: static, hashable) and the weights as a jit
+ARGUMENT, so new weights of the same shapes/dtypes/shardings run without recompiling, and donates the KV pools
 (`pools = (k_pool_LxKxPxSxE, v_pool_LxKxPxSxE)`) so they are updated in place. The functions are
 module-level, so samplers of the same model shape share compiled code.
 
@@ -22,7 +22,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from rpeg_jax.sampling.paged_attention import PagedAttention, copy_pages, write_targets
 from rpeg_jax.sampling.transforms import sample, sequence_keys
@@ -55,17 +54,16 @@ class ChunkResult(NamedTuple):
     active_B: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
-def prefill(graphdef, params, pools, tokens_BxT, lengths_B, table_BxW):
+@functools.partial(jax.jit, static_argnames=("fwd",), donate_argnames=("pools",))
+def prefill(fwd, params, pools, tokens_BxT, lengths_B, table_BxW):
     """Run the model over right-padded `tokens_BxT` (the first lengths_B of each row are real) and
     write their K/V into the rows' pages. Padding rows use length 0. Returns the pools."""
-    model = nnx.merge(graphdef, params)
     b, t = tokens_BxT.shape
     num_pages, page_size = pools[0].shape[2], pools[0].shape[3]
     pos_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     page, off = write_targets(table_BxW, pos_BxT, pos_BxT < lengths_B[:, None], num_pages, page_size)
     attention = PagedAttention(page, off, table_BxW, pos_BxT, lengths_B)
-    _, pools = model.hidden(tokens_BxT, pos_BxT, attention=attention, cache=pools)
+    _, pools = fwd.hidden(params, tokens_BxT, pos_BxT, attention, pools)
     return pools
 
 
@@ -75,25 +73,24 @@ def fork_pages(pools, src_N, dst_N):
     return copy_pages(pools[0], pools[1], src_N, dst_N)
 
 
-def _decode_step(model, pools, st: DecodeState, keys_Bx2, token_B, pos_B, active_B, block_pages: int):
+def _decode_step(fwd, params, pools, st: DecodeState, keys_Bx2, token_B, pos_B, active_B, block_pages: int):
     """One step for every slot: write K/V at pos, attend, sample the token at pos + 1."""
     num_pages, page_size = pools[0].shape[2], pools[0].shape[3]
     pos_Bx1 = pos_B[:, None]
     page, off = write_targets(st.table_BxW, pos_Bx1, active_B[:, None], num_pages, page_size)
     attention = PagedAttention(page, off, st.table_BxW, pos_Bx1, jnp.where(active_B, pos_B + 1, 0), block_pages)
-    h, pools = model.hidden(token_B[:, None], pos_Bx1, attention=attention, cache=pools)
-    logits_BxV = model.logits(h[:, 0])
+    h, pools = fwd.hidden(params, token_B[:, None], pos_Bx1, attention, pools)
+    logits_BxV = fwd.logits(params, h[:, 0])
     new_B, logp_B = sample(logits_BxV, keys_Bx2, pos_B + 1, st.temperature_B, st.top_k_B, st.top_p_B,
                            st.min_p_B)
     return pools, new_B, logp_B
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "chunk", "block_pages"), donate_argnames=("pools",))
-def decode_chunk(graphdef, params, pools, st: DecodeState, num_steps, *, chunk: int, block_pages: int = 0):
+@functools.partial(jax.jit, static_argnames=("fwd", "chunk", "block_pages"), donate_argnames=("pools",))
+def decode_chunk(fwd, params, pools, st: DecodeState, num_steps, *, chunk: int, block_pages: int = 0):
     """Up to min(num_steps, chunk) decode steps in one while_loop; exits early once every slot has
     stopped (stop id sampled or end reached). block_pages > 0 selects the blocked attention.
     Returns (pools, ChunkResult)."""
-    model = nnx.merge(graphdef, params)
     b = st.token_B.shape[0]
     keys_Bx2 = sequence_keys(st.seed_B, st.prompt_id_B, st.sample_id_B)
     limit = jnp.minimum(num_steps, chunk)
@@ -104,7 +101,7 @@ def decode_chunk(graphdef, params, pools, st: DecodeState, num_steps, *, chunk: 
 
     def body(carry):
         step, pools, token_B, pos_B, active_B, tok_KxB, logp_KxB = carry
-        pools, new_B, logp_B = _decode_step(model, pools, st, keys_Bx2, token_B, pos_B, active_B, block_pages)
+        pools, new_B, logp_B = _decode_step(fwd, params, pools, st, keys_Bx2, token_B, pos_B, active_B, block_pages)
         stopped = jnp.any(new_B[:, None] == st.stop_ids_BxN, axis=1) | (pos_B + 2 >= st.end_B)
         tok_KxB = tok_KxB.at[step].set(jnp.where(active_B, new_B, -1))
         logp_KxB = logp_KxB.at[step].set(jnp.where(active_B, logp_B, 0.0))

@@ -44,7 +44,10 @@ def gather_pages(pool_LxKxPxSxE, layer, table_BxW):
     b, w = table_BxW.shape
     _, kh, _, s, e = pool_LxKxPxSxE.shape
     pages = jax.lax.dynamic_index_in_dim(pool_LxKxPxSxE, layer, axis=0, keepdims=False)  # [K, P, S, E]
-    return pages[:, table_BxW].reshape(kh, b, w * s, e)
+    # Index (head, page) pairs so the gather emits [K, B, W] blocks of contiguous [S, E] rows in
+    # output order (indexing pages only would gather [B, W, K, S, E] and transpose it: 2x slower).
+    heads = jnp.arange(kh, dtype=table_BxW.dtype)[:, None, None]
+    return pages[heads, table_BxW[None]].reshape(kh, b, w * s, e)
 
 
 def _scores(q_BxTxHxE, k_KxBxCxE, q_pos_BxT, kv_len_B, col0=0):

@@ -30,6 +30,7 @@ from flax import nnx
 
 from rpeg_jax.sampling import engine
 from rpeg_jax.sampling.allocator import PageAllocator
+from rpeg_jax.sampling.forward import choose_forward
 from rpeg_jax.sampling.scheduler import Scheduler, Sequence
 from rpeg_jax.sampling.sharding import SamplerSharding, mesh_of
 from rpeg_jax.sampling.stops import StopMatcher
@@ -52,10 +53,12 @@ class Sampler:
         cfg.validate()
         mcfg = model.cfg
         self.cfg, self.model_cfg, self.tokenizer = cfg, mcfg, tokenizer
-        self._graphdef, params = as_params(model)
+        graphdef, params = as_params(model)
         self.sharding = SamplerSharding(mesh or mesh_of(params), mcfg.num_kv_heads, cfg.max_slots)
         self.params = self.sharding.place_params(params)
         self._signature = ParamSignature.of(self.params)
+        self._fwd = choose_forward(cfg.forward, graphdef, mcfg)
+        self._weights = self._fwd.prepare(self.params)  # what the device functions read
         self.max_seq_len = cfg.max_seq_len or mcfg.max_position_embeddings
         if self.max_seq_len > mcfg.max_position_embeddings:
             raise ValueError(f"sampler.max_seq_len={self.max_seq_len}: exceeds model.max_position_embeddings="
@@ -175,7 +178,7 @@ class Sampler:
                 tokens[r, :len(toks)], lengths[r] = toks, len(toks)
             table = np.zeros((r_b, w_b), np.int32)
             table[:rows] = self.alloc.table([slot for slot, _ in plan.rows], w_b)
-            self.pools = self._device(engine.prefill, self._graphdef, self.params, self.pools,
+            self.pools = self._device(engine.prefill, self._fwd, self._weights, self.pools,
                                       *self.sharding.put_rows(tokens, lengths, table))
             self._stats["prefill_tokens"] += int(lengths.sum())
         if plan.copies:
@@ -189,7 +192,7 @@ class Sampler:
     def _decode(self, k: int) -> list[Sequence]:
         seqs = self.sched.running_seqs()
         st = self._decode_state(seqs, k)
-        self.pools, res = self._device(engine.decode_chunk, self._graphdef, self.params, self.pools, st,
+        self.pools, res = self._device(engine.decode_chunk, self._fwd, self._weights, self.pools, st,
                                        jnp.int32(k), chunk=self.cfg.chunk_steps,
                                        block_pages=self.cfg.block_pages if self.cfg.attention == "blocked" else 0)
         toks, logps, steps = jax.device_get((res.tokens_KxB, res.logprobs_KxB, res.steps))
@@ -250,6 +253,7 @@ class Sampler:
     # ---- helpers ------------------------------------------------------------------------------
     def _swap(self, params, version: int) -> None:
         self.params, self.version, self._pending = params, version, None
+        self._weights = self._device(self._fwd.prepare, params)
 
     def _check_prompt(self, i: int, p: list[int], params: SamplingParams) -> None:
         v = self.model_cfg.vocab_size

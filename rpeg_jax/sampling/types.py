@@ -34,6 +34,8 @@ class SamplerConfig:
     #   table's pages then dense attention, or an online-softmax loop over blocks of pages that
     #   stops at the longest sequence (reads fewer columns; prefill always uses "gather")
     block_pages: int = 4  # pages per block of the "blocked" attention
+    forward: Literal["auto", "model", "split"] = "auto"  # the model's own forward, or its layers over
+    #   per-layer weight copies (faster on CPU, see sampling/forward.py); auto = split on CPU only
     kv_dtype: str | None = None  # KV pool dtype; None -> the model's compute dtype
     eos_token_ids: tuple[int, ...] | None = None  # None -> (model.cfg.eos_id,)
     max_stop_ids: int = 8  # N: stop token ids per sequence on device (eos + stop_token_ids)
@@ -56,6 +58,8 @@ class SamplerConfig:
         check(0.0 <= self.watermark < 1.0, f"{path}.watermark", self.watermark, "must be in [0, 1)")
         check(self.on_weight_update in ("finish", "recompute"), f"{path}.on_weight_update",
               self.on_weight_update, "must be 'finish' or 'recompute'")
+        check(self.forward in ("auto", "model", "split"), f"{path}.forward", self.forward,
+              "must be 'auto', 'model' or 'split'")
         check(self.attention in ("gather", "blocked"), f"{path}.attention", self.attention,
               "must be 'gather' or 'blocked'")
 
