@@ -138,6 +138,48 @@ def test_remat_gives_same_gradients():
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5, rtol=1e-5)
 
 
+def test_unrolled_layers_equal_scanned():
+    """model.scan_layers: the unrolled loop (default for <= 4 layers) computes what the scan does."""
+    tokens = jnp.asarray(np.random.default_rng(8).integers(3, 128, size=(2, 8)), jnp.int32)
+    outs = []
+    for scan in (True, False):
+        m = init_model(model_preset("tiny", scan_layers=scan, **SMALL), seed=4)
+        assert m.cfg.scanned == scan
+        gd, params = nnx.split(m, nnx.Param)
+        loss = lambda p: jnp.sum(jax.nn.log_softmax(nnx.merge(gd, p)(tokens))[..., 5])  # noqa: E731
+        outs.append(jax.value_and_grad(loss)(params))
+    assert not model_preset("tiny", **SMALL).scanned and model_preset("tiny", num_layers=5).scanned
+    for x, y in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-5, rtol=1e-4)
+
+
+def test_onehot_embedding_and_dense_match_gather_and_einsum(cpu_devices):
+    """The small-vocabulary one-hot lookup is exact, its gradient equals a numpy scatter-add, and
+    `dense` equals einsum, also on an explicitly sharded mesh (where it keeps the einsum form)."""
+    from rpeg_jax.models.dense import dense, embed_lookup
+
+    rng = np.random.default_rng(9)
+    table = jnp.asarray(rng.standard_normal((128, 16)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, 128, size=(4, 6)), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(embed_lookup(table, tokens, jnp.float32)),
+                                  np.asarray(table)[np.asarray(tokens)])
+    cot = rng.standard_normal((4, 6, 16))
+    grad = jax.grad(lambda t: jnp.sum(embed_lookup(t, tokens, jnp.float32) * cot))(table)
+    ref = np.zeros((128, 16))
+    np.add.at(ref, np.asarray(tokens).reshape(-1), cot.reshape(-1, 16))
+    np.testing.assert_allclose(np.asarray(grad), ref, atol=1e-5, rtol=0)
+    x = jnp.asarray(rng.standard_normal((4, 6, 2, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((2, 8, 5)), jnp.float32)
+    ref = np.einsum("bthe,hed->btd", np.asarray(x, np.float64), np.asarray(w, np.float64))
+    np.testing.assert_allclose(np.asarray(dense(x, w, contract=2)), ref, atol=1e-4, rtol=0)
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,), devices=cpu_devices[:2])
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, jax.NamedSharding(mesh, jax.P("data")))
+        out = jax.jit(lambda a: dense(a, w, contract=2))(xs)
+        assert jax.typeof(out).sharding.spec[0] == "data"
+    np.testing.assert_allclose(np.asarray(out), ref, atol=1e-4, rtol=0)
+
+
 def test_llama3_rope_scaling_frequencies():
     """inv_freq against Meta's reference formula, written out here per frequency."""
     from rpeg_jax.models.rope import inv_frequencies

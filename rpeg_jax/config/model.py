@@ -14,6 +14,7 @@ from typing import Literal
 from rpeg_jax.config.base import ConfigError, check, key
 
 DType = Literal["float32", "bfloat16", "float16"]
+UNROLL_MAX_LAYERS = 4  # default: models this shallow run their layers unrolled (ModelConfig.scan_layers)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +57,13 @@ class ModelConfig:
     param_dtype: DType = "float32"
     dtype: DType = "float32"  # compute dtype of matmuls; logits/logprobs are always float32
     remat: Literal["none", "full", "dots"] = "none"  # rematerialisation of each layer in backward
+    scan_layers: bool | None = None  # layers under lax.scan (compile time flat in depth) or unrolled
+    #   (faster on CPU for a few layers); None -> scan when num_layers > UNROLL_MAX_LAYERS
+
+    @property
+    def scanned(self) -> bool:
+        """Whether the layers run under lax.scan (scan_layers, or its depth-based default)."""
+        return self.scan_layers if self.scan_layers is not None else self.num_layers > UNROLL_MAX_LAYERS
     init_std: float = 0.02
     pad_id: int = 0
     bos_id: int = 1

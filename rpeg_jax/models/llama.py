@@ -4,10 +4,10 @@ Letters in tensor names: B batch, T sequence, D hidden (embed), H query heads, K
 E head_dim, F mlp, V vocab, L layers.
 
 Layer parameters are stacked along a leading `layers` axis and the layers run under
-`jax.lax.scan` (compile time independent of depth). Every parameter is an `nnx.Param` whose
-metadata `axes` holds its logical axis names; sharding rules map those names to mesh axes
-(rpeg_jax/sharding). Attention is pluggable (models/attention.py) so the sampler can run the
-same weights over paged KV caches.
+`jax.lax.scan` (compile time independent of depth) or unrolled (`model.scan_layers=false`).
+Every parameter is an `nnx.Param` whose metadata `axes` holds its logical axis names; sharding
+rules map those names to mesh axes (rpeg_jax/sharding). Attention is pluggable
+(models/attention.py) so the sampler can run the same weights over paged KV caches.
 
 Called by: the trainer stages (logprobs, values, updates), the sampler (prefill/decode), HF interop.
 """
@@ -22,6 +22,7 @@ from flax import nnx
 
 from rpeg_jax.config.model import ModelConfig
 from rpeg_jax.models.attention import DenseAttention
+from rpeg_jax.models.dense import dense, embed_lookup
 from rpeg_jax.models.rope import apply_rope, inv_frequencies, rope_tables
 from rpeg_jax.sharding.axes import (BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, SEQ, VOCAB,
                                     constrain)
@@ -77,25 +78,28 @@ class Layers(nnx.Module):
 
 
 def decoder_layer(cfg: ModelConfig, p: dict, x_BxTxD, cos, sin, attention, layer, cache):
-    """One pre-norm decoder layer: x + Attn(norm(x)); then x + SwiGLU(norm(x))."""
+    """One pre-norm decoder layer: x + Attn(norm(x)); then x + SwiGLU(norm(x)).
+
+    Projections go through `dense` (one 2-D GEMM each, forward and backward; see models/dense.py).
+    """
     dt = x_BxTxD.dtype
     h = rms_norm(x_BxTxD, p["attn_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("btd,dhe->bthe", h, p["wq"].astype(dt))
-    k = jnp.einsum("btd,dke->btke", h, p["wk"].astype(dt))
-    v = jnp.einsum("btd,dke->btke", h, p["wv"].astype(dt))
+    q = dense(h, p["wq"].astype(dt))
+    k = dense(h, p["wk"].astype(dt))
+    v = dense(h, p["wv"].astype(dt))
     if "bq" in p:
         q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
     q = constrain(apply_rope(q, cos, sin), (BATCH, SEQ, HEADS, HEAD_DIM))
     k = constrain(apply_rope(k, cos, sin), (BATCH, SEQ, KV_HEADS, HEAD_DIM))
     v = constrain(v, (BATCH, SEQ, KV_HEADS, HEAD_DIM))
     attn, cache = attention(q, k, v, layer=layer, cache=cache)
-    x = x_BxTxD + jnp.einsum("bthe,hed->btd", attn, p["wo"].astype(dt))
+    x = x_BxTxD + dense(attn, p["wo"].astype(dt), contract=2)
     x = constrain(x, (BATCH, SEQ, EMBED))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    gate = jnp.einsum("btd,df->btf", h, p["w_gate"].astype(dt))
-    up = jnp.einsum("btd,df->btf", h, p["w_up"].astype(dt))
+    gate = dense(h, p["w_gate"].astype(dt))
+    up = dense(h, p["w_up"].astype(dt))
     act = constrain(jax.nn.silu(gate) * up, (BATCH, SEQ, MLP))
-    x = x + jnp.einsum("btf,fd->btd", act, p["w_down"].astype(dt))
+    x = x + dense(act, p["w_down"].astype(dt))
     return constrain(x, (BATCH, SEQ, EMBED)), cache
 
 
@@ -137,8 +141,7 @@ class Transformer(nnx.Module):
         if attention is None:
             attention = DenseAttention(jnp.asarray(segment_ids_BxT, jnp.int32))
         dt = jnp_dtype(cfg.dtype)
-        x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt)
-        x = constrain(x, (BATCH, SEQ, EMBED))
+        x = constrain(embed_lookup(self.embed[...], tokens_BxT, dt), (BATCH, SEQ, EMBED))
         cos, sin = rope_tables(positions_BxT, inv_frequencies(cfg))
 
         def body(carry, xs):
@@ -148,8 +151,13 @@ class Transformer(nnx.Module):
 
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat])
+        stacked = self.layers.stacked()
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, cache), _ = jax.lax.scan(body, (x, cache), (self.layers.stacked(), layer_ids))
+        if cfg.scanned:
+            (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, layer_ids))
+        else:  # unrolled: no loop carry or stacked residuals (faster on CPU for a few layers)
+            for i in range(cfg.num_layers):
+                (x, cache), _ = body((x, cache), ({n: w[i] for n, w in stacked.items()}, layer_ids[i]))
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), cache
 
     def output_matrix(self) -> jax.Array:
@@ -158,7 +166,7 @@ class Transformer(nnx.Module):
 
     def logits(self, h_BxTxD) -> jax.Array:
         w = self.output_matrix().astype(h_BxTxD.dtype)
-        logits = jnp.einsum("...d,dv->...v", h_BxTxD, w, preferred_element_type=jnp.float32)
+        logits = dense(h_BxTxD, w, preferred_element_type=jnp.float32)
         return constrain(logits, (BATCH, SEQ, VOCAB)) if logits.ndim == 3 else logits
 
     def values(self, h_BxTxD) -> jax.Array:

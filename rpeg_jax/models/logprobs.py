@@ -3,7 +3,8 @@
 The first out-of-memory users of RL trainers hit is materialising [B, T, V] float32 logits
 (V = 152k for Qwen). Here the unembedding, log-softmax and gather run over chunks of the
 sequence under `jax.checkpoint`, so the forward keeps one chunk of logits alive and the
-backward recomputes each chunk instead of storing it. Only the response window
+backward recomputes each chunk instead of storing it; when the whole window's logits fit the
+budget (small vocabularies) they are computed in one piece. Only the response window
 [start, start + length) is unembedded: prompt logits are never computed.
 
 Called by: rl policy functions (actor/critic stages), the sampler parity tests.
@@ -14,34 +15,51 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rpeg_jax.models.dense import dense
+
 LOGITS_BUDGET = 1 << 24  # float32 logits elements per chunk (64 MiB)
+
+
+def _chunk_logprobs(h_BxCxD, w_DxV, targets_BxC, temperature: float, with_entropy: bool):
+    """(log p[target], entropy or None) of one chunk, float32 [B, C]."""
+    logits = dense(h_BxCxD, w_DxV, preferred_element_type=jnp.float32) / temperature
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    # The target's logit by a one-hot select (its gradient is a select too; a gather's is a scatter).
+    hit = jnp.arange(logits.shape[-1], dtype=jnp.int32) == targets_BxC[..., None]
+    logp = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1) - logz
+    if not with_entropy:
+        return logp, None
+    probs = jnp.exp(logits - logz[..., None])
+    return logp, logz - jnp.sum(probs * logits, axis=-1)
 
 
 def chunked_logprobs(h_BxNxD, w_DxV, targets_BxN, *, chunk: int | None = None, temperature: float = 1.0,
                      with_entropy: bool = False):
-    """log softmax(h·W / temperature)[target] per position, optionally the entropy, float32 [B, N]."""
+    """log softmax(h·W / temperature)[target] per position, optionally the entropy, float32 [B, N].
+
+    When the logits of all N positions fit in LOGITS_BUDGET (chunk=None) they are computed in one
+    piece with no loop and no recomputation; otherwise chunk by chunk under `jax.checkpoint`.
+    """
     b, n, _ = h_BxNxD.shape
     v = w_DxV.shape[1]
+    w = w_DxV.astype(h_BxNxD.dtype)
+    targets_BxN = targets_BxN.astype(jnp.int32)
     if chunk is None:
         chunk = max(1, min(n, LOGITS_BUDGET // max(1, b * v)))
+    if chunk >= n:
+        return _chunk_logprobs(h_BxNxD, w, targets_BxN, temperature, with_entropy)
     num = -(-n // chunk)
     pad = num * chunk - n
     h = jnp.pad(h_BxNxD, ((0, 0), (0, pad), (0, 0)))
-    tg = jnp.pad(targets_BxN.astype(jnp.int32), ((0, 0), (0, pad)))
+    tg = jnp.pad(targets_BxN, ((0, 0), (0, pad)))
     h = h.reshape(b, num, chunk, -1).swapaxes(0, 1)  # [num, B, C, D]
     tg = tg.reshape(b, num, chunk).swapaxes(0, 1)
-    w = w_DxV.astype(h_BxNxD.dtype)
 
     @jax.checkpoint
     def one(args):
         hc, tc = args
-        logits = jnp.einsum("bcd,dv->bcv", hc, w, preferred_element_type=jnp.float32) / temperature
-        logz = jax.nn.logsumexp(logits, axis=-1)
-        logp = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0] - logz
-        if not with_entropy:
-            return logp, jnp.zeros_like(logp)
-        probs = jnp.exp(logits - logz[..., None])
-        return logp, logz - jnp.sum(probs * logits, axis=-1)
+        logp, ent = _chunk_logprobs(hc, w, tc, temperature, with_entropy)
+        return logp, (ent if with_entropy else jnp.zeros_like(logp))
 
     logp, ent = jax.lax.map(one, (h, tg))
     logp = logp.swapaxes(0, 1).reshape(b, num * chunk)[:, :n]

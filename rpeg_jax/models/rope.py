@@ -39,9 +39,18 @@ def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
 
 
 def rope_tables(positions_BxT: jnp.ndarray, inv_freq: np.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """cos, sin of shape [B, T, E/2] in float32."""
+    """cos, sin of shape [B, T, E/2] in float32, computed once per forward pass (see `_once`)."""
     angles = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    return jnp.cos(angles), jnp.sin(angles)
+    return _once(jnp.cos(angles)), _once(jnp.sin(angles))
+
+
+def _once(x):
+    """x, materialised. XLA fuses an elementwise producer into each of its consumers, so cos/sin
+    were recomputed for every head of q and k in every layer, forward and backward (XLA:CPU's
+    cosine costs ~20x a multiply: ~10% of the tiny model's training step). A reduction is never
+    fused into its consumers; this one adds exact zeros. (An optimization barrier does not help:
+    XLA:CPU removes barriers before fusion.)"""
+    return jnp.sum(jnp.stack([x, jnp.zeros_like(x)], axis=-1), axis=-1)
 
 
 def apply_rope(x_BxTxNxE: jnp.ndarray, cos_BxTxE2: jnp.ndarray, sin_BxTxE2: jnp.ndarray) -> jnp.ndarray:
