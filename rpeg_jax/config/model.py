@@ -59,15 +59,15 @@ class ModelConfig:
     remat: Literal["none", "full", "dots"] = "none"  # rematerialisation of each layer in backward
     scan_layers: bool | None = None  # layers under lax.scan (compile time flat in depth) or unrolled
     #   (faster on CPU for a few layers); None -> scan when num_layers > UNROLL_MAX_LAYERS
+    init_std: float = 0.02
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
 
     @property
     def scanned(self) -> bool:
         """Whether the layers run under lax.scan (scan_layers, or its depth-based default)."""
         return self.scan_layers if self.scan_layers is not None else self.num_layers > UNROLL_MAX_LAYERS
-    init_std: float = 0.02
-    pad_id: int = 0
-    bos_id: int = 1
-    eos_id: int = 2
 
     @property
     def head_size(self) -> int:
