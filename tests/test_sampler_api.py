@@ -33,10 +33,14 @@ def perturbed(model, scale=0.05, seed=9):
     """Weights B: the same tree/shapes/dtypes/shardings with different values."""
     from flax import nnx
     _, params = nnx.split(model, nnx.Param)
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    new = [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    return jax.tree.unflatten(treedef, new)
+
+    @jax.jit  # one compile instead of one per eager op
+    def shift(params):
+        leaves, treedef = jax.tree.flatten(params)
+        keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+        return jax.tree.unflatten(treedef, [x + scale * jax.random.normal(k, x.shape, x.dtype)
+                                            for x, k in zip(leaves, keys)])
+    return shift(params)
 
 
 def model_with(model, params):
@@ -174,3 +178,16 @@ def test_compile_count_constant_across_request_shapes_after_warmup(llama):
         sampler.generate(prompts_of(lengths, seed=i), SamplingParams(n=n, max_new_tokens=new, temperature=0.5 + i / 4,
                                                                      top_p=0.9, top_k=i, min_p=0.01 * i, seed=i))
     assert _COMPILES.count == before and sampler.stats()["recompiles"] == stat
+
+
+def test_configs_from_the_run_configs_rollout_section():
+    from rpeg_jax.config import RolloutConfig
+    r = RolloutConfig(max_new_tokens=7, temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, stop_token_ids=(4, 5),
+                      ignore_eos=True, page_size=8, num_pages=99, chunk_steps=16, watermark=0.05,
+                      on_weight_update="recompute", attention="blocked")
+    sp = SamplingParams.from_rollout(r, n=4, seed=3)
+    assert (sp.n, sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.max_new_tokens, sp.stop_token_ids, sp.ignore_eos,
+            sp.seed) == (4, 0.5, 3, 0.9, 0.1, 7, (4, 5), True, 3)
+    sc = SamplerConfig.from_rollout(r, max_slots=12, max_seq_len=40, seed=9)
+    assert (sc.page_size, sc.num_pages, sc.max_slots, sc.max_seq_len, sc.chunk_steps, sc.watermark, sc.on_weight_update,
+            sc.attention, sc.seed) == (8, 99, 12, 40, 16, 0.05, "recompute", "blocked", 9)

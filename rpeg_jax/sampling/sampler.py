@@ -55,10 +55,12 @@ class Sampler:
         self.cfg, self.model_cfg, self.tokenizer = cfg, mcfg, tokenizer
         graphdef, params = as_params(model)
         self.sharding = SamplerSharding(mesh or mesh_of(params), mcfg.num_kv_heads, cfg.max_slots)
-        self.params = self.sharding.place_params(params)
-        self._signature = ParamSignature.of(self.params)
+        params = self.sharding.place_params(params)
+        self._signature = ParamSignature.of(params)
         self._fwd = choose_forward(cfg.forward, graphdef, mcfg)
-        self._weights = self._fwd.prepare(self.params)  # what the device functions read
+        # What the device functions read: the params themselves (model forward; the caller must not
+        # donate them afterwards) or per-layer copies (split forward).
+        self._weights = self._fwd.prepare(params)
         self.max_seq_len = cfg.max_seq_len or mcfg.max_position_embeddings
         if self.max_seq_len > mcfg.max_position_embeddings:
             raise ValueError(f"sampler.max_seq_len={self.max_seq_len}: exceeds model.max_position_embeddings="
@@ -252,7 +254,7 @@ class Sampler:
 
     # ---- helpers ------------------------------------------------------------------------------
     def _swap(self, params, version: int) -> None:
-        self.params, self.version, self._pending = params, version, None
+        self.version, self._pending = version, None
         self._weights = self._device(self._fwd.prepare, params)
 
     def _check_prompt(self, i: int, p: list[int], params: SamplingParams) -> None:
