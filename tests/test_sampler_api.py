@@ -183,11 +183,11 @@ def test_compile_count_constant_across_request_shapes_after_warmup(llama):
 def test_configs_from_the_run_configs_rollout_section():
     from rpeg_jax.config import RolloutConfig
     r = RolloutConfig(max_new_tokens=7, temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, stop_token_ids=(4, 5),
-                      ignore_eos=True, page_size=8, num_pages=99, chunk_steps=16, watermark=0.05,
+                      ignore_eos=True, page_size=8, num_pages=99, chunk_steps=16, min_chunk_steps=16, watermark=0.05,
                       on_weight_update="recompute", attention="blocked")
     sp = SamplingParams.from_rollout(r, n=4, seed=3)
     assert (sp.n, sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.max_new_tokens, sp.stop_token_ids, sp.ignore_eos,
             sp.seed) == (4, 0.5, 3, 0.9, 0.1, 7, (4, 5), True, 3)
     sc = SamplerConfig.from_rollout(r, max_slots=12, max_seq_len=40, seed=9)
-    assert (sc.page_size, sc.num_pages, sc.max_slots, sc.max_seq_len, sc.chunk_steps, sc.watermark, sc.on_weight_update,
-            sc.attention, sc.seed) == (8, 99, 12, 40, 16, 0.05, "recompute", "blocked", 9)
+    assert (sc.page_size, sc.num_pages, sc.max_slots, sc.max_seq_len, sc.chunk_steps, sc.min_chunk_steps, sc.watermark,
+            sc.on_weight_update, sc.attention, sc.seed) == (8, 99, 12, 40, 16, 16, 0.05, "recompute", "blocked", 9)

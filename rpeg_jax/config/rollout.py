@@ -20,7 +20,9 @@ class RolloutConfig:
     page_size: int = 16
     num_pages: int | None = None  # None -> enough for every slot at max length (+ watermark)
     max_slots: int | None = None  # concurrent sequences; None -> one step's whole batch
-    chunk_steps: int = 64  # K: decode steps per jitted while_loop chunk
+    chunk_steps: int = 64  # K: decode steps per jitted while_loop chunk (at most)
+    min_chunk_steps: int = 8  # chunks end early where the page-table width bucket grows, not before
+    #                           this many steps (= chunk_steps: one chunk per call when K allows)
     watermark: float = 0.01  # fraction of pages kept free when admitting groups
     on_weight_update: Literal["finish", "recompute"] = "finish"
     attention: Literal["gather", "blocked"] = "gather"  # decode attention over pages (sampling/types.py)
@@ -37,4 +39,5 @@ class RolloutConfig:
         if self.max_slots is not None:
             check(self.max_slots >= 1, key(path, "max_slots"), self.max_slots, "must be >= 1")
         check(self.chunk_steps >= 1, key(path, "chunk_steps"), self.chunk_steps, "must be >= 1")
+        check(self.min_chunk_steps >= 1, key(path, "min_chunk_steps"), self.min_chunk_steps, "must be >= 1")
         check(0.0 <= self.watermark < 1.0, key(path, "watermark"), self.watermark, "must be in [0, 1)")

@@ -68,7 +68,8 @@ class SamplerConfig:
                      **overrides) -> "SamplerConfig":
         """Engine settings from the run config's rollout section."""
         kw = dict(page_size=r.page_size, num_pages=r.num_pages, max_slots=r.max_slots or max_slots,
-                  max_seq_len=max_seq_len, chunk_steps=r.chunk_steps, watermark=r.watermark,
+                  max_seq_len=max_seq_len, chunk_steps=r.chunk_steps, min_chunk_steps=r.min_chunk_steps,
+                  watermark=r.watermark,
                   on_weight_update=r.on_weight_update, attention=r.attention)
         return cls(**{**kw, **overrides})
 
