@@ -4,8 +4,9 @@
     outs = Sampler(model, SamplerConfig(max_slots=128, max_seq_len=64)).generate(prompts, SamplingParams(n=8))
 
 Modules: types (configs and results), sampler (the host loop and public API), scheduler (slots,
-admission, reservation, preemption), allocator (pages), engine (jitted prefill/decode), paged_attention,
-transforms (temperature/top-k/top-p/min-p, logprobs), stops, weights, sharding.
+admission, reservation, preemption), allocator (pages), engine (jitted prefill/decode), forward (how the
+model runs inside them), paged_attention, transforms (temperature/top-k/top-p/min-p, logprobs), stops,
+weights, sharding.
 """
 
 from rpeg_jax.sampling.allocator import OutOfPages, PageAllocator

@@ -12,6 +12,9 @@ other members get the prompt's full pages shared and the partial last page copie
 the next chunk, run up to K decode steps in one jitted while_loop, read tokens and logprobs back once,
 retire finished sequences (their pages return to the pool) and admit new ones.
 
+A chunk ends early where the page-table width bucket would grow (after min_chunk_steps), so each
+step gathers at most about twice the key columns it needs.
+
 Shapes that reach the compiler are bucketed: decode is [max_slots] x power-of-two page-table widths;
 prefill is power-of-two rows x power-of-two lengths (>= min_prefill_len). Everything else (sampling
 settings, lengths, step limits, stop ids) is a traced argument.
