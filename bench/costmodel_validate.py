@@ -1,21 +1,27 @@
-"""Validate the cost model against measured stage runs on this CPU (8 forced XLA devices).
+"""Validate the cost model against measurements on this CPU (8 forced XLA devices).
 
-    python bench/costmodel_validate.py --json out.json [--quick] [--repeats 3] [--hardware cpu]
+    python bench/costmodel_validate.py --calibrate --clock cpu     # measure CALIBRATION, fit, save the profile
+    python bench/costmodel_validate.py --json out.json --clock cpu [--step-level] [--quick]
 
-Measures >= 20 stage configurations (model sizes, batch sizes, lengths, meshes data x fsdp x
-tensor of the 8 CPU devices): forward logprob passes and actor updates (rpeg_jax.models +
-rpeg_jax.rl.make_actor_update, the code the runtime runs), and generation (rpeg_jax.sampling). Each is compiled once, run `repeats` times (median), and compared with the model's
-prediction on the calibrated `cpu` profile (`rpeg calibrate` first; the profile is fitted on
-micro-benchmarks only, never on these stages). Peak memory per device is XLA's compiled memory
-analysis (arguments + outputs + temporaries - aliased).
+Stage level: the VALIDATION configurations of bench/costmodel_stages.py (>= 20: model sizes,
+batch sizes, lengths, meshes data x fsdp x tensor of 1-8 devices; forward, train, generate),
+measured round-robin with medians, against the predictions of the saved `cpu` profile. That
+profile is fitted on the disjoint CALIBRATION configurations only (`--calibrate` measures them,
+writes the points next to the profile and runs `rpeg calibrate --points` logic), never on these.
+
+Step level (`--step-level`): candidate plans of the default config (configs/default.yaml) on
+the 8 devices: the planner's chosen plan, runners-up, baselines and the best plan of each device-
+group size; every plan runs whole RL steps in its own process (rpeg_jax.runtime.train under the
+plan; a hung collective cannot stop the benchmark), `--rounds` times interleaved, and the median
+step after warm-up is compared with the predicted steady-state step time.
 
 JSON: stages[...] (config, measured_s, predicted_s, error, memory measured/predicted),
-mape_stage {kind: MAPE}, memory_error (mean |relative error|), and with --step-level the
-step-level fields mape_step (the chosen plan of the default config), spearman (>= 10 candidate
-plans, predicted vs measured step time) and chosen_vs_best, from whole RL steps run by
-rpeg_jax.runtime.train under each plan (null with `pending` otherwise).
-
-The machine is shared: timings taken while others run tests are noisy; rerun when it is quiet.
+mape_stage {kind: MAPE}, mape_stage_all, memory_error (mean |relative error|), and with
+--step-level mape_step (the chosen plan), mape_step_all, spearman (predicted vs measured over the
+plans), chosen_vs_best (measured chosen / best measured - 1), plans[...]; load (1-minute load
+averages seen), clock, calibration residuals, git commit. `--clock cpu` (process CPU seconds)
+is the default: the machine is shared and wall time depends on others' load; pair it with a
+profile calibrated on the same clock (what --calibrate does).
 """
 
 from __future__ import annotations
@@ -24,265 +30,31 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
-from rpeg_jax.config.model import model_preset  # noqa: E402
-from rpeg_jax.config.rl import RLConfig  # noqa: E402
-from rpeg_jax.costmodel import stages as S  # noqa: E402
-from rpeg_jax.costmodel.hardware import load_hardware  # noqa: E402
-from rpeg_jax.costmodel.lengths import LengthDist  # noqa: E402
-from rpeg_jax.costmodel.shape import ModelShape  # noqa: E402
-from rpeg_jax.graph.algorithms import model_dims  # noqa: E402
+from rpeg_jax.costmodel.calibrate import fit_saved_points  # noqa: E402
+from rpeg_jax.costmodel.fit import predict_point  # noqa: E402
+from rpeg_jax.costmodel.hardware import calibrated_path, load_hardware, save_hardware  # noqa: E402
 
-# Model shapes small enough to time on a 2-core CPU (T is WORKLOADS.md's tiny model).
-MODELS = {
-    "T": dict(preset="tiny"),
-    "M": dict(preset="tiny", vocab_size=1024, hidden_size=384, num_layers=4, num_heads=6, num_kv_heads=2,
-              intermediate_size=1024),
-    "W": dict(preset="tiny", vocab_size=2048, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
-              intermediate_size=1536),
-}
-
-# (kind, model, B, P, R, mesh (data, fsdp, tensor), micro-batches, remat)
-CONFIGS = [
-    ("forward", "T", 32, 16, 32, (8, 1, 1), 1, "none"),
-    ("forward", "T", 32, 16, 32, (1, 8, 1), 1, "none"),
-    ("forward", "T", 16, 32, 64, (2, 2, 2), 1, "none"),
-    ("forward", "M", 16, 16, 48, (8, 1, 1), 1, "none"),
-    ("forward", "M", 16, 16, 48, (4, 1, 2), 1, "none"),
-    ("forward", "M", 32, 16, 48, (1, 8, 1), 1, "none"),
-    ("forward", "M", 8, 16, 48, (1, 1, 1), 1, "none"),
-    ("forward", "W", 8, 16, 48, (8, 1, 1), 1, "none"),
-    ("forward", "W", 8, 16, 48, (1, 4, 2), 1, "none"),
-    ("forward", "W", 16, 32, 96, (2, 1, 4), 1, "none"),
-    ("train", "T", 32, 16, 32, (8, 1, 1), 1, "none"),
-    ("train", "T", 32, 16, 32, (1, 8, 1), 2, "none"),
-    ("train", "T", 16, 32, 64, (2, 2, 2), 1, "none"),
-    ("train", "M", 16, 16, 48, (8, 1, 1), 1, "none"),
-    ("train", "M", 16, 16, 48, (1, 8, 1), 1, "full"),
-    ("train", "M", 16, 16, 48, (4, 1, 2), 2, "none"),
-    ("train", "M", 8, 16, 48, (1, 1, 1), 1, "none"),
-    ("train", "W", 8, 16, 48, (8, 1, 1), 1, "none"),
-    ("train", "W", 8, 16, 48, (1, 8, 1), 1, "none"),
-    ("train", "W", 16, 16, 48, (2, 1, 4), 1, "dots"),
-    ("train", "W", 16, 32, 32, (2, 4, 1), 2, "full"),
-]
-# generate: (kind, model, B sequences, P prompt, R new tokens, mesh, G group size, "-")
-CONFIGS += [
-    ("generate", "T", 64, 16, 32, (8, 1, 1), 8, "-"),
-    ("generate", "T", 128, 16, 32, (8, 1, 1), 8, "-"),
-    ("generate", "T", 32, 16, 64, (4, 1, 2), 4, "-"),
-    ("generate", "M", 32, 16, 32, (8, 1, 1), 8, "-"),
-    ("generate", "M", 16, 16, 32, (1, 1, 1), 4, "-"),
-    ("generate", "W", 16, 16, 32, (4, 1, 2), 4, "-"),
-]
-QUICK = [CONFIGS[i] for i in (0, 3, 8, 10, 13, 18, 21)]
-
-# logical axis -> mesh axis for parameters (FSDP over 'fsdp', Megatron-style over 'tensor')
-PARAM_RULES = {"embed": "fsdp", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOADS: list[float] = []
 
 
-def model_cfg(name: str, remat: str):
-    spec = dict(MODELS[name])
-    preset = spec.pop("preset")
-    return model_preset(preset, remat=remat, max_position_embeddings=512, **spec)
-
-
-def param_specs(state, mesh):
-    """PartitionSpec per parameter from its logical `axes` metadata (size must divide)."""
-    import jax
-    from flax import nnx
-
-    def spec(var):
-        axes = (var.get_metadata() or {}).get("axes") or ()
-        shape = var.get_value().shape if hasattr(var, "get_value") else var.value.shape
-        out, used = [], set()
-        for ax, n in zip(axes, shape):
-            m = PARAM_RULES.get(ax)
-            ok = m is not None and m not in used and n % mesh.shape[m] == 0 and mesh.shape[m] > 1
-            out.append(m if ok else None)
-            if ok:
-                used.add(m)
-        return jax.sharding.NamedSharding(mesh, jax.P(*out))
-
-    return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def layout(state, mesh):
-    """(parameter shardings, activation resolver): the sharding package's fsdp_tensor preset (what
-    the runtime uses) when present, else the small fallback mapping above with no activation hook."""
-    try:
-        from rpeg_jax.sharding.params import param_shardings
-        from rpeg_jax.sharding.rules import activation_resolver, get_rules
-    except ImportError:
-        return param_specs(state, mesh), None
-    rules = get_rules("fsdp_tensor")
-    return param_shardings(state, mesh, rules), activation_resolver(mesh, rules)
-
-
-class _traced:
-    """A jitted function lowered inside the activation-resolver context (constrain() hooks)."""
-
-    def __init__(self, fn, resolver):
-        self.fn, self.resolver = fn, resolver
-
-    def lower(self, *args):
-        import contextlib
-
-        from rpeg_jax.sharding.axes import use_resolver
-
-        with use_resolver(self.resolver) if self.resolver is not None else contextlib.nullcontext():
-            return self.fn.lower(*args)
-
-
-def build_generate(mname, B, P, R, mesh_shape, G):
-    """(callable, args) generating B = (B/G prompts) x G completions of R tokens (eos ignored)."""
-    import jax
-    from flax import nnx
-
-    from rpeg_jax.models import init_model
-    from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
-
-    n = int(np.prod(mesh_shape))
-    mesh = jax.make_mesh(mesh_shape, ("data", "fsdp", "tensor"), devices=jax.devices()[:n],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
-    model = init_model(model_cfg(mname, "none"), seed=0)
-    state = nnx.state(model, nnx.Param)
-    shard, _ = layout(state, mesh)
-    nnx.update(model, jax.device_put(state, shard))
-    sampler = Sampler(model, SamplerConfig(max_slots=B, max_seq_len=P + R), mesh=mesh)
-    rng = np.random.default_rng(0)
-    prompts = [[1] + rng.integers(3, 100, P - 1).tolist() for _ in range(B // G)]
-    params = SamplingParams(n=G, max_new_tokens=R, ignore_eos=True, temperature=1.0)
-    return _Gen(sampler, prompts, params), (), mesh
-
-
-class _Gen:
-    """Sampler.generate with the timing interface of a compiled stage (compiles on first call)."""
-
-    def __init__(self, sampler, prompts, params):
-        self.sampler, self.prompts, self.params = sampler, prompts, params
-
-    def lower(self, *args):
-        return self
-
-    def compile(self):
-        self.sampler.generate(self.prompts, self.params)  # compiles prefill and decode buckets
-        return self
-
-    def memory_analysis(self):
-        return None
-
-    def __call__(self, *args):
-        return self.sampler.generate(self.prompts, self.params)
-
-
-def build(kind, mname, B, P, R, mesh_shape, micro, remat):
-    """(jitted fn, args) for one stage configuration on a mesh of the first d*f*t devices."""
-    if kind == "generate":
-        return build_generate(mname, B, P, R, mesh_shape, micro)
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
-
-    from rpeg_jax.models import init_model, token_logprobs
-    from rpeg_jax.rl import make_actor_update
-
-    n = int(np.prod(mesh_shape))
-    mesh = jax.make_mesh(mesh_shape, ("data", "fsdp", "tensor"), devices=jax.devices()[:n],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
-    cfg = model_cfg(mname, remat)
-    model = init_model(cfg, seed=0)
-    graphdef, state = nnx.split(model, nnx.Param)
-    shard, resolver = layout(state, mesh)
-    params = jax.device_put(state, shard)
-    S_ = P + R
-    rng = np.random.default_rng(0)
-    bsh = jax.sharding.NamedSharding(mesh, jax.P(("data", "fsdp")))
-    tokens = jax.device_put(jnp.asarray(rng.integers(3, cfg.vocab_size, (B, S_)), jnp.int32), bsh)
-    positions = jax.device_put(jnp.broadcast_to(jnp.arange(S_, dtype=jnp.int32), (B, S_)), bsh)
-    seg = jax.device_put(jnp.ones((B, S_), jnp.int32), bsh)
-    targets = jax.device_put(jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1), bsh)
-
-    def logp(p, tok, pos, sg, tg):
-        m = nnx.merge(graphdef, p)
-        return token_logprobs(m, tok, pos, sg, tg, start=P - 1, length=R)[0]
-
-    if kind == "forward":
-        return _traced(jax.jit(logp), resolver), (params, tokens, positions, seg, targets), mesh
-    rl = RLConfig(algorithm="grpo", group_size=2, micro_batches=micro)
-    tx = optax.adamw(1e-4)
-    opt_state = jax.jit(tx.init)(params)
-
-    def policy_fn(p, batch):
-        return {"logp": logp(p, batch["tokens"], batch["positions"], batch["seg"], batch["targets"]),
-                "entropy": None, "values": None}
-
-    update = make_actor_update(policy_fn, tx, rl)
-    batch = {"tokens": tokens, "positions": positions, "seg": seg, "targets": targets,
-             "response_mask_BxR": jax.device_put(jnp.ones((B, R), jnp.float32), bsh),
-             "advantages_BxR": jax.device_put(jnp.asarray(rng.normal(size=(B, R)), jnp.float32), bsh),
-             "old_logp_BxR": jax.device_put(jnp.full((B, R), -5.0, jnp.float32), bsh)}
-    fn = jax.jit(update, donate_argnums=(0, 1))
-    return _traced(fn, resolver), (params, opt_state, batch), mesh
-
-
-def measure(kind, fn, args, repeats):
-    """(median seconds, compiled peak bytes per device)."""
-    import jax
-
-    compiled = fn.lower(*args).compile()
-    ma = compiled.memory_analysis()
-    peak = None
-    if ma is not None:
-        peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-                - ma.alias_size_in_bytes)
-    times = []
-    state = args
-    for i in range(repeats + 1):
-        t = CLOCK()
-        out = compiled(*state)
-        if kind != "generate":
-            jax.block_until_ready(out)
-        if i:
-            times.append(CLOCK() - t)
-        if kind == "train":  # donated params/opt state: feed the outputs back
-            state = (out[0], out[1], state[2])
-    return statistics.median(times), peak
-
-
-def predict(hw, kind, mname, B, P, R, mesh_shape, micro, remat):
-    ms = ModelShape.of(model_dims(model_cfg(mname, remat if kind != "generate" else "none"), "actor"))
-    st = S.Setting(hw=hw, B=B, P=P, R=R, G=1, dist=LengthDist.fixed(R), causal_skip=False, dense_scores=True,
-                   packing=False, budget_bytes=hw.hbm_bytes)
-    d, f, t = mesh_shape
-    busy = d * f * t
-    if kind == "generate":  # the sampler's slots are global: B / (d·f) per data replica
-        st = dataclasses.replace(st, G=micro, kv_replicated=True)
-        n = busy
-        sec = S.generate_stage(st, ms, n, [t], [-(-B // (n // t))])[0][0]
-        mem = float(S.generate_memory(st, ms, t, -(-B // (n // t)), n // t))
-        return float(sec), mem
-    if kind == "forward":
-        sec = S.forward_stage(st, ms, busy, d, f, t, micro)[0]
-        mem = ms.weight_bytes(ms.param_bytes_per) / (f * t) + S.forward_memory(st, ms, d, f, t, micro)
-    else:
-        sec = S.train_stage(st, ms, busy, d, f, t, micro, remat)[0]
-        mem = S.train_memory(st, ms, d, f, t, micro, remat)
-    return float(sec), float(mem)
-
-
-CLOCK = time.perf_counter  # --clock cpu: process CPU seconds (use a profile calibrated with --clock cpu)
+def note_load() -> float:
+    load = os.getloadavg()[0]
+    LOADS.append(load)
+    return load
 
 
 def spearman(a, b) -> float:
@@ -290,102 +62,179 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def run_plan_steps(cfg, plan, steps: int, warmup: int = 2) -> list[float]:
-    """Seconds per RL step (after `warmup` steps) of `cfg` run by the runtime under `plan`."""
-    import tempfile
+# ---- stage level -----------------------------------------------------------------------------
+def calibrate(args) -> int:
+    """Measure CALIBRATION, fit the profile (starting from the saved one), save both."""
+    import costmodel_stages as CS
 
+    note_load()
+    pts = CS.measure_set(CS.CALIBRATION, args.repeats, CS.CLOCKS[args.clock])
+    note_load()
+    path = args.out or calibrated_path(args.hardware)
+    points = os.path.splitext(path)[0] + ".points.json"
+    with open(points, "w") as f:
+        json.dump({"clock": args.clock, "points": pts, "load": LOADS}, f, indent=1)
+    # What `rpeg calibrate` does with saved points: fit from the saved profile and from the preset.
+    preset = load_hardware(args.hardware, calibrated=False)
+    alt = dataclasses.replace(preset, host_cores=1) if args.clock == "cpu" else preset
+    start = load_hardware(path) if os.path.isfile(path) else alt
+    prof = fit_saved_points(start, points, args.clock, alt)
+    prof = dataclasses.replace(prof, calibrated={**prof.calibrated, "clock_cpu": float(args.clock == "cpu")})
+    save_hardware(prof, path)
+    print(f"fitted {len(pts)} calibration points: {prof.calibrated} -> {path} (load {LOADS})")
+    return 0
+
+
+def stage_rows(args, hw) -> list[dict]:
+    import costmodel_stages as CS
+
+    configs = CS.QUICK if args.quick else CS.VALIDATION
+    if args.only:
+        configs = [c for c in configs if c[0] in args.only.split(",")]
+    if args.reuse:
+        with open(args.reuse) as f:
+            pts = [r["point"] for r in json.load(f)["stages"]]
+    else:
+        note_load()
+        pts = CS.measure_set(configs, args.repeats, CS.CLOCKS[args.clock])
+        note_load()
+    rows = []
+    for p in pts:
+        sec, mem = predict_point(hw, p)
+        m = p.get("memory")
+        rows.append({**{k: p[k] for k in CS.KEYS}, "measured_s": p["seconds"], "predicted_s": sec,
+                     "error": (sec - p["seconds"]) / p["seconds"], "memory_measured": m, "memory_predicted": mem,
+                     "memory_error": (mem - m) / m if m else None, "point": p})
+        r = rows[-1]
+        print(f"{r['kind']:<8} {r['model']} B{r['B']:<3} S{r['P'] + r['R']:<4} mesh {tuple(r['mesh'])} mb{r['micro']} "
+              f"{r['remat']:<4} measured {1e3 * r['measured_s']:8.2f} ms  predicted {1e3 * sec:8.2f} ms "
+              f"({100 * r['error']:+6.1f}%)  mem {m or 0:>11.0f} vs {mem:>11.0f}", flush=True)
+    return rows
+
+
+def stage_summary(rows: list[dict]) -> dict:
+    kinds = sorted({r["kind"] for r in rows})
+    mem = [abs(r["memory_error"]) for r in rows if r["memory_error"] is not None]
+    return {"mape_stage": {k: float(np.mean([abs(r["error"]) for r in rows if r["kind"] == k])) for k in kinds},
+            "mape_stage_all": float(np.mean([abs(r["error"]) for r in rows])),
+            "memory_error": float(np.mean(mem)) if mem else None,
+            "memory_error_max": float(np.max(mem)) if mem else None,
+            "spearman_stage": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])}
+
+
+# ---- step level ------------------------------------------------------------------------------
+def run_plan(plan_path: str, out: str, steps: int, warmup: int, clock: str) -> None:
+    """(Child process) train the default config under a saved plan; write per-step seconds."""
+    from rpeg_jax.config import load_config
     from rpeg_jax.costmodel.planner import apply_plan_settings
+    from rpeg_jax.graph.plan import Plan
     from rpeg_jax.runtime import train
 
-    cfg = apply_plan_settings(cfg, plan)
+    plan = Plan.load(plan_path)
+    cfg = apply_plan_settings(load_config(None, []), plan)
+    marks = []
+    clk = time.process_time if clock == "cpu" else time.perf_counter
     with tempfile.TemporaryDirectory() as d:
         tr = dataclasses.replace(cfg.train, steps=warmup + steps, run_dir=d, checkpoint_every=0,
                                  tensorboard=False, progress=False, resume="never")
-        train(dataclasses.replace(cfg, train=tr), plan=plan)
-        with open(os.path.join(d, "metrics.jsonl")) as f:
-            recs = [json.loads(line) for line in f if line.strip()]
-    return [r["timing_s/step"] for r in recs[warmup:] if "timing_s/step" in r]
+        marks.append(clk())
+        train(dataclasses.replace(cfg, train=tr), plan=plan, on_step=lambda s, m: marks.append(clk()))
+    sec = np.diff(marks)[warmup:].tolist()
+    with open(out, "w") as f:
+        json.dump({"seconds": sec}, f)
 
 
-def step_level(args):
-    """End-to-end step time of the default config's plans, measured by the runtime."""
-    if not args.step_level:
-        return {"mape_step": None, "spearman": None, "chosen_vs_best": None,
-                "pending": "run with --step-level (needs a runtime that honours each plan's meshes)"}
-    return run_step_validation(args)
-
-
-def run_step_validation(args):
-    """Measure >= 10 candidate plans of the default config against their predictions."""
+def step_candidates(hw, n: int, cap: int = 12) -> list:
+    """Up to `cap` distinct plans of the default config: the chosen plan, the baselines, then the
+    best plan of device-group options spread over the predicted range, then runners-up."""
     from rpeg_jax.config import load_config
     from rpeg_jax.costmodel import planner as P
 
-    cfg = load_config(None, [])
-    cfg = dataclasses.replace(cfg, costmodel=dataclasses.replace(cfg.costmodel, runners_up=12))
-    res = P.search(cfg, 8, load_hardware(args.hardware))
-    plans = [res.chosen, *res.runners_up, *res.baselines.values()]
-    measured = [float(np.median(run_plan_steps(cfg, p.plan, steps=args.steps))) for p in plans]
-    predicted = [p.step_time_s for p in plans]
-    for p, q, m in zip(plans, predicted, measured):
-        print(f"plan {p.label:<12} predicted {q:8.3f} s  measured {m:8.3f} s  ({100 * (q - m) / m:+.1f}%)", flush=True)
-    err = [abs(p - m) / m for p, m in zip(predicted, measured)]
-    return {"mape_step": float(err[0]), "mape_step_all": float(np.mean(err)),
-            "spearman": spearman(predicted, measured),
-            "chosen_vs_best": measured[0] / min(measured) - 1.0,
-            "plans": [{"label": p.label, "predicted_s": q, "measured_s": m, "knobs": p.knobs, "layout": p.layout}
-                      for p, q, m in zip(plans, predicted, measured)]}
+    cfg = load_config(None, ["costmodel.runners_up=8"])
+    res = P.search(cfg, n, hw, 1)
+    groups = P.best_by_groups(cfg, n, hw, 1)
+    head = [res.chosen, *res.baselines.values()]
+    spread = [groups[int(round(i))] for i in np.linspace(0, len(groups) - 1, min(len(groups), cap - len(head)))]
+    seen, out = set(), []
+    for p in [*head, *spread, *res.runners_up, *groups]:
+        key = json.dumps(p.plan.to_dict()["stages"]) + json.dumps(p.knobs, sort_keys=True)
+        if key not in seen and len(out) < cap:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+def step_level(args, hw) -> dict:
+    plans = step_candidates(hw, 8)
+    print(f"step level: {len(plans)} candidate plans of the default config", flush=True)
+    runs: list[list[float]] = [[] for _ in plans]
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.path.join(tempfile.gettempdir(), "rpeg_cm_xla_cache")}
+    with tempfile.TemporaryDirectory() as d:
+        for r in range(args.rounds):  # interleaved: every plan once per round
+            for i, p in enumerate(plans):
+                path, out = os.path.join(d, f"plan{i}.json"), os.path.join(d, f"res{i}_{r}.json")
+                p.plan.save(path)
+                note_load()
+                cmd = [sys.executable, __file__, "--run-plan", path, "--out", out, "--steps", str(args.steps),
+                       "--clock", args.clock]
+                rc = subprocess.run(cmd, env=env, cwd=ROOT, timeout=args.plan_timeout,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+                if rc == 0:
+                    with open(out) as f:
+                        runs[i] += json.load(f)["seconds"]
+                print(f"  round {r} {p.label:<14} rc={rc} steps {['%.2f' % x for x in runs[i]]}", flush=True)
+    ok = [i for i, x in enumerate(runs) if x]
+    pred = [plans[i].step_time_s for i in ok]
+    meas = [float(np.median(runs[i])) for i in ok]
+    for i, q, m in zip(ok, pred, meas):
+        print(f"plan {plans[i].label:<14} predicted {q:8.3f} s  measured {m:8.3f} s  ({100 * (q - m) / m:+.1f}%)")
+    chosen = 0 if 0 in ok else None
+    err = [abs(q - m) / m for q, m in zip(pred, meas)]
+    return {"mape_step": err[ok.index(0)] if chosen is not None else None, "mape_step_all": float(np.mean(err)),
+            "spearman": spearman(pred, meas) if len(ok) > 2 else None,
+            "chosen_vs_best": meas[ok.index(0)] / min(meas) - 1.0 if chosen is not None else None,
+            "plans": [{"label": plans[i].label, "predicted_s": plans[i].step_time_s,
+                       "measured_s": float(np.median(runs[i])) if runs[i] else None, "runs_s": runs[i],
+                       "knobs": plans[i].knobs, "layout": plans[i].layout} for i in range(len(plans))],
+            "failed": [plans[i].label for i in range(len(plans)) if not runs[i]]}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5, help="round-robin rounds per stage configuration")
     ap.add_argument("--hardware", default="cpu")
-    ap.add_argument("--step-level", action="store_true", help="also run whole RL steps of >= 10 plans")
-    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                    help="cpu: process CPU seconds (robust to other processes; pair with a profile from "
-                         "`rpeg calibrate --clock cpu`)")
-    ap.add_argument("--only", default=None, help="comma-separated kinds to measure (forward,train,generate)")
-    ap.add_argument("--reuse", default=None, help="re-predict the measurements of an earlier --json output "
-                                                 "(e.g. after recalibrating) instead of measuring again")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="cpu")
+    ap.add_argument("--only", default=None, help="comma-separated kinds (forward,train,generate)")
+    ap.add_argument("--reuse", default=None, help="re-predict the stage measurements of an earlier --json")
+    ap.add_argument("--no-stages", action="store_true", help="skip the stage level")
+    ap.add_argument("--calibrate", action="store_true", help="measure CALIBRATION, fit and save the profile")
+    ap.add_argument("--out", default=None, help="--calibrate: profile path (default the calibrated cache)")
+    ap.add_argument("--step-level", action="store_true", help="also run whole RL steps of the candidate plans")
+    ap.add_argument("--steps", type=int, default=4, help="measured steps per plan and round (after 2 warm-up)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--plan-timeout", type=int, default=900)
+    ap.add_argument("--run-plan", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    global CLOCK
-    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.run_plan:
+        run_plan(args.run_plan, args.out, args.steps, 2, args.clock)
+        return 0
+    if args.calibrate:
+        return calibrate(args)
     hw = load_hardware(args.hardware)
-    rows = []
-    kinds = set(args.only.split(",")) if args.only else {"forward", "train", "generate"}
-    old = {}
-    if args.reuse:
-        with open(args.reuse) as f:
-            for r in json.load(f)["stages"]:
-                old[(r["kind"], r["model"], r["B"], r["P"], r["R"], tuple(r["mesh"]), r["micro"], r["remat"])] = r
-    for c in [c for c in (QUICK if args.quick else CONFIGS) if c[0] in kinds]:
-        if args.reuse:
-            if c not in old:
-                continue
-            sec, peak = old[c]["measured_s"], old[c]["memory_measured"]
-        else:
-            fn, fargs, _ = build(*c)
-            sec, peak = measure(c[0], fn, fargs, args.repeats)
-        psec, pmem = predict(hw, *c)
-        row = dict(zip(("kind", "model", "B", "P", "R", "mesh", "micro", "remat"), c),
-                   measured_s=sec, predicted_s=psec, error=(psec - sec) / sec,
-                   memory_measured=peak, memory_predicted=pmem,
-                   memory_error=None if not peak else (pmem - peak) / peak)
-        rows.append(row)
-        print(f"{c[0]:<8} {c[1]} B{c[2]:<3} S{c[3] + c[4]:<4} mesh {c[5]} mb{c[6]} {c[7]:<4}  "
-              f"measured {sec * 1e3:8.2f} ms  predicted {psec * 1e3:8.2f} ms  ({100 * row['error']:+6.1f}%)  "
-              f"mem {peak or 0:>11.0f} vs {pmem:>11.0f}", flush=True)
-    kinds = sorted({r["kind"] for r in rows})
-    out = {"hardware": hw.name, "calibrated": bool(hw.calibrated), "clock": args.clock, "stages": rows,
-           "mape_stage": {k: float(np.mean([abs(r["error"]) for r in rows if r["kind"] == k])) for k in kinds},
-           "mape_stage_all": float(np.mean([abs(r["error"]) for r in rows])),
-           "memory_error": float(np.mean([abs(r["memory_error"]) for r in rows if r["memory_error"] is not None])),
-           "spearman_stage": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])}
-    out.update(step_level(args))
-    print(json.dumps({k: v for k, v in out.items() if k != "stages"}, indent=1))
+    out = {"hardware": hw.name, "calibrated": dict(hw.calibrated), "clock": args.clock,
+           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                    text=True).stdout.strip()}
+    if not args.no_stages:
+        rows = stage_rows(args, hw)
+        out.update(stages=rows, **stage_summary(rows))
+    if args.step_level:
+        out.update(step_level(args, hw))
+    else:
+        out.update(mape_step=None, spearman=None, chosen_vs_best=None, pending="run with --step-level")
+    out["load"] = LOADS
+    print(json.dumps({k: v for k, v in out.items() if k not in ("stages", "plans")}, indent=1))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -100,3 +100,74 @@ def test_stage_fit_recovers_known_factors():
     assert fitted.efficiency.layer_s == pytest.approx(4e-5, rel=0.1)
     assert fitted.efficiency.backward_factor == pytest.approx(1.6, rel=0.05)
     assert resid["stage_fit_mape"] < 0.02
+
+
+def _points(hw):
+    """Stage points (costmodel/fit.py format) whose 'measurements' are `hw`'s own predictions."""
+    import dataclasses
+
+    from rpeg_jax.costmodel.fit import predict_point
+    from rpeg_jax.costmodel.shape import ModelShape
+
+    def dims(L, D, H, K, F, V):
+        E = D // H
+        layer = D * H * E + 2 * D * K * E + H * E * D + 3 * D * F + 2 * D
+        return dataclasses.asdict(ModelShape(num_params=2 * V * D + L * layer + D, L=L, D=D, H=H, K=K, E=E, F=F,
+                                             V=V, param_bytes_per=4, act_bytes_per=4, dtype="float32"))
+
+    small, wide = dims(4, 256, 4, 2, 768, 128), dims(6, 512, 8, 4, 1536, 2048)
+    cfgs = [("forward", small, 16, (1, 1, 1), 1, "none"), ("forward", wide, 16, (4, 2, 1), 1, "none"),
+            ("forward", small, 64, (4, 1, 1), 1, "none"), ("forward", wide, 8, (1, 4, 2), 1, "none"),
+            ("train", small, 16, (1, 1, 1), 1, "none"), ("train", wide, 16, (4, 2, 1), 1, "full"),
+            ("train", small, 32, (1, 4, 2), 2, "none"), ("train", wide, 8, (1, 1, 1), 1, "dots"),
+            ("generate", small, 32, (1, 1, 1), 8, "-"), ("generate", small, 64, (4, 1, 1), 8, "-"),
+            ("generate", wide, 16, (2, 1, 2), 4, "-"), ("generate", wide, 16, (1, 1, 1), 4, "-")]
+    pts = []
+    for kind, d, B, mesh, micro, remat in cfgs:
+        p = {"kind": kind, "dims": d, "B": B, "P": 16, "R": 32, "mesh": list(mesh), "remat": remat,
+             "micro": micro if kind != "generate" else 1, "G": micro if kind == "generate" else 1}
+        sec, mem = predict_point(hw, p)
+        pts.append({**p, "seconds": sec, "memory": mem if kind != "generate" else None})
+    return pts
+
+
+def test_fit_points_recovers_a_known_profile():
+    # 'Measurements' from a profile with known factors (3x slower FLOPs, layer and decode-step
+    # costs, a backward factor, hoisted FSDP gathers): fitted from the uncalibrated profile, the
+    # predictions must match them and the memory mode must be found.
+    import dataclasses
+
+    from rpeg_jax.costmodel.fit import fit_points, predict_point
+
+    base = load_hardware("cpu", calibrated=False)
+    truth = dataclasses.replace(
+        base, device=dataclasses.replace(base.device, peak_flops=base.device.peak_flops / 3,
+                                         peak_flops_fp32=base.device.peak_flops_fp32 / 3),
+        efficiency=dataclasses.replace(base.efficiency, layer_s=2e-4, decode_step_s=1e-3, backward_factor=1.5,
+                                       fsdp_gather="model"))
+    pts = _points(truth)
+    before = max(abs(predict_point(base, p)[0] / p["seconds"] - 1) for p in pts)
+    fitted, resid = fit_points(base, pts, multistart=False)  # (one start: keeps the test short)
+    after = max(abs(predict_point(fitted, p)[0] / p["seconds"] - 1) for p in pts)
+    assert before > 0.3 and after < 0.05 and resid["fit_time_mape"] < 0.03
+    assert fitted.efficiency.fsdp_gather == "model" and resid["fit_memory_mape"] < 1e-9
+    assert fitted.device.peak_flops == pytest.approx(truth.device.peak_flops, rel=0.15)
+
+
+def test_rpeg_calibrate_fits_saved_points(tmp_path, monkeypatch):
+    # `rpeg calibrate` hands the points saved beside the profile to fit_points (same clock only)
+    # and records how many it fitted (the fit itself is tested above).
+    import json
+
+    from rpeg_jax.costmodel import fit as F
+    from rpeg_jax.costmodel.calibrate import fit_saved_points
+
+    base = load_hardware("cpu", calibrated=False)
+    seen = []
+    monkeypatch.setattr(F, "fit_points", lambda hw, pts: (seen.append(pts) or hw, {"fit_time_mape": 0.01}))
+    pts = [{"kind": "forward", "seconds": 1.0}] * 3
+    path = tmp_path / "cpu.points.json"
+    path.write_text(json.dumps({"clock": "cpu", "points": pts}))
+    prof = fit_saved_points(base, str(path), "cpu")
+    assert seen == [pts] and prof.calibrated["stage_points"] == 3 and prof.calibrated["fit_time_mape"] == 0.01
+    assert fit_saved_points(base, str(path), "wall") is base  # measured on another clock: not mixed

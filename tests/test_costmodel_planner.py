@@ -54,6 +54,7 @@ def test_rejects_plans_that_do_not_fit():
         P.search(cfg, 4, GH)
 
 
+@pytest.mark.slow
 def test_memory_forces_sharding_and_every_plan_fits():
     # 7B with float32 Adam state is 16 B/param = 122 GB replicated: it must be sharded on 8 H100s.
     hw = load_hardware("h100", calibrated=False)
@@ -77,14 +78,16 @@ def test_slow_links_rule_out_tensor_parallelism():
 
 
 def test_long_tail_favours_bounded_asynchrony_when_allowed():
-    cfg = cfg_of("costmodel.max_staleness=1")
+    # (Without elision: skipping old_forward makes the synchronous plan as fast on this workload.)
+    cfg = cfg_of("costmodel.max_staleness=1", "costmodel.search_elide_old_forward=false")
     res = P.search(cfg, 16, GH)
     assert res.chosen.knobs["staleness"] == 1
-    sync_only = P.search(cfg_of("costmodel.max_staleness=0"), 16, GH)
+    sync_only = P.search(cfg_of("costmodel.max_staleness=0", "costmodel.search_elide_old_forward=false"), 16, GH)
     assert sync_only.chosen.knobs["staleness"] == 0
     assert res.chosen.step_time_s < sync_only.chosen.step_time_s
 
 
+@pytest.mark.slow
 def test_continuous_admission_hides_the_tail():
     # Without it (the runtime today) each step's batch is one generate call, tail included, and
     # staleness only overlaps the groups; with it generation becomes throughput-bound.
@@ -103,7 +106,7 @@ def _all_periods(ctx, placement, share, graph, tab):
     return simulate(unroll(graph, shared_resource=ctx.hw.shared_host), dur, pieces)[0]
 
 
-@pytest.mark.parametrize("algo, n", [("grpo", 8), ("ppo", 8)])
+@pytest.mark.parametrize("algo, n", [("grpo", 8), pytest.param("ppo", 8, marks=pytest.mark.slow)])
 def test_search_finds_the_optimum_of_its_space_and_baselines_are_family_best(algo, n):
     # With the same generation engine (per-replica KV pools) our space contains both baselines.
     cfg = cfg_of(f"rl.algorithm={algo}", "rl.kl_coef=0.05", "costmodel.kv_pool=sharded")
@@ -129,6 +132,7 @@ def test_search_finds_the_optimum_of_its_space_and_baselines_are_family_best(alg
     assert all(b.knobs["staleness"] == 0 and not b.knobs["fuse"] for b in res.baselines.values())
 
 
+@pytest.mark.slow
 def test_baselines_use_their_own_engines():
     # Our sampler replicates its KV pool over the data axis; verl/ReaL engines do not, and are
     # priced that way (no straw men), so the baselines are the same whatever kv_pool says.
@@ -171,6 +175,7 @@ def test_cli_json_fields(tmp_path, capsys):
     assert Plan.load(str(tmp_path / "chosen.json")).num_devices == 16
 
 
+@pytest.mark.slow
 def test_256_gpu_search_is_fast():
     res = P.search(cfg_of("rollout.max_new_tokens=16384", "costmodel.response_len_min=4096",
                           "costmodel.response_len_median=6144", model="qwen2-7b"), 256, GH)
@@ -185,7 +190,8 @@ def test_apply_plan_settings():
     lay = res.chosen.layout
     assert out.rl.micro_batches == lay["train"]["micro_batches"]
     assert out.model.remat == lay["train"]["remat"]
-    assert out.rollout.max_slots == lay["generate"]["slots"]
+    # The sampler's max_slots spans its replicas (the slot axis is sharded over them).
+    assert out.rollout.max_slots == lay["generate"]["slots"] * lay["generate"]["replicas"]
     assert out.pipeline.staleness == res.chosen.knobs["staleness"]
     assert out.pipeline.placement == res.chosen.knobs["placement"]
 
@@ -206,3 +212,137 @@ def test_useful_flops_counts_fused_parts_and_sharing():
     lens = ctx.st.dist.lengths(ctx.st.B).astype(float)
     one = float(ms.forward_flops(np.sum(ctx.st.P + lens), np.sum(lens), np.sum((ctx.st.P + lens) ** 2), True))
     assert plain - P.useful_flops(ctx.st, shared) == pytest.approx(4 * one, rel=0.01)
+
+
+# ---- meshes, processes, shared host, elision, defaults ---------------------------------------
+def _candidates(res):
+    return [res.chosen, *res.runners_up, *res.baselines.values()]
+
+
+@pytest.mark.parametrize("hw", [CPU, GH], ids=["cpu", "gh200"])
+def test_mesh_axes_divide_the_batches_they_shard(hw):
+    cfg = load_config(None, ["costmodel.runners_up=12"])
+    res = P.search(cfg, 8, hw, 1)
+    B = cfg.data.prompts_per_step * cfg.rl.group_size
+    for p in _candidates(res):
+        m = p.knobs["microbatches"]
+        piece = B // m
+        gen, tr, fw = p.layout["generate"], p.layout["train"], p.layout["forward"]
+        assert B % m == 0 and cfg.data.prompts_per_step % m == 0, p.label
+        assert piece % gen["replicas"] == 0, (p.label, gen)
+        assert piece % (tr["data"] * tr["fsdp"]) == 0 and piece % (fw["data"] * fw["fsdp"]) == 0, p.label
+        assert p.plan.predicted["settings"]["rollout.max_slots"] % gen["replicas"] == 0
+    # 7 does not divide 128 sequences: no 7-device generation group or 7-way mesh.
+    sizes = {p.layout["generate"]["replicas"] for p in _candidates(res)}
+    assert 7 not in sizes
+
+
+def test_several_processes_stay_colocated_with_per_process_generation():
+    cfg = load_config(None, ["costmodel.runners_up=12"])
+    res = P.search(cfg, 8, GH, processes=2)
+    B = cfg.data.prompts_per_step * cfg.rl.group_size
+    for p in _candidates(res):
+        assert p.knobs["placement"] == "colocated" and p.layout["groups"] == {"all": 8}
+        assert p.layout["generate"]["tensor"] == 1
+    s = res.chosen.plan.predicted["settings"]
+    assert s["rollout.max_slots"] == res.chosen.layout["generate"]["slots"] * 8 // 2 <= B // 2
+    assert res.chosen.plan.predicted["processes"] == 2
+    with pytest.raises(GraphError, match="processes"):
+        P.search(cfg, 8, GH, processes=3)
+
+
+def test_shared_host_groups_do_not_overlap_but_gpus_do():
+    # A split's period on a shared host is its groups' busy time added up (one machine's cores),
+    # never the slower group's alone; on GPUs the groups overlap.
+    cfg = load_config(None, ["pipeline.staleness=1", "costmodel.max_staleness=1"])
+    for hw, overlap in ((CPU, False), (GH, True)):
+        ctx = P.make_context(cfg, 8, hw)
+        opts = [o for o in P.structural_options(ctx, "split", False) if o.staleness == 1 and o.microbatches == 1]
+        pipe, g = P._graphs(ctx, opts[:1])[0]
+        tab = P._table(ctx, g, "split", {})
+        period, _ = P.periods(ctx, g, tab)
+        dur, _ = P.durations(ctx, g, tab)
+        device = sum(v for k, v in dur.items() if k != "reward")
+        fin = np.isfinite(period)
+        assert fin.any()
+        if overlap:
+            assert (period[fin] < device[fin] - 1e-12).any()
+        else:
+            assert np.allclose(period[fin], device[fin] + 0.0, rtol=1e-9, atol=dur["reward"][0] + 1e-12)
+
+
+def test_shared_host_may_leave_devices_idle_but_gpus_use_all():
+    cfg = load_config(None, [])
+    assert {n for n, _ in P.allocations(P.make_context(cfg, 8, CPU), "colocated")} == set(range(1, 9))
+    assert P.allocations(P.make_context(cfg, 8, GH), "colocated") == [(8, 8)]
+    assert all(g + t == 8 for g, t in P.allocations(P.make_context(cfg, 8, GH), "split"))
+    assert all(g + t <= 8 for g, t in P.allocations(P.make_context(cfg, 8, CPU), "split"))
+    res = P.search(cfg, 8, CPU, 1)
+    used = res.chosen.plan.groups
+    assert all(max(g.devices) < 8 for g in used)
+
+
+def test_elide_old_forward_is_searched_and_priced():
+    cfg = load_config(None, [])
+    ctx = P.make_context(cfg, 4, GH)
+    opts = P.structural_options(ctx, "colocated", False)
+    assert {o.elide_old_forward for o in opts} == {False, True}
+    assert all(o.staleness == 0 for o in opts if o.elide_old_forward)
+    pairs = dict((o.elide_old_forward, g) for o, g in P._graphs(ctx, [o for o in opts if not o.fuse]))
+    tab = P._table(ctx, pairs[False], "colocated", {})
+    full, _ = P.periods(ctx, pairs[False], tab)
+    elided, _ = P.periods(ctx, pairs[True], tab)
+    dur, _ = P.durations(ctx, pairs[False], tab)
+    assert "old_forward" not in pairs[True].stage_names()
+    # colocated: serial, except the host reward that ran beside old_forward is now on the path
+    saved = dur["old_forward"] - np.minimum(dur["reward"], dur["old_forward"])
+    np.testing.assert_allclose(full - elided, saved, rtol=1e-9)
+    # Truncated sampling (top_p < 1) makes the sampler's logprobs differ from the trainer's.
+    ctx = P.make_context(load_config(None, ["rollout.top_p=0.9"]), 4, GH)
+    assert not any(o.elide_old_forward for o in P.structural_options(ctx, "colocated", False))
+    ctx = P.make_context(load_config(None, ["costmodel.search_elide_old_forward=false"]), 4, GH)
+    assert not any(o.elide_old_forward for o in P.structural_options(ctx, "colocated", False))
+
+
+def test_utilization_on_a_shared_host_counts_the_host_once():
+    cfg = load_config(None, [])
+    one = P.search(cfg, 1, CPU, 1).chosen
+    eight = P.search(cfg, 8, CPU, 1).chosen
+    # the same machine: the same useful FLOPs per second give the same utilization
+    assert one.utilization * one.step_time_s == pytest.approx(eight.utilization * eight.step_time_s, rel=0.05)
+
+
+def test_rpeg_plan_defaults_to_the_devices_a_run_sees_and_a_calibrated_profile(tmp_path):
+    import os
+
+    from rpeg_jax.costmodel.devices import resolve
+    from rpeg_jax.costmodel.hardware import calibrated_path, save_hardware
+
+    # In this process JAX sees the 8 forced devices (conftest): that is what plans default to.
+    hw, n, procs = resolve(load_config(None, []), None, None, None)
+    assert (hw.name, n, procs) == ("cpu", 8, 1)
+    # A calibrated cpu profile (a host twice as fast) is what choose_plan and `rpeg plan` use.
+    fast = dataclasses.replace(CPU, device=dataclasses.replace(CPU.device, peak_flops=2 * CPU.device.peak_flops,
+                                                               peak_flops_fp32=2 * CPU.device.peak_flops_fp32,
+                                                               memory_bw=2 * CPU.device.memory_bw))
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["RPEG_CACHE"] = str(cache)
+    old = os.environ.get("RPEG_CACHE")
+    os.environ["RPEG_CACHE"] = str(cache)
+    try:
+        save_hardware(fast, calibrated_path("cpu"))
+        direct = P.search(load_config(None, []), 1, fast, 1).chosen.step_time_s
+        auto = P.choose_plan(load_config(None, []), 1, None, 1).predicted["step_time_s"]
+    finally:
+        os.environ.pop("RPEG_CACHE") if old is None else os.environ.__setitem__("RPEG_CACHE", old)
+    assert auto == pytest.approx(direct)
+    assert direct < P.search(load_config(None, []), 1, CPU, 1).chosen.step_time_s
+    # A plain CPU process (what `make run` starts) sees one device.
+    out = tmp_path / "plan.json"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-m", "rpeg_jax.cli", "plan", "--config", "configs/default.yaml", "--quiet",
+                    "--json", str(out)], check=True, env=env, cwd=root)
+    d = json.loads(out.read_text())
+    assert (d["num_devices"], d["hardware"], d["processes"]) == (1, "cpu", 1)
+    assert d["chosen"]["step_time_s"] == pytest.approx(direct)

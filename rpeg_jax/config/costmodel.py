@@ -12,7 +12,7 @@ from rpeg_jax.config.base import check, key
 
 @dataclass(frozen=True, kw_only=True)
 class CostModelConfig:
-    hardware: str = "cpu"  # profile name in configs/hardware/ or a YAML path
+    hardware: str = "auto"  # profile name in configs/hardware/, a YAML path, or auto (the devices the run sees)
     num_devices: int | None = None  # None -> the devices JAX sees
     memory_budget: float = 0.9  # fraction of device memory plans may use
     max_plans: int = 200000  # search budget (candidate layouts scored per placement)
@@ -31,6 +31,8 @@ class CostModelConfig:
     max_staleness: int = 1  # k the planner may choose, 0..max_staleness (0: synchronous only)
     search_share_actor_critic: bool = True  # PPO: may share one backbone between actor and critic
     search_fusion: bool = True  # may fuse forwards / advantage
+    search_elide_old_forward: bool = True  # may reuse the sampler's logprobs as π_old when k = 0 and the
+    #   sampler's distribution is the trainer's (no top_k / top_p / min_p truncation)
     tensor_sizes: tuple[int, ...] = (1, 2, 4, 8)  # tensor-parallel degrees tried
     runners_up: int = 5  # plans listed after the chosen one
 

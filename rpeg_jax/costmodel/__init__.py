@@ -1,14 +1,23 @@
 """rpeg_jax.costmodel: the analytical performance model and the planner (no JAX, no devices).
 
     from rpeg_jax.costmodel.planner import choose_plan, search, predicted_stage_times, compare
-    plan = choose_plan(cfg, num_devices, hardware)   # graph.plan.Plan; plan.predicted has step_time_s,
-                                                     # memory_per_gpu_gb, utilization, stage_s, settings
+    plan = choose_plan(cfg, num_devices, hardware, processes)  # graph.plan.Plan; plan.predicted has
+                                                     # step_time_s, memory_per_gpu_gb, utilization, stage_s, settings
     cfg = apply_plan_settings(cfg, plan)             # rl.micro_batches, model.remat, rollout.max_slots, pipeline
-    res = search(cfg, n, hardware)                   # chosen, runners_up, baselines (verl_like, real_like)
+    res = search(cfg, n, hardware, processes)        # chosen, runners_up, baselines (verl_like, real_like)
+    alts = best_by_groups(cfg, n, hardware, processes)   # the best plan of every device-group option
+    metrics = compare(plan, measured_s)              # predicted_s/<stage>, pred_error/<stage> (graph stage names)
 
-Modules: hardware (profiles as data, configs/hardware/*.yaml), shape (FLOPs/bytes/memory of a
-model), comm (collectives per hierarchy level, resharding), lengths (response-length model,
-decode schedule), stages (time and memory per stage kind), candidates (plan tables), schedule
-(step simulation over device groups), planner (search, baselines), report, cli (`rpeg plan`),
-calibrate (`rpeg calibrate`, the only module that imports JAX, inside its functions).
+Unset arguments come from the config (costmodel.hardware: auto, costmodel.num_devices) and else
+from the devices JAX sees (costmodel/devices.py): the runtime calls choose_plan(cfg, n) and gets
+the profile of its device kind, the calibrated copy when `rpeg calibrate` saved one, and
+jax.process_count() processes.
+
+Modules: hardware (profiles as data, configs/hardware/*.yaml), devices (the run's devices ->
+profile), shape (FLOPs/bytes/memory of a model), comm (collectives per hierarchy level,
+resharding), lengths (response-length model, decode schedule), stages (time and memory per stage
+kind), candidates (plan tables), schedule (step simulation over device groups), planner (search,
+baselines), report, cli (`rpeg plan`), fit (stage measurements as data, least-squares fit of a
+profile), calibrate (`rpeg calibrate`; with devices.local_devices the only code that imports JAX,
+inside functions).
 """

@@ -13,8 +13,14 @@ devices, a few depths and batch shapes) whose measured times fit, by least squar
 error, a matmul scale, `efficiency.elementwise_factor` and `efficiency.layer_s`. The validation
 benchmark (bench/costmodel_validate.py) uses the real models, meshes and shapes, never these.
 On a CPU profile the measured rates replace the peaks; on an accelerator the nominal peak stays
-and the tables become measured / nominal. JAX is imported inside the functions only, so
-importing this module (and `rpeg plan`) never initialises a device.
+and the tables become measured / nominal. Last, when stage measurements of the real code exist
+(`--points`, default <cache>/hardware/<profile>.points.json, written by
+`bench/costmodel_validate.py --calibrate`, which runs the real model, update and sampler on the
+CALIBRATION configurations of bench/costmodel_stages.py), the profile is refitted to them
+(costmodel/fit.py: least squares on log time, the FSDP gather mode for memory); the validation
+configurations are never among them. The saved profile is what `rpeg plan` and
+`pipeline.plan: auto` load (hardware.load_hardware prefers it). JAX is imported inside the
+functions only, so importing this module (and `rpeg plan`) never initialises a device.
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ def add_arguments(p) -> None:
     p.add_argument("--no-stages", action="store_true", help="micro-benchmarks only (skip the stage-level fit)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall (default; a quiet machine) or cpu (process CPU seconds, robust to others' load)")
+    p.add_argument("--points", default=None,
+                   help="stage measurements of the real code to fit too (JSON of costmodel/fit.py points; "
+                        "default <profile>.points.json beside the saved profile when present, written by "
+                        "bench/costmodel_validate.py --calibrate)")
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -379,6 +389,25 @@ def calibrate(base: HardwareProfile, quick: bool, stages: bool = True, clock: st
     return prof
 
 
+def fit_saved_points(prof: HardwareProfile, path: str, clock: str, alt: HardwareProfile | None = None) -> HardwareProfile:
+    """`prof` refitted to saved stage points (costmodel/fit.py); they must use the same clock. With
+    `alt` (the uncalibrated preset) the fit also starts from it and the better fit on the points
+    is kept: micro-benchmark tables (cache-resident sizes) can shape the curves worse than the
+    preset's for whole stages."""
+    import json
+
+    from rpeg_jax.costmodel import fit as F
+
+    with open(path) as f:
+        data = json.load(f)
+    if data.get("clock", clock) != clock:
+        print(f"rpeg calibrate: skipping {path}: measured on the {data['clock']} clock, not {clock}", file=sys.stderr)
+        return prof
+    fits = [F.fit_points(p, data["points"]) for p in ([prof] if alt is None else [prof, alt])]
+    best, resid = min(fits, key=lambda pr: pr[1].get("fit_time_mape", 0.0))
+    return dataclasses.replace(best, calibrated={**prof.calibrated, **resid, "stage_points": float(len(data["points"]))})
+
+
 def run(args) -> int:
     if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -389,12 +418,18 @@ def run(args) -> int:
     name = args.profile or ("h200" if on_gpu else "cpu")
     base = load_hardware(name, calibrated=False)
     prof = calibrate(base, args.quick, stages=not args.no_stages, clock=args.clock)
-    path = save_hardware(prof, args.out or calibrated_path(name))
+    out = args.out or calibrated_path(name)
+    points = args.points or os.path.splitext(calibrated_path(name))[0] + ".points.json"
+    if os.path.isfile(points):  # real stage measurements on this machine: fit them too
+        alt = dataclasses.replace(base, host_cores=1) if args.clock == "cpu" else base
+        prof = fit_saved_points(prof, points, args.clock, alt)
+    path = save_hardware(prof, out)
     d, e = prof.device, prof.efficiency
     print(f"calibrated {name} on {jax.default_backend()} ({len(jax.local_devices())} devices): "
           f"peak {d.peak_flops / 1e9:.1f} GFLOP/s, memory {d.memory_bw / 1e9:.1f} GB/s, "
           f"dispatch {e.dispatch_s * 1e6:.0f} us, layer {e.layer_s * 1e6:.1f} us, "
           f"loop step {e.decode_step_s * 1e6:.1f} us, link {prof.node.link_bw / 1e9:.2f} GB/s, "
-          f"elementwise x{e.elementwise_factor:.2f}, stage fit MAPE "
-          f"{100 * prof.calibrated.get('stage_fit_mape', float('nan')):.1f}% -> {path}")
+          f"elementwise x{e.elementwise_factor:.2f}, backward x{e.backward_factor:.2f}, fsdp gather {e.fsdp_gather}, "
+          f"synthetic fit MAPE {100 * prof.calibrated.get('stage_fit_mape', float('nan')):.1f}%, stage points fit MAPE "
+          f"{100 * prof.calibrated.get('fit_time_mape', float('nan')):.1f}% -> {path}")
     return 0

@@ -60,8 +60,11 @@ def layouts(n: int, B: int, ms: ModelShape, tensor_sizes) -> np.ndarray:
     return np.array(rows, dtype=np.int64).reshape(-1, 3)
 
 
-def gen_layouts(n: int, ms: ModelShape, tensor_sizes) -> np.ndarray:
-    return np.array([t for t in tensor_sizes if n % t == 0 and ms.H % t == 0 and ms.F % t == 0], np.int64)
+def gen_layouts(n: int, B: int, ms: ModelShape, tensor_sizes) -> np.ndarray:
+    """Tensor degrees t of generation on n devices: t divides heads and mlp, and the n/t replicas
+    divide the batch (the sampler shards its slots over them)."""
+    return np.array([t for t in tensor_sizes if n % t == 0 and ms.H % t == 0 and ms.F % t == 0
+                     and B % (n // t) == 0], np.int64)
 
 
 def quantize_slots(slots: np.ndarray, n_rep: np.ndarray) -> np.ndarray:
@@ -105,12 +108,13 @@ def _best_forward(st, busy, lay: np.ndarray, models: list[ModelShape]):
     return times, trans, micros
 
 
-def build(st: S.Setting, roles: Roles, n_total: int, placement: str, gen_sizes: list[int],
-          tensor_sizes, max_staleness: int = 0, continuous: bool = False) -> dict[str, np.ndarray]:
-    """All feasible rows of a placement family (see the module docstring). `continuous`: under
-    staleness k generation admits the next steps' prompts while a step's tail finishes."""
-    allocs = [(n_total, n_total)] if placement == "colocated" else [(g, n_total - g) for g in gen_sizes]
-    parts = [_alloc_rows(st, roles, ng, nt, placement, tensor_sizes, max_staleness, continuous)
+def build(st: S.Setting, roles: Roles, allocs: list[tuple[int, int]], placement: str, tensor_sizes,
+          max_staleness: int = 0, continuous: bool = False, gen_tensor_sizes=None) -> dict[str, np.ndarray]:
+    """All feasible rows of a placement family (see the module docstring) over the device-group
+    options `allocs` [(n_gen, n_train)] (colocated: n_gen = n_train, the one group). `continuous`:
+    under staleness k generation admits the next steps' prompts while a step's tail finishes."""
+    parts = [_alloc_rows(st, roles, ng, nt, placement, tensor_sizes, max_staleness, continuous,
+                         gen_tensor_sizes or tensor_sizes)
              for ng, nt in allocs]
     considered = sum(p.pop("considered", 0) for p in parts if p)
     parts = [p for p in parts if p and len(p["n_gen"])]
@@ -122,11 +126,11 @@ def build(st: S.Setting, roles: Roles, n_total: int, placement: str, gen_sizes: 
 
 
 def _alloc_rows(st, roles: Roles, n_gen: int, n_train: int, placement: str, tensor_sizes, max_k: int,
-                continuous: bool) -> dict:
+                continuous: bool, gen_tensor_sizes) -> dict:
     hw, actor = st.hw, roles.actor
     coloc = placement == "colocated"
     lay = layouts(n_train, st.B, actor, tensor_sizes)
-    gl = gen_layouts(n_gen, actor, tensor_sizes)
+    gl = gen_layouts(n_gen, st.B, actor, gen_tensor_sizes)
     if not len(lay) or not len(gl):
         return {}
     trained = [actor] + ([roles.critic] if roles.critic is not None else [])

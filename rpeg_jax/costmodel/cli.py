@@ -3,7 +3,10 @@
 Prints the chosen plan (predicted step time, memory per GPU, utilization, per-stage breakdown),
 the runners-up, the verl-like and ReaL-like baselines with their ratios, and the search time;
 `--json` writes the same (see costmodel/report.py for the fields), `--save-plan` the chosen
-Plan (loadable with `pipeline.plan: <path>`). Imports no JAX and touches no device.
+Plan (loadable with `pipeline.plan: <path>`). Defaults are what a run would see: the device
+count and kind JAX reports here (1 CPU device for `make run` on a plain CPU) and the calibrated
+profile of that kind when `rpeg calibrate` saved one. With --gpus and --hardware given it
+imports no JAX and touches no device.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ def add_arguments(p) -> None:
     p.add_argument("--hardware", default=None, help="profile name (configs/hardware/) or YAML path; "
                                                     "default costmodel.hardware")
     p.add_argument("--gpus", "--devices", dest="gpus", type=int, default=None,
-                   help="devices to plan for (default costmodel.num_devices, else the profile's node)")
+                   help="devices to plan for (default costmodel.num_devices, else the devices JAX sees here)")
+    p.add_argument("--processes", type=int, default=None,
+                   help="JAX processes owning the devices (default: this process's jax.process_count())")
     p.add_argument("--model", default=None, help="model preset, e.g. qwen2-7b (= model.preset=...)")
     p.add_argument("--json", default=None, help="write the result as JSON here")
     p.add_argument("--save-plan", default=None, help="write the chosen Plan JSON here")
@@ -30,7 +35,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from rpeg_jax.costmodel.hardware import load_hardware
+    from rpeg_jax.costmodel.devices import resolve
     from rpeg_jax.costmodel.planner import search
     from rpeg_jax.costmodel.report import render_text, to_json_dict
 
@@ -38,10 +43,9 @@ def run(args) -> int:
     if args.model:
         overrides.insert(0, f"model.preset={args.model}")
     cfg = load_config(args.config, overrides)
-    hw = load_hardware(args.hardware or cfg.costmodel.hardware)
-    n = args.gpus or cfg.costmodel.num_devices or hw.node.devices
     try:
-        res = search(cfg, n, hw)
+        hw, n, procs = resolve(cfg, args.gpus, args.hardware, args.processes or (1 if args.gpus else None))
+        res = search(cfg, n, hw, procs)
     except GraphError as e:
         print(str(e), file=sys.stderr)
         return 2

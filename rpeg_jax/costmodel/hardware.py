@@ -105,9 +105,16 @@ class EfficiencySpec:
     dispatch_s: float = 1e-4  # host cost of one jitted call, s
     layer_s: float = 2e-5  # fixed cost per layer per pass (launches inside the layer scan), s
     decode_step_s: float = 3e-5  # fixed cost per decode step (host sync, sampling), s
+    contention: float = 0.0  # shared host: throughput lost to device programs beyond the cores,
+    #   total rate x (host_cores / busy)^contention (fitted)
+    decode_layer_s: float | None = None  # fixed cost per layer per decode step (page-table gathers,
+    #   KV writes, launches), s; None -> layer_s
     kv_read_factor: float = 2.0  # KV bytes moved per cached byte per step (gather attention copies pages)
     elementwise_factor: float = 1.0  # fitted multiplier on the elementwise kernels' activation traffic
     backward_factor: float = 1.0  # backward time / (2 x forward time) of the same layers (fitted)
+    fsdp_gather: Literal["matrix", "layer", "model"] = "matrix"  # what an FSDP pass holds gathered at once:
+    #   two weight matrices (gathered right before use), two layers, or every layer (the compiler
+    #   hoists the gathers out of the layer scan; XLA:CPU does); fitted by calibration
 
     def validate(self, path: str) -> None:
         for name in ("matmul", "memory", "intra_node", "inter_node"):
@@ -115,10 +122,19 @@ class EfficiencySpec:
         check(0.0 <= self.overlap <= 1.0, key(path, "overlap"), self.overlap, "must be in [0, 1]")
         check(self.kv_read_factor >= 1.0, key(path, "kv_read_factor"), self.kv_read_factor, "must be >= 1")
         check(self.elementwise_factor > 0, key(path, "elementwise_factor"), self.elementwise_factor, "must be > 0")
+        check(0.0 <= self.contention <= 4.0, key(path, "contention"), self.contention, "must be in [0, 4]")
         check(self.backward_factor > 0, key(path, "backward_factor"), self.backward_factor, "must be > 0")
+        check(self.fsdp_gather in ("matrix", "layer", "model"), key(path, "fsdp_gather"), self.fsdp_gather,
+              "must be matrix | layer | model")
         for name in ("dispatch_s", "layer_s", "decode_step_s"):
             v = getattr(self, name)
             check(v >= 0, key(path, name), v, "must be >= 0")
+        if self.decode_layer_s is not None:
+            check(self.decode_layer_s >= 0, key(path, "decode_layer_s"), self.decode_layer_s, "must be >= 0")
+
+    @property
+    def decode_layer(self) -> float:
+        return self.layer_s if self.decode_layer_s is None else self.decode_layer_s
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,7 +4,8 @@ predict step time and memory of every candidate; return the best plan, runners-u
     plan = choose_plan(cfg, num_devices, hardware)     # a graph.plan.Plan, predictions inside
     result = search(cfg, num_devices, hardware)       # everything `rpeg plan` prints
 
-Search, per placement family (colocated | split, actor-critic shared or not):
+Search, per placement family (colocated | split, actor-critic shared or not; costmodel/space.py
+holds the search space: device-group options, structural options, mesh divisibility):
   1. candidates.build: every (groups, generation / training / forward layout) row with its best
      micro-batch and remat choice that fits in memory; base stage durations per row (vectorised).
   2. prune to the rows best by a serial and an overlapped proxy of the step;
@@ -20,7 +21,6 @@ Nothing here imports JAX: planning a 256-GPU cluster runs on a laptop.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,10 +31,12 @@ from rpeg_jax.config.pipeline import PipelineConfig
 from rpeg_jax.config.run import RunConfig
 from rpeg_jax.costmodel import candidates as C
 from rpeg_jax.costmodel import stages as S
-from rpeg_jax.costmodel.hardware import GB, HardwareProfile, load_hardware
+from rpeg_jax.costmodel.devices import resolve
+from rpeg_jax.costmodel.hardware import GB, HardwareProfile
 from rpeg_jax.costmodel.lengths import LengthDist
 from rpeg_jax.costmodel.schedule import simulate, stage_spans, unroll
 from rpeg_jax.costmodel.shape import ModelShape
+from rpeg_jax.costmodel.space import allocations, divisible, families, sampler_is_trainer, structural_options  # noqa: F401
 from rpeg_jax.graph.algorithms import build_graph
 from rpeg_jax.graph.ir import Graph, GraphError, Op, StageKind
 from rpeg_jax.graph.passes import apply_pipeline
@@ -52,6 +54,7 @@ class Context:
     N: int
     st: S.Setting
     base: Graph  # synchronous unfused graph of the config
+    processes: int = 1  # JAX processes the N devices belong to (N / processes each, in order)
 
 
 @dataclass
@@ -85,6 +88,7 @@ class SearchResult:
     plans_considered: int  # every (layouts × micro-batch × remat) combination priced, before pruning
     hardware: str
     num_devices: int
+    processes: int = 1
     notes: list[str] = field(default_factory=list)
 
 
@@ -96,9 +100,11 @@ def length_dist(cfg: RunConfig) -> LengthDist:
     return LengthDist(max_len=r, min_len=lo, median=med, sigma=c.response_len_sigma)
 
 
-def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile) -> Context:
+def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processes: int = 1) -> Context:
     if num_devices < 1:
         raise GraphError("num_devices", f"{num_devices} must be >= 1")
+    if processes < 1 or num_devices % processes:
+        raise GraphError("processes", f"{processes} processes cannot share {num_devices} devices evenly")
     c = cfg.costmodel
     flash = c.attention == "flash" or (c.attention == "auto" and hw.kind != "cpu")
     base = build_graph(cfg)
@@ -106,7 +112,7 @@ def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile) -> Conte
     st = S.Setting(hw=hw, B=sz["B"], P=sz["P"], R=sz["R"], G=sz["G"], dist=length_dist(cfg),
                    causal_skip=flash, dense_scores=not flash, packing=c.sequence_packing,
                    budget_bytes=c.memory_budget * hw.hbm_bytes, kv_replicated=c.kv_pool == "replicated")
-    return Context(cfg, hw, num_devices, st, base)
+    return Context(cfg, hw, num_devices, st, base, processes)
 
 
 def roles_of(ctx: Context, graph: Graph) -> C.Roles:
@@ -139,42 +145,6 @@ def useful_flops(st: S.Setting, g: Graph) -> float:
         elif w.op == Op.TRAIN:
             total += 3.0 * fwd * w.epochs
     return total
-
-
-# ---- structural options -------------------------------------------------------------------
-def structural_options(ctx: Context, placement: str, share: bool) -> list[PipelineConfig]:
-    cfg, c = ctx.cfg, ctx.cfg.costmodel
-    elide = cfg.pipeline.elide_old_forward
-    fuses = [()] + ([("forwards",), ("advantage",), ("forwards", "advantage")] if c.search_fusion else [])
-    # Staleness pays colocated only with continuous admission: partial rollouts continue across
-    # the training phase (KV recomputed), so generation is throughput-bound instead of tail-bound.
-    ks = [0] if elide else list(range(0, c.max_staleness + 1))
-    if placement == "colocated" and not c.continuous_admission:
-        ks = [0]
-    pieces = [1] if placement == "colocated" else [m for m in (1, 2, 4, 8) if ctx.base.sizes["N"] % m == 0]
-    out = []
-    for k, fz, m in itertools.product(ks, fuses, pieces):
-        out.append(PipelineConfig(staleness=k, share_actor_critic=share, fuse=fz, elide_old_forward=elide,
-                                  microbatches=m, placement=placement,
-                                  split_sizes=(1, 1) if placement == "split" else (), plan="manual"))
-    return out
-
-
-def families(ctx: Context) -> list[tuple[str, bool]]:
-    shares = [False]
-    if ctx.cfg.rl.algorithm == "ppo" and ctx.cfg.costmodel.search_share_actor_critic:
-        shares.append(True)
-    if ctx.cfg.pipeline.share_actor_critic:
-        shares = [True]
-    places = ["colocated"] + (["split"] if ctx.N >= 2 else [])
-    return [(p, s) for p in places for s in shares]
-
-
-def gen_sizes(ctx: Context) -> list[int]:
-    """Generation group sizes of split placements: whole nodes when there are several."""
-    node = ctx.hw.node.devices
-    step = node if ctx.N >= 2 * node else 1
-    return list(range(step, ctx.N, step))
 
 
 # ---- durations of a graph's stages for a table of rows ------------------------------------------
@@ -263,25 +233,29 @@ def _table(ctx: Context, graph: Graph, placement: str, cache: dict) -> dict:
     key = (placement, bool(graph.attrs.get("shared")))
     if key not in cache:
         c = ctx.cfg.costmodel
-        cache[key] = C.build(ctx.st, roles_of(ctx, graph), ctx.N, placement, gen_sizes(ctx), c.tensor_sizes,
-                             c.max_staleness, c.continuous_admission)
+        # Several processes: the runtime generates on each process's local devices as data only.
+        gen_t = (1,) if ctx.processes > 1 else c.tensor_sizes
+        cache[key] = C.build(ctx.st, roles_of(ctx, graph), allocations(ctx, placement), placement, c.tensor_sizes,
+                             c.max_staleness, c.continuous_admission, gen_t)
     return cache[key]
 
 
-def resolve_hardware(cfg: RunConfig, hardware) -> HardwareProfile:
-    if isinstance(hardware, HardwareProfile):
-        return hardware
-    return load_hardware(hardware or cfg.costmodel.hardware)
+def periods(ctx: Context, graph: Graph, tab: dict):
+    """(steady-state period, first-step latency) of every row under `graph`; rows whose meshes do
+    not divide the batch dimensions they shard are infinite."""
+    dur, pieces = durations(ctx, graph, tab)
+    period, latency, _, _ = simulate(unroll(graph, shared_resource=ctx.hw.shared_host), dur, pieces)
+    bad = ~divisible(ctx, graph, tab)
+    return np.where(bad, np.inf, period), np.where(bad, np.inf, latency)
 
 
-def search(cfg: RunConfig, num_devices: int | None = None, hardware=None) -> SearchResult:
-    """Score every candidate plan of `cfg` on `num_devices` devices of `hardware`."""
+def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, processes: int | None = None) -> SearchResult:
+    """Score every candidate plan of `cfg` on `num_devices` devices of `hardware` owned by
+    `processes` JAX processes (unset ones: costmodel section, else the devices JAX sees; see
+    costmodel/devices.py)."""
     t0 = time.perf_counter()
-    hw = resolve_hardware(cfg, hardware)
-    n = num_devices or cfg.costmodel.num_devices
-    if not n:
-        raise GraphError("num_devices", "give the device count (costmodel.num_devices or --gpus)")
-    ctx = make_context(cfg, n, hw)
+    hw, n, procs = resolve(cfg, num_devices, hardware, processes)
+    ctx = make_context(cfg, n, hw, procs)
     cache: dict = {}
     scored: list[_Scored] = []
     evaluations = considered = 0
@@ -296,13 +270,21 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None) -> Sea
         considered += int(tab["considered"][0])
         sub = _take(tab, _prune(tab, ctx, pairs[0][1], KEEP_ROWS))
         for pipe, g in pairs:
-            dur, pieces = durations(ctx, g, sub)
-            period, latency, _, _ = simulate(unroll(g, shared_resource=hw.shared_host), dur, pieces)
+            rows = sub
+            period, latency = periods(ctx, g, rows)
+            if not np.isfinite(period).any():  # the kept rows do not divide this option's pieces
+                ok = np.nonzero(divisible(ctx, g, tab))[0]
+                if not len(ok):
+                    continue
+                part = _take(tab, ok)
+                rows = _take(part, _prune(part, ctx, g, KEEP_ROWS))
+                period, latency = periods(ctx, g, rows)
             evaluations += len(period)
-            scored.append(_Scored(period, latency, g, pipe, sub))
+            scored.append(_Scored(period, latency, g, pipe, rows))
     if not scored:
         raise GraphError("plan", f"no plan fits: every layout exceeds {ctx.st.budget_bytes / GB:.1f} GB per device "
-                                 f"(costmodel.memory_budget={cfg.costmodel.memory_budget} of {hw.name})")
+                                 f"(costmodel.memory_budget={cfg.costmodel.memory_budget} of {hw.name}) or no "
+                                 f"mesh divides the batch of {ctx.st.B} sequences")
     scored.sort(key=lambda s: float(np.min(s.period)))
     best: list[Prediction] = []
     seen = set()
@@ -311,7 +293,7 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None) -> Sea
             break
         i = int(np.argmin(s.period))
         key = (s.pipeline.placement, s.pipeline.staleness, s.pipeline.share_actor_critic,
-               *(int(s.tab[c][i]) for c in ("n_gen", "t_g", "d", "f", "t", "fd", "ff", "ft")))
+               *(int(s.tab[c][i]) for c in ("n_gen", "n_train", "t_g", "d", "f", "t", "fd", "ff", "ft")))
         if key not in seen:
             seen.add(key)
             best.append(predict(ctx, s.graph, s.pipeline, s.tab, i, "chosen" if not best else f"runner-up {len(best)}"))
@@ -319,9 +301,39 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None) -> Sea
                  if b is not None}
     res = SearchResult(chosen=best[0], runners_up=best[1:], baselines=baselines,
                        search_seconds=time.perf_counter() - t0, evaluations=evaluations,
-                       plans_considered=considered, hardware=hw.name, num_devices=n)
+                       plans_considered=considered, hardware=hw.name, num_devices=n, processes=procs)
+    from rpeg_jax.costmodel.report import explain  # report imports this module
+
     res.notes = explain(ctx, res)
     return res
+
+
+def best_by_groups(cfg: RunConfig, num_devices: int | None = None, hardware=None,
+                   processes: int | None = None) -> list[Prediction]:
+    """The best plan of every device-group option (placement, n_gen, n_train), best first: the
+    alternatives the search weighed, for validation and for explaining why the chosen groups win."""
+    hw, n, procs = resolve(cfg, num_devices, hardware, processes)
+    ctx = make_context(cfg, n, hw, procs)
+    cache: dict = {}
+    best: dict[tuple, tuple] = {}
+    for placement, share in families(ctx):
+        pairs = _graphs(ctx, structural_options(ctx, placement, share))
+        tab = _table(ctx, pairs[0][1], placement, cache) if pairs else {}
+        if not tab:
+            continue
+        groups = np.stack([tab["n_gen"], tab["n_train"]], axis=1)
+        for pipe, g in pairs:
+            period, _ = periods(ctx, g, tab)
+            for key in {tuple(r) for r in groups.tolist()}:
+                sel = np.nonzero((groups[:, 0] == key[0]) & (groups[:, 1] == key[1]) & np.isfinite(period))[0]
+                if len(sel):
+                    i = int(sel[np.argmin(period[sel])])
+                    k = (placement, *key)
+                    if k not in best or period[i] < best[k][0]:
+                        best[k] = (float(period[i]), pipe, g, i, tab)
+    out = [predict(ctx, g, pipe, tab, i, f"best {k[0]} {k[1]}+{k[2]}" if k[0] == "split" else f"best {k[0]} {k[1]}")
+           for k, (_, pipe, g, i, tab) in sorted(best.items(), key=lambda kv: kv[1][0])]
+    return out
 
 
 def baseline(ctx: Context, name: str, cache: dict) -> Prediction | None:
@@ -342,8 +354,9 @@ def baseline(ctx: Context, name: str, cache: dict) -> Prediction | None:
     if not mask.any():
         return None
     sub = _take(tab, np.nonzero(mask)[0])
-    dur, pieces = durations(ctx, g, sub)
-    period, _, _, _ = simulate(unroll(g, shared_resource=ctx.hw.shared_host), dur, pieces)
+    period, _ = periods(ctx, g, sub)
+    if not np.isfinite(period).any():
+        return None
     return predict(ctx, g, pipe, sub, int(np.argmin(period)), name)
 
 
@@ -354,14 +367,15 @@ def predict(ctx: Context, graph: Graph, pipe: PipelineConfig, tab: dict, i: int,
     prog = unroll(graph, shared_resource=ctx.hw.shared_host)
     period, latency, starts, ends = simulate(prog, dur, pieces, record=True)
     period, latency = float(period[0]), float(latency[0])
-    peak = ctx.hw.peak(roles_of(ctx, graph).actor.dtype)
-    util = useful_flops(ctx.st, graph) / (period * ctx.N * peak) if period > 0 else 0.0
+    # A shared host's devices are slices of one machine whose peak the profile holds.
+    peak = ctx.hw.peak(roles_of(ctx, graph).actor.dtype) * (1 if ctx.hw.shared_host else ctx.N)
+    util = useful_flops(ctx.st, graph) / (period * peak) if period > 0 else 0.0
     r = {k: v[0].item() if np.ndim(v[0]) == 0 else v[0] for k, v in row.items()}
     sync = not pipe.staleness
     slots = min(int(r["slots"]), int(r["n_rep"])) if sync else int(r["slots"])
     layout = {
         "groups": {"gen": int(r["n_gen"]), "train": int(r["n_train"])} if pipe.placement == "split"
-        else {"all": ctx.N},
+        else {"all": int(r["n_train"])},
         "generate": {"tensor": int(r["t_g"]), "replicas": int(r["n_gen"] // r["t_g"]), "slots": slots},
         "train": {"data": int(r["d"]), "fsdp": int(r["f"]), "tensor": int(r["t"]),
                   "micro_batches": int(r["micro"]), "remat": C.REMATS[int(r["remat"])]},
@@ -392,10 +406,10 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
     """The graph package's Plan for a prediction (meshes per stage, groups, knobs, settings)."""
     lay = pred.layout
     if pipe.placement == "split":
-        ng = lay["groups"]["gen"]
-        groups = (DeviceGroup("gen", tuple(range(ng))), DeviceGroup("train", tuple(range(ng, ctx.N))))
+        ng, nt = lay["groups"]["gen"], lay["groups"]["train"]
+        groups = (DeviceGroup("gen", tuple(range(ng))), DeviceGroup("train", tuple(range(ng, ng + nt))))
     else:
-        groups = (DeviceGroup("all", tuple(range(ctx.N))),)
+        groups = (DeviceGroup("all", tuple(range(lay["groups"]["all"]))),)
     entries = []
     for s in graph.stages():
         kinds = {p.kind for p in (s.parts or (s,))}
@@ -403,18 +417,27 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
         entries.append(StagePlan(s.name, s.placement, _mesh(part), rules_for(s, ctx.cfg), s.microbatches))
     predicted = {"step_time_s": pred.step_time_s, "latency_s": pred.latency_s,
                  "memory_per_gpu_gb": pred.memory_per_gpu_gb, "utilization": pred.utilization,
-                 "stage_s": pred.stage_times_s, "hardware": ctx.hw.name,
+                 "stage_s": pred.stage_times_s, "hardware": ctx.hw.name, "processes": ctx.processes,
+                 "clock": clock_of(ctx.hw),
+                 # The sampler's max_slots is per process over its replicas (slots per replica x replicas).
                  "settings": {"rl.micro_batches": lay["train"]["micro_batches"], "model.remat": lay["train"]["remat"],
-                              "rollout.max_slots": lay["generate"]["slots"],
+                              "rollout.max_slots": lay["generate"]["slots"] * lay["generate"]["replicas"] // ctx.processes,
                               "forward_micro_batches": lay["forward"]["micro_batches"]}}
     return Plan(num_devices=ctx.N, groups=groups, stages=tuple(entries), knobs=knobs_of(pipe),
                 source="planner", predicted=predicted).check(graph)
 
 
-def choose_plan(cfg: RunConfig, num_devices: int | None = None, hardware=None) -> Plan:
+def clock_of(hw: HardwareProfile) -> str:
+    """What the profile's seconds are: "cpu" (process CPU seconds, calibrated with --clock cpu on a
+    shared machine) or "wall"."""
+    return "cpu" if hw.calibrated.get("clock_cpu") else "wall"
+
+
+def choose_plan(cfg: RunConfig, num_devices: int | None = None, hardware=None, processes: int | None = None) -> Plan:
     """The planner entry point for the runtime (`pipeline.plan: auto`): the best Plan, with the
-    predicted step time, memory, utilization and per-stage seconds in `plan.predicted`."""
-    return search(cfg, num_devices, hardware).chosen.plan
+    predicted step time, memory, utilization and per-stage seconds in `plan.predicted`.
+    `processes` defaults to jax.process_count() when JAX is running (costmodel/devices.py)."""
+    return search(cfg, num_devices, hardware, processes).chosen.plan
 
 
 def apply_plan_settings(cfg: RunConfig, plan: Plan) -> RunConfig:
@@ -450,33 +473,4 @@ def compare(plan: Plan, measured_s: dict[str, float]) -> dict[str, float]:
         m = measured_s.get(name)
         if m is not None and m > 0:
             out[f"pred_error/{name}"] = (p - m) / m
-    return out
-
-
-def explain(ctx: Context, res: SearchResult) -> list[str]:
-    """A few sentences on why the chosen plan wins."""
-    c = res.chosen
-    out = []
-    busy: dict[str, float] = {}
-    groups = c.plan.groups if c.plan else ()
-    for g in groups:
-        busy[g.name] = sum(v for k, v in c.stage_times_s.items()
-                           if c.plan.stage(k).group == g.name and not k.startswith("reward"))
-    if len(busy) > 1:
-        slow = max(busy, key=busy.get)
-        out.append(f"split placement: the {slow!r} group sets the period (busy {busy[slow]:.3g} s per step; "
-                   + ", ".join(f"{k} {v:.3g} s" for k, v in busy.items() if k != slow) + ")"
-                   + (f"; staleness k={c.knobs['staleness']} overlaps generation with training"
-                      if c.knobs.get("staleness") else "; streamed pieces overlap the forwards with generation"))
-    else:
-        top = sorted(c.stage_times_s.items(), key=lambda kv: -kv[1])[:2]
-        out.append("colocated: stages run one after another; largest " + ", ".join(f"{k} {v:.3g} s" for k, v in top))
-    for name, b in res.baselines.items():
-        out.append(f"{name}: {b.step_time_s:.3g} s/step ({b.step_time_s / c.step_time_s:.2f}x the chosen plan); "
-                   f"its largest stage is {max(b.stage_times_s, key=b.stage_times_s.get)}")
-    for name in ("verl_like", "real_like"):
-        if name not in res.baselines:
-            out.append(f"{name}: no plan of that family fits (colocated, synchronous, batch divisible by its meshes)")
-    out.append(f"memory: {c.memory_per_gpu_gb:.1f} GB of a {ctx.st.budget_bytes / GB:.1f} GB budget per device; "
-               f"layouts that do not fit were rejected before simulation")
     return out

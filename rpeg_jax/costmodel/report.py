@@ -1,4 +1,5 @@
-"""Text and JSON renderings of a planner SearchResult (what `rpeg plan` prints and saves).
+"""Text and JSON renderings of a planner SearchResult (what `rpeg plan` prints and saves), and
+the planner's explanation of its choice (`explain`, the "why:" lines).
 
 JSON fields (stable; bench/ and CI read them): chosen.{step_time_s, latency_s,
 memory_per_gpu_gb, utilization, stage_times_s, knobs, layout, plan}, runners_up[...],
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rpeg_jax.costmodel.planner import Prediction, SearchResult
+from rpeg_jax.costmodel.hardware import GB
+from rpeg_jax.costmodel.planner import Context, Prediction, SearchResult, clock_of
 
 BASELINES = ("verl_like", "real_like")  # null in the JSON when no plan of that family fits
 
@@ -25,7 +27,7 @@ def _entry(p: Prediction) -> dict[str, Any]:
 
 def to_json_dict(res: SearchResult) -> dict[str, Any]:
     c = res.chosen.step_time_s
-    return {"hardware": res.hardware, "num_devices": res.num_devices,
+    return {"hardware": res.hardware, "num_devices": res.num_devices, "processes": res.processes,
             "search_seconds": res.search_seconds, "evaluations": res.evaluations,
             "plans_considered": res.plans_considered,
             "evaluations_per_s": res.evaluations / max(res.search_seconds, 1e-9),
@@ -43,12 +45,13 @@ def _layout(p: Prediction) -> str:
     return (f"{k['placement']:<9} {groups:<14} gen tp{g['tensor']}x{g['replicas']} slots {g['slots']:<4} "
             f"train d{t['data']}f{t['fsdp']}t{t['tensor']} mb{t['micro_batches']} {t['remat']:<4} "
             f"fwd d{f['data']}f{f['fsdp']}t{f['tensor']}  k={k['staleness']} share={int(bool(k['share_actor_critic']))} "
-            f"fuse={fuse} pieces={k['microbatches']}")
+            f"fuse={fuse} elide={int(bool(k.get('elide_old_forward')))} pieces={k['microbatches']}")
 
 
 def render_text(res: SearchResult) -> str:
     c = res.chosen
-    lines = [f"rpeg plan: {res.num_devices} x {res.hardware}; scored {res.evaluations} plans "
+    procs = f" on {res.processes} processes" if res.processes > 1 else ""
+    lines = [f"rpeg plan: {res.num_devices} x {res.hardware}{procs}; scored {res.evaluations} plans "
              f"({res.plans_considered} layout/micro-batch/remat combinations priced) in "
              f"{res.search_seconds:.2f} s ({res.evaluations / max(res.search_seconds, 1e-9):.0f} plans/s)", ""]
     head = f"  {'plan':<12} {'step s':>9} {'vs chosen':>9} {'mem GB':>7} {'util':>6}  layout"
@@ -67,3 +70,47 @@ def render_text(res: SearchResult) -> str:
     if c.plan is not None:
         lines += ["", c.plan.describe()]
     return "\n".join(lines) + "\n"
+
+
+def explain(ctx: Context, res: SearchResult) -> list[str]:
+    """A few sentences on why the chosen plan wins."""
+    c = res.chosen
+    out = []
+    busy: dict[str, float] = {}
+    groups = c.plan.groups if c.plan else ()
+    for g in groups:
+        busy[g.name] = sum(v for k, v in c.stage_times_s.items()
+                           if c.plan.stage(k).group == g.name and not k.startswith("reward"))
+    if len(busy) > 1:
+        slow = max(busy, key=busy.get)
+        out.append(f"split placement: the {slow!r} group sets the period (busy {busy[slow]:.3g} s per step; "
+                   + ", ".join(f"{k} {v:.3g} s" for k, v in busy.items() if k != slow) + ")"
+                   + (f"; staleness k={c.knobs['staleness']} overlaps generation with training"
+                      if c.knobs.get("staleness") else "; streamed pieces overlap the forwards with generation"))
+    else:
+        top = sorted(c.stage_times_s.items(), key=lambda kv: -kv[1])[:2]
+        out.append("colocated: stages run one after another; largest " + ", ".join(f"{k} {v:.3g} s" for k, v in top))
+    used = sum(g.size for g in groups if not any(g.devices != o.devices and set(g.devices) < set(o.devices)
+                                                 for o in groups))
+    if ctx.hw.shared_host and ctx.N > 1:
+        out.append(f"shared host: the {ctx.N} devices are slices of one machine's cores, so groups never run "
+                   f"faster side by side and every extra device adds a device program's overheads; "
+                   f"the plan uses {used} of them")
+    if c.knobs.get("elide_old_forward"):
+        out.append("elide_old_forward: on-policy (k=0) and the sampler's distribution is the trainer's, so its "
+                   "logprobs serve as pi_old and the old_forward pass is skipped")
+    if ctx.processes > 1:
+        out.append(f"{ctx.processes} processes: generation runs per process on its local devices, so the plan "
+                   f"stays colocated on all {ctx.N} devices with data-parallel generation")
+    for name, b in res.baselines.items():
+        out.append(f"{name}: {b.step_time_s:.3g} s/step ({b.step_time_s / c.step_time_s:.2f}x the chosen plan); "
+                   f"its largest stage is {max(b.stage_times_s, key=b.stage_times_s.get)}")
+    for name in ("verl_like", "real_like"):
+        if name not in res.baselines:
+            out.append(f"{name}: no plan of that family fits (colocated, synchronous, batch divisible by its meshes)")
+    if clock_of(ctx.hw) == "cpu":
+        out.append("seconds are process CPU seconds (the profile was calibrated on the CPU clock, robust to "
+                   "other processes' load); wall time on an idle machine is lower where cores run in parallel")
+    out.append(f"memory: {c.memory_per_gpu_gb:.1f} GB of a {ctx.st.budget_bytes / GB:.1f} GB budget per device; "
+               f"layouts that do not fit were rejected before simulation")
+    return out

@@ -89,11 +89,14 @@ class ModelShape:
         d, q, kv, f = self.D, self.H * self.E, self.K * self.E, self.F
         return d * q + 2 * d * kv + q * d + 3 * d * f + 2 * d
 
-    def gather_bytes(self, t):
-        """FSDP gather buffers: XLA gathers each weight matrix of a layer right before its use,
-        so two of the largest (one in use, one prefetched) are live, not whole layers."""
+    def gather_bytes(self, t, mode: str = "matrix"):
+        """FSDP gather buffers live at once (the profile's `fsdp_gather`): "matrix", each weight
+        matrix gathered right before its use, two of the largest live (one in use, one prefetched);
+        "layer", two whole layers; "model", every layer's weights (gathers hoisted out of the scan)."""
         d, q, kv, f = self.D, self.H * self.E, self.K * self.E, self.F
-        return 2.0 * max(d * q, d * kv, d * f) * self.param_bytes_per / np.asarray(t, np.float64)
+        per = {"matrix": 2.0 * max(d * q, d * kv, d * f), "layer": 2.0 * self.layer_params,
+               "model": float(self.L * self.layer_params)}[mode]
+        return per * self.param_bytes_per / np.asarray(t, np.float64)
 
     @property
     def kv_bytes_per_token(self) -> int:

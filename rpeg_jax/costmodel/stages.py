@@ -65,11 +65,17 @@ class Setting:
 
 
 def rates(hw: HardwareProfile, dtype: str, busy):
-    """(FLOP/s, bytes/s, overhead multiplier) per device when `busy` devices work at once."""
+    """(FLOP/s, bytes/s, overhead multiplier) per device when `busy` devices work at once.
+
+    Shared host: the devices split the host's rates, and beyond `host_cores` device programs the
+    host loses throughput to their contention (threads time-sliced over the cores, caches
+    thrashed): total rate × (host_cores / busy)^contention (fitted; 0 = none)."""
     busy = np.asarray(busy, np.float64)
     if hw.shared_host:
         share = np.maximum(busy, 1.0)
-        return hw.peak(dtype) / share, hw.device.memory_bw / share, np.maximum(busy / hw.host_cores, 1.0)
+        loss = np.maximum(busy / hw.host_cores, 1.0) ** hw.efficiency.contention
+        return (hw.peak(dtype) / share / loss, hw.device.memory_bw / share / loss,
+                np.maximum(busy / hw.host_cores, 1.0))
     one = np.ones_like(busy)
     return hw.peak(dtype) * one, hw.device.memory_bw * one, one
 
@@ -154,7 +160,7 @@ def train_memory(st: Setting, ms: ModelShape, d, f, t, micro, remat: str, miniba
     act = ms.L * tok_mb * ms.act_bytes_per_token_layer(t, remat, dense_ctx)
     if remat != "none":  # one layer's full working set while it is recomputed
         act = act + tok_mb * ms.act_bytes_per_token_layer(t, "none", dense_ctx)
-    gather = np.where(f > 1, ms.gather_bytes(t), 0.0)
+    gather = np.where(f > 1, ms.gather_bytes(t, st.hw.efficiency.fsdp_gather), 0.0)
     logits = ms.logits_bytes(seqs_mb * st.seq_scored)
     state = (ms.resident_state_bytes() + ms.update_state_bytes(micro)) / (f * t)
     return state + act + gather + logits
@@ -187,7 +193,7 @@ def forward_memory(st: Setting, ms: ModelShape, d, f, t, micro):
     tok_mb = seqs_mb * st.seq_tokens
     dense_ctx = st.P + st.R if st.dense_scores else 0.0
     live = tok_mb * ms.act_bytes_per_token_layer(t, "none", dense_ctx, score_arrays=1)  # one layer's
-    gather = np.where(f > 1, ms.gather_bytes(t), 0.0)
+    gather = np.where(f > 1, ms.gather_bytes(t, st.hw.efficiency.fsdp_gather), 0.0)
     return live + gather + ms.logits_bytes(seqs_mb * st.seq_scored)
 
 
@@ -226,7 +232,7 @@ def decode_step_time(st: Setting, ms: ModelShape, t, busy, batch, ctx):
               * hw.efficiency.kv_read_factor + batch * ms.V * 4.0)
     core = roofline(hw, flops, nbytes, ms.mm_size(batch, t), rate, bw, busy)
     tp = 2.0 * ms.L * collective_time(hw, "all_reduce", batch * ms.D * ms.act_bytes_per, t, 1)
-    return core + tp + hw.efficiency.decode_step_s * ovh + ms.L * hw.efficiency.layer_s * ovh
+    return core + tp + hw.efficiency.decode_step_s * ovh + ms.L * hw.efficiency.decode_layer * ovh
 
 
 def generate_stage(st: Setting, ms: ModelShape, n_gen: int, t, slots, async_ks=(), recompute: bool = False):

@@ -1,0 +1,239 @@
+"""Stage measurements for the cost model: the real model, update and sampler code on CPU meshes.
+
+Used by bench/costmodel_validate.py (validation and `--calibrate`). Two disjoint sets of stage
+configurations: CALIBRATION (fitted by `rpeg calibrate --points`) and VALIDATION (never fitted).
+A configuration is (kind, model, B, P, R, mesh (data, fsdp, tensor), micro-batches | group size,
+remat). Forward = token_logprobs over the response window (rpeg_jax.models); train = one
+rl.make_actor_update step (GRPO loss, AdamW); generate = Sampler.generate of B/G prompts x G
+completions of R tokens (eos ignored). Peak memory per device is XLA's compiled memory analysis
+(arguments + outputs + temporaries - aliased; none for generation, which runs several programs).
+
+Timing: `measure_set` compiles a batch of configurations, then runs them round-robin (every
+configuration once per round, `repeats` rounds) so that a change of machine load hits all of
+them alike, and keeps the median per configuration. The clock is wall or process CPU seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import statistics
+import time
+
+import numpy as np
+
+from rpeg_jax.config.model import model_preset
+from rpeg_jax.costmodel.shape import ModelShape
+from rpeg_jax.graph.algorithms import model_dims
+
+# Model shapes small enough to time on a 2-core CPU (T is WORKLOADS.md's tiny model).
+MODELS = {
+    "T": dict(preset="tiny"),
+    "M": dict(preset="tiny", vocab_size=1024, hidden_size=384, num_layers=4, num_heads=6, num_kv_heads=2,
+              intermediate_size=1024),
+    "W": dict(preset="tiny", vocab_size=2048, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
+              intermediate_size=1536),
+}
+
+VALIDATION = [
+    ("forward", "T", 32, 16, 32, (8, 1, 1), 1, "none"),
+    ("forward", "T", 32, 16, 32, (1, 8, 1), 1, "none"),
+    ("forward", "T", 16, 32, 64, (2, 2, 2), 1, "none"),
+    ("forward", "M", 16, 16, 48, (8, 1, 1), 1, "none"),
+    ("forward", "M", 16, 16, 48, (4, 1, 2), 1, "none"),
+    ("forward", "M", 32, 16, 48, (1, 8, 1), 1, "none"),
+    ("forward", "M", 8, 16, 48, (1, 1, 1), 1, "none"),
+    ("forward", "W", 8, 16, 48, (8, 1, 1), 1, "none"),
+    ("forward", "W", 8, 16, 48, (1, 4, 2), 1, "none"),
+    ("forward", "W", 16, 32, 96, (2, 1, 4), 1, "none"),
+    ("train", "T", 32, 16, 32, (8, 1, 1), 1, "none"),
+    ("train", "T", 32, 16, 32, (1, 8, 1), 2, "none"),
+    ("train", "T", 16, 32, 64, (2, 2, 2), 1, "none"),
+    ("train", "M", 16, 16, 48, (8, 1, 1), 1, "none"),
+    ("train", "M", 16, 16, 48, (1, 8, 1), 1, "full"),
+    ("train", "M", 16, 16, 48, (4, 1, 2), 2, "none"),
+    ("train", "M", 8, 16, 48, (1, 1, 1), 1, "none"),
+    ("train", "W", 8, 16, 48, (8, 1, 1), 1, "none"),
+    ("train", "W", 8, 16, 48, (1, 8, 1), 1, "none"),
+    ("train", "W", 16, 16, 48, (2, 1, 4), 1, "dots"),
+    ("train", "W", 16, 32, 32, (2, 4, 1), 2, "full"),
+    ("generate", "T", 64, 16, 32, (8, 1, 1), 8, "-"),
+    ("generate", "T", 128, 16, 32, (8, 1, 1), 8, "-"),
+    ("generate", "T", 32, 16, 64, (4, 1, 2), 4, "-"),
+    ("generate", "M", 32, 16, 32, (8, 1, 1), 8, "-"),
+    ("generate", "M", 16, 16, 32, (1, 1, 1), 4, "-"),
+    ("generate", "W", 16, 16, 32, (4, 1, 2), 4, "-"),
+]
+# Disjoint from VALIDATION: other batch sizes, lengths and meshes (1, 2, 4, 8 devices).
+CALIBRATION = [
+    ("forward", "T", 16, 16, 32, (1, 1, 1), 1, "none"),
+    ("forward", "T", 64, 16, 32, (4, 1, 1), 1, "none"),
+    ("forward", "M", 16, 16, 48, (2, 1, 1), 1, "none"),
+    ("forward", "M", 16, 32, 64, (1, 2, 2), 1, "none"),
+    ("forward", "W", 8, 16, 32, (1, 1, 1), 1, "none"),
+    ("forward", "W", 16, 16, 48, (4, 2, 1), 1, "none"),
+    ("forward", "T", 32, 32, 64, (1, 4, 2), 1, "none"),
+    ("train", "T", 16, 16, 32, (1, 1, 1), 1, "none"),
+    ("train", "T", 64, 16, 32, (4, 1, 1), 2, "none"),
+    ("train", "M", 16, 16, 48, (2, 1, 1), 1, "none"),
+    ("train", "M", 16, 32, 64, (1, 2, 2), 1, "dots"),
+    ("train", "W", 8, 16, 32, (1, 1, 1), 1, "none"),
+    ("train", "W", 16, 16, 48, (4, 2, 1), 1, "full"),
+    ("train", "T", 32, 32, 64, (1, 4, 2), 2, "none"),
+    ("generate", "T", 32, 16, 32, (1, 1, 1), 8, "-"),
+    ("generate", "T", 64, 16, 32, (4, 1, 1), 8, "-"),
+    ("generate", "M", 16, 16, 48, (2, 1, 1), 4, "-"),
+    ("generate", "M", 32, 16, 32, (4, 1, 2), 8, "-"),
+    ("generate", "W", 16, 16, 32, (1, 1, 1), 4, "-"),
+    ("generate", "T", 64, 16, 48, (2, 1, 2), 8, "-"),
+]
+QUICK = [VALIDATION[i] for i in (0, 3, 8, 10, 13, 18, 21)]
+KEYS = ("kind", "model", "B", "P", "R", "mesh", "micro", "remat")
+
+
+def model_cfg(name: str, remat: str):
+    spec = dict(MODELS[name])
+    preset = spec.pop("preset")
+    return model_preset(preset, remat=remat, max_position_embeddings=512, **spec)
+
+
+def point(c: tuple, seconds: float, memory: float | None) -> dict:
+    """A measured configuration as a cost-model point (rpeg_jax/costmodel/fit.py)."""
+    kind, mname, B, P, R, mesh, micro, remat = c
+    ms = ModelShape.of(model_dims(model_cfg(mname, remat if kind != "generate" else "none"), "actor"))
+    return {**dict(zip(KEYS, c)), "mesh": list(mesh), "dims": dataclasses.asdict(ms),
+            "G": micro if kind == "generate" else 1, "micro": micro if kind != "generate" else 1,
+            "seconds": seconds, "memory": memory}
+
+
+def layout(state, mesh):
+    """(parameter shardings, activation resolver) of the sharding package's fsdp_tensor preset."""
+    from rpeg_jax.sharding.params import param_shardings
+    from rpeg_jax.sharding.rules import activation_resolver, get_rules
+
+    rules = get_rules("fsdp_tensor")
+    return param_shardings(state, mesh, rules), activation_resolver(mesh, rules)
+
+
+def _mesh(shape):
+    import jax
+
+    n = int(np.prod(shape))
+    return jax.make_mesh(shape, ("data", "fsdp", "tensor"), devices=jax.devices()[:n],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+class Stage:
+    """A compiled stage: `run()` executes it once and blocks; `peak` is bytes per device."""
+
+    def __init__(self, kind, fn, args, resolver=None):
+        self.kind, self.fn, self.args, self.peak = kind, fn, args, None
+        if kind == "generate":
+            fn()  # compiles prefill and the decode buckets
+            return
+        from rpeg_jax.sharding.axes import use_resolver
+
+        with use_resolver(resolver) if resolver is not None else contextlib.nullcontext():
+            self.compiled = fn.lower(*args).compile()
+        ma = self.compiled.memory_analysis()
+        if ma is not None:
+            self.peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+                         - ma.alias_size_in_bytes)
+
+    def run(self):
+        import jax
+
+        if self.kind == "generate":
+            return self.fn()
+        out = self.compiled(*self.args)
+        jax.block_until_ready(out)
+        if self.kind == "train":  # donated params / optimizer state: feed the outputs back
+            self.args = (out[0], out[1], self.args[2])
+
+
+def build(kind, mname, B, P, R, mesh_shape, micro, remat) -> Stage:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from rpeg_jax.models import init_model
+
+    mesh = _mesh(mesh_shape)
+    cfg = model_cfg(mname, remat if kind != "generate" else "none")
+    model = init_model(cfg, seed=0)
+    if kind == "generate":
+        from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
+
+        state = nnx.state(model, nnx.Param)
+        nnx.update(model, jax.device_put(state, layout(state, mesh)[0]))
+        sampler = Sampler(model, SamplerConfig(max_slots=B, max_seq_len=P + R), mesh=mesh)
+        rng = np.random.default_rng(0)
+        prompts = [[1] + rng.integers(3, 100, P - 1).tolist() for _ in range(B // micro)]
+        params = SamplingParams(n=micro, max_new_tokens=R, ignore_eos=True, temperature=1.0)
+        return Stage(kind, lambda: sampler.generate(prompts, params), ())
+    from rpeg_jax.models import token_logprobs
+
+    graphdef, state = nnx.split(model, nnx.Param)
+    shard, resolver = layout(state, mesh)
+    params = jax.device_put(state, shard)
+    rng = np.random.default_rng(0)
+    bsh = jax.sharding.NamedSharding(mesh, jax.P(("data", "fsdp")))
+    put = lambda x: jax.device_put(x, bsh)  # noqa: E731
+    tokens = put(jnp.asarray(rng.integers(3, cfg.vocab_size, (B, P + R)), jnp.int32))
+    positions = put(jnp.broadcast_to(jnp.arange(P + R, dtype=jnp.int32), (B, P + R)))
+    seg = put(jnp.ones((B, P + R), jnp.int32))
+    targets = put(jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1))
+
+    def logp(p, tok, pos, sg, tg):
+        return token_logprobs(nnx.merge(graphdef, p), tok, pos, sg, tg, start=P - 1, length=R)[0]
+
+    if kind == "forward":
+        return Stage(kind, jax.jit(logp), (params, tokens, positions, seg, targets), resolver)
+    import optax
+
+    from rpeg_jax.config.rl import RLConfig
+    from rpeg_jax.rl import make_actor_update
+
+    tx = optax.adamw(1e-4)
+    opt_state = jax.jit(tx.init)(params)
+
+    def policy_fn(p, batch):
+        return {"logp": logp(p, batch["tokens"], batch["positions"], batch["seg"], batch["targets"]),
+                "entropy": None, "values": None}
+
+    update = make_actor_update(policy_fn, tx, RLConfig(algorithm="grpo", group_size=2, micro_batches=micro))
+    batch = {"tokens": tokens, "positions": positions, "seg": seg, "targets": targets,
+             "response_mask_BxR": put(jnp.ones((B, R), jnp.float32)),
+             "advantages_BxR": put(jnp.asarray(rng.normal(size=(B, R)), jnp.float32)),
+             "old_logp_BxR": put(jnp.full((B, R), -5.0, jnp.float32))}
+    return Stage(kind, jax.jit(update, donate_argnums=(0, 1)), (params, opt_state, batch), resolver)
+
+
+def measure_set(configs, repeats: int, clock, batch: int = 7, log=print) -> list[dict]:
+    """Points for `configs`: compiled `batch` at a time, one warm-up run each, then `repeats`
+    round-robin rounds; the median of each configuration's runs on `clock`."""
+    out = []
+    for i in range(0, len(configs), batch):
+        group = configs[i:i + batch]
+        stages = [build(*c) for c in group]
+        for s in stages:
+            s.run()
+        times = [[] for _ in stages]
+        for _ in range(repeats):
+            for j, s in enumerate(stages):
+                t = clock()
+                s.run()
+                times[j].append(clock() - t)
+        for c, s, ts in zip(group, stages, times):
+            p = point(c, statistics.median(ts), s.peak)
+            p["runs_s"] = ts
+            out.append(p)
+            log(f"  measured {c[0]:<8} {c[1]} B{c[2]:<3} S{c[3] + c[4]:<4} mesh {tuple(c[5])} mb{c[6]} {c[7]:<4} "
+                f"{1e3 * p['seconds']:9.2f} ms  (runs {', '.join(f'{1e3 * x:.0f}' for x in ts)})")
+        del stages
+        gc.collect()
+    return out
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}

@@ -1,0 +1,164 @@
+"""Stage measurements as data, the model's prediction for each, and a fit of the profile to them.
+
+A point is a plain dict (JSON, written by bench/costmodel_validate.py, which runs the real model,
+update and sampler code on a mesh):
+
+    {"kind": "forward" | "train" | "generate", "dims": {num_params, L, D, H, K, E, F, V,
+     param_bytes_per, act_bytes_per, dtype}, "B", "P", "R", "mesh": [data, fsdp, tensor],
+     "micro", "remat", "G", "seconds", "memory" (bytes per device or null)}
+
+`predict_point(hw, p)` prices it with the same formulas the planner uses (stages.py);
+`fit_points(profile, points)` fits the profile's free factors to a *calibration* set by least
+squares on log(predicted / measured) with weak priors toward the starting values:
+
+    peak FLOP/s, memory bandwidth, elementwise_factor, layer_s, backward_factor, decode_step_s,
+    decode_layer_s, kv_read_factor, dispatch_s, collective link bandwidth and latency, contention
+                                                           (continuous, log-space)
+    fsdp_gather in {matrix, layer, model}                  (memory: the one that fits best)
+
+Validation points must never be passed here (bench/costmodel_validate.py keeps the two sets
+disjoint). Callers: costmodel/calibrate.py (`rpeg calibrate --points`), bench/, tests. No JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from rpeg_jax.costmodel import stages as S
+from rpeg_jax.costmodel.hardware import HardwareProfile, with_nodes
+from rpeg_jax.costmodel.lengths import LengthDist
+from rpeg_jax.costmodel.shape import ModelShape
+
+GATHERS = ("matrix", "layer", "model")
+LOWER = {"kv_read_factor": 1.0, "contention": 0.0}
+UPPER = {"contention": 4.0}  # validated lower bounds of factors
+PRIOR = 0.02  # weight of log(factor / start) against one point's log error
+# (section, field, floor): the continuous factors; floors let a zero start value move.
+FACTORS = (("device", "peak_flops", 1e6), ("device", "memory_bw", 1e6), ("efficiency", "elementwise_factor", 1e-3),
+           ("efficiency", "layer_s", 1e-7), ("efficiency", "backward_factor", 0.1),
+           ("efficiency", "decode_step_s", 1e-7), ("efficiency", "decode_layer_s", 1e-7),
+           ("efficiency", "kv_read_factor", 1.0), ("efficiency", "dispatch_s", 1e-7),
+           ("node", "link_bw", 1e6), ("node", "latency_s", 1e-7), ("efficiency", "contention", 0.0))
+
+
+def shape_of(dims: dict) -> ModelShape:
+    return ModelShape(**dims)
+
+
+def setting(hw: HardwareProfile, p: dict) -> S.Setting:
+    """The stage's fixed shapes: every response R tokens long (the benchmark ignores eos)."""
+    return S.Setting(hw=hw, B=p["B"], P=p["P"], R=p["R"], G=p.get("G", 1), dist=LengthDist.fixed(p["R"]),
+                     causal_skip=False, dense_scores=True, packing=False, budget_bytes=hw.hbm_bytes,
+                     kv_replicated=True)
+
+
+def predict_point(hw: HardwareProfile, p: dict) -> tuple[float, float]:
+    """(seconds, peak bytes per device) the model predicts for a measured stage point."""
+    ms, st = shape_of(p["dims"]), setting(hw, p)
+    d, f, t = p["mesh"]
+    n = d * f * t
+    if p["kind"] == "generate":  # the sampler's slots are global: B / (d·f) per data replica
+        reps = n // t
+        sec = S.generate_stage(st, ms, n, [t], [-(-p["B"] // reps)])[0][0]
+        mem = S.generate_memory(st, ms, t, -(-p["B"] // reps), reps)
+        return float(sec), float(mem)
+    if p["kind"] == "forward":
+        sec = S.forward_stage(st, ms, n, d, f, t, p["micro"])[0]
+        mem = ms.weight_bytes(ms.param_bytes_per) / (f * t) + S.forward_memory(st, ms, d, f, t, p["micro"])
+        return float(sec), float(mem)
+    sec = S.train_stage(st, ms, n, d, f, t, p["micro"], p["remat"])[0]
+    return float(sec), float(S.train_memory(st, ms, d, f, t, p["micro"], p["remat"]))
+
+
+def _apply(hw: HardwareProfile, values: dict) -> HardwareProfile:
+    """A copy of `hw` with {(section, field): value} set (both peaks move together)."""
+    secs = {"device": hw.device, "efficiency": hw.efficiency, "node": hw.node}
+    for (sec, name), v in values.items():
+        kw = {name: float(v)}
+        if name == "peak_flops":
+            kw["peak_flops_fp32"] = float(v)
+        secs[sec] = dataclasses.replace(secs[sec], **kw)
+    return with_nodes(hw, device=secs["device"], efficiency=secs["efficiency"], node=secs["node"])
+
+
+LINEAR = ("contention",)  # fitted as values (they start at 0), the rest as logs
+
+
+def _start(hw: HardwareProfile) -> np.ndarray:
+    def value(sec, name, floor):
+        v = getattr(getattr(hw, sec), name)
+        v = hw.efficiency.layer_s if v is None else v  # decode_layer_s unset: starts at layer_s
+        return v if name in LINEAR else np.log(max(v, floor))
+
+    return np.array([value(sec, name, floor) for sec, name, floor in FACTORS])
+
+
+def _bound(name: str, table: dict, default: float) -> float:
+    if name not in table:
+        return default
+    return table[name] if name in LINEAR else np.log(table[name])
+
+
+def fit_times(hw: HardwareProfile, points: list[dict], multistart: bool = True) -> tuple[HardwareProfile, dict]:
+    """Least squares on log time ratios over the continuous factors (scipy, imported here)."""
+    from scipy.optimize import least_squares
+
+    x0 = _start(hw)
+    meas = np.log([p["seconds"] for p in points])
+
+    def profile(x):
+        return _apply(hw, {(sec, name): (v if name in LINEAR else np.exp(v))
+                           for (sec, name, _), v in zip(FACTORS, x)})
+
+    def resid(x):
+        prof = profile(x)
+        pred = np.log([max(predict_point(prof, p)[0], 1e-12) for p in points])
+        return np.concatenate([pred - meas, PRIOR * (x - x0)])
+
+    lo = np.array([_bound(name, LOWER, -np.inf) for _, name, _ in FACTORS])
+    hi = np.array([_bound(name, UPPER, np.inf) for _, name, _ in FACTORS])
+    # The roofline's max() makes the problem non-convex (no gradient through the term that is not
+    # the max): start also from large fixed costs and from lower memory bandwidths (a micro-
+    # benchmark's cache-resident rate is far above what a stage streams), keep the best.
+    names = [name for _, name, _ in FACTORS]
+    starts = [x0]
+    for i in (names.index(n) for n in ("layer_s", "decode_layer_s", "decode_step_s")):
+        x = x0.copy()
+        x[i] = np.log(1e-4)
+        starts.append(x)
+    for div in (4.0, 16.0, 64.0):
+        x = x0.copy()
+        x[names.index("memory_bw")] -= np.log(div)
+        starts.append(x)
+    sols = [least_squares(resid, np.clip(x, lo + 1e-9, hi - 1e-9), bounds=(lo, hi), method="trf", max_nfev=300)
+            for x in (starts if multistart else starts[:1])]
+    sol = min(sols, key=lambda r: r.cost)
+    out = profile(sol.x)
+    errs = [abs(predict_point(out, p)[0] / p["seconds"] - 1.0) for p in points]
+    return out, {"fit_time_mape": float(np.mean(errs)), "fit_points": float(len(points))}
+
+
+def fit_memory(hw: HardwareProfile, points: list[dict]) -> tuple[HardwareProfile, dict]:
+    """The FSDP gather mode whose predicted peaks are closest (mean |log ratio|) to the measured."""
+    pts = [p for p in points if p.get("memory")]
+    if not pts:
+        return hw, {}
+    best = None
+    for mode in GATHERS:
+        prof = with_nodes(hw, efficiency=dataclasses.replace(hw.efficiency, fsdp_gather=mode))
+        err = float(np.mean([abs(np.log(predict_point(prof, p)[1] / p["memory"])) for p in pts]))
+        if best is None or err < best[0]:
+            best = (err, prof)
+    errs = [abs(predict_point(best[1], p)[1] / p["memory"] - 1.0) for p in pts]
+    return best[1], {"fit_memory_mape": float(np.mean(errs))}
+
+
+def fit_points(hw: HardwareProfile, points: list[dict], multistart: bool = True) -> tuple[HardwareProfile, dict]:
+    """Times, then memory; returns the fitted profile and the fit's residuals."""
+    if not points:
+        raise ValueError("fit_points: no calibration points")
+    prof, rt = fit_times(hw, points, multistart)
+    prof, rm = fit_memory(prof, points)
+    return prof, {**rt, **rm}

@@ -1,0 +1,98 @@
+"""The planner's search space: structural options (pipeline knobs), device-group options, and
+which candidate meshes may shard the batches of a graph.
+
+    structural_options(ctx, placement, share)  # PipelineConfigs tried: k, elision, fusion, pieces
+    families(ctx)                              # (placement, shared backbone) families
+    allocations(ctx, placement)                # (n_gen, n_train) device-group options
+    divisible(ctx, graph, tab)                 # rows whose mesh axes divide what they shard
+
+Callers: costmodel/planner.py (search, best_by_groups), tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from rpeg_jax.config.pipeline import PipelineConfig
+from rpeg_jax.config.run import RunConfig
+from rpeg_jax.graph.ir import Graph
+
+
+def sampler_is_trainer(cfg: RunConfig) -> bool:
+    """The sampler's logprobs are the trainer's (same tempered distribution, no truncation), so
+    they may serve as π_old on-policy (elide_old_forward)."""
+    r = cfg.rollout
+    return r.temperature > 0 and r.top_k == 0 and r.top_p >= 1.0 and r.min_p == 0.0
+
+
+def structural_options(ctx, placement: str, share: bool) -> list[PipelineConfig]:
+    cfg, c = ctx.cfg, ctx.cfg.costmodel
+    fuses = [()] + ([("forwards",), ("advantage",), ("forwards", "advantage")] if c.search_fusion else [])
+    # Staleness pays colocated only with continuous admission: partial rollouts continue across
+    # the training phase (KV recomputed), so generation is throughput-bound instead of tail-bound.
+    ks = list(range(0, c.max_staleness + 1))
+    if placement == "colocated" and not c.continuous_admission:
+        ks = [0]
+    # Eliding old_forward (k = 0 only) removes a forward over the batch: π_old = behav_logp.
+    elides = [False] + ([True] if c.search_elide_old_forward and sampler_is_trainer(cfg) else [])
+    if cfg.pipeline.elide_old_forward:
+        elides, ks = [True], [0]
+    # Pieces split each process's prompts evenly (runtime/rollouts.py generate_piece).
+    prompts = ctx.base.sizes["N"] // ctx.processes
+    pieces = [1] if placement == "colocated" else [m for m in (1, 2, 4, 8) if prompts % m == 0]
+    out = []
+    for k, el, fz, m in itertools.product(ks, elides, fuses, pieces):
+        if el and k:
+            continue
+        out.append(PipelineConfig(staleness=k, share_actor_critic=share, fuse=fz, elide_old_forward=el,
+                                  microbatches=m, placement=placement,
+                                  split_sizes=(1, 1) if placement == "split" else (), plan="manual"))
+    return out
+
+
+def families(ctx) -> list[tuple[str, bool]]:
+    shares = [False]
+    if ctx.cfg.rl.algorithm == "ppo" and ctx.cfg.costmodel.search_share_actor_critic:
+        shares.append(True)
+    if ctx.cfg.pipeline.share_actor_critic:
+        shares = [True]
+    places = ["colocated"] + (["split"] if allocations(ctx, "split") else [])
+    return [(p, s) for p in places for s in shares]
+
+
+def allocations(ctx, placement: str) -> list[tuple[int, int]]:
+    """(generation devices, training devices) of each device-group option.
+
+    Accelerators: colocated uses all N; a split partitions N (whole nodes when there are several).
+    Shared host (forced CPU devices slicing one machine's cores): every device added to a group
+    adds a device program that costs host time, and idle devices cost nothing, so groups of any
+    size that fits are tried (colocated on n <= N, splits with n_gen + n_train <= N).
+    Several JAX processes: the runtime generates per process on its local devices and assembles
+    global arrays, so the plan stays colocated on all N devices (no subset, no split)."""
+    N = ctx.N
+    if ctx.processes > 1:
+        return [(N, N)] if placement == "colocated" else []
+    if placement == "colocated":
+        return [(n, n) for n in range(1, N + 1)] if ctx.hw.shared_host else [(N, N)]
+    if ctx.hw.shared_host:
+        return [(g, t) for g in range(1, N) for t in range(1, N - g + 1)]
+    node = ctx.hw.node.devices
+    step = node if N >= 2 * node else 1
+    return [(g, N - g) for g in range(step, N, step)]
+
+
+def divisible(ctx, graph: Graph, tab: dict) -> np.ndarray:
+    """Rows whose mesh axes divide the batch dimensions they shard in this graph: the sequences
+    of one piece (B / pieces) over the generation replicas (the sampler's slot axis), the
+    forward layout's data x fsdp (streamed forwards) and the training layout's data x fsdp (the
+    rollout arrays are put in the training layout piece by piece)."""
+    B = ctx.st.B
+    m = max((s.microbatches for s in graph.stages()), default=1)
+    if B % m:
+        return np.zeros(len(tab["n_gen"]), bool)
+    piece = B // m
+    reps = tab["n_gen"] // tab["t_g"]
+    ok = (piece % reps == 0) & (piece % (tab["d"] * tab["f"]) == 0) & (piece % (tab["fd"] * tab["ff"]) == 0)
+    return ok
