@@ -81,7 +81,8 @@ class _Progress:
         self._t = time.time()
 
     def update(self, step: int, record: dict) -> None:
-        info = " ".join(f"{k.split('/')[-1]}={record[k]:.3g}" for k in ("reward/mean", "timing_s/step")
+        info = " ".join(f"{label}={record[k]:.3g}" for k, label in (("reward/mean", "reward"),
+                                                                    ("timing_s/step", "s/step"))
                         if isinstance(record.get(k), float))
         self._p.update(self._task, completed=step, info=info)
 
