@@ -3,8 +3,7 @@
 The first out-of-memory users of RL trainers hit is materialising [B, T, V] float32 logits
 (V = 152k for Qwen). Here the unembedding, log-softmax and gather run over chunks of the
 sequence under `jax.checkpoint`, so the forward keeps one chunk of logits alive and the
-backward recomputes each chunk instead of storing it; when the whole window's logits fit the
-budget (small vocabularies) they are computed in one piece. Only the response window
+backward recomputes each chunk instead of storing it. Only the response window
 [start, start + length) is unembedded: prompt logits are never computed.
 
 Called by: rl policy functions (actor/critic stages), the sampler parity tests.
@@ -37,8 +36,11 @@ def chunked_logprobs(h_BxNxD, w_DxV, targets_BxN, *, chunk: int | None = None, t
                      with_entropy: bool = False):
     """log softmax(h·W / temperature)[target] per position, optionally the entropy, float32 [B, N].
 
-    When the logits of all N positions fit in LOGITS_BUDGET (chunk=None) they are computed in one
-    piece with no loop and no recomputation; otherwise chunk by chunk under `jax.checkpoint`.
+    Always a `lax.map` over chunks, even when one chunk covers all N positions: the map body is
+    compiled as its own computation, so a scoring pass (π_old, π_ref) and the update's forward get
+    bitwise-identical logprobs (the on-policy ratio is exactly 1). Inlined, the rounding depended on
+    the program around it (seen on a 4-device mesh), and in a zero-advantage step that noise is the
+    whole gradient, which Adam's first step scales up to ±lr.
     """
     b, n, _ = h_BxNxD.shape
     v = w_DxV.shape[1]
@@ -46,8 +48,6 @@ def chunked_logprobs(h_BxNxD, w_DxV, targets_BxN, *, chunk: int | None = None, t
     targets_BxN = targets_BxN.astype(jnp.int32)
     if chunk is None:
         chunk = max(1, min(n, LOGITS_BUDGET // max(1, b * v)))
-    if chunk >= n:
-        return _chunk_logprobs(h_BxNxD, w, targets_BxN, temperature, with_entropy)
     num = -(-n // chunk)
     pad = num * chunk - n
     h = jnp.pad(h_BxNxD, ((0, 0), (0, pad), (0, 0)))

@@ -1,0 +1,230 @@
+"""R1 of ../shared/WORKLOADS.md: seconds per RL step (generate, reward, logprobs, advantages,
+update, weight handoff), the synchronous unfused baseline against the rewritten pipeline, and the
+step's FLOPs over this machine's matmul rate measured in the same run.
+
+    python bench/rl_step.py --json out.json [--workloads R1-a,R1-b,R1-c] [--variants baseline,optimized]
+                            [--steps 5] [--warmup 2]
+
+Workloads: R1-a GRPO without KL, R1-b GRPO with KL 0.04 to a reference model, R1-c PPO with a
+critic; all on model T, task "a+b=" (2-digit operands), 16 prompts x group 8, 32 new tokens at
+temperature 1.0, one AdamW step (lr 1e-4) per batch. Variants: "baseline" = the pipeline defaults
+(synchronous, unfused, π_old recomputed by an old_forward pass); "optimized" = the rewrites on
+(the sampler's logprobs serve as π_old, forwards fused, advantages folded into the update).
+
+Method (the machine is shared and noisy): every (workload, variant) pipeline is built and compiled
+first and runs `--warmup` steps; then the measured steps are interleaved round by round
+(a-base, a-opt, b-base, ...), with the matmul rate measured between rounds. Reported per pipeline:
+the median seconds per step (spread = max/min), the median of every stage (timing_s/*, as the
+executor times them, each stage synchronised), and the compile step's seconds.
+
+Step FLOPs (the useful work; runtime/rollouts.py): real tokens only (no padding), prompt logits
+never, the shared prompt of a group once in generation, no second forward where the sampler's
+logprobs serve; so every variant of a workload has the same FLOPs:
+    R1-a: generation + 3 actor passes (update: forward + backward)
+    R1-b: + 1 reference pass (ref logprobs)
+    R1-c: + 1 critic pass (values for GAE) + 3 critic passes (critic update), without LM head
+limit_s = step FLOPs / matmul rate (the best rate seen in the run: JAX float32 matmuls of a few
+sizes, best of several); limit_fraction = median limit_s / median seconds per step. Also recorded:
+limit_fraction_paired, each step against the rate measured next to it (less sensitive to load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from rpeg_jax.config import load_config  # noqa: E402
+from rpeg_jax.graph.compile import compile_graph  # noqa: E402
+from rpeg_jax.graph.plan import graph_for_plan, plan_for_config  # noqa: E402
+from rpeg_jax.runtime import rollouts  # noqa: E402
+from rpeg_jax.runtime.executor import Executor  # noqa: E402
+from rpeg_jax.runtime.kernels import default_registry  # noqa: E402
+from rpeg_jax.runtime.setup import build  # noqa: E402
+
+R1 = ["data.task=add", "data.min_digits=2", "data.max_digits=2", "data.prompts_per_step=16", "rl.group_size=8",
+      "rollout.max_new_tokens=32", "rollout.temperature=1.0", "optim.lr=1e-4", "optim.warmup_steps=0",
+      "model.preset=tiny", "pipeline.plan=manual", "train.checkpoint_every=0", "train.progress=false",
+      "train.tensorboard=false", "train.resume=never"]
+WORKLOADS = {"R1-a": ["rl.algorithm=grpo", "rl.kl_coef=0.0"],
+             "R1-b": ["rl.algorithm=grpo", "rl.kl_coef=0.04"],
+             "R1-c": ["rl.algorithm=ppo", "rl.kl_coef=0.0"]}
+VARIANTS = {"baseline": [],
+            "optimized": ["pipeline.elide_old_forward=true", "pipeline.fuse=[forwards,advantage]"]}
+
+
+# ---- the machine's limit -----------------------------------------------------------------------
+def _best_seconds(fn, args, reps: int) -> float:
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+class MatmulRate:
+    """float32 matmul FLOP/s through JAX: square 1024 and 2048, and the model's own GEMM shapes
+    (5120 tokens x 256 x 768 and back); the best size's best time."""
+
+    SHAPES = ((1024, 1024, 1024), (2048, 2048, 2048), (5120, 256, 768), (5120, 768, 256))
+
+    def __init__(self, reps: int = 5):
+        rng = np.random.default_rng(0)
+        self.reps = reps
+        self.cases = [(2.0 * m * k * n, jnp.asarray(rng.standard_normal((m, k)), jnp.float32),
+                       jnp.asarray(rng.standard_normal((k, n)), jnp.float32)) for m, k, n in self.SHAPES]
+        self.fn = jax.jit(lambda a, b: a @ b)
+        self.samples: list[float] = []
+
+    def measure(self) -> float:
+        rate = max(flops / _best_seconds(self.fn, (a, b), self.reps) for flops, a, b in self.cases)
+        self.samples.append(rate)
+        return rate
+
+
+# ---- one pipeline ------------------------------------------------------------------------------
+def step_flops(cfg, stats: dict, workload: str) -> float:
+    """The workload's useful FLOPs for this step's rollouts (see the module docstring)."""
+    actor = rollouts.pass_flops(cfg.model, stats)
+    flops = rollouts.generation_flops(cfg, stats) + 3 * actor
+    if workload == "R1-b":
+        flops += actor
+    if workload == "R1-c":
+        flops += 4 * rollouts.pass_flops(cfg.critic_model, stats, logits=False)
+    return flops
+
+
+class Pipeline:
+    """One (workload, variant): its compiled program and executor, stepped one slot at a time."""
+
+    def __init__(self, workload: str, variant: str, run_dir: str, steps: int, extra: list[str]):
+        self.workload, self.variant = workload, variant
+        self.overrides = R1 + WORKLOADS[workload] + VARIANTS[variant] + extra + [
+            f"train.steps={steps}", f"train.run_dir={run_dir}"]
+        self.cfg = load_config(None, self.overrides)
+        plan = plan_for_config(self.cfg, jax.device_count())  # pipeline.plan=manual: the knobs above
+        graph = graph_for_plan(self.cfg, plan)
+        self.ctx, self.store = build(self.cfg, graph, plan)
+        self.executor = Executor(compile_graph(graph, plan, default_registry(), self.ctx), self.store)
+        self.stages = [cs.name for cs in self.executor.program.stages]
+        self.t = 0
+        self.records: list[dict] = []
+
+    def step(self) -> dict:
+        t0 = time.perf_counter()
+        self.executor.run_slot(self.t)
+        wall = time.perf_counter() - t0
+        m = jax.device_get(self.executor.metrics.pop(self.t, {}))
+        stats = rollouts.token_stats(self.store.get_data("completions", self.t))
+        self.executor.forget_before(self.t)
+        self.t += 1
+        timing = {k.split("/", 1)[1]: float(v) for k, v in m.items() if k.startswith("timing_s/")}
+        rec = {"wall_s": wall, "step_s": timing.pop("step", wall), "stages_s": timing,
+               "flops": step_flops(self.cfg, stats, self.workload), "tokens": stats["seq"],
+               "response_tokens": stats["resp"], "reward": float(np.asarray(m.get("reward/mean", np.nan)))}
+        return rec
+
+
+# ---- the run -----------------------------------------------------------------------------------
+def summarise(p: Pipeline, compile_s: float, rate_best: float, rates_paired: list[float]) -> dict:
+    steps = p.records
+    secs = [r["step_s"] for r in steps]
+    med = statistics.median(secs)
+    limit = [r["flops"] / rate_best for r in steps]
+    paired = [r["flops"] / rate / r["step_s"] for r, rate in zip(steps, rates_paired)]
+    stage_names = sorted({k for r in steps for k in r["stages_s"]})
+    stages = {k: statistics.median(r["stages_s"].get(k, 0.0) for r in steps) for k in stage_names}
+    return dict(workload=p.workload, variant=p.variant, seconds_per_step=med,
+                limit_fraction=statistics.median(limit) / med, limit_fraction_paired=statistics.median(paired), limit_s=statistics.median(limit),
+                flops_per_step=statistics.median(r["flops"] for r in steps), matmul_flops_per_s=rate_best,
+                step_s=secs, spread=max(secs) / min(secs), stages_s=stages,
+                gen_share=stages.get("gen", 0.0) / med, compile_step_s=compile_s,
+                tokens_per_step=statistics.median(r["tokens"] for r in steps), stages=p.stages,
+                overrides=[o for o in p.overrides if not o.startswith("train.run_dir")],
+                device=jax.devices()[0].device_kind, steps_measured=len(steps))
+
+
+def print_table(records: list[dict]) -> None:
+    print(f"\n{'workload':8s} {'variant':10s} {'s/step':>7s} {'spread':>6s} {'limit_s':>7s} {'frac':>5s} "
+          f"{'paired':>6s} {'GFLOP':>6s} {'compile':>7s}  stages (median s)")
+    for r in records:
+        st = " ".join(f"{k}={v:.3f}" for k, v in r["stages_s"].items() if v >= 0.0005)
+        print(f"{r['workload']:8s} {r['variant']:10s} {r['seconds_per_step']:7.3f} {r['spread']:6.2f} "
+              f"{r['limit_s']:7.3f} {r['limit_fraction']:5.2f} {r['limit_fraction_paired']:6.2f} "
+              f"{r['flops_per_step'] / 1e9:6.1f} {r['compile_step_s']:7.1f}  {st}")
+    by = {(r["workload"], r["variant"]): r["seconds_per_step"] for r in records}
+    for w in sorted({r["workload"] for r in records}):
+        if (w, "baseline") in by and (w, "optimized") in by:
+            print(f"{w}: baseline / optimized = {by[(w, 'baseline')] / by[(w, 'optimized')]:.2f}x")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the records (a JSON list) here")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--steps", type=int, default=5, help="measured steps per pipeline (median reported)")
+    ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (the first compiles)")
+    ap.add_argument("--run-dir", default="/tmp/rpeg_bench_r1")
+    ap.add_argument("--override", action="append", default=[], help="extra key=value for every pipeline")
+    args = ap.parse_args(argv)
+    workloads, variants = args.workloads.split(","), args.variants.split(",")
+    for name, known in ((workloads, WORKLOADS), (variants, VARIANTS)):
+        bad = [n for n in name if n not in known]
+        if bad:
+            raise SystemExit(f"unknown {bad}; known: {', '.join(known)}")
+    if args.steps < 1 or args.warmup < 1:
+        raise SystemExit("--steps and --warmup must be >= 1 (the first step compiles)")
+    rate = MatmulRate()
+    print(f"matmul rate {rate.measure() / 1e9:.1f} GFLOP/s on {jax.devices()[0].device_kind}; "
+          f"load {os.getloadavg()[0]:.1f}", flush=True)
+    pipes, compile_s = [], {}
+    for w in workloads:
+        for v in variants:
+            t0 = time.perf_counter()
+            p = Pipeline(w, v, os.path.join(args.run_dir, f"{w}-{v}"), args.warmup + args.steps, args.override)
+            for i in range(args.warmup):
+                rec = p.step()
+                if i == 0:
+                    compile_s[(w, v)] = rec["wall_s"]
+            print(f"built {w} {v}: {time.perf_counter() - t0:.1f}s (first step {compile_s[(w, v)]:.1f}s), "
+                  f"stages {p.stages}", flush=True)
+            pipes.append(p)
+    paired: dict[tuple, list[float]] = {(p.workload, p.variant): [] for p in pipes}
+    loads = []
+    for i in range(args.steps):
+        r = rate.measure()
+        loads.append(os.getloadavg()[0])
+        for p in pipes:
+            rec = p.step()
+            p.records.append(rec)
+            paired[(p.workload, p.variant)].append(r)
+            print(f"round {i + 1}: {p.workload} {p.variant:9s} {rec['step_s']:.3f}s "
+                  f"({rec['flops'] / rec['step_s'] / 1e9:.1f} GFLOP/s useful; matmul {r / 1e9:.1f})", flush=True)
+    rate.measure()
+    best = max(rate.samples)
+    records = [summarise(p, compile_s[(p.workload, p.variant)], best, paired[(p.workload, p.variant)]) for p in pipes]
+    for rec in records:
+        rec.update(matmul_samples=rate.samples, load_avg=loads)
+    print(f"matmul rate: best {best / 1e9:.1f} GFLOP/s, median {statistics.median(rate.samples) / 1e9:.1f} "
+          f"(samples {[round(s / 1e9, 1) for s in rate.samples]}); load average {loads}")
+    print_table(records)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
