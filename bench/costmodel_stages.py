@@ -87,7 +87,14 @@ CALIBRATION = [
     ("generate", "M", 32, 16, 32, (4, 1, 2), 8, "-"),
     ("generate", "W", 16, 16, 32, (1, 1, 1), 4, "-"),
     ("generate", "T", 64, 16, 48, (2, 1, 2), 8, "-"),
+    # 8-device meshes (added after the first validation run: the set above stopped at fsdp 4)
+    ("forward", "W", 16, 16, 32, (1, 8, 1), 1, "none"),
+    ("forward", "M", 32, 16, 32, (8, 1, 1), 1, "none"),
+    ("train", "M", 32, 16, 32, (1, 8, 1), 1, "none"),
+    ("train", "T", 64, 16, 32, (8, 1, 1), 2, "none"),
+    ("generate", "M", 64, 16, 32, (8, 1, 1), 8, "-"),
 ]
+assert not set(VALIDATION) & set(CALIBRATION), "calibration and validation configurations must be disjoint"
 QUICK = [VALIDATION[i] for i in (0, 3, 8, 10, 13, 18, 21)]
 KEYS = ("kind", "model", "B", "P", "R", "mesh", "micro", "remat")
 

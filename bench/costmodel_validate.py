@@ -1,19 +1,24 @@
 """Validate the cost model against measurements on this CPU (8 forced XLA devices).
 
-    python bench/costmodel_validate.py --calibrate --clock cpu     # measure CALIBRATION, fit, save the profile
-    python bench/costmodel_validate.py --json out.json --clock cpu [--step-level] [--quick]
+    python bench/costmodel_validate.py --calibrate          # measure both sets, fit on CALIBRATION, save
+    python bench/costmodel_validate.py --calibrate-steps    # whole steps of a calibration config, refit
+    python bench/costmodel_validate.py --reuse ~/.cache/rpeg_jax/hardware/cpu.validation.json --json out.json
+    python bench/costmodel_validate.py --json out.json [--step-level] [--quick]   # measure VALIDATION now
+    python bench/costmodel_validate.py --no-stages --reprice old.json --json out.json  # old steps, new profile
 
 Stage level: the VALIDATION configurations of bench/costmodel_stages.py (>= 20: model sizes,
 batch sizes, lengths, meshes data x fsdp x tensor of 1-8 devices; forward, train, generate),
 measured round-robin with medians, against the predictions of the saved `cpu` profile. That
-profile is fitted on the disjoint CALIBRATION configurations only (`--calibrate` measures them,
-writes the points next to the profile and runs `rpeg calibrate --points` logic), never on these.
+profile is fitted on the disjoint CALIBRATION configurations only (`--calibrate` measures both
+sets in one interleaved session so that both see the same machine load, writes the calibration
+points next to the profile and fits them as `rpeg calibrate` does), never on these.
 
 Step level (`--step-level`): candidate plans of the default config (configs/default.yaml) on
 the 8 devices: the planner's chosen plan, runners-up, baselines and the best plan of each device-
 group size; every plan runs whole RL steps in its own process (rpeg_jax.runtime.train under the
 plan; a hung collective cannot stop the benchmark), `--rounds` times interleaved, and the median
-step after warm-up is compared with the predicted steady-state step time.
+step after warm-up is compared with the predicted steady-state step time. The runtime's host
+costs around the sampler are fitted on whole steps of another config (`--calibrate-steps`).
 
 JSON: stages[...] (config, measured_s, predicted_s, error, memory measured/predicted),
 mape_stage {kind: MAPE}, mape_stage_all, memory_error (mean |relative error|), and with
@@ -64,24 +69,37 @@ def spearman(a, b) -> float:
 
 # ---- stage level -----------------------------------------------------------------------------
 def calibrate(args) -> int:
-    """Measure CALIBRATION, fit the profile (starting from the saved one), save both."""
+    """Measure CALIBRATION and VALIDATION in one session (interleaved, so both see the same machine
+    load), fit the profile on the CALIBRATION points only, save the profile, the calibration points
+    (<profile>.points.json, what `rpeg calibrate` refits) and the validation measurements
+    (<profile>.validation.json, for `--reuse`; never fitted)."""
+    import itertools
+
     import costmodel_stages as CS
 
+    mixed = [c for pair in itertools.zip_longest(CS.CALIBRATION, CS.VALIDATION) for c in pair if c is not None]
     note_load()
-    pts = CS.measure_set(CS.CALIBRATION, args.repeats, CS.CLOCKS[args.clock])
+    pts = CS.measure_set(mixed, args.repeats, CS.CLOCKS[args.clock])
     note_load()
+    cal = [p for p, c in zip(pts, mixed) if c in CS.CALIBRATION]
+    val = [p for p, c in zip(pts, mixed) if c in CS.VALIDATION]
     path = args.out or calibrated_path(args.hardware)
     points = os.path.splitext(path)[0] + ".points.json"
-    with open(points, "w") as f:
-        json.dump({"clock": args.clock, "points": pts, "load": LOADS}, f, indent=1)
-    # What `rpeg calibrate` does with saved points: fit from the saved profile and from the preset.
+    old = {}
+    if os.path.isfile(points):
+        with open(points) as f:
+            old = json.load(f)
+    with open(points, "w") as f:  # whole-step calibration points (--calibrate-steps) are kept
+        json.dump({"clock": args.clock, "points": cal, "steps": old.get("steps", []), "load": LOADS}, f, indent=1)
+    with open(os.path.splitext(path)[0] + ".validation.json", "w") as f:
+        json.dump({"clock": args.clock, "stages": [{"point": p} for p in val], "load": LOADS}, f, indent=1)
     preset = load_hardware(args.hardware, calibrated=False)
     alt = dataclasses.replace(preset, host_cores=1) if args.clock == "cpu" else preset
     start = load_hardware(path) if os.path.isfile(path) else alt
     prof = fit_saved_points(start, points, args.clock, alt)
     prof = dataclasses.replace(prof, calibrated={**prof.calibrated, "clock_cpu": float(args.clock == "cpu")})
     save_hardware(prof, path)
-    print(f"fitted {len(pts)} calibration points: {prof.calibrated} -> {path} (load {LOADS})")
+    print(f"fitted {len(cal)} calibration points: {prof.calibrated} -> {path} (load {LOADS})")
     return 0
 
 
@@ -93,7 +111,9 @@ def stage_rows(args, hw) -> list[dict]:
         configs = [c for c in configs if c[0] in args.only.split(",")]
     if args.reuse:
         with open(args.reuse) as f:
-            pts = [r["point"] for r in json.load(f)["stages"]]
+            data = json.load(f)
+        pts = [r["point"] for r in data["stages"]]
+        LOADS.extend(data.get("load", []))
     else:
         note_load()
         pts = CS.measure_set(configs, args.repeats, CS.CLOCKS[args.clock])
@@ -123,15 +143,15 @@ def stage_summary(rows: list[dict]) -> dict:
 
 
 # ---- step level ------------------------------------------------------------------------------
-def run_plan(plan_path: str, out: str, steps: int, warmup: int, clock: str) -> None:
-    """(Child process) train the default config under a saved plan; write per-step seconds."""
+def run_plan(plan_path: str, out: str, steps: int, warmup: int, clock: str, overrides=()) -> None:
+    """(Child process) train the default config (+ overrides) under a saved plan; write per-step seconds."""
     from rpeg_jax.config import load_config
     from rpeg_jax.costmodel.planner import apply_plan_settings
     from rpeg_jax.graph.plan import Plan
     from rpeg_jax.runtime import train
 
     plan = Plan.load(plan_path)
-    cfg = apply_plan_settings(load_config(None, []), plan)
+    cfg = apply_plan_settings(load_config(None, list(overrides)), plan)
     marks = []
     clk = time.process_time if clock == "cpu" else time.perf_counter
     with tempfile.TemporaryDirectory() as d:
@@ -149,10 +169,11 @@ def step_candidates(hw, n: int, cap: int = 12) -> list:
     best plan of device-group options spread over the predicted range, then runners-up."""
     from rpeg_jax.config import load_config
     from rpeg_jax.costmodel import planner as P
+    from rpeg_jax.costmodel.pricing import best_by_groups
 
     cfg = load_config(None, ["costmodel.runners_up=8"])
     res = P.search(cfg, n, hw, 1)
-    groups = P.best_by_groups(cfg, n, hw, 1)
+    groups = best_by_groups(cfg, n, hw, 1)
     head = [res.chosen, *res.baselines.values()]
     spread = [groups[int(round(i))] for i in np.linspace(0, len(groups) - 1, min(len(groups), cap - len(head)))]
     seen, out = set(), []
@@ -164,39 +185,105 @@ def step_candidates(hw, n: int, cap: int = 12) -> list:
     return out
 
 
-def step_level(args, hw) -> dict:
-    plans = step_candidates(hw, 8)
-    print(f"step level: {len(plans)} candidate plans of the default config", flush=True)
+def reprice(args, hw) -> dict:
+    """The step-level plans of an earlier --json, measured there, predicted by today's profile."""
+    from rpeg_jax.config import load_config
+    from rpeg_jax.costmodel.pricing import price_layout
+
+    with open(args.reprice) as f:
+        old = [p for p in json.load(f)["plans"] if p["measured_s"]]
+    cfg = load_config(None, [])
+    pred = [price_layout(cfg, p["knobs"], p["layout"], 8, hw, 1).step_time_s for p in old]
+    return summarise(old, pred, [p["measured_s"] for p in old], [p["runs_s"] for p in old])
+
+
+def summarise(plans, pred, meas, runs) -> dict:
+    """mape_step (the first plan: the chosen one), mape_step_all, spearman, chosen_vs_best."""
+    label = lambda p: p.label if hasattr(p, "label") else p["label"]  # noqa: E731
+    for p, q, m in zip(plans, pred, meas):
+        print(f"plan {label(p):<16} predicted {q:8.3f} s  measured {m:8.3f} s  ({100 * (q - m) / m:+.1f}%)")
+    err = [abs(q - m) / m for q, m in zip(pred, meas)]
+    chosen = label(plans[0]) == "chosen"
+    return {"mape_step": err[0] if chosen else None, "mape_step_all": float(np.mean(err)),
+            "spearman": spearman(pred, meas) if len(meas) > 2 else None,
+            "chosen_vs_best": meas[0] / min(meas) - 1.0 if chosen else None,
+            "plans": [{"label": label(p), "predicted_s": q, "measured_s": m, "runs_s": r,
+                       "knobs": p.knobs if hasattr(p, "knobs") else p["knobs"],
+                       "layout": p.layout if hasattr(p, "layout") else p["layout"]}
+                      for p, q, m, r in zip(plans, pred, meas, runs)]}
+
+
+def measure_plans(plans: list, args, overrides=()) -> list[list[float]]:
+    """Seconds per step of each plan, every plan in its own process, `args.rounds` interleaved rounds."""
     runs: list[list[float]] = [[] for _ in plans]
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.path.join(tempfile.gettempdir(), "rpeg_cm_xla_cache")}
     with tempfile.TemporaryDirectory() as d:
-        for r in range(args.rounds):  # interleaved: every plan once per round
+        for r in range(args.rounds):
             for i, p in enumerate(plans):
                 path, out = os.path.join(d, f"plan{i}.json"), os.path.join(d, f"res{i}_{r}.json")
                 p.plan.save(path)
                 note_load()
                 cmd = [sys.executable, __file__, "--run-plan", path, "--out", out, "--steps", str(args.steps),
-                       "--clock", args.clock]
-                rc = subprocess.run(cmd, env=env, cwd=ROOT, timeout=args.plan_timeout,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+                       "--clock", args.clock, *(["--overrides", *overrides] if overrides else [])]
+                try:
+                    rc = subprocess.run(cmd, env=env, cwd=ROOT, timeout=args.plan_timeout,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+                except subprocess.TimeoutExpired:
+                    rc = "timeout"
                 if rc == 0:
                     with open(out) as f:
                         runs[i] += json.load(f)["seconds"]
-                print(f"  round {r} {p.label:<14} rc={rc} steps {['%.2f' % x for x in runs[i]]}", flush=True)
+                print(f"  round {r} {p.label:<16} rc={rc} steps {['%.2f' % x for x in runs[i]]}", flush=True)
+    return runs
+
+
+def step_level(args, hw) -> dict:
+    plans = step_candidates(hw, 8)
+    print(f"step level: {len(plans)} candidate plans of the default config", flush=True)
+    runs = measure_plans(plans, args)
     ok = [i for i, x in enumerate(runs) if x]
-    pred = [plans[i].step_time_s for i in ok]
-    meas = [float(np.median(runs[i])) for i in ok]
-    for i, q, m in zip(ok, pred, meas):
-        print(f"plan {plans[i].label:<14} predicted {q:8.3f} s  measured {m:8.3f} s  ({100 * (q - m) / m:+.1f}%)")
-    chosen = 0 if 0 in ok else None
-    err = [abs(q - m) / m for q, m in zip(pred, meas)]
-    return {"mape_step": err[ok.index(0)] if chosen is not None else None, "mape_step_all": float(np.mean(err)),
-            "spearman": spearman(pred, meas) if len(ok) > 2 else None,
-            "chosen_vs_best": meas[ok.index(0)] / min(meas) - 1.0 if chosen is not None else None,
-            "plans": [{"label": plans[i].label, "predicted_s": plans[i].step_time_s,
-                       "measured_s": float(np.median(runs[i])) if runs[i] else None, "runs_s": runs[i],
-                       "knobs": plans[i].knobs, "layout": plans[i].layout} for i in range(len(plans))],
-            "failed": [plans[i].label for i in range(len(plans)) if not runs[i]]}
+    out = summarise([plans[i] for i in ok], [plans[i].step_time_s for i in ok],
+                    [float(np.median(runs[i])) for i in ok], [runs[i] for i in ok])
+    out["failed"] = [plans[i].label for i in range(len(plans)) if not runs[i]]
+    return out
+
+
+STEP_CALIBRATION = ["data.prompts_per_step=8", "rollout.max_new_tokens=12"]  # not the default config
+
+
+def calibrate_steps(args) -> int:
+    """Whole steps of a calibration config (B=64, R=12; the default is B=128, R=8) under plans of
+    several groups and piece counts; saved beside the stage points, then the profile refitted."""
+    from rpeg_jax.config import load_config
+    from rpeg_jax.costmodel.pricing import best_by_groups, price_layout
+
+    hw = load_hardware(args.hardware)
+    cfg = load_config(None, STEP_CALIBRATION)
+    alts = {p.label: p for p in best_by_groups(cfg, 8, hw, 1)}
+    plans = [alts[k] for k in ("best colocated 1", "best colocated 4", "best split 1+1", "best split 2+2") if k in alts]
+    for base, m in (("best split 1+1", 8), ("best split 2+2", 4)):
+        if base in alts:
+            kn = {**alts[base].knobs, "microbatches": m}
+            p = price_layout(cfg, kn, alts[base].layout, 8, hw, 1)
+            p.label = f"{base} p{m}"
+            plans.append(p)
+    runs = measure_plans(plans, args, STEP_CALIBRATION)
+    steps = [{"overrides": STEP_CALIBRATION, "knobs": p.knobs, "layout": p.layout, "num_devices": 8,
+              "label": p.label, "seconds": float(np.median(r)), "runs_s": r} for p, r in zip(plans, runs) if r]
+    path = args.out or calibrated_path(args.hardware)
+    points = os.path.splitext(path)[0] + ".points.json"
+    with open(points) as f:
+        data = json.load(f)
+    data["steps"] = steps
+    with open(points, "w") as f:
+        json.dump(data, f, indent=1)
+    preset = load_hardware(args.hardware, calibrated=False)
+    alt = dataclasses.replace(preset, host_cores=1) if args.clock == "cpu" else preset
+    prof = fit_saved_points(load_hardware(path), points, args.clock, alt)
+    prof = dataclasses.replace(prof, calibrated={**prof.calibrated, "clock_cpu": float(args.clock == "cpu")})
+    save_hardware(prof, path)
+    print(f"fitted {len(steps)} calibration steps: {prof.calibrated} -> {path}")
+    return 0
 
 
 def main() -> int:
@@ -215,13 +302,20 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4, help="measured steps per plan and round (after 2 warm-up)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--plan-timeout", type=int, default=900)
+    ap.add_argument("--reprice", default=None, help="re-predict the measured plans of an earlier --step-level "
+                                                   "--json with the current profile (after a recalibration)")
+    ap.add_argument("--calibrate-steps", action="store_true", help="measure whole steps of a calibration config "
+                                                                  "(not the default), fit the runtime's host costs")
     ap.add_argument("--run-plan", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--overrides", nargs="*", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.run_plan:
-        run_plan(args.run_plan, args.out, args.steps, 2, args.clock)
+        run_plan(args.run_plan, args.out, args.steps, 2, args.clock, args.overrides)
         return 0
     if args.calibrate:
         return calibrate(args)
+    if args.calibrate_steps:
+        return calibrate_steps(args)
     hw = load_hardware(args.hardware)
     out = {"hardware": hw.name, "calibrated": dict(hw.calibrated), "clock": args.clock,
            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
@@ -229,7 +323,9 @@ def main() -> int:
     if not args.no_stages:
         rows = stage_rows(args, hw)
         out.update(stages=rows, **stage_summary(rows))
-    if args.step_level:
+    if args.reprice:
+        out.update(reprice(args, hw))
+    elif args.step_level:
         out.update(step_level(args, hw))
     else:
         out.update(mape_step=None, spearman=None, chosen_vs_best=None, pending="run with --step-level")

@@ -171,3 +171,34 @@ def test_rpeg_calibrate_fits_saved_points(tmp_path, monkeypatch):
     prof = fit_saved_points(base, str(path), "cpu")
     assert seen == [pts] and prof.calibrated["stage_points"] == 3 and prof.calibrated["fit_time_mape"] == 0.01
     assert fit_saved_points(base, str(path), "wall") is base  # measured on another clock: not mixed
+
+
+def test_fit_steps_recovers_the_runtime_host_costs():
+    # Whole steps 'measured' with known per-call and per-sequence host costs around the sampler:
+    # the fit finds them back (m streamed pieces pay m calls, so calls and sequences separate).
+    import dataclasses
+
+    from rpeg_jax.config import load_config
+    from rpeg_jax.costmodel.fit import fit_steps, predict_step
+
+    base = load_hardware("cpu", calibrated=False)
+    truth = dataclasses.replace(base, efficiency=dataclasses.replace(base.efficiency, gen_call_s=0.05,
+                                                                     host_seq_s=2e-3))
+    over = ["data.prompts_per_step=8", "rollout.max_new_tokens=8"]
+    res = P.search(load_config(None, over), 4, base, 1)
+    steps = []
+    steps.append({"overrides": over, "knobs": res.chosen.knobs, "layout": res.chosen.layout, "num_devices": 4})
+    kn = {"staleness": 0, "share_actor_critic": False, "fuse": [], "elide_old_forward": False, "placement": "split",
+          "split_sizes": [1, 1]}
+    lay = {"groups": {"gen": 1, "train": 1}, "generate": {"tensor": 1},
+           "train": {"data": 1, "fsdp": 1, "tensor": 1, "micro_batches": 1, "remat": "none"},
+           "forward": {"data": 1, "fsdp": 1, "tensor": 1}}
+    steps += [{"overrides": over, "knobs": {**kn, "microbatches": m}, "layout": lay, "num_devices": 4}
+                         for m in (1, 8)]
+    for sp in steps:
+        sp["seconds"] = predict_step(truth, sp)
+    fitted, resid = fit_steps(base, steps)
+    # 3 steps, 2 factors, a very weak prior toward 0: the steps within 1%, the factors within 5%.
+    assert resid["fit_step_mape"] < 0.01
+    assert fitted.efficiency.gen_call_s == pytest.approx(0.05, rel=0.05)
+    assert fitted.efficiency.host_seq_s == pytest.approx(2e-3, rel=0.05)

@@ -346,3 +346,27 @@ def test_rpeg_plan_defaults_to_the_devices_a_run_sees_and_a_calibrated_profile(t
     d = json.loads(out.read_text())
     assert (d["num_devices"], d["hardware"], d["processes"]) == (1, "cpu", 1)
     assert d["chosen"]["step_time_s"] == pytest.approx(direct)
+
+
+def test_price_reproduces_planner_predictions_and_streamed_pieces_cost_calls():
+    from rpeg_jax.costmodel.pricing import best_by_groups, price
+
+    cfg = load_config(None, ["costmodel.runners_up=3"])
+    res = P.search(cfg, 8, CPU, 1)
+    alts = best_by_groups(cfg, 8, CPU, 1)
+    assert alts[0].step_time_s == pytest.approx(res.chosen.step_time_s)
+    assert [a.step_time_s for a in alts] == sorted(a.step_time_s for a in alts)
+    for p in [res.chosen, *res.runners_up, *alts[:4]]:
+        assert price(cfg, p.plan, CPU, 1).step_time_s == pytest.approx(p.step_time_s, rel=1e-9)
+    # The runtime generates each streamed piece with its own call: m pieces of B/m sequences
+    # cost m calls, each paying every decode step (more than one call of B on a CPU host).
+    ctx = P.make_context(cfg, 8, CPU)
+    opts = [o for o in P.structural_options(ctx, "split", False) if o.staleness == 0 and not o.fuse
+            and not o.elide_old_forward and o.microbatches in (1, 8)]
+    (o1, g1), (o8, g8) = sorted(P._graphs(ctx, opts), key=lambda x: x[0].microbatches)
+    tab = P._table(ctx, g1, "split", {})
+    d1, _ = P.durations(ctx, g1, tab)
+    d8, pieces = P.durations(ctx, g8, tab)
+    np.testing.assert_allclose(d8["generate"], 8 * tab["t_gen_p8"], rtol=1e-9)
+    np.testing.assert_allclose(sum(pieces["generate"]), d8["generate"], rtol=1e-9)
+    assert (d8["generate"] > d1["generate"]).all()

@@ -5,7 +5,9 @@
                                                      # step_time_s, memory_per_gpu_gb, utilization, stage_s, settings
     cfg = apply_plan_settings(cfg, plan)             # rl.micro_batches, model.remat, rollout.max_slots, pipeline
     res = search(cfg, n, hardware, processes)        # chosen, runners_up, baselines (verl_like, real_like)
+    from rpeg_jax.costmodel.pricing import best_by_groups, price
     alts = best_by_groups(cfg, n, hardware, processes)   # the best plan of every device-group option
+    pred = price(cfg, plan, hardware, processes)         # the model's prediction for a given Plan
     metrics = compare(plan, measured_s)              # predicted_s/<stage>, pred_error/<stage> (graph stage names)
 
 Unset arguments come from the config (costmodel.hardware: auto, costmodel.num_devices) and else
@@ -17,7 +19,8 @@ Modules: hardware (profiles as data, configs/hardware/*.yaml), devices (the run'
 profile), shape (FLOPs/bytes/memory of a model), comm (collectives per hierarchy level,
 resharding), lengths (response-length model, decode schedule), stages (time and memory per stage
 kind), candidates (plan tables), schedule (step simulation over device groups), planner (search,
-baselines), report, cli (`rpeg plan`), fit (stage measurements as data, least-squares fit of a
+baselines), pricing (a given plan, the best per device-group option), report (+ the "why"),
+cli (`rpeg plan`), fit (stage measurements as data, least-squares fit of a
 profile), calibrate (`rpeg calibrate`; with devices.local_devices the only code that imports JAX,
 inside functions).
 """

@@ -14,8 +14,11 @@ squares on log(predicted / measured) with weak priors toward the starting values
     peak FLOP/s, memory bandwidth, elementwise_factor, layer_s, backward_factor, decode_step_s,
     decode_layer_s, kv_read_factor, dispatch_s, collective link bandwidth and latency, contention
                                                            (continuous, log-space)
-    fsdp_gather in {matrix, layer, model}                  (memory: the one that fits best)
+    fsdp_gather in {matrix, layer, model}, weight_copies, act_memory_factor
+                                                           (memory: linear least squares per mode)
 
+`fit_steps(profile, step_points)` then fits the runtime's host costs around the sampler
+(gen_call_s, host_seq_s) to whole RL steps of calibration configs (not the default config).
 Validation points must never be passed here (bench/costmodel_validate.py keeps the two sets
 disjoint). Callers: costmodel/calibrate.py (`rpeg calibrate --points`), bench/, tests. No JAX.
 """
@@ -141,18 +144,37 @@ def fit_times(hw: HardwareProfile, points: list[dict], multistart: bool = True) 
 
 
 def fit_memory(hw: HardwareProfile, points: list[dict]) -> tuple[HardwareProfile, dict]:
-    """The FSDP gather mode whose predicted peaks are closest (mean |log ratio|) to the measured."""
-    pts = [p for p in points if p.get("memory")]
+    """Memory: per FSDP gather mode, weight_copies >= 0 and act_memory_factor >= 0 by linear least
+    squares on relative error (predicted memory is linear in both); the mode that fits best."""
+    pts = [p for p in points if p.get("memory") and p["kind"] != "generate"]
     if not pts:
         return hw, {}
+
+    def mem(mode, wc, af):
+        e = dataclasses.replace(hw.efficiency, fsdp_gather=mode, weight_copies=wc, act_memory_factor=af)
+        prof = with_nodes(hw, efficiency=e)
+        return prof, np.array([predict_point(prof, p)[1] for p in pts])
+
+    m = np.array([p["memory"] for p in pts], np.float64)
     best = None
     for mode in GATHERS:
-        prof = with_nodes(hw, efficiency=dataclasses.replace(hw.efficiency, fsdp_gather=mode))
-        err = float(np.mean([abs(np.log(predict_point(prof, p)[1] / p["memory"])) for p in pts]))
+        _, p00 = mem(mode, 0.0, 1.0)
+        _, p10 = mem(mode, 1.0, 1.0)
+        _, p02 = mem(mode, 0.0, 2.0)
+        W, A = p10 - p00, p02 - p00
+        rest = p00 - A
+        x = _nnls(np.stack([W / m, A / m], axis=1), 1.0 - rest / m)
+        prof, pred = mem(mode, float(x[0]), float(max(x[1], 1e-3)))
+        err = float(np.mean(np.abs(pred / m - 1.0)))
         if best is None or err < best[0]:
             best = (err, prof)
-    errs = [abs(predict_point(best[1], p)[1] / p["memory"] - 1.0) for p in pts]
-    return best[1], {"fit_memory_mape": float(np.mean(errs))}
+    return best[1], {"fit_memory_mape": best[0]}
+
+
+def _nnls(A, b):
+    from scipy.optimize import nnls
+
+    return nnls(A, b)[0]
 
 
 def fit_points(hw: HardwareProfile, points: list[dict], multistart: bool = True) -> tuple[HardwareProfile, dict]:
@@ -162,3 +184,40 @@ def fit_points(hw: HardwareProfile, points: list[dict], multistart: bool = True)
     prof, rt = fit_times(hw, points, multistart)
     prof, rm = fit_memory(prof, points)
     return prof, {**rt, **rm}
+
+
+# ---- whole steps (the runtime's host costs) ----------------------------------------------------
+STEP_FACTORS = (("gen_call_s", 1e-3), ("host_seq_s", 1e-5))  # (name, unit the fit works in)
+
+def predict_step(hw: HardwareProfile, sp: dict) -> float:
+    """Predicted steady-state seconds of a measured step point: {"overrides": [config overrides],
+    "knobs", "layout" (Prediction.layout), "num_devices", "seconds"}."""
+    from rpeg_jax.config import load_config
+    from rpeg_jax.costmodel.pricing import price_layout
+
+    cfg = load_config(None, list(sp.get("overrides", [])))
+    return price_layout(cfg, sp["knobs"], sp["layout"], sp["num_devices"], hw, 1).step_time_s
+
+
+def fit_steps(hw: HardwareProfile, steps: list[dict]) -> tuple[HardwareProfile, dict]:
+    """The runtime's per-call and per-sequence host costs (gen_call_s, host_seq_s) fitted to whole
+    steps of *calibration* configs, the stage factors fixed (least squares on log time)."""
+    from scipy.optimize import least_squares
+
+    meas = np.log([sp["seconds"] for sp in steps])
+    # Linear in units (both start near 0, where a log parameter would have no gradient), >= 0.
+    x0 = np.array([getattr(hw.efficiency, n) / unit for n, unit in STEP_FACTORS])
+
+    def profile(x):
+        return with_nodes(hw, efficiency=dataclasses.replace(hw.efficiency, **{n: float(v * unit) for (n, unit), v
+                                                                               in zip(STEP_FACTORS, x)}))
+
+    def resid(x):
+        prof = profile(x)
+        return np.concatenate([np.log([predict_step(prof, sp) for sp in steps]) - meas, 1e-5 * (x - x0)])
+
+    # (started inside the bounds: TRF started on a bound at 0 stays there)
+    sol = least_squares(resid, np.maximum(x0, 1.0), bounds=(0.0, np.inf), method="trf", max_nfev=100)
+    out = profile(sol.x)
+    errs = [abs(predict_step(out, sp) / sp["seconds"] - 1.0) for sp in steps]
+    return out, {"fit_step_mape": float(np.mean(errs)), "fit_step_points": float(len(steps))}

@@ -105,6 +105,9 @@ class EfficiencySpec:
     dispatch_s: float = 1e-4  # host cost of one jitted call, s
     layer_s: float = 2e-5  # fixed cost per layer per pass (launches inside the layer scan), s
     decode_step_s: float = 3e-5  # fixed cost per decode step (host sync, sampling), s
+    gen_call_s: float = 0.0  # runtime host cost per generate call outside the sampler's engine (laying the
+    #   piece out, putting it in the training layout), s; fitted on whole steps
+    host_seq_s: float = 0.0  # runtime host cost per sequence per step (rows, reward, bookkeeping), s
     contention: float = 0.0  # shared host: throughput lost to device programs beyond the cores,
     #   total rate x (host_cores / busy)^contention (fitted)
     decode_layer_s: float | None = None  # fixed cost per layer per decode step (page-table gathers,
@@ -112,6 +115,9 @@ class EfficiencySpec:
     kv_read_factor: float = 2.0  # KV bytes moved per cached byte per step (gather attention copies pages)
     elementwise_factor: float = 1.0  # fitted multiplier on the elementwise kernels' activation traffic
     backward_factor: float = 1.0  # backward time / (2 x forward time) of the same layers (fitted)
+    weight_copies: float = 0.0  # extra copies of a pass's weights (per device, in its layout) the compiler
+    #   keeps, e.g. per-layer slices of the stacked weights (fitted; memory only)
+    act_memory_factor: float = 1.0  # measured / counted activation and logits working set (fitted)
     fsdp_gather: Literal["matrix", "layer", "model"] = "matrix"  # what an FSDP pass holds gathered at once:
     #   two weight matrices (gathered right before use), two layers, or every layer (the compiler
     #   hoists the gathers out of the layer scan; XLA:CPU does); fitted by calibration
@@ -124,9 +130,11 @@ class EfficiencySpec:
         check(self.elementwise_factor > 0, key(path, "elementwise_factor"), self.elementwise_factor, "must be > 0")
         check(0.0 <= self.contention <= 4.0, key(path, "contention"), self.contention, "must be in [0, 4]")
         check(self.backward_factor > 0, key(path, "backward_factor"), self.backward_factor, "must be > 0")
+        check(self.weight_copies >= 0, key(path, "weight_copies"), self.weight_copies, "must be >= 0")
+        check(self.act_memory_factor > 0, key(path, "act_memory_factor"), self.act_memory_factor, "must be > 0")
         check(self.fsdp_gather in ("matrix", "layer", "model"), key(path, "fsdp_gather"), self.fsdp_gather,
               "must be matrix | layer | model")
-        for name in ("dispatch_s", "layer_s", "decode_step_s"):
+        for name in ("dispatch_s", "layer_s", "decode_step_s", "gen_call_s", "host_seq_s"):
             v = getattr(self, name)
             check(v >= 0, key(path, name), v, "must be >= 0")
         if self.decode_layer_s is not None:

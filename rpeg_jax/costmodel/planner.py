@@ -183,13 +183,19 @@ def durations(ctx: Context, graph: Graph, tab: dict) -> tuple[dict, dict]:
         if len(parts) > 1:  # one jitted program instead of several dispatches
             t = t - (len(parts) - 1) * ctx.hw.efficiency.dispatch_s
         dur[s.name] = t
-        sync_gen = not graph.attrs.get("staleness")  # async generation is throughput-bound: even pieces
-        if any(p.kind == StageKind.GENERATE for p in parts) and s.microbatches > 1 and sync_gen:
-            m = s.microbatches
+        m = s.microbatches
+        if not any(p.kind == StageKind.GENERATE for p in parts) or m == 1:
+            continue
+        if f"t_gen_p{m}" in tab:  # one generate call per piece (the runtime today)
+            extra = t - _part_time(StageKind.GENERATE, tab, graph)
+            per = tab[f"t_gen_p{m}"] + extra / m
+            dur[s.name], pieces[s.name] = m * per, [per] * m
+        elif not graph.attrs.get("staleness"):  # continuous admission: pieces finish along one batch
             qs = [tab["gen_q"][:, (8 * j) // m - 1] for j in range(1, m)]
             marks = [np.zeros_like(t)] + qs + [tab["t_gen"]]
             extra = t - tab["t_gen"]
             pieces[s.name] = [marks[j + 1] - marks[j] + extra / m for j in range(m)]
+        # (async with continuous admission: throughput-bound, even pieces)
     return dur, pieces
 
 
@@ -229,13 +235,16 @@ def _graphs(ctx: Context, opts: list[PipelineConfig]) -> list[tuple[PipelineConf
     return out
 
 
-def _table(ctx: Context, graph: Graph, placement: str, cache: dict) -> dict:
-    key = (placement, bool(graph.attrs.get("shared")))
+def _table(ctx: Context, graph: Graph, placement: str, cache: dict, allocs=None) -> dict:
+    """The candidate table of a placement family (cached), over `allocs` (default: every
+    device-group option of the family)."""
+    allocs = allocations(ctx, placement) if allocs is None else allocs
+    key = (placement, bool(graph.attrs.get("shared")), tuple(allocs))
     if key not in cache:
         c = ctx.cfg.costmodel
         # Several processes: the runtime generates on each process's local devices as data only.
         gen_t = (1,) if ctx.processes > 1 else c.tensor_sizes
-        cache[key] = C.build(ctx.st, roles_of(ctx, graph), allocations(ctx, placement), placement, c.tensor_sizes,
+        cache[key] = C.build(ctx.st, roles_of(ctx, graph), allocs, placement, c.tensor_sizes,
                              c.max_staleness, c.continuous_admission, gen_t)
     return cache[key]
 
@@ -306,34 +315,6 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
 
     res.notes = explain(ctx, res)
     return res
-
-
-def best_by_groups(cfg: RunConfig, num_devices: int | None = None, hardware=None,
-                   processes: int | None = None) -> list[Prediction]:
-    """The best plan of every device-group option (placement, n_gen, n_train), best first: the
-    alternatives the search weighed, for validation and for explaining why the chosen groups win."""
-    hw, n, procs = resolve(cfg, num_devices, hardware, processes)
-    ctx = make_context(cfg, n, hw, procs)
-    cache: dict = {}
-    best: dict[tuple, tuple] = {}
-    for placement, share in families(ctx):
-        pairs = _graphs(ctx, structural_options(ctx, placement, share))
-        tab = _table(ctx, pairs[0][1], placement, cache) if pairs else {}
-        if not tab:
-            continue
-        groups = np.stack([tab["n_gen"], tab["n_train"]], axis=1)
-        for pipe, g in pairs:
-            period, _ = periods(ctx, g, tab)
-            for key in {tuple(r) for r in groups.tolist()}:
-                sel = np.nonzero((groups[:, 0] == key[0]) & (groups[:, 1] == key[1]) & np.isfinite(period))[0]
-                if len(sel):
-                    i = int(sel[np.argmin(period[sel])])
-                    k = (placement, *key)
-                    if k not in best or period[i] < best[k][0]:
-                        best[k] = (float(period[i]), pipe, g, i, tab)
-    out = [predict(ctx, g, pipe, tab, i, f"best {k[0]} {k[1]}+{k[2]}" if k[0] == "split" else f"best {k[0]} {k[1]}")
-           for k, (_, pipe, g, i, tab) in sorted(best.items(), key=lambda kv: kv[1][0])]
-    return out
 
 
 def baseline(ctx: Context, name: str, cache: dict) -> Prediction | None:

@@ -6,7 +6,7 @@ which candidate meshes may shard the batches of a graph.
     allocations(ctx, placement)                # (n_gen, n_train) device-group options
     divisible(ctx, graph, tab)                 # rows whose mesh axes divide what they shard
 
-Callers: costmodel/planner.py (search, best_by_groups), tests.
+Callers: costmodel/planner.py (search), costmodel/pricing.py, tests.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 
 from rpeg_jax.config.pipeline import PipelineConfig
 from rpeg_jax.config.run import RunConfig
+from rpeg_jax.costmodel.candidates import PIECES
 from rpeg_jax.graph.ir import Graph
 
 
@@ -41,7 +42,7 @@ def structural_options(ctx, placement: str, share: bool) -> list[PipelineConfig]
         elides, ks = [True], [0]
     # Pieces split each process's prompts evenly (runtime/rollouts.py generate_piece).
     prompts = ctx.base.sizes["N"] // ctx.processes
-    pieces = [1] if placement == "colocated" else [m for m in (1, 2, 4, 8) if prompts % m == 0]
+    pieces = [1] if placement == "colocated" else [m for m in (1, *PIECES) if prompts % m == 0]
     out = []
     for k, el, fz, m in itertools.product(ks, elides, fuses, pieces):
         if el and k:

@@ -1,0 +1,107 @@
+"""Pricing given plans: the best plan of every device-group option, and the model's prediction
+for a Plan chosen elsewhere (a saved planner plan, a runner-up, a validation candidate).
+
+    alts = best_by_groups(cfg, n, hardware, processes)   # [Prediction], best first
+    pred = price(cfg, plan, hardware, processes)         # Prediction of that exact plan
+
+Callers: bench/costmodel_validate.py (step-level candidates, re-pricing measured plans after a
+recalibration), tests. No JAX.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rpeg_jax.config.run import RunConfig
+from rpeg_jax.costmodel.candidates import REMATS
+from rpeg_jax.costmodel.devices import resolve
+from rpeg_jax.costmodel.planner import (Prediction, _graphs, _table, _take, families, make_context, periods,
+                                        predict, structural_options)
+from rpeg_jax.graph.algorithms import build_graph
+from rpeg_jax.graph.ir import GraphError
+from rpeg_jax.graph.passes import apply_pipeline
+from rpeg_jax.graph.plan import Plan
+
+
+def best_by_groups(cfg: RunConfig, num_devices: int | None = None, hardware=None,
+                   processes: int | None = None) -> list[Prediction]:
+    """The best plan of every device-group option (placement, n_gen, n_train), best first: the
+    alternatives the search weighed, for validation and for explaining why the chosen groups win."""
+    hw, n, procs = resolve(cfg, num_devices, hardware, processes)
+    ctx = make_context(cfg, n, hw, procs)
+    cache: dict = {}
+    best: dict[tuple, tuple] = {}
+    for placement, share in families(ctx):
+        pairs = _graphs(ctx, structural_options(ctx, placement, share))
+        tab = _table(ctx, pairs[0][1], placement, cache) if pairs else {}
+        if not tab:
+            continue
+        groups = np.stack([tab["n_gen"], tab["n_train"]], axis=1)
+        for pipe, g in pairs:
+            period, _ = periods(ctx, g, tab)
+            for key in {tuple(r) for r in groups.tolist()}:
+                sel = np.nonzero((groups[:, 0] == key[0]) & (groups[:, 1] == key[1]) & np.isfinite(period))[0]
+                if len(sel):
+                    i = int(sel[np.argmin(period[sel])])
+                    k = (placement, *key)
+                    if k not in best or period[i] < best[k][0]:
+                        best[k] = (float(period[i]), pipe, g, i, tab)
+    out = [predict(ctx, g, pipe, tab, i, f"best {k[0]} {k[1]}+{k[2]}" if k[0] == "split" else f"best {k[0]} {k[1]}")
+           for k, (_, pipe, g, i, tab) in sorted(best.items(), key=lambda kv: kv[1][0])]
+    return out
+
+
+def price(cfg: RunConfig, plan: Plan, hardware=None, processes: int | None = None) -> Prediction:
+    """The model's prediction for `plan` (its groups, stage meshes, knobs and planner settings)."""
+    pipe = plan.pipeline_config(cfg.pipeline)
+    return price_layout(cfg, plan.knobs, _layout_of(plan, pipe, cfg), plan.num_devices, hardware, processes)
+
+
+def price_layout(cfg: RunConfig, knobs: dict, layout: dict, num_devices: int, hardware=None,
+                 processes: int | None = None) -> Prediction:
+    """The prediction for a plan given as knobs + layout (Prediction.layout's format: groups,
+    generate {tensor}, train {data, fsdp, tensor, micro_batches, remat}, forward {data, fsdp,
+    tensor}): the table row with those groups and layouts, simulated under the knobs' graph."""
+    hw, n, procs = resolve(cfg, num_devices, hardware, processes)
+    ctx = make_context(cfg, n, hw, procs)
+    pipe = Plan(num_devices=n, groups=(), stages=(), knobs=knobs).pipeline_config(cfg.pipeline)
+    g = apply_pipeline(ctx.base, pipe, cfg.rl)
+    gr, tr, fw = layout["groups"], layout["train"], layout["forward"]
+    ng, nt = gr.get("gen", gr.get("all")), gr.get("train", gr.get("all"))
+    tab = _table(ctx, g, pipe.placement, {}, [(ng, nt)])
+    want = {"n_gen": ng, "n_train": nt,
+            "t_g": layout["generate"]["tensor"], "d": tr["data"], "f": tr["fsdp"], "t": tr["tensor"],
+            "fd": fw["data"], "ff": fw["fsdp"], "ft": fw["tensor"]}
+    sel = np.ones(len(tab["n_gen"]), bool)
+    for k, v in want.items():
+        sel &= tab[k] == v
+    exact = sel & (tab["micro"] == tr.get("micro_batches", -1)) & (tab["remat"] == REMATS.index(tr.get("remat", "none")))
+    idx = np.nonzero(exact if exact.any() else sel)[0]
+    if not len(idx):
+        raise GraphError("plan", f"no candidate of the model matches the layout {want}")
+    sub = _take(tab, idx)
+    period, _ = periods(ctx, g, sub)
+    return predict(ctx, g, pipe, sub, int(np.argmin(period)), f"priced {pipe.placement}")
+
+
+def _layout_of(plan: Plan, pipe, cfg: RunConfig) -> dict:
+    """A planner-format layout from a Plan's groups, stage meshes and settings."""
+    from rpeg_jax.costmodel.planner import GEN_SIDE, TRAIN_SIDE
+
+    graph = apply_pipeline(build_graph(cfg), pipe, cfg.rl)
+    s = plan.predicted.get("settings", {})
+    out = {"groups": {}, "generate": {}, "train": {"micro_batches": s.get("rl.micro_batches", 1),
+                                                    "remat": s.get("model.remat", "none")}, "forward": {}}
+    for st in graph.stages():
+        kinds = {p.kind for p in (st.parts or (st,))}
+        sp = plan.stage(st.name)
+        m = {k: sp.mesh.get(k, 1) for k in ("data", "fsdp", "tensor")}
+        out["groups"][sp.group] = plan.group(sp.group).size
+        if kinds <= GEN_SIDE:
+            out["generate"]["tensor"] = m["tensor"]
+        elif kinds & {k for k in TRAIN_SIDE if "update" in k.value}:
+            out["train"].update(m)
+        elif not kinds & TRAIN_SIDE:
+            out["forward"].update(m)
+    out["forward"] = out["forward"] or {k: out["train"][k] for k in ("data", "fsdp", "tensor")}
+    return out
