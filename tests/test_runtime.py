@@ -87,7 +87,14 @@ def test_split_placement_equals_colocated(tmp_path):
 
 
 def test_staleness_one_consumes_rollouts_exactly_one_version_behind(tmp_path):
-    metrics, _ = run(tmp_path, "k1", TINY + ["pipeline.staleness=1"], steps=4)
+    cfg = load_config(None, TINY + ["pipeline.staleness=1", "train.steps=4", f"train.run_dir={tmp_path}"])
+    out = train(cfg, keep_state=True)
+    metrics = read_metrics(os.path.join(out["run_dir"], "metrics.jsonl"))
+    consumed = out["consumed"]
+    for t in range(4):  # the executor's record of what each task read
+        assert consumed[("generate", t, 0)]["rollout_weights"] == max(0, t - 1)
+        assert consumed[("actor_update", t, 0)]["actor"] == t
+        assert consumed[("actor_update", t, 0)]["completions"] == (t, "all")
     for r in metrics:
         t = r["step"] - 1  # the update of step t produces actor version t + 1
         assert r["rollout/weights_version"] == max(0, t - 1)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 
 import jax
 
-from rpeg_jax.graph.ir import DataNode, Graph, GraphError, Stage, StageKind, StateNode
+from rpeg_jax.graph.ir import Graph, GraphError, Stage, StageKind, StateNode
 from rpeg_jax.graph.plan import Plan, StagePlan
 
 
@@ -192,11 +192,3 @@ def compile_graph(graph: Graph, plan: Plan, registry: KernelRegistry, context: A
             cs._jitted = jax.jit(lambda donated, kept, fn=fn: fn({**donated, **kept}), donate_argnums=(0,))
         stages.append(cs)
     return Program(graph, plan, stages)
-
-
-def data_ports(ports: tuple[Port, ...]) -> list[Port]:
-    return [p for p in ports if not p.state]
-
-
-def is_data(graph: Graph, node: str) -> bool:
-    return isinstance(graph.nodes.get(node), DataNode)

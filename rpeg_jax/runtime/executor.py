@@ -264,7 +264,6 @@ class Executor:
         for key in [k for k in self.done if k[1] < step - 1]:
             self.done.discard(key)
             self.events.pop(key, None)
-            self.consumed.pop(key, None)
         for t in [t for t in self.stage_seconds if t < step - 1]:
             del self.stage_seconds[t]
 

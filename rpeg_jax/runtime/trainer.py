@@ -108,6 +108,7 @@ def train(cfg: RunConfig, *, plan: Plan | None = None, registry=None, on_step=No
     out = {"steps": last, "interrupted": interrupted, "run_dir": cfg.train.run_dir}
     if keep_state:
         out["state"] = {n: store.latest(n)[1] for n in TRAIN_STATES if n in store.state}
+        out["consumed"] = dict(executor.consumed)  # (stage, step, piece) -> {port: version | (step, piece)}
     return out
 
 
