@@ -11,6 +11,8 @@ completions of R tokens (eos ignored). Peak memory per device is XLA's compiled 
 Timing: `measure_set` compiles a batch of configurations, then runs them round-robin (every
 configuration once per round, `repeats` rounds) so that a change of machine load hits all of
 them alike, and keeps the median per configuration. The clock is wall or process CPU seconds.
+Run it from a snapshot of the committed tree (`git archive HEAD`) when others edit the working
+tree: the measured code must not change during a session.
 """
 
 from __future__ import annotations
@@ -222,10 +224,16 @@ def measure_set(configs, repeats: int, clock, batch: int = 7, log=print) -> list
     round-robin rounds; the median of each configuration's runs on `clock`."""
     out = []
     for i in range(0, len(configs), batch):
-        group = configs[i:i + batch]
-        stages = [build(*c) for c in group]
-        for s in stages:
-            s.run()
+        group, stages = [], []
+        for c in configs[i:i + batch]:  # a configuration that fails to build or run is reported, not fatal
+            try:
+                s = build(*c)
+                s.run()
+            except Exception as e:  # noqa: BLE001
+                log(f"  FAILED {c}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                continue
+            group.append(c)
+            stages.append(s)
         times = [[] for _ in stages]
         for _ in range(repeats):
             for j, s in enumerate(stages):

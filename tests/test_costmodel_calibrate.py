@@ -174,15 +174,15 @@ def test_rpeg_calibrate_fits_saved_points(tmp_path, monkeypatch):
 
 
 def test_fit_steps_recovers_the_runtime_host_costs():
-    # Whole steps 'measured' with known per-call and per-sequence host costs around the sampler:
-    # the fit finds them back (m streamed pieces pay m calls, so calls and sequences separate).
+    # Whole steps 'measured' with known per-piece and per-sequence host costs around the sampler:
+    # the fit finds them back (one plan streams 8 pieces, so pieces and sequences separate).
     import dataclasses
 
     from rpeg_jax.config import load_config
     from rpeg_jax.costmodel.fit import fit_steps, predict_step
 
     base = load_hardware("cpu", calibrated=False)
-    truth = dataclasses.replace(base, efficiency=dataclasses.replace(base.efficiency, gen_call_s=0.05,
+    truth = dataclasses.replace(base, efficiency=dataclasses.replace(base.efficiency, piece_s=0.05,
                                                                      host_seq_s=2e-3))
     over = ["data.prompts_per_step=8", "rollout.max_new_tokens=8"]
     res = P.search(load_config(None, over), 4, base, 1)
@@ -200,5 +200,5 @@ def test_fit_steps_recovers_the_runtime_host_costs():
     fitted, resid = fit_steps(base, steps)
     # 3 steps, 2 factors, a very weak prior toward 0: the steps within 1%, the factors within 5%.
     assert resid["fit_step_mape"] < 0.01
-    assert fitted.efficiency.gen_call_s == pytest.approx(0.05, rel=0.05)
+    assert fitted.efficiency.piece_s == pytest.approx(0.05, rel=0.05)
     assert fitted.efficiency.host_seq_s == pytest.approx(2e-3, rel=0.05)

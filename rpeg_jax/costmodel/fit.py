@@ -18,7 +18,7 @@ squares on log(predicted / measured) with weak priors toward the starting values
                                                            (memory: linear least squares per mode)
 
 `fit_steps(profile, step_points)` then fits the runtime's host costs around the sampler
-(gen_call_s, host_seq_s) to whole RL steps of calibration configs (not the default config).
+(piece_s, host_seq_s) to whole RL steps of calibration configs (not the default config).
 Validation points must never be passed here (bench/costmodel_validate.py keeps the two sets
 disjoint). Callers: costmodel/calibrate.py (`rpeg calibrate --points`), bench/, tests. No JAX.
 """
@@ -187,7 +187,7 @@ def fit_points(hw: HardwareProfile, points: list[dict], multistart: bool = True)
 
 
 # ---- whole steps (the runtime's host costs) ----------------------------------------------------
-STEP_FACTORS = (("gen_call_s", 1e-3), ("host_seq_s", 1e-5))  # (name, unit the fit works in)
+STEP_FACTORS = (("piece_s", 1e-3), ("host_seq_s", 1e-5))  # (name, unit the fit works in)
 
 def predict_step(hw: HardwareProfile, sp: dict) -> float:
     """Predicted steady-state seconds of a measured step point: {"overrides": [config overrides],
@@ -200,7 +200,7 @@ def predict_step(hw: HardwareProfile, sp: dict) -> float:
 
 
 def fit_steps(hw: HardwareProfile, steps: list[dict]) -> tuple[HardwareProfile, dict]:
-    """The runtime's per-call and per-sequence host costs (gen_call_s, host_seq_s) fitted to whole
+    """The runtime's per-piece and per-sequence host costs (piece_s, host_seq_s) fitted to whole
     steps of *calibration* configs, the stage factors fixed (least squares on log time)."""
     from scipy.optimize import least_squares
 

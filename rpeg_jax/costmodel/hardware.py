@@ -105,8 +105,8 @@ class EfficiencySpec:
     dispatch_s: float = 1e-4  # host cost of one jitted call, s
     layer_s: float = 2e-5  # fixed cost per layer per pass (launches inside the layer scan), s
     decode_step_s: float = 3e-5  # fixed cost per decode step (host sync, sampling), s
-    gen_call_s: float = 0.0  # runtime host cost per generate call outside the sampler's engine (laying the
-    #   piece out, putting it in the training layout), s; fitted on whole steps
+    piece_s: float = 0.0  # runtime cost per streamed piece beyond the first (a generate call's host work,
+    #   laying the piece out, moving it to the training group, concatenating), s; fitted on whole steps
     host_seq_s: float = 0.0  # runtime host cost per sequence per step (rows, reward, bookkeeping), s
     contention: float = 0.0  # shared host: throughput lost to device programs beyond the cores,
     #   total rate x (host_cores / busy)^contention (fitted)
@@ -134,7 +134,7 @@ class EfficiencySpec:
         check(self.act_memory_factor > 0, key(path, "act_memory_factor"), self.act_memory_factor, "must be > 0")
         check(self.fsdp_gather in ("matrix", "layer", "model"), key(path, "fsdp_gather"), self.fsdp_gather,
               "must be matrix | layer | model")
-        for name in ("dispatch_s", "layer_s", "decode_step_s", "gen_call_s", "host_seq_s"):
+        for name in ("dispatch_s", "layer_s", "decode_step_s", "piece_s", "host_seq_s"):
             v = getattr(self, name)
             check(v >= 0, key(path, name), v, "must be >= 0")
         if self.decode_layer_s is not None:
