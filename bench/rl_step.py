@@ -146,7 +146,8 @@ def summarise(p: Pipeline, compile_s: float, rate_best: float, rates_paired: lis
     stage_names = sorted({k for r in steps for k in r["stages_s"]})
     stages = {k: statistics.median(r["stages_s"].get(k, 0.0) for r in steps) for k in stage_names}
     return dict(workload=p.workload, variant=p.variant, seconds_per_step=med,
-                limit_fraction=statistics.median(limit) / med, limit_fraction_paired=statistics.median(paired), limit_s=statistics.median(limit),
+                limit_fraction=statistics.median(limit) / med, limit_fraction_paired=statistics.median(paired),
+                limit_s=statistics.median(limit),
                 flops_per_step=statistics.median(r["flops"] for r in steps), matmul_flops_per_s=rate_best,
                 step_s=secs, spread=max(secs) / min(secs), stages_s=stages,
                 gen_share=stages.get("gen", 0.0) / med, compile_step_s=compile_s,
