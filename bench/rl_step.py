@@ -95,14 +95,9 @@ class MatmulRate:
 
 # ---- one pipeline ------------------------------------------------------------------------------
 def step_flops(cfg, stats: dict, workload: str) -> float:
-    """The workload's useful FLOPs for this step's rollouts (see the module docstring)."""
-    actor = rollouts.pass_flops(cfg.model, stats)
-    flops = rollouts.generation_flops(cfg, stats) + 3 * actor
-    if workload == "R1-b":
-        flops += actor
-    if workload == "R1-c":
-        flops += 4 * rollouts.pass_flops(cfg.critic_model, stats, logits=False)
-    return flops
+    """The workload's useful FLOPs for this step's rollouts (rollouts.step_flops; see the module docstring)."""
+    del workload  # the config says what the workload needs (β, PPO)
+    return rollouts.step_flops(cfg, stats)
 
 
 class Pipeline:

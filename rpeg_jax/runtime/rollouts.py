@@ -218,9 +218,17 @@ def pass_flops(m, stats: dict, *, logits: bool = True) -> float:
     return 2.0 * body * stats["seq"] + (2.0 * head * stats["resp"] if logits else 0.0) + attn * stats["seq_sq"]
 
 
-def useful_flops(cfg, stats: dict, *, forwards: int, train_passes: int) -> float:
-    """Matmul FLOPs of the step's useful work over real (unpadded) tokens: generation, `forwards`
-    logprob/value passes and `train_passes` updates (3x a forward: forward + backward), each
-    counted with the actor's shape."""
-    per_pass = pass_flops(cfg.model, stats)
-    return float(generation_flops(cfg, stats) + forwards * per_pass + train_passes * 3 * per_pass)
+def step_flops(cfg, stats: dict) -> float:
+    """The step's useful matmul FLOPs, whatever rewrites ran: generation, the actor update
+    (forward + backward = 3 passes), a reference forward when β > 0, for PPO the critic's value
+    forward and update (4 passes of the critic, no LM head) unless the backbone is shared (then
+    the value head rides on the actor's passes), and the proximal-policy forward only under
+    bounded asynchrony (on-policy, the sampler's logprobs serve). Padding, prompt logits and
+    passes a rewrite removes are not useful work."""
+    rl = cfg.rl
+    actor = pass_flops(cfg.model, stats)
+    flops = generation_flops(cfg, stats) + 3 * rl.ppo_epochs * actor
+    flops += actor * (int(rl.kl_coef > 0) + int(cfg.pipeline.staleness > 0))
+    if rl.algorithm == "ppo" and not cfg.pipeline.share_actor_critic:
+        flops += (1 + 3 * rl.ppo_epochs) * pass_flops(cfg.critic_model, stats, logits=False)
+    return float(flops)

@@ -119,11 +119,7 @@ def _step_metrics(cfg, ctx: RuntimeContext, ex: Executor, store: Store, plan: Pl
     rollouts.assert_staleness(stats, t, lead)
     step_s = m.get("timing_s/step", float("nan"))
     m["perf/tokens_per_s"] = stats["seq"] / step_s
-    fwd = sum(1 for cs in ex.program.stages for p in (cs.stage.parts or (cs.stage,))
-              if p.kind.value in ("ref_forward", "old_forward", "critic_forward"))
-    trains = sum(1 for cs in ex.program.stages for p in (cs.stage.parts or (cs.stage,))
-                 if p.kind.value in ("actor_update", "critic_update")) * cfg.rl.ppo_epochs
-    flops = rollouts.useful_flops(cfg, stats, forwards=fwd, train_passes=trains)
+    flops = rollouts.step_flops(cfg, stats)  # useful work only: a rewrite that saves a pass saves time
     m["perf/flops"] = flops
     m["perf/tflops_per_device"] = flops / step_s / jax.device_count() / 1e12
     peak = ctx.extras.get("peak_flops_per_device")
