@@ -111,7 +111,6 @@ def test_staleness_zero_is_synchronous(tmp_path):
 _KILLER = textwrap.dedent("""
     import os, signal, sys
     from rpeg_jax.config import load_config
-from rpeg_jax.graph.plan import plan_from_config
     from rpeg_jax.runtime.trainer import train
     stop = int(sys.argv[1])
     def on_step(step, metrics):
