@@ -136,3 +136,49 @@ def test_write_pages_drops_out_of_range_rows():
     expect = np.zeros((1, 1, 3, 2, 1))
     expect[0, 0, 1, 1] = 1
     np.testing.assert_array_equal(np.asarray(out), expect)
+
+
+@pytest.mark.parametrize("page_size,kv_heads,per_layer", [(1, 2, True), (3, 4, False), (16, 1, True)])
+def test_chunk_attention_equals_reference_with_nan_garbage(page_size, kv_heads, per_layer):
+    """The "chunk" decode attention: the slots' pages gathered once (NaN everywhere unused), then one
+    decode step writes each slot's newest K/V into pool and buffers and attends; against float64."""
+    from rpeg_jax.sampling.chunk_attention import ChunkAttention, gather_chunk
+    heads, layer = 4, 1
+    lengths = [2 * page_size + 1, 2 * page_size + 5, page_size, 1, 3 * page_size - 1]
+    k, v, table, pk, pv = build_case(page_size, kv_heads, lengths, shared=2 * page_size)
+    b = len(lengths)
+    # the newest token of each sequence is not in the pages yet: the step writes it
+    last = np.asarray(lengths) - 1
+    for i, n in enumerate(lengths):
+        p = table[i, last[i] // page_size]
+        if not (i == 1 and (last[i] // page_size + 1) * page_size <= 2 * page_size):
+            pk[layer, :, p, last[i] % page_size] = np.nan
+            pv[layer, :, p, last[i] % page_size] = np.nan
+    q = np.random.default_rng(5).standard_normal((b, 1, heads, E)).astype(np.float32)
+    active = np.array([True, True, True, True, False])  # an inactive slot must write nothing
+    pools = (jnp.asarray(pk), jnp.asarray(pv))
+    kv_before = jnp.asarray(np.where(active, last, 0), jnp.int32)
+    bufs = gather_chunk(pools, jnp.asarray(table), kv_before, per_layer=per_layer)
+    page, off = write_targets(jnp.asarray(table), jnp.asarray(last[:, None], jnp.int32), jnp.asarray(active[:, None]),
+                              pk.shape[2], page_size)
+    cols = table.shape[1] * page_size
+    attn = ChunkAttention(page[:, 0], off[:, 0], jnp.asarray(np.where(active, last, cols), jnp.int32),
+                          jnp.asarray(np.where(active, lengths, 0), jnp.int32))
+    k_new = jnp.asarray(k[np.arange(b), last][:, None])
+    v_new = jnp.asarray(v[np.arange(b), last][:, None])
+    out, cache = jax.jit(lambda q, kk, vv, c: attn(q, kk, vv, layer=layer, cache=c))(
+        jnp.asarray(q), k_new, v_new, pools + bufs)
+    out = np.asarray(out)
+    assert np.isfinite(out).all(), "NaN from unused pages leaked into the output"
+    for i, n in enumerate(lengths):
+        if active[i]:
+            np.testing.assert_allclose(out[i], ref_attention(q[i], k[i, :n], v[i, :n], last[i:i + 1]),
+                                       atol=2e-5, rtol=1e-5)
+        else:
+            np.testing.assert_array_equal(out[i], 0.0)
+    nk = np.asarray(cache[0])
+    for i in range(b):
+        got = nk[layer, :, table[i, last[i] // page_size], last[i] % page_size]
+        if active[i]:
+            np.testing.assert_array_equal(got, k[i, last[i]])
+    assert np.isnan(nk[layer, :, table[4, last[4] // page_size], last[4] % page_size]).all()

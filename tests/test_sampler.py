@@ -67,12 +67,15 @@ def assert_same(a, b, tol=LP_TOL):
         assert x[4] == y[4]
 
 
-@pytest.mark.parametrize("name,forward", [("llama_tiny", "split"), ("qwen2_tiny", "split"), ("qwen2_tiny", "model")])
-def test_greedy_equals_plain_forward_argmax_on_hf_fixtures(name, forward, llama):
-    """Both sampler forwards (the model's own, and per-layer weights) against the plain forward."""
+@pytest.mark.parametrize("name,forward,attention", [
+    ("llama_tiny", "split", "chunk"), ("qwen2_tiny", "split", "chunk"), ("qwen2_tiny", "model", "gather"),
+    ("llama_tiny", "split_t", "chunk"), ("qwen2_tiny", "split_t", "gather"), ("llama_tiny", "model", "chunk")])
+def test_greedy_equals_plain_forward_argmax_on_hf_fixtures(name, forward, attention, llama):
+    """Every sampler forward (the model's own; per-layer weights; transposed per-layer weights) and
+    decode attention (pages gathered per step or per chunk) against the plain forward."""
     model = llama if name == "llama_tiny" else load_hf(os.path.join(HF, name))
     prompts = prompts_of([5, 1, 9, 4, 7])
-    sampler = Sampler(model, dataclasses.replace(BASE, forward=forward))
+    sampler = Sampler(model, dataclasses.replace(BASE, forward=forward, attention=attention))
     outs = sampler.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True))
     ref, fwd = greedy_reference(model, prompts, 16)
     for o, r, p in zip(outs, ref, prompts):
@@ -168,7 +171,8 @@ def test_grpo_group_prefills_once_shares_pages_and_equals_unshared_run(llama):
 @pytest.mark.parametrize("variant", [
     dict(page_size=1), dict(page_size=16), dict(page_size=64, max_seq_len=64), dict(chunk_steps=1),
     dict(max_slots=3), dict(max_slots=5, num_pages=13, page_size=3, watermark=0.0), dict(min_chunk_steps=1),
-    dict(min_table_width=1), dict(attention="blocked", block_pages=2), dict(forward="model")])
+    dict(min_table_width=1), dict(attention="blocked", block_pages=2), dict(attention="gather"),
+    dict(attention="chunk"), dict(forward="model"), dict(forward="split_t"), dict(table_width_growth=1.5)])
 def test_invariance_matrix(llama, baseline, variant):
     """Each factor on its own (the default run covers them combined)."""
     prompts, ref = baseline

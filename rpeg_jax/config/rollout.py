@@ -25,7 +25,8 @@ class RolloutConfig:
     #                           this many steps (= chunk_steps: one chunk per call when K allows)
     watermark: float = 0.01  # fraction of pages kept free when admitting groups
     on_weight_update: Literal["finish", "recompute"] = "finish"
-    attention: Literal["gather", "blocked"] = "gather"  # decode attention over pages (sampling/types.py)
+    attention: Literal["auto", "gather", "blocked", "chunk"] = "auto"  # decode attention over pages
+    #   (sampling/types.py): auto = "chunk" on CPU, "gather" elsewhere
 
     def validate(self, path: str) -> None:
         check(self.max_new_tokens >= 1, key(path, "max_new_tokens"), self.max_new_tokens, "must be >= 1")
@@ -41,3 +42,5 @@ class RolloutConfig:
         check(self.chunk_steps >= 1, key(path, "chunk_steps"), self.chunk_steps, "must be >= 1")
         check(self.min_chunk_steps >= 1, key(path, "min_chunk_steps"), self.min_chunk_steps, "must be >= 1")
         check(0.0 <= self.watermark < 1.0, key(path, "watermark"), self.watermark, "must be in [0, 1)")
+        check(self.attention in ("auto", "gather", "blocked", "chunk"), key(path, "attention"), self.attention,
+              "must be 'auto', 'gather', 'blocked' or 'chunk'")

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from rpeg_jax.sampling.chunk_attention import ChunkAttention, gather_chunk
 from rpeg_jax.sampling.paged_attention import PagedAttention, copy_pages, write_targets
 from rpeg_jax.sampling.transforms import sample, sequence_keys
 
@@ -73,46 +74,61 @@ def fork_pages(pools, src_N, dst_N):
     return copy_pages(pools[0], pools[1], src_N, dst_N)
 
 
-def _decode_step(fwd, params, pools, st: DecodeState, keys_Bx2, token_B, pos_B, active_B, block_pages: int):
-    """One step for every slot: write K/V at pos, attend, sample the token at pos + 1."""
+def _decode_step(fwd, params, cache, st: DecodeState, keys_Bx2, token_B, pos_B, active_B, attention: str,
+                 block_pages: int):
+    """One step for every slot: write K/V at pos, attend, sample the token at pos + 1. `cache` is the
+    pools, or (k_pool, v_pool, kt, v) for the "chunk" attention."""
+    pools = cache[:2]
     num_pages, page_size = pools[0].shape[2], pools[0].shape[3]
     pos_Bx1 = pos_B[:, None]
     page, off = write_targets(st.table_BxW, pos_Bx1, active_B[:, None], num_pages, page_size)
-    attention = PagedAttention(page, off, st.table_BxW, pos_Bx1, jnp.where(active_B, pos_B + 1, 0), block_pages)
-    h, pools = fwd.hidden(params, token_B[:, None], pos_Bx1, attention, pools)
+    kv_len_B = jnp.where(active_B, pos_B + 1, 0)
+    if attention == "chunk":
+        cols = st.table_BxW.shape[1] * page_size
+        attn = ChunkAttention(page[:, 0], off[:, 0], jnp.where(active_B, pos_B, cols), kv_len_B)
+    else:
+        attn = PagedAttention(page, off, st.table_BxW, pos_Bx1, kv_len_B, block_pages if attention == "blocked" else 0)
+    h, cache = fwd.hidden(params, token_B[:, None], pos_Bx1, attn, cache)
     logits_BxV = fwd.logits(params, h[:, 0])
     new_B, logp_B = sample(logits_BxV, keys_Bx2, pos_B + 1, st.temperature_B, st.top_k_B, st.top_p_B,
                            st.min_p_B)
-    return pools, new_B, logp_B
+    return cache, new_B, logp_B
 
 
-@functools.partial(jax.jit, static_argnames=("fwd", "chunk", "block_pages"), donate_argnames=("pools",))
-def decode_chunk(fwd, params, pools, st: DecodeState, num_steps, *, chunk: int, block_pages: int = 0):
+@functools.partial(jax.jit, static_argnames=("fwd", "chunk", "attention", "block_pages"), donate_argnames=("pools",))
+def decode_chunk(fwd, params, pools, st: DecodeState, num_steps, *, chunk: int, attention: str = "gather",
+                 block_pages: int = 4):
     """Up to min(num_steps, chunk) decode steps in one while_loop; exits early once every slot has
-    stopped (stop id sampled or end reached). block_pages > 0 selects the blocked attention.
-    Returns (pools, ChunkResult)."""
+    stopped (stop id sampled or end reached). `attention`: "gather" (gather the pages every step),
+    "blocked" (online softmax over blocks of `block_pages` pages) or "chunk" (gather them once into
+    dense buffers for the whole chunk, sampling/chunk_attention.py). Returns (pools, ChunkResult)."""
     b = st.token_B.shape[0]
     keys_Bx2 = sequence_keys(st.seed_B, st.prompt_id_B, st.sample_id_B)
     limit = jnp.minimum(num_steps, chunk)
+    cache = tuple(pools)
+    if attention == "chunk":  # positions < pos are in the pages; the step writes pos itself
+        kv_len_B = jnp.where(st.active_B, st.pos_B, 0)
+        cache += gather_chunk(pools, st.table_BxW, kv_len_B, per_layer=fwd.static_layers)
 
     def cond(carry):
         step, _, _, _, active_B, _, _ = carry
         return (step < limit) & jnp.any(active_B)
 
     def body(carry):
-        step, pools, token_B, pos_B, active_B, tok_KxB, logp_KxB = carry
-        pools, new_B, logp_B = _decode_step(fwd, params, pools, st, keys_Bx2, token_B, pos_B, active_B, block_pages)
+        step, cache, token_B, pos_B, active_B, tok_KxB, logp_KxB = carry
+        cache, new_B, logp_B = _decode_step(fwd, params, cache, st, keys_Bx2, token_B, pos_B, active_B,
+                                            attention, block_pages)
         stopped = jnp.any(new_B[:, None] == st.stop_ids_BxN, axis=1) | (pos_B + 2 >= st.end_B)
         tok_KxB = tok_KxB.at[step].set(jnp.where(active_B, new_B, -1))
         logp_KxB = logp_KxB.at[step].set(jnp.where(active_B, logp_B, 0.0))
         token_B = jnp.where(active_B, new_B, token_B)
         pos_B = jnp.where(active_B, pos_B + 1, pos_B)
-        return step + 1, pools, token_B, pos_B, active_B & ~stopped, tok_KxB, logp_KxB
+        return step + 1, cache, token_B, pos_B, active_B & ~stopped, tok_KxB, logp_KxB
 
-    init = (jnp.zeros((), jnp.int32), pools, st.token_B, st.pos_B, st.active_B,
+    init = (jnp.zeros((), jnp.int32), cache, st.token_B, st.pos_B, st.active_B,
             jnp.full((chunk, b), -1, jnp.int32), jnp.zeros((chunk, b), jnp.float32))
-    steps, pools, token_B, pos_B, active_B, tok_KxB, logp_KxB = jax.lax.while_loop(cond, body, init)
-    return pools, ChunkResult(tok_KxB, logp_KxB, steps, token_B, pos_B, active_B)
+    steps, cache, token_B, pos_B, active_B, tok_KxB, logp_KxB = jax.lax.while_loop(cond, body, init)
+    return cache[:2], ChunkResult(tok_KxB, logp_KxB, steps, token_B, pos_B, active_B)
 
 
 def make_pools(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype,

@@ -47,6 +47,14 @@ def pow2ceil(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def width_bucket(need: int, lo: int, growth: float) -> int:
+    """The smallest page-table width >= need in the sequence lo, max(lo+1, ceil(lo*growth)), ..."""
+    w = lo
+    while w < need:
+        w = max(w + 1, math.ceil(w * growth))
+    return w
+
+
 class Sampler:
     """Generation engine over one model shape; see the module docstring."""
 
@@ -56,14 +64,6 @@ class Sampler:
         cfg.validate()
         mcfg = model.cfg
         self.cfg, self.model_cfg, self.tokenizer = cfg, mcfg, tokenizer
-        graphdef, params = as_params(model)
-        self.sharding = SamplerSharding(mesh or mesh_of(params), mcfg.num_kv_heads, cfg.max_slots)
-        params = self.sharding.place_params(params)
-        self._signature = ParamSignature.of(params)
-        self._fwd = choose_forward(cfg.forward, graphdef, mcfg)
-        # What the device functions read: the params themselves (model forward; the caller must not
-        # donate them afterwards) or per-layer copies (split forward).
-        self._weights = self._fwd.prepare(params)
         self.max_seq_len = cfg.max_seq_len or mcfg.max_position_embeddings
         if self.max_seq_len > mcfg.max_position_embeddings:
             raise ValueError(f"sampler.max_seq_len={self.max_seq_len}: exceeds model.max_position_embeddings="
@@ -73,7 +73,19 @@ class Sampler:
         if num_pages - 1 < per_seq:
             raise ValueError(f"sampler.num_pages={num_pages}: cannot hold one sequence of max_seq_len="
                              f"{self.max_seq_len} tokens ({per_seq} pages of {cfg.page_size} + the null page)")
-        self.num_pages, self.max_width = num_pages, pow2ceil(per_seq)
+        # (shape checks above run before anything is placed or compiled)
+        graphdef, params = as_params(model)
+        self.sharding = SamplerSharding(mesh or mesh_of(params), mcfg.num_kv_heads, cfg.max_slots)
+        params = self.sharding.place_params(params)
+        self._signature = ParamSignature.of(params)
+        self._fwd = choose_forward(cfg.forward, graphdef, mcfg, rows=cfg.max_slots)
+        # What the device functions read: the params themselves (model forward; the caller must not
+        # donate them afterwards) or per-layer copies (split forward).
+        self._weights = self._fwd.prepare(params)
+        self._attention = cfg.attention if cfg.attention != "auto" else (
+            "chunk" if jax.default_backend() == "cpu" else "gather")
+        self.num_pages = num_pages
+        self.max_width = width_bucket(per_seq, cfg.min_table_width, cfg.table_width_growth)
         self.eos_ids = tuple(cfg.eos_token_ids if cfg.eos_token_ids is not None else (mcfg.eos_id,))
         kv_dtype = jnp.dtype(cfg.kv_dtype or mcfg.dtype)
         self.pools = engine.make_pools(mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads,
@@ -198,8 +210,8 @@ class Sampler:
         seqs = self.sched.running_seqs()
         st = self._decode_state(seqs, k)
         self.pools, res = self._device(engine.decode_chunk, self._fwd, self._weights, self.pools, st,
-                                       jnp.int32(k), chunk=self.cfg.chunk_steps,
-                                       block_pages=self.cfg.block_pages if self.cfg.attention == "blocked" else 0)
+                                       jnp.int32(k), chunk=self.cfg.chunk_steps, attention=self._attention,
+                                       block_pages=self.cfg.block_pages)
         toks, logps, steps = jax.device_get((res.tokens_KxB, res.logprobs_KxB, res.steps))
         self._stats["chunks"] += 1
         self._stats["decode_steps"] += int(steps)
@@ -221,7 +233,7 @@ class Sampler:
     def _width(self, k: int) -> int:
         """Page-table width bucket covering k more steps of every running sequence."""
         need = max(self.alloc.pages_for(min(s.pos + k, s.end - 1)) for s in self.sched.running_seqs())
-        return min(pow2ceil(max(need, self.cfg.min_table_width)), self.max_width)
+        return min(width_bucket(need, self.cfg.min_table_width, self.cfg.table_width_growth), self.max_width)
 
     def _align_chunk(self, k: int) -> int:
         """End the chunk where the width bucket would grow (after at least min_chunk_steps), so

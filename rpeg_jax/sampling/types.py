@@ -30,12 +30,15 @@ class SamplerConfig:
     #                           not before this many steps (= chunk_steps: never end early)
     watermark: float = 0.01  # fraction of pages kept free when admitting groups
     on_weight_update: Literal["finish", "recompute"] = "finish"  # policy for in-flight sequences
-    attention: Literal["gather", "blocked"] = "gather"  # decode attention over pages: gather the
-    #   table's pages then dense attention, or an online-softmax loop over blocks of pages that
-    #   stops at the longest sequence (reads fewer columns; prefill always uses "gather")
+    attention: Literal["auto", "gather", "blocked", "chunk"] = "auto"  # decode attention over pages:
+    #   "gather" the table's pages every step then dense attention; "blocked": an online-softmax loop
+    #   over blocks of pages that stops at the longest sequence; "chunk": gather the pages once per
+    #   decode chunk into dense buffers (fastest on CPU, costs a dense copy of the chunk's KV);
+    #   "auto" = chunk on CPU, gather elsewhere. Prefill always uses "gather".
     block_pages: int = 4  # pages per block of the "blocked" attention
-    forward: Literal["auto", "model", "split"] = "auto"  # the model's own forward, or its layers over
-    #   per-layer weight copies (faster on CPU, see sampling/forward.py); auto = split on CPU only
+    forward: Literal["auto", "model", "split", "split_t"] = "auto"  # the model's own forward, or its
+    #   layers over per-layer weight copies ("split_t": transposed copies, faster for few rows); see
+    #   sampling/forward.py; auto = split on CPU (split_t up to 16 slots), model elsewhere
     kv_dtype: str | None = None  # KV pool dtype; None -> the model's compute dtype
     eos_token_ids: tuple[int, ...] | None = None  # None -> (model.cfg.eos_id,)
     max_stop_ids: int = 8  # N: stop token ids per sequence on device (eos + stop_token_ids)
@@ -43,6 +46,9 @@ class SamplerConfig:
     min_prefill_rows: int = 1  # smallest prefill row bucket (powers of two above it)
     min_table_width: int = 1  # smallest decode page-table width bucket, in pages (fewer compiles
     #                           against more gathered columns; capped at the widest table)
+    table_width_growth: float = 2.0  # ratio of consecutive decode page-table width buckets (2: powers of
+    #   two from min_table_width); smaller reads fewer unused key columns per step but compiles more
+    #   decode shapes (about log(max pages) / log(growth))
     seed: int = 0  # base seed for requests whose SamplingParams.seed is None
     debug_checks: bool = False  # check allocator invariants after every operation
 
@@ -56,12 +62,13 @@ class SamplerConfig:
         if self.max_seq_len is not None:
             check(self.max_seq_len >= 2, f"{path}.max_seq_len", self.max_seq_len, "must be >= 2")
         check(0.0 <= self.watermark < 1.0, f"{path}.watermark", self.watermark, "must be in [0, 1)")
+        check(self.table_width_growth > 1.0, f"{path}.table_width_growth", self.table_width_growth, "must be > 1")
         check(self.on_weight_update in ("finish", "recompute"), f"{path}.on_weight_update",
               self.on_weight_update, "must be 'finish' or 'recompute'")
-        check(self.forward in ("auto", "model", "split"), f"{path}.forward", self.forward,
-              "must be 'auto', 'model' or 'split'")
-        check(self.attention in ("gather", "blocked"), f"{path}.attention", self.attention,
-              "must be 'gather' or 'blocked'")
+        check(self.forward in ("auto", "model", "split", "split_t"), f"{path}.forward", self.forward,
+              "must be 'auto', 'model', 'split' or 'split_t'")
+        check(self.attention in ("auto", "gather", "blocked", "chunk"), f"{path}.attention", self.attention,
+              "must be 'auto', 'gather', 'blocked' or 'chunk'")
 
     @classmethod
     def from_rollout(cls, r: RolloutConfig, *, max_slots: int, max_seq_len: int | None = None,
