@@ -85,6 +85,7 @@ def calibrate(args) -> int:
     val = [p for p, c in zip(pts, mixed) if c in CS.VALIDATION]
     path = args.out or calibrated_path(args.hardware)
     points = os.path.splitext(path)[0] + ".points.json"
+    os.makedirs(os.path.dirname(os.path.abspath(points)), exist_ok=True)
     old = {}
     if os.path.isfile(points):
         with open(points) as f:
