@@ -2,6 +2,7 @@
 
     python bench/costmodel_validate.py --calibrate          # measure both sets, fit on CALIBRATION, save
     python bench/costmodel_validate.py --calibrate-steps    # whole steps of a calibration config, refit
+    python bench/costmodel_validate.py --refit              # refit the saved calibration points (no measuring)
     python bench/costmodel_validate.py --reuse ~/.cache/rpeg_jax/hardware/cpu.validation.json --json out.json
     python bench/costmodel_validate.py --json out.json [--step-level] [--quick]   # measure VALIDATION now
     python bench/costmodel_validate.py --no-stages --reprice old.json --json out.json  # old steps, new profile
@@ -101,6 +102,20 @@ def calibrate(args) -> int:
     prof = dataclasses.replace(prof, calibrated={**prof.calibrated, "clock_cpu": float(args.clock == "cpu")})
     save_hardware(prof, path)
     print(f"fitted {len(cal)} calibration points: {prof.calibrated} -> {path} (load {LOADS})")
+    return 0
+
+
+def refit(args) -> int:
+    """Fit the profile again to the saved calibration points (stages, then whole steps if any),
+    measuring nothing: after a change of the model's formulas. Validation points are not read."""
+    path = args.out or calibrated_path(args.hardware)
+    points = os.path.splitext(path)[0] + ".points.json"
+    preset = load_hardware(args.hardware, calibrated=False)
+    alt = dataclasses.replace(preset, host_cores=1) if args.clock == "cpu" else preset
+    prof = fit_saved_points(alt, points, args.clock, alt)
+    prof = dataclasses.replace(prof, calibrated={**prof.calibrated, "clock_cpu": float(args.clock == "cpu")})
+    save_hardware(prof, path)
+    print(f"refitted {points}: {prof.calibrated} -> {path}")
     return 0
 
 
@@ -307,6 +322,8 @@ def main() -> int:
                                                    "--json with the current profile (after a recalibration)")
     ap.add_argument("--calibrate-steps", action="store_true", help="measure whole steps of a calibration config "
                                                                   "(not the default), fit the runtime's host costs")
+    ap.add_argument("--refit", action="store_true", help="refit the profile to the saved calibration points "
+                                                       "(no measuring; after a change of the formulas)")
     ap.add_argument("--run-plan", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--overrides", nargs="*", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -317,6 +334,8 @@ def main() -> int:
         return calibrate(args)
     if args.calibrate_steps:
         return calibrate_steps(args)
+    if args.refit:
+        return refit(args)
     hw = load_hardware(args.hardware)
     out = {"hardware": hw.name, "calibrated": dict(hw.calibrated), "clock": args.clock,
            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,

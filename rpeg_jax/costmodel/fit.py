@@ -11,7 +11,8 @@ update and sampler code on a mesh):
 `fit_points(profile, points)` fits the profile's free factors to a *calibration* set by least
 squares on log(predicted / measured) with weak priors toward the starting values:
 
-    peak FLOP/s, memory bandwidth, elementwise_factor, layer_s, backward_factor, decode_step_s,
+    peak FLOP/s, memory bandwidth, elementwise_factor, layer_s, backward_factor, update_streams,
+    decode_step_s,
     decode_layer_s, kv_read_factor, dispatch_s, collective link bandwidth and latency, contention
                                                            (continuous, log-space)
     fsdp_gather in {matrix, layer, model}, weight_copies, act_memory_factor
@@ -41,6 +42,7 @@ PRIOR = 0.02  # weight of log(factor / start) against one point's log error
 # (section, field, floor): the continuous factors; floors let a zero start value move.
 FACTORS = (("device", "peak_flops", 1e6), ("device", "memory_bw", 1e6), ("efficiency", "elementwise_factor", 1e-3),
            ("efficiency", "layer_s", 1e-7), ("efficiency", "backward_factor", 0.1),
+           ("efficiency", "update_streams", 1.0),
            ("efficiency", "decode_step_s", 1e-7), ("efficiency", "decode_layer_s", 1e-7),
            ("efficiency", "kv_read_factor", 1.0), ("efficiency", "dispatch_s", 1e-7),
            ("node", "link_bw", 1e6), ("node", "latency_s", 1e-7), ("efficiency", "contention", 0.0))

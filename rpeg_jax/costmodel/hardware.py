@@ -115,6 +115,9 @@ class EfficiencySpec:
     kv_read_factor: float = 2.0  # KV bytes moved per cached byte per step (gather attention copies pages)
     elementwise_factor: float = 1.0  # fitted multiplier on the elementwise kernels' activation traffic
     backward_factor: float = 1.0  # backward time / (2 x forward time) of the same layers (fitted)
+    update_streams: float = 7.0  # parameter-sized arrays the optimizer step streams per parameter shard:
+    #   AdamW reads params, grads, m, v and writes params, m, v (7); a compiler's extra copies
+    #   (stacked-layer gradient assembly, guards, norms) add more (fitted)
     weight_copies: float = 0.0  # extra copies of a pass's weights (per device, in its layout) the compiler
     #   keeps, e.g. per-layer slices of the stacked weights (fitted; memory only)
     act_memory_factor: float = 1.0  # measured / counted activation and logits working set (fitted)
@@ -130,6 +133,7 @@ class EfficiencySpec:
         check(self.elementwise_factor > 0, key(path, "elementwise_factor"), self.elementwise_factor, "must be > 0")
         check(0.0 <= self.contention <= 4.0, key(path, "contention"), self.contention, "must be in [0, 4]")
         check(self.backward_factor > 0, key(path, "backward_factor"), self.backward_factor, "must be > 0")
+        check(self.update_streams > 0, key(path, "update_streams"), self.update_streams, "must be > 0")
         check(self.weight_copies >= 0, key(path, "weight_copies"), self.weight_copies, "must be >= 0")
         check(self.act_memory_factor > 0, key(path, "act_memory_factor"), self.act_memory_factor, "must be > 0")
         check(self.fsdp_gather in ("matrix", "layer", "model"), key(path, "fsdp_gather"), self.fsdp_gather,

@@ -11,7 +11,9 @@ concurrent sequences each. Times are rooflines with the profile's efficiencies (
     t_decode = Σ_bins steps · [max(compute(b, c), (W/t + b·c·KV/min(t,K)) / bw) + TP all-reduces + step cost]
 
 On a `shared_host` profile (the 8 forced CPU devices) a group's devices share one host's FLOP/s
-and bandwidth, so per-device rates are divided by the devices busy at once.
+and bandwidth, so per-device rates are divided by the devices busy at once; their collectives are
+memory copies and reductions by the same cores, so a collective's time is multiplied by the
+devices busy at once beyond the cores (`ovh`), like the fixed per-layer costs.
 
 Callers: costmodel/planner.py (thousands of layouts at once), bench/costmodel_validate.py, tests.
 """
@@ -141,9 +143,10 @@ def train_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, remat: str, e
     n_tp = 4.0 + (2.0 if remat == "full" else 0.0)
     tp = n_tp * ms.L * collective_time(hw, "all_reduce", tok_mb * ms.D * ms.act_bytes_per, t, 1)
     dp = collective_time(hw, "all_reduce", ms.num_params * ms.param_bytes_per / (f * t), d, f * t)
+    fsdp, tp, dp = fsdp * ovh, tp * ovh, dp * ovh  # shared host: every device's copies on the same cores
     overl = epochs * (n_mb * fsdp + minibatches * dp)
     comm = _exposed(hw, core, overl, epochs * n_mb * tp)
-    opt_bytes = 7.0 * ms.num_params * ms.param_bytes_per / (f * t)
+    opt_bytes = hw.efficiency.update_streams * ms.num_params * ms.param_bytes_per / (f * t)
     opt = epochs * minibatches * mem_time(hw, opt_bytes, bw, busy)
     over = epochs * (minibatches * hw.efficiency.dispatch_s + passes * n_mb * ms.L * hw.efficiency.layer_s * ovh)
     total = core + comm + opt + over
@@ -182,7 +185,7 @@ def forward_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, heads: int 
     layer_p = ms.layer_params * ms.param_bytes_per / t
     fsdp = micro * ms.L * collective_time(hw, "all_gather", layer_p, f, t)
     tp = micro * 2.0 * ms.L * collective_time(hw, "all_reduce", tok_mb * ms.D * ms.act_bytes_per, t, 1)
-    comm = _exposed(hw, core, fsdp, tp)
+    comm = _exposed(hw, core, fsdp * ovh, tp * ovh)
     over = hw.efficiency.dispatch_s + micro * ms.L * hw.efficiency.layer_s * ovh
     return core + comm + over, {"compute": core, "matmul": mm, "elementwise": ewt, "comm": comm,
                                 "overhead": over, "flops": flops}
@@ -235,7 +238,7 @@ def decode_step_time(st: Setting, ms: ModelShape, t, busy, batch, ctx):
     nbytes = (ms.weight_bytes() / t + batch * ctx * ms.kv_bytes_per_token / ms.kv_shards(t)
               * hw.efficiency.kv_read_factor + batch * ms.V * 4.0)
     core = roofline(hw, flops, nbytes, ms.mm_size(batch, t), rate, bw, busy)
-    tp = 2.0 * ms.L * collective_time(hw, "all_reduce", batch * ms.D * ms.act_bytes_per, t, 1)
+    tp = 2.0 * ms.L * collective_time(hw, "all_reduce", batch * ms.D * ms.act_bytes_per, t, 1) * ovh
     return core + tp + hw.efficiency.decode_step_s * ovh + ms.L * hw.efficiency.decode_layer * ovh
 
 
@@ -299,7 +302,7 @@ def _prefill_time(st: Setting, ms: ModelShape, t, busy, seqs, seq_len):
     flops = ms.forward_flops(tokens, seqs, seqs * seq_len ** 2, st.causal_skip) / t
     nbytes = ms.weight_bytes() / t + tokens * ms.kv_bytes_per_token / ms.kv_shards(t)
     core = roofline(hw, flops, nbytes, ms.mm_size(tokens, t), rate, bw, busy)
-    tp = 2.0 * ms.L * collective_time(hw, "all_reduce", tokens * ms.D * ms.act_bytes_per, t, 1)
+    tp = 2.0 * ms.L * collective_time(hw, "all_reduce", tokens * ms.D * ms.act_bytes_per, t, 1) * ovh
     return float(core + tp + ms.L * hw.efficiency.layer_s * ovh)
 
 
