@@ -15,7 +15,7 @@ squares on log(predicted / measured) with weak priors toward the starting values
     decode_step_s,
     decode_layer_s, kv_read_factor, dispatch_s, collective link bandwidth and latency, contention
                                                            (continuous, log-space)
-    fsdp_gather in {matrix, layer, model}, weight_copies, act_memory_factor
+    fsdp_gather in {matrix, layer, model}, weight_copies, act_memory_factor, fwd_act_memory_factor
                                                            (memory: linear least squares per mode)
 
 `fit_steps(profile, step_points)` then fits the runtime's host costs around the sampler
@@ -33,7 +33,7 @@ import numpy as np
 from rpeg_jax.costmodel import stages as S
 from rpeg_jax.costmodel.hardware import HardwareProfile, with_nodes
 from rpeg_jax.costmodel.lengths import LengthDist
-from rpeg_jax.costmodel.shape import ModelShape
+from rpeg_jax.costmodel.shape import ModelShape, default_scanned
 
 GATHERS = ("matrix", "layer", "model")
 LOWER = {"kv_read_factor": 1.0, "contention": 0.0}
@@ -49,7 +49,8 @@ FACTORS = (("device", "peak_flops", 1e6), ("device", "memory_bw", 1e6), ("effici
 
 
 def shape_of(dims: dict) -> ModelShape:
-    return ModelShape(**dims)
+    """Points saved before ModelShape had `scanned` get the models' depth rule."""
+    return ModelShape(**{"scanned": default_scanned(dims["L"]), **dims})
 
 
 def setting(hw: HardwareProfile, p: dict) -> S.Setting:
@@ -146,27 +147,28 @@ def fit_times(hw: HardwareProfile, points: list[dict], multistart: bool = True) 
 
 
 def fit_memory(hw: HardwareProfile, points: list[dict]) -> tuple[HardwareProfile, dict]:
-    """Memory: per FSDP gather mode, weight_copies >= 0 and act_memory_factor >= 0 by linear least
-    squares on relative error (predicted memory is linear in both); the mode that fits best."""
+    """Memory: per FSDP gather mode, weight_copies, act_memory_factor (training steps) and
+    fwd_act_memory_factor (forward passes), all >= 0, by linear least squares on relative error
+    (predicted memory is linear in the three); the mode that fits best."""
     pts = [p for p in points if p.get("memory") and p["kind"] != "generate"]
     if not pts:
         return hw, {}
 
-    def mem(mode, wc, af):
-        e = dataclasses.replace(hw.efficiency, fsdp_gather=mode, weight_copies=wc, act_memory_factor=af)
+    def mem(mode, wc, af, ff):
+        e = dataclasses.replace(hw.efficiency, fsdp_gather=mode, weight_copies=wc, act_memory_factor=af,
+                                fwd_act_memory_factor=ff)
         prof = with_nodes(hw, efficiency=e)
         return prof, np.array([predict_point(prof, p)[1] for p in pts])
 
     m = np.array([p["memory"] for p in pts], np.float64)
     best = None
     for mode in GATHERS:
-        _, p00 = mem(mode, 0.0, 1.0)
-        _, p10 = mem(mode, 1.0, 1.0)
-        _, p02 = mem(mode, 0.0, 2.0)
-        W, A = p10 - p00, p02 - p00
-        rest = p00 - A
-        x = _nnls(np.stack([W / m, A / m], axis=1), 1.0 - rest / m)
-        prof, pred = mem(mode, float(x[0]), float(max(x[1], 1e-3)))
+        _, base = mem(mode, 0.0, 1.0, 1.0)
+        cols = [mem(mode, 1.0, 1.0, 1.0)[1] - base, mem(mode, 0.0, 2.0, 1.0)[1] - base,
+                mem(mode, 0.0, 1.0, 2.0)[1] - base]
+        rest = base - cols[1] - cols[2]
+        x = _nnls(np.stack([c / m for c in cols], axis=1), 1.0 - rest / m)
+        prof, pred = mem(mode, float(x[0]), float(max(x[1], 1e-3)), float(max(x[2], 1e-3)))
         err = float(np.mean(np.abs(pred / m - 1.0)))
         if best is None or err < best[0]:
             best = (err, prof)

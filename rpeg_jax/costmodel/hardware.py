@@ -120,7 +120,10 @@ class EfficiencySpec:
     #   (stacked-layer gradient assembly, guards, norms) add more (fitted)
     weight_copies: float = 0.0  # extra copies of a pass's weights (per device, in its layout) the compiler
     #   keeps, e.g. per-layer slices of the stacked weights (fitted; memory only)
-    act_memory_factor: float = 1.0  # measured / counted activation and logits working set (fitted)
+    act_memory_factor: float = 1.0  # measured / counted activation and logits working set of a training
+    #   step (fitted)
+    fwd_act_memory_factor: float = 1.0  # the same for a forward-only pass: one layer's live set, which
+    #   the compiler's fusion shrinks (fitted)
     fsdp_gather: Literal["matrix", "layer", "model"] = "matrix"  # what an FSDP pass holds gathered at once:
     #   two weight matrices (gathered right before use), two layers, or every layer (the compiler
     #   hoists the gathers out of the layer scan; XLA:CPU does); fitted by calibration
@@ -136,6 +139,8 @@ class EfficiencySpec:
         check(self.update_streams > 0, key(path, "update_streams"), self.update_streams, "must be > 0")
         check(self.weight_copies >= 0, key(path, "weight_copies"), self.weight_copies, "must be >= 0")
         check(self.act_memory_factor > 0, key(path, "act_memory_factor"), self.act_memory_factor, "must be > 0")
+        check(self.fwd_act_memory_factor > 0, key(path, "fwd_act_memory_factor"), self.fwd_act_memory_factor,
+              "must be > 0")
         check(self.fsdp_gather in ("matrix", "layer", "model"), key(path, "fsdp_gather"), self.fsdp_gather,
               "must be matrix | layer | model")
         for name in ("dispatch_s", "layer_s", "decode_step_s", "piece_s", "host_seq_s"):

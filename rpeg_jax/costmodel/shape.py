@@ -20,11 +20,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rpeg_jax.config.model import UNROLL_MAX_LAYERS
 from rpeg_jax.graph.ir import DTYPE_BYTES, ModelDims
 
 LOGITS_BUDGET = 1 << 24  # float32 logits elements per chunk (models/logprobs.py LOGITS_BUDGET)
 UPDATE_COPIES = 2  # new m, v held beside the old ones by rl/update.py's NaN guard (the new params
 #                   fuse into its select); measured with XLA's memory analysis on CPU
+
+
+def default_scanned(num_layers: int) -> bool:
+    """ModelConfig.scanned's depth rule (a ModelDims does not carry an explicit scan_layers)."""
+    return num_layers > UNROLL_MAX_LAYERS
 
 
 @dataclass(frozen=True)
@@ -43,13 +49,14 @@ class ModelShape:
     act_bytes_per: int  # a
     dtype: str
     value_head: bool = False
+    scanned: bool = True  # layers run under lax.scan (models/: deeper than UNROLL_MAX_LAYERS), else unrolled
 
     @staticmethod
     def of(m: ModelDims) -> ModelShape:
         return ModelShape(num_params=m.num_params, L=m.num_layers, D=m.hidden_size, H=m.num_heads,
                           K=m.num_kv_heads, E=m.head_dim, F=m.intermediate_size, V=m.vocab_size,
                           param_bytes_per=DTYPE_BYTES[m.param_dtype], act_bytes_per=DTYPE_BYTES[m.dtype],
-                          dtype=m.dtype, value_head=m.value_head)
+                          dtype=m.dtype, value_head=m.value_head, scanned=default_scanned(m.num_layers))
 
     # ---- FLOPs ---------------------------------------------------------------------------
     @property
@@ -141,6 +148,22 @@ class ModelShape:
             return np.broadcast_to(a * (2 * self.D + (2 * q + 2 * kv + 2 * f) / t), full.shape).copy()
         return full
 
-    def logits_bytes(self, scored_tokens):
-        """Working set of one logits chunk (f32 logits + log-softmax temporaries, ≈3 copies)."""
-        return 3.0 * 4.0 * np.minimum(np.asarray(scored_tokens, np.float64) * self.V, LOGITS_BUDGET)
+    def logits_bytes(self, scored_tokens, t=1):
+        """Working set of one logits chunk (f32 logits + log-softmax temporaries, ≈3 copies); the
+        vocabulary is split over the tensor axis (sharding/rules.py), so a device holds V/t columns."""
+        chunk = np.minimum(np.asarray(scored_tokens, np.float64) * self.V, LOGITS_BUDGET)
+        return 3.0 * 4.0 * chunk / np.asarray(t, np.float64)
+
+    def pass_weight_bytes(self, f, t, mode: str, copies: float, train: bool):
+        """Weight buffers a forward-only pass or a training step holds beyond its resident shard
+        (per device). Scanned layers: FSDP gathers by the profile's mode (f > 1) plus `copies`
+        fitted extra copies of the shard. Unrolled layers (no loop scopes the per-layer weights):
+        a forward slices every layer's weights out of the stacked arrays (f = 1) or gathers the
+        whole model (f > 1) before the first layer, one whole copy in the tensor layout, W / t;
+        a training step holds the gathered whole model when f > 1 (with f = 1 its slices are not
+        extra: measured with XLA's memory analysis on CPU, bench/NOTES.md "Cost model")."""
+        f, t = np.asarray(f, np.float64), np.asarray(t, np.float64)
+        w = self.weight_bytes(self.param_bytes_per)
+        if not self.scanned:
+            return np.where(f > 1, w / t, 0.0 if train else w / t)
+        return np.where(f > 1, self.gather_bytes(t, mode), 0.0) + copies * w / (f * t)

@@ -164,11 +164,10 @@ def train_memory(st: Setting, ms: ModelShape, d, f, t, micro, remat: str, miniba
     act = ms.L * tok_mb * ms.act_bytes_per_token_layer(t, remat, dense_ctx)
     if remat != "none":  # one layer's full working set while it is recomputed
         act = act + tok_mb * ms.act_bytes_per_token_layer(t, "none", dense_ctx)
-    gather = np.where(f > 1, ms.gather_bytes(t, eff.fsdp_gather), 0.0)
-    logits = ms.logits_bytes(seqs_mb * st.seq_scored)
+    weights = ms.pass_weight_bytes(f, t, eff.fsdp_gather, eff.weight_copies, train=True)
+    logits = ms.logits_bytes(seqs_mb * st.seq_scored, t)
     state = (ms.resident_state_bytes() + ms.update_state_bytes(micro)) / (f * t)
-    copies = eff.weight_copies * ms.weight_bytes() / (f * t)
-    return state + eff.act_memory_factor * (act + logits) + gather + copies
+    return state + eff.act_memory_factor * (act + logits) + weights
 
 
 def forward_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, heads: int = 1):
@@ -199,9 +198,8 @@ def forward_memory(st: Setting, ms: ModelShape, d, f, t, micro):
     dense_ctx = st.P + st.R if st.dense_scores else 0.0
     eff = st.hw.efficiency
     live = tok_mb * ms.act_bytes_per_token_layer(t, "none", dense_ctx, score_arrays=1)  # one layer's
-    gather = np.where(f > 1, ms.gather_bytes(t, eff.fsdp_gather), 0.0)
-    copies = eff.weight_copies * ms.weight_bytes() / (f * t)
-    return eff.act_memory_factor * (live + ms.logits_bytes(seqs_mb * st.seq_scored)) + gather + copies
+    weights = ms.pass_weight_bytes(f, t, eff.fsdp_gather, eff.weight_copies, train=False)
+    return eff.fwd_act_memory_factor * (live + ms.logits_bytes(seqs_mb * st.seq_scored, t)) + weights
 
 
 def kv_bytes_per_seq(st: Setting, ms: ModelShape, t):
