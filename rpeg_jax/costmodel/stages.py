@@ -9,6 +9,7 @@ concurrent sequences each. Times are rooflines with the profile's efficiencies (
     t_stage  = t_core + exposed comm + optimizer + fixed overheads
     exposed  = tensor collectives + overlappable (fsdp/data) − overlap · min(overlappable, t_core)
     t_decode = Σ_bins steps · [max(compute(b, c), (W/t + b·c·KV/min(t,K)) / bw) + TP all-reduces + step cost]
+               (shared host: compute + memory, not max: one CPU's kernels run one after another)
 
 On a `shared_host` profile (the 8 forced CPU devices) a group's devices share one host's FLOP/s
 and bandwidth, so per-device rates are divided by the devices busy at once; their collectives are
@@ -235,7 +236,11 @@ def decode_step_time(st: Setting, ms: ModelShape, t, busy, batch, ctx):
     flops = ms.decode_flops(batch, ctx) / t
     nbytes = (ms.weight_bytes() / t + batch * ctx * ms.kv_bytes_per_token / ms.kv_shards(t)
               * hw.efficiency.kv_read_factor + batch * ms.V * 4.0)
-    core = roofline(hw, flops, nbytes, ms.mm_size(batch, t), rate, bw, busy)
+    if hw.shared_host:  # a CPU's decode kernels (small GEMMs, page gathers, softmax) run one after
+        # another on the same cores: streaming the weights and KV does not hide behind the compute
+        core = flops / (rate * interp_eff(hw.efficiency.matmul, ms.mm_size(batch, t))) + mem_time(hw, nbytes, bw, busy)
+    else:
+        core = roofline(hw, flops, nbytes, ms.mm_size(batch, t), rate, bw, busy)
     tp = 2.0 * ms.L * collective_time(hw, "all_reduce", batch * ms.D * ms.act_bytes_per, t, 1) * ovh
     return core + tp + hw.efficiency.decode_step_s * ovh + ms.L * hw.efficiency.decode_layer * ovh
 
