@@ -133,8 +133,9 @@ def _points(hw):
 
 def test_fit_points_recovers_a_known_profile():
     # 'Measurements' from a profile with known factors (3x slower FLOPs, layer and decode-step
-    # costs, a backward factor, hoisted FSDP gathers): fitted from the uncalibrated profile, the
-    # predictions must match them and the memory mode must be found.
+    # costs, a backward factor, optimizer traffic, hoisted FSDP gathers, activation working-set
+    # factors): fitted from the uncalibrated profile, the predictions must match them and the
+    # memory mode and factors must be found.
     import dataclasses
 
     from rpeg_jax.costmodel.fit import fit_points, predict_point
@@ -144,13 +145,16 @@ def test_fit_points_recovers_a_known_profile():
         base, device=dataclasses.replace(base.device, peak_flops=base.device.peak_flops / 3,
                                          peak_flops_fp32=base.device.peak_flops_fp32 / 3),
         efficiency=dataclasses.replace(base.efficiency, layer_s=2e-4, decode_step_s=1e-3, backward_factor=1.5,
-                                       fsdp_gather="model"))
+                                       fsdp_gather="model", update_streams=12.0, act_memory_factor=1.3,
+                                       fwd_act_memory_factor=0.5))
     pts = _points(truth)
     before = max(abs(predict_point(base, p)[0] / p["seconds"] - 1) for p in pts)
     fitted, resid = fit_points(base, pts, multistart=False)  # (one start: keeps the test short)
     after = max(abs(predict_point(fitted, p)[0] / p["seconds"] - 1) for p in pts)
     assert before > 0.3 and after < 0.05 and resid["fit_time_mape"] < 0.03
     assert fitted.efficiency.fsdp_gather == "model" and resid["fit_memory_mape"] < 1e-9
+    assert fitted.efficiency.act_memory_factor == pytest.approx(1.3, rel=1e-6)
+    assert fitted.efficiency.fwd_act_memory_factor == pytest.approx(0.5, rel=1e-6)
     assert fitted.device.peak_flops == pytest.approx(truth.device.peak_flops, rel=0.15)
 
 

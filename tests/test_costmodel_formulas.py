@@ -157,3 +157,54 @@ def test_gen_schedule_continuous_batching():
         p = sch.critical[0]
         assert float(np.sum(p.steps * p.batch)) == pytest.approx(lens.sum())
     assert np.all(np.diff(full.finish_step) >= 0) and len(full.finish_step) == 32
+
+
+def test_pass_weights_unrolled_vs_scanned_and_logits_split():
+    # Unrolled layers (<= 4, models/): a forward holds one whole copy of the weights in its tensor
+    # layout, W/t, with or without FSDP; a training step only under FSDP (the gathered model).
+    # Scanned layers: FSDP gathers by mode plus the fitted copies of the shard. Hand counts.
+    tiny = shape("tiny")  # 4 layers: unrolled
+    assert not tiny.scanned and shape("tiny", num_layers=6).scanned
+    W = tiny.num_params * 4.0
+    assert float(tiny.pass_weight_bytes(1, 2, "matrix", 0.0, train=False)) == pytest.approx(W / 2)
+    assert float(tiny.pass_weight_bytes(4, 2, "matrix", 0.0, train=False)) == pytest.approx(W / 2)
+    assert float(tiny.pass_weight_bytes(1, 2, "matrix", 0.0, train=True)) == 0.0
+    assert float(tiny.pass_weight_bytes(4, 1, "matrix", 0.0, train=True)) == pytest.approx(W)
+    deep = dataclasses.replace(tiny, scanned=True)
+    d, f_, layer = deep.D, deep.F, deep.layer_params
+    assert float(deep.pass_weight_bytes(1, 1, "layer", 0.0, train=True)) == 0.0
+    assert float(deep.pass_weight_bytes(4, 2, "model", 0.0, train=False)) == pytest.approx(deep.L * layer * 4 / 2)
+    assert float(deep.pass_weight_bytes(4, 1, "matrix", 0.5, train=False)) == pytest.approx(
+        2 * max(d * deep.H * deep.E, d * f_) * 4 + 0.5 * W / 4)
+    # The vocabulary is split over the tensor axis: a device holds V/t logits columns.
+    assert float(tiny.logits_bytes(100, 4)) == pytest.approx(3 * 4 * 100 * tiny.V / 4)
+
+
+def test_shared_host_collectives_and_decode_serialise():
+    # On the CPU profile (8 devices sharing a host of `host_cores` cores) every device's collective
+    # runs on the same cores: a forward's FSDP gathers cost busy/cores x one device's (overlap 0),
+    # and a decode step adds compute and memory time instead of taking their max.
+    from rpeg_jax.costmodel.comm import collective_time
+    from rpeg_jax.costmodel.hardware import interp_eff
+
+    st = setting("cpu", B=16, P=16, R=32)
+    hw, ms = st.hw, shape("tiny")
+    assert hw.shared_host and hw.efficiency.overlap == 0.0
+    _, parts = S.forward_stage(st, ms, 8, 1, 8, 1, 1)
+    one = ms.L * collective_time(hw, "all_gather", ms.layer_params * ms.param_bytes_per, 8, 1)
+    assert float(parts["comm"]) == pytest.approx(float(one) * 8 / hw.host_cores)
+    b, ctx, busy = 4, 40, 8
+    rate, bw = hw.peak(ms.dtype) / busy, hw.device.memory_bw / busy
+    flops = float(ms.decode_flops(b, ctx))
+    nbytes = ms.weight_bytes() + b * ctx * ms.kv_bytes_per_token / min(1, ms.K) * hw.efficiency.kv_read_factor \
+        + b * ms.V * 4.0
+    comp = flops / (rate * float(interp_eff(hw.efficiency.matmul, 2.0 * b * ms.D * ms.F)))
+    mem = nbytes / (bw * float(interp_eff(hw.efficiency.memory, nbytes * busy)))
+    fixed = (hw.efficiency.decode_step_s + ms.L * hw.efficiency.decode_layer) * busy / hw.host_cores
+    assert float(S.decode_step_time(st, ms, 1, busy, b, ctx)) == pytest.approx(comp + mem + fixed, rel=1e-9)
+    gpu = dataclasses.replace(hw, shared_host=False)  # elsewhere: the roofline's max
+    stg = dataclasses.replace(st, hw=gpu)
+    fixed1 = hw.efficiency.decode_step_s + ms.L * hw.efficiency.decode_layer
+    c1 = flops / (hw.peak(ms.dtype) * float(interp_eff(hw.efficiency.matmul, 2.0 * b * ms.D * ms.F)))
+    m1 = nbytes / (hw.device.memory_bw * float(interp_eff(hw.efficiency.memory, nbytes)))
+    assert float(S.decode_step_time(stg, ms, 1, busy, b, ctx)) == pytest.approx(max(c1, m1) + fixed1, rel=1e-9)
