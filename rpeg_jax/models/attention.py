@@ -24,6 +24,23 @@ class AttentionFn(Protocol):
                  ) -> tuple[jax.Array, Any]: ...
 
 
+def _group_heads(q_BxTxHxE, k_BxSxKxE):
+    """q [B, T, H, E] -> [B, T, K, G, E]. With sharding in types the split of a sharded head axis
+    is stated: the kv-head axis takes k's layout (q's heads gathered first when k's kv heads are
+    not sharded, e.g. fewer kv heads than tensor devices)."""
+    b, t, h, e = q_BxTxHxE.shape
+    kv = k_BxSxKxE.shape[2]
+    q_spec = getattr(getattr(jax.typeof(q_BxTxHxE), "sharding", None), "spec", None)
+    if q_spec is None or all(s is None for s in q_spec):
+        return q_BxTxHxE.reshape(b, t, kv, h // kv, e)
+    q_spec = tuple(q_spec) + (None,) * (4 - len(q_spec))
+    k_spec = tuple(jax.typeof(k_BxSxKxE).sharding.spec) + (None,) * 4
+    if q_spec[2] != k_spec[2]:
+        q_BxTxHxE = jax.reshard(q_BxTxHxE, jax.P(q_spec[0], q_spec[1], k_spec[2], q_spec[3]))
+    return jnp.reshape(q_BxTxHxE, (b, t, kv, h // kv, e),
+                       out_sharding=jax.P(q_spec[0], q_spec[1], k_spec[2], None, q_spec[3]))
+
+
 def gqa_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS) -> jax.Array:
     """softmax(q·kᵀ/√E + mask)·v with H query heads sharing K kv heads (H % K == 0).
 
@@ -31,7 +48,7 @@ def gqa_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS) -> jax.Array:
     """
     b, t, h, e = q_BxTxHxE.shape
     kv = k_BxSxKxE.shape[2]
-    q = q_BxTxHxE.reshape(b, t, kv, h // kv, e)
+    q = _group_heads(q_BxTxHxE, k_BxSxKxE)
     scores = jnp.einsum("btkge,bske->bkgts", q, k_BxSxKxE, preferred_element_type=jnp.float32)
     scores = scores * (e ** -0.5)
     scores = jnp.where(mask_BxTxS[:, None, None, :, :], scores, NEG_INF)

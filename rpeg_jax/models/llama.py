@@ -22,7 +22,7 @@ from flax import nnx
 
 from rpeg_jax.config.model import ModelConfig
 from rpeg_jax.models.attention import DenseAttention
-from rpeg_jax.models.dense import dense, embed_lookup
+from rpeg_jax.models.dense import compute_layout, dense, embed_lookup
 from rpeg_jax.models.rope import apply_rope, inv_frequencies, rope_tables
 from rpeg_jax.sharding.axes import (BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, SEQ, VOCAB,
                                     constrain)
@@ -147,6 +147,7 @@ class Transformer(nnx.Module):
         def body(carry, xs):
             x, cache = carry
             p, layer = xs
+            p = {n: compute_layout(w, x) for n, w in p.items()}  # identity unless sharding is in types
             return decoder_layer(cfg, p, x, cos, sin, attention, layer, cache), None
 
         if cfg.remat != "none":
@@ -158,7 +159,7 @@ class Transformer(nnx.Module):
         else:  # unrolled: no loop carry or stacked residuals (faster on CPU for a few layers)
             for i in range(cfg.num_layers):
                 (x, cache), _ = body((x, cache), ({n: w[i] for n, w in stacked.items()}, layer_ids[i]))
-        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), cache
+        return rms_norm(x, compute_layout(self.final_norm[...], x), cfg.rms_norm_eps), cache
 
     def output_matrix(self) -> jax.Array:
         """[D, V] unembedding (the transposed embedding when tied)."""

@@ -111,7 +111,7 @@ def gae(rewards_BxR, values_BxR, mask_BxR, *, gamma: float, lam: float):
         carry = (jnp.where(m_t, v_t, next_v), jnp.where(m_t, a_t, next_a))
         return carry, jnp.where(m_t, a_t, 0.0)
 
-    zeros = jnp.zeros(r.shape[1], jnp.float32)
+    zeros = jnp.zeros_like(r[0])  # [B], laid out like the batch (sharding in types)
     _, adv = jax.lax.scan(step, (zeros, zeros), (r, v, m), reverse=True)
     adv = adv.T
     return adv, where_mask(adv + values_BxR.astype(jnp.float32), mask_BxR)

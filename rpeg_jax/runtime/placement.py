@@ -27,7 +27,7 @@ from rpeg_jax.config.run import RunConfig
 from rpeg_jax.graph.compile import CompiledStage
 from rpeg_jax.graph.ir import Graph, Op, StageKind
 from rpeg_jax.graph.plan import Plan
-from rpeg_jax.sharding import Resharder, StageLayout, layout_for
+from rpeg_jax.sharding import Resharder, StageLayout, layout_for, mesh_scope
 
 
 def _ops(stage) -> set[Op]:
@@ -91,8 +91,9 @@ class Placement:
         """tx.init under jit: moments take the parameters' shardings; scalars (step counts,
         injected hyperparameters) are replicated on the same mesh, so a restored state lands
         on the same devices as the parameters."""
-        state = jax.jit(tx.init)(params)
         mesh = next(x.sharding.mesh for x in jax.tree.leaves(params) if isinstance(x.sharding, NamedSharding))
+        with mesh_scope(mesh):
+            state = jax.jit(tx.init)(params)
         replicated = NamedSharding(mesh, P())
         return jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
                             else jax.device_put(x, replicated), state)

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from rpeg_jax.config.base import ConfigError
 from rpeg_jax.config.sharding import ShardingConfig
 from rpeg_jax.sharding import axes as _axes
-from rpeg_jax.sharding.mesh import MeshError, abstract_mesh, canonical_spec, make_mesh
+from rpeg_jax.sharding.mesh import MeshError, abstract_mesh, canonical_spec, make_mesh, mesh_scope
 from rpeg_jax.sharding.params import param_shardings, param_specs, param_table
 from rpeg_jax.sharding.rules import PRESETS, Rules, activation_resolver, get_rules, register_rules, resolve
 from rpeg_jax.sharding.tactics import Override, load_plugins, parse_overrides
@@ -69,8 +69,9 @@ class StageLayout:
 
     @contextlib.contextmanager
     def activations(self):
-        """Within: `axes.constrain` in model code applies this layout's rules."""
-        with _axes.use_resolver(activation_resolver(self.mesh, self.rules)):
+        """Within: `axes.constrain` in model code applies this layout's rules; with explicit axis
+        types the mesh is also the current one (`jax.set_mesh`), which sharding in types needs."""
+        with mesh_scope(self.mesh), _axes.use_resolver(activation_resolver(self.mesh, self.rules)):
             yield
 
 

@@ -168,3 +168,17 @@ def sub_meshes(groups: Mapping[str, tuple[int, MeshSpec]], devices: Sequence[Any
     parts = split_devices([(name, n) for name, (n, _) in groups.items()], devices)
     return {name: make_mesh(groups[name][1], parts[name], axis_types=axis_types, devices_per_node=devices_per_node)
             for name in groups}
+
+
+def mesh_scope(mesh):
+    """`jax.set_mesh(mesh)` when some axis of this concrete mesh is Explicit (sharding in types needs
+    the current mesh for jit, reshard and out_sharding); a no-op context otherwise."""
+    import contextlib
+
+    import jax
+    from jax.sharding import AbstractMesh, AxisType
+
+    explicit = any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+    if not explicit or isinstance(mesh, AbstractMesh):
+        return contextlib.nullcontext()
+    return jax.set_mesh(mesh)
