@@ -210,7 +210,18 @@ def reprice(args, hw) -> dict:
         old = [p for p in json.load(f)["plans"] if p["measured_s"]]
     cfg = load_config(None, [])
     pred = [price_layout(cfg, p["knobs"], p["layout"], 8, hw, 1).step_time_s for p in old]
-    return summarise(old, pred, [p["measured_s"] for p in old], [p["runs_s"] for p in old])
+    out = summarise(old, pred, [p["measured_s"] for p in old], [p["runs_s"] for p in old])
+    # The plan today's profile would choose: one of the measured plans, or none of them.
+    from rpeg_jax.costmodel import planner as P
+
+    key = lambda kn, lay: json.dumps(json.loads(json.dumps([kn, lay])), sort_keys=True)  # noqa: E731
+    now = P.search(cfg, 8, hw, 1).chosen
+    hit = [i for i, p in enumerate(old) if key(p["knobs"], p["layout"]) == key(now.knobs, now.layout)]
+    meas = [p["measured_s"] for p in old]
+    out["chosen_now"] = {"predicted_s": now.step_time_s, "measured_plan": old[hit[0]]["label"] if hit else None,
+                         "chosen_vs_best": meas[hit[0]] / min(meas) - 1.0 if hit else None}
+    print(f"chosen by today's profile: {out['chosen_now']}")
+    return out
 
 
 def summarise(plans, pred, meas, runs) -> dict:
@@ -264,15 +275,41 @@ def step_level(args, hw) -> dict:
     return out
 
 
-STEP_CALIBRATION = ["data.prompts_per_step=8", "rollout.max_new_tokens=12"]  # not the default config
+# Not the default config (B=128, R=8): B=64, R=12 and B=192, R=6, so that the runtime's
+# per-sequence and per-step host costs separate.
+STEP_CALIBRATIONS = (["data.prompts_per_step=8", "rollout.max_new_tokens=12"],
+                     ["data.prompts_per_step=24", "rollout.max_new_tokens=6"])
 
 
 def calibrate_steps(args) -> int:
-    """Whole steps of a calibration config (B=64, R=12; the default is B=128, R=8) under plans of
-    several groups and piece counts; saved beside the stage points, then the profile refitted."""
+    """Whole steps of the calibration configs (all, or `--step-config i`) under plans of several
+    groups and piece counts; saved beside the stage points (replacing earlier steps of the same
+    config, keeping the others), then the profile refitted."""
+    configs = STEP_CALIBRATIONS if args.step_config is None else [STEP_CALIBRATIONS[args.step_config]]
+    steps = [s for over in configs for s in measure_steps(args, over)]
+    path = args.out or calibrated_path(args.hardware)
+    points = os.path.splitext(path)[0] + ".points.json"
+    with open(points) as f:
+        data = json.load(f)
+    data["steps"] = [s for s in data.get("steps", []) if s["overrides"] not in configs] + steps
+    with open(points, "w") as f:
+        json.dump(data, f, indent=1)
+    preset = load_hardware(args.hardware, calibrated=False)
+    alt = dataclasses.replace(preset, host_cores=1) if args.clock == "cpu" else preset
+    prof = fit_saved_points(load_hardware(path), points, args.clock, alt)
+    prof = dataclasses.replace(prof, calibrated={**prof.calibrated, "clock_cpu": float(args.clock == "cpu")})
+    save_hardware(prof, path)
+    print(f"fitted {len(data['steps'])} calibration steps: {prof.calibrated} -> {path}")
+    return 0
+
+
+def measure_steps(args, overrides: list[str]) -> list[dict]:
+    """Step points of one calibration config: the best plan of 1 and 4 colocated devices and of
+    split 1+1 and 2+2, and the two split ones streamed in 8 and 4 pieces."""
     from rpeg_jax.config import load_config
     from rpeg_jax.costmodel.pricing import best_by_groups, price_layout
 
+    STEP_CALIBRATION = overrides
     hw = load_hardware(args.hardware)
     cfg = load_config(None, STEP_CALIBRATION)
     alts = {p.label: p for p in best_by_groups(cfg, 8, hw, 1)}
@@ -284,22 +321,10 @@ def calibrate_steps(args) -> int:
             p.label = f"{base} p{m}"
             plans.append(p)
     runs = measure_plans(plans, args, STEP_CALIBRATION)
-    steps = [{"overrides": STEP_CALIBRATION, "knobs": p.knobs, "layout": p.layout, "num_devices": 8,
-              "label": p.label, "seconds": float(np.median(r)), "runs_s": r} for p, r in zip(plans, runs) if r]
-    path = args.out or calibrated_path(args.hardware)
-    points = os.path.splitext(path)[0] + ".points.json"
-    with open(points) as f:
-        data = json.load(f)
-    data["steps"] = steps
-    with open(points, "w") as f:
-        json.dump(data, f, indent=1)
-    preset = load_hardware(args.hardware, calibrated=False)
-    alt = dataclasses.replace(preset, host_cores=1) if args.clock == "cpu" else preset
-    prof = fit_saved_points(load_hardware(path), points, args.clock, alt)
-    prof = dataclasses.replace(prof, calibrated={**prof.calibrated, "clock_cpu": float(args.clock == "cpu")})
-    save_hardware(prof, path)
-    print(f"fitted {len(steps)} calibration steps: {prof.calibrated} -> {path}")
-    return 0
+    note_load()
+    return [{"overrides": STEP_CALIBRATION, "knobs": p.knobs, "layout": p.layout, "num_devices": 8,
+             "label": p.label, "seconds": float(np.median(r)), "runs_s": r, "load": LOADS[-1]}
+            for p, r in zip(plans, runs) if r]
 
 
 def main() -> int:
@@ -324,6 +349,8 @@ def main() -> int:
                                                                   "(not the default), fit the runtime's host costs")
     ap.add_argument("--refit", action="store_true", help="refit the profile to the saved calibration points "
                                                        "(no measuring; after a change of the formulas)")
+    ap.add_argument("--step-config", type=int, default=None, help="--calibrate-steps: only this calibration config "
+                                                                 "(index into STEP_CALIBRATIONS)")
     ap.add_argument("--run-plan", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--overrides", nargs="*", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args()

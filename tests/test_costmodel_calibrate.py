@@ -178,8 +178,9 @@ def test_rpeg_calibrate_fits_saved_points(tmp_path, monkeypatch):
 
 
 def test_fit_steps_recovers_the_runtime_host_costs():
-    # Whole steps 'measured' with known per-piece and per-sequence host costs around the sampler:
-    # the fit finds them back (one plan streams 8 pieces, so pieces and sequences separate).
+    # Whole steps 'measured' with known per-piece, per-sequence and per-step host costs around the
+    # sampler: the fit finds them back (one plan streams 8 pieces, so pieces separate; two batch
+    # sizes, so sequences and steps separate).
     import dataclasses
 
     from rpeg_jax.config import load_config
@@ -187,22 +188,24 @@ def test_fit_steps_recovers_the_runtime_host_costs():
 
     base = load_hardware("cpu", calibrated=False)
     truth = dataclasses.replace(base, efficiency=dataclasses.replace(base.efficiency, piece_s=0.05,
-                                                                     host_seq_s=2e-3))
-    over = ["data.prompts_per_step=8", "rollout.max_new_tokens=8"]
-    res = P.search(load_config(None, over), 4, base, 1)
-    steps = []
-    steps.append({"overrides": over, "knobs": res.chosen.knobs, "layout": res.chosen.layout, "num_devices": 4})
+                                                                     host_seq_s=2e-3, host_step_s=0.1))
     kn = {"staleness": 0, "share_actor_critic": False, "fuse": [], "elide_old_forward": False, "placement": "split",
           "split_sizes": [1, 1]}
     lay = {"groups": {"gen": 1, "train": 1}, "generate": {"tensor": 1},
            "train": {"data": 1, "fsdp": 1, "tensor": 1, "micro_batches": 1, "remat": "none"},
            "forward": {"data": 1, "fsdp": 1, "tensor": 1}}
-    steps += [{"overrides": over, "knobs": {**kn, "microbatches": m}, "layout": lay, "num_devices": 4}
-                         for m in (1, 8)]
+    steps = []
+    for over in (["data.prompts_per_step=8", "rollout.max_new_tokens=8"],
+                 ["data.prompts_per_step=16", "rollout.max_new_tokens=8"]):
+        res = P.search(load_config(None, over), 4, base, 1)
+        steps.append({"overrides": over, "knobs": res.chosen.knobs, "layout": res.chosen.layout, "num_devices": 4})
+        steps += [{"overrides": over, "knobs": {**kn, "microbatches": m}, "layout": lay, "num_devices": 4}
+                  for m in (1, 8)]
     for sp in steps:
         sp["seconds"] = predict_step(truth, sp)
     fitted, resid = fit_steps(base, steps)
-    # 3 steps, 2 factors, a very weak prior toward 0: the steps within 1%, the factors within 5%.
+    # 6 steps, 3 factors, a very weak prior toward 0: the steps within 1%, the factors within 5%.
     assert resid["fit_step_mape"] < 0.01
     assert fitted.efficiency.piece_s == pytest.approx(0.05, rel=0.05)
     assert fitted.efficiency.host_seq_s == pytest.approx(2e-3, rel=0.05)
+    assert fitted.efficiency.host_step_s == pytest.approx(0.1, rel=0.05)

@@ -19,7 +19,7 @@ squares on log(predicted / measured) with weak priors toward the starting values
                                                            (memory: linear least squares per mode)
 
 `fit_steps(profile, step_points)` then fits the runtime's host costs around the sampler
-(piece_s, host_seq_s) to whole RL steps of calibration configs (not the default config).
+(piece_s, host_seq_s, host_step_s) to whole RL steps of calibration configs (not the default config).
 Validation points must never be passed here (bench/costmodel_validate.py keeps the two sets
 disjoint). Callers: costmodel/calibrate.py (`rpeg calibrate --points`), bench/, tests. No JAX.
 """
@@ -191,7 +191,7 @@ def fit_points(hw: HardwareProfile, points: list[dict], multistart: bool = True)
 
 
 # ---- whole steps (the runtime's host costs) ----------------------------------------------------
-STEP_FACTORS = (("piece_s", 1e-3), ("host_seq_s", 1e-5))  # (name, unit the fit works in)
+STEP_FACTORS = (("piece_s", 1e-3), ("host_seq_s", 1e-5), ("host_step_s", 1e-3))  # (name, unit the fit works in)
 
 def predict_step(hw: HardwareProfile, sp: dict) -> float:
     """Predicted steady-state seconds of a measured step point: {"overrides": [config overrides],
@@ -204,8 +204,9 @@ def predict_step(hw: HardwareProfile, sp: dict) -> float:
 
 
 def fit_steps(hw: HardwareProfile, steps: list[dict]) -> tuple[HardwareProfile, dict]:
-    """The runtime's per-piece and per-sequence host costs (piece_s, host_seq_s) fitted to whole
-    steps of *calibration* configs, the stage factors fixed (least squares on log time)."""
+    """The runtime's per-piece, per-sequence and per-step host costs (piece_s, host_seq_s,
+    host_step_s) fitted to whole steps of *calibration* configs (two batch sizes, so that the
+    per-sequence and per-step costs separate), the stage factors fixed (least squares on log time)."""
     from scipy.optimize import least_squares
 
     meas = np.log([sp["seconds"] for sp in steps])

@@ -108,6 +108,8 @@ class EfficiencySpec:
     piece_s: float = 0.0  # runtime cost per streamed piece beyond the first (a generate call's host work,
     #   laying the piece out, moving it to the training group, concatenating), s; fitted on whole steps
     host_seq_s: float = 0.0  # runtime host cost per sequence per step (rows, reward, bookkeeping), s
+    host_step_s: float = 0.0  # runtime host cost per step whatever its size (data, scheduling, metrics), s;
+    #   fitted on whole steps of two batch sizes (with host_seq_s and piece_s)
     contention: float = 0.0  # shared host: throughput lost to device programs beyond the cores,
     #   total rate x (host_cores / busy)^contention (fitted)
     decode_layer_s: float | None = None  # fixed cost per layer per decode step (page-table gathers,
@@ -136,6 +138,7 @@ class EfficiencySpec:
         check(self.elementwise_factor > 0, key(path, "elementwise_factor"), self.elementwise_factor, "must be > 0")
         check(0.0 <= self.contention <= 4.0, key(path, "contention"), self.contention, "must be in [0, 4]")
         check(self.backward_factor > 0, key(path, "backward_factor"), self.backward_factor, "must be > 0")
+        check(self.host_step_s >= 0, key(path, "host_step_s"), self.host_step_s, "must be >= 0")
         check(self.update_streams > 0, key(path, "update_streams"), self.update_streams, "must be > 0")
         check(self.weight_copies >= 0, key(path, "weight_copies"), self.weight_copies, "must be >= 0")
         check(self.act_memory_factor > 0, key(path, "act_memory_factor"), self.act_memory_factor, "must be > 0")
