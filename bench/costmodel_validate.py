@@ -19,7 +19,8 @@ the 8 devices: the planner's chosen plan, runners-up, baselines and the best pla
 group size; every plan runs whole RL steps in its own process (rpeg_jax.runtime.train under the
 plan; a hung collective cannot stop the benchmark), `--rounds` times interleaved, and the median
 step after warm-up is compared with the predicted steady-state step time. The runtime's host
-costs around the sampler are fitted on whole steps of another config (`--calibrate-steps`).
+costs around the sampler (per step, per sequence, per streamed piece) are fitted on whole steps
+of two other configs, B=64 and B=192 (`--calibrate-steps`), never on the default config.
 
 JSON: stages[...] (config, measured_s, predicted_s, error, memory measured/predicted),
 mape_stage {kind: MAPE}, mape_stage_all, memory_error (mean |relative error|), and with
