@@ -3,21 +3,24 @@
 Two interchangeable forwards (static, hashable objects passed to `sampling/engine.py`):
 - `ModelForward(graphdef)`: the model's own `Transformer.hidden` / `.logits` over its stacked
   parameters (layer scan or loop, as the model is configured). The sampler's params are the model's.
-- `SplitForward(cfg)`: the same computation built from the model's layer function
-  (`models.llama.decoder_layer`) over *per-layer* parameter buffers, one jit argument per layer.
-  Why: XLA:CPU copies each layer's weights out of a stacked [L, ...] array before every product
-  (dynamic- or static-slice fusions), so a bandwidth-bound decode step reads the weights about three
-  times; with separate buffers the products read them in place (measured on CPU: model S decode
-  step 111 -> 67 ms of CPU time, model T 6.4 -> 3.7 ms). The cost is one device copy of the weights
-  per `update_weights` (one jitted split) and a layer loop unrolled at trace time (compile time grows
-  with depth), so "auto" picks it on CPU only.
-- `SplitForward(cfg, transposed=True)`: per-layer buffers holding every projection TRANSPOSED
-  ([out, in]), run by this module's own copy of the decoder layer (`_layer_t`: the model's
-  rms_norm / apply_rope, the same operations and order as `decoder_layer`). Why: for a few rows
-  (decode batch <= TRANSPOSED_MAX_ROWS) a product against [out, in] weights streams each weight row
-  once; XLA:CPU's [in, out] product at 8 rows reads the weights at ~60% of the rate the transposed
-  one does (measured on the 2-core CPU over model-S-sized weights: 4.9 vs 6.5 GB/s at 8 rows, 2.9 vs
-  3.8 at 32; for model T's cache-resident weights at 32-64 rows the [in, out] form is ~10% faster).
+- `SplitForward(cfg)`: the same computation over *per-layer* parameter buffers, one jit argument
+  per layer, run by this module's copy of the decoder layer (`_layer`: the model's rms_norm /
+  apply_rope, the operations and order of `models.llama.decoder_layer`) with the q/k/v projections
+  fused into one product and gate/up into another.
+  Why per-layer: XLA:CPU copies each layer's weights out of a stacked [L, ...] array before every
+  product (dynamic- or static-slice fusions), so a bandwidth-bound decode step reads the weights about
+  three times; with separate buffers the products read them in place (measured on CPU: model S
+  decode step 111 -> 67 ms of CPU time, model T 6.4 -> 3.7 ms). Why fused: fewer, wider GEMMs (model
+  T at 64 rows: 7 -> 4 products per layer, the GEMM part of a step 4.2 -> 3.5 ms, one noisy
+  measurement). The cost is one device copy of the weights per `update_weights` (one jitted split)
+  and a layer loop unrolled at trace time (compile time grows with depth), so "auto" picks it on CPU
+  only.
+- `SplitForward(cfg, transposed=True)`: the same with every product weight stored TRANSPOSED
+  ([out, in]). Why: for a few rows (decode batch <= TRANSPOSED_MAX_ROWS) a product against
+  [out, in] weights streams each weight row once; XLA:CPU's [in, out] product at 8 rows reads the
+  weights at ~60-70% of the rate the transposed one does (measured on the 2-core CPU over
+  model-S-sized weights: 4.9 vs 6.5 GB/s at 8 rows, 5.2 vs 7.8 in another run, 2.9 vs 3.8 at 32;
+  for model T's cache-resident weights at 32-64 rows the [in, out] form is ~10% faster).
 
 Tests hold all three to the model's plain forward (tests/test_sampler.py).
 """
@@ -34,7 +37,7 @@ from flax import nnx
 
 from rpeg_jax.config.model import ModelConfig
 from rpeg_jax.models.dense import dense, embed_lookup
-from rpeg_jax.models.llama import decoder_layer, jnp_dtype, rms_norm
+from rpeg_jax.models.llama import jnp_dtype, rms_norm
 from rpeg_jax.models.rope import apply_rope, inv_frequencies, rope_tables
 from rpeg_jax.sharding.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, SEQ, constrain
 
@@ -58,28 +61,28 @@ class ModelForward:
 
 @functools.partial(jax.jit, static_argnames=("num_layers", "transposed"))
 def _split(params, num_layers: int, transposed: bool):
-    """{embed, final_norm, out, layers: tuple of per-layer dicts} from the model's params State;
-    with `transposed`, every product weight is flattened to 2-D and transposed to [out, in]."""
+    """{embed, final_norm, out, layers: tuple of per-layer dicts} from the model's params State.
+    Per layer, the q/k/v projections are concatenated into one 2-D weight `wqkv` [D, (H+2K)*E]
+    (biases into `bqkv`), gate and up into `w_gu` [D, 2F], and `wo` flattened to [H*E, D]; with
+    `transposed`, every product weight (and `out`) is stored transposed, [out, in]."""
     flat = nnx.to_pure_dict(params)
-    layers = {n: w for n, w in flat["layers"].items() if w is not None}
     tied = flat.get("lm_head") is None
-    if not transposed:
-        out = flat["embed"].T if tied else flat["lm_head"]
-        per_layer = tuple({n: w[i] for n, w in layers.items()} for i in range(num_layers))
-        return dict(embed=flat["embed"], final_norm=flat["final_norm"], out=out, layers=per_layer)
-    out_t = flat["embed"] if tied else flat["lm_head"].T  # [V, D]
+    out = flat["embed"].T if tied else flat["lm_head"]  # [D, V]
+    t = (lambda w: w.T) if transposed else (lambda w: w)
 
-    def t(name, w):
-        if name in ("wq", "wk", "wv"):  # [D, N, E] -> [N*E, D]
-            return w.reshape(w.shape[0], -1).T
-        if name == "wo":  # [H, E, D] -> [D, H*E]
-            return w.reshape(-1, w.shape[-1]).T
-        if name in ("w_gate", "w_up", "w_down"):
-            return w.T
-        return w.reshape(-1) if name in ("bq", "bk", "bv") else w  # norms, biases
+    def layer(p):
+        d = p["wq"].shape[0]
+        qkv = [p[n].reshape(d, -1) for n in ("wq", "wk", "wv")]
+        lp = dict(attn_norm=p["attn_norm"], mlp_norm=p["mlp_norm"], wqkv=t(jnp.concatenate(qkv, axis=1)),
+                  wo=t(p["wo"].reshape(-1, d)), w_gu=t(jnp.concatenate([p["w_gate"], p["w_up"]], axis=1)),
+                  w_down=t(p["w_down"]))
+        if p.get("bq") is not None:
+            lp["bqkv"] = jnp.concatenate([p[n].reshape(-1) for n in ("bq", "bk", "bv")])
+        return lp
 
-    per_layer = tuple({n: t(n, w[i]) for n, w in layers.items()} for i in range(num_layers))
-    return dict(embed=flat["embed"], final_norm=flat["final_norm"], out=out_t, layers=per_layer)
+    per_layer = tuple(layer({n: w[i] for n, w in flat["layers"].items() if w is not None})
+                      for i in range(num_layers))
+    return dict(embed=flat["embed"], final_norm=flat["final_norm"], out=t(out), layers=per_layer)
 
 
 def dense_t(x, w_t, *, preferred_element_type=None):
@@ -89,24 +92,27 @@ def dense_t(x, w_t, *, preferred_element_type=None):
     return y.reshape(*lead, w_t.shape[0])
 
 
-def _layer_t(cfg: ModelConfig, p: dict, x_BxTxD, cos, sin, attention, layer, cache):
-    """`models.llama.decoder_layer` over transposed weights (same operations, same order)."""
+def _layer(cfg: ModelConfig, p: dict, x_BxTxD, cos, sin, attention, layer, cache, transposed: bool):
+    """`models.llama.decoder_layer` over `_split`'s fused per-layer weights: the same operations in
+    the same order, with q/k/v as one product and gate/up as one product (fewer, larger GEMMs)."""
     dt = x_BxTxD.dtype
     b, t, _ = x_BxTxD.shape
+    mm = dense_t if transposed else dense
+    e, h_n, k_n = cfg.head_size, cfg.num_heads, cfg.num_kv_heads
     h = rms_norm(x_BxTxD, p["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = (dense_t(h, p[n].astype(dt)) for n in ("wq", "wk", "wv"))
-    if "bq" in p:
-        q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
-    e = cfg.head_size
-    q = constrain(apply_rope(q.reshape(b, t, -1, e), cos, sin), (BATCH, SEQ, HEADS, HEAD_DIM))
-    k = constrain(apply_rope(k.reshape(b, t, -1, e), cos, sin), (BATCH, SEQ, KV_HEADS, HEAD_DIM))
-    v = constrain(v.reshape(b, t, -1, e), (BATCH, SEQ, KV_HEADS, HEAD_DIM))
+    qkv = mm(h, p["wqkv"].astype(dt))
+    if "bqkv" in p:
+        qkv = qkv + p["bqkv"].astype(dt)
+    q, k, v = jnp.split(qkv, [h_n * e, (h_n + k_n) * e], axis=-1)
+    q = constrain(apply_rope(q.reshape(b, t, h_n, e), cos, sin), (BATCH, SEQ, HEADS, HEAD_DIM))
+    k = constrain(apply_rope(k.reshape(b, t, k_n, e), cos, sin), (BATCH, SEQ, KV_HEADS, HEAD_DIM))
+    v = constrain(v.reshape(b, t, k_n, e), (BATCH, SEQ, KV_HEADS, HEAD_DIM))
     attn, cache = attention(q, k, v, layer=layer, cache=cache)
-    x = constrain(x_BxTxD + dense_t(attn.reshape(b, t, -1), p["wo"].astype(dt)), (BATCH, SEQ, EMBED))
+    x = constrain(x_BxTxD + mm(attn.reshape(b, t, -1), p["wo"].astype(dt)), (BATCH, SEQ, EMBED))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    act = jax.nn.silu(dense_t(h, p["w_gate"].astype(dt))) * dense_t(h, p["w_up"].astype(dt))
-    act = constrain(act, (BATCH, SEQ, MLP))
-    return constrain(x + dense_t(act, p["w_down"].astype(dt)), (BATCH, SEQ, EMBED)), cache
+    gate, up = jnp.split(mm(h, p["w_gu"].astype(dt)), 2, axis=-1)
+    act = constrain(jax.nn.silu(gate) * up, (BATCH, SEQ, MLP))
+    return constrain(x + mm(act, p["w_down"].astype(dt)), (BATCH, SEQ, EMBED)), cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,9 +130,8 @@ class SplitForward:
         cfg = self.cfg
         x = constrain(embed_lookup(gp["embed"], tokens_BxT, jnp_dtype(cfg.dtype)), (BATCH, SEQ, EMBED))
         cos, sin = rope_tables(positions_BxT, inv_frequencies(cfg))
-        layer_fn = _layer_t if self.transposed else decoder_layer
         for i, lp in enumerate(gp["layers"]):
-            x, cache = layer_fn(cfg, lp, x, cos, sin, attention, i, cache)
+            x, cache = _layer(cfg, lp, x, cos, sin, attention, i, cache, self.transposed)
         return rms_norm(x, gp["final_norm"], cfg.rms_norm_eps), cache
 
     def logits(self, gp, h):
