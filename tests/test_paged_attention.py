@@ -141,8 +141,9 @@ def test_write_pages_drops_out_of_range_rows():
 @pytest.mark.parametrize("page_size,kv_heads,per_layer", [(1, 2, True), (3, 4, False), (16, 1, True)])
 def test_chunk_attention_equals_reference_with_nan_garbage(page_size, kv_heads, per_layer):
     """The "chunk" decode attention: the slots' pages gathered once (NaN everywhere unused), then one
-    decode step writes each slot's newest K/V into pool and buffers and attends; against float64."""
-    from rpeg_jax.sampling.chunk_attention import ChunkAttention, gather_chunk
+    decode step writes each slot's newest K/V into the buffers and attends; against float64. Then
+    `flush_chunk` writes exactly the new column of each active slot into its page."""
+    from rpeg_jax.sampling.chunk_attention import ChunkAttention, flush_chunk, gather_chunk
     heads, layer = 4, 1
     lengths = [2 * page_size + 1, 2 * page_size + 5, page_size, 1, 3 * page_size - 1]
     k, v, table, pk, pv = build_case(page_size, kv_heads, lengths, shared=2 * page_size)
@@ -159,15 +160,16 @@ def test_chunk_attention_equals_reference_with_nan_garbage(page_size, kv_heads, 
     pools = (jnp.asarray(pk), jnp.asarray(pv))
     kv_before = jnp.asarray(np.where(active, last, 0), jnp.int32)
     bufs = gather_chunk(pools, jnp.asarray(table), kv_before, per_layer=per_layer)
-    page, off = write_targets(jnp.asarray(table), jnp.asarray(last[:, None], jnp.int32), jnp.asarray(active[:, None]),
-                              pk.shape[2], page_size)
     cols = table.shape[1] * page_size
-    attn = ChunkAttention(page[:, 0], off[:, 0], jnp.asarray(np.where(active, last, cols), jnp.int32),
+    attn = ChunkAttention(jnp.asarray(np.where(active, last, cols), jnp.int32),
                           jnp.asarray(np.where(active, lengths, 0), jnp.int32))
     k_new = jnp.asarray(k[np.arange(b), last][:, None])
     v_new = jnp.asarray(v[np.arange(b), last][:, None])
-    out, cache = jax.jit(lambda q, kk, vv, c: attn(q, kk, vv, layer=layer, cache=c))(
-        jnp.asarray(q), k_new, v_new, pools + bufs)
+    step = jax.jit(lambda q, kk, vv, c, layer: attn(q, kk, vv, layer=layer, cache=c), static_argnums=4)
+    for other in range(pk.shape[0]):  # a decode step writes every layer's buffers (checked: `layer`)
+        if other != layer:
+            bufs = step(jnp.asarray(q), k_new, v_new, bufs, other)[1]
+    out, bufs = step(jnp.asarray(q), k_new, v_new, bufs, layer)
     out = np.asarray(out)
     assert np.isfinite(out).all(), "NaN from unused pages leaked into the output"
     for i, n in enumerate(lengths):
@@ -176,9 +178,15 @@ def test_chunk_attention_equals_reference_with_nan_garbage(page_size, kv_heads, 
                                        atol=2e-5, rtol=1e-5)
         else:
             np.testing.assert_array_equal(out[i], 0.0)
-    nk = np.asarray(cache[0])
+    stop = np.where(active, last + 1, last)  # an inactive slot's position did not advance
+    nk, nv = (np.asarray(x) for x in flush_chunk(pools, bufs, jnp.asarray(table), jnp.asarray(last, jnp.int32),
+                                                  jnp.asarray(stop, jnp.int32), 3))
+    expect_k, expect_v = pk.copy(), pv.copy()
     for i in range(b):
-        got = nk[layer, :, table[i, last[i] // page_size], last[i] % page_size]
         if active[i]:
-            np.testing.assert_array_equal(got, k[i, last[i]])
+            expect_k[:, :, table[i, last[i] // page_size], last[i] % page_size] = k[i, last[i]]
+            expect_v[:, :, table[i, last[i] // page_size], last[i] % page_size] = v[i, last[i]]
+    # every other entry (other pages and offsets; the inactive slot's NaN) is unchanged
+    np.testing.assert_array_equal(nk, expect_k)
+    np.testing.assert_array_equal(nv, expect_v)
     assert np.isnan(nk[layer, :, table[4, last[4] // page_size], last[4] % page_size]).all()

@@ -3,9 +3,11 @@
 Called by the sampler's decode chunk (`sampling/engine.py`) through the model's pluggable attention
 interface, like `PagedAttention`. At the start of a chunk of decode steps the page table is fixed, so
 `gather_chunk` copies each slot's pages once into dense per-layer buffers; every step then writes its
-token's K/V into both the page pool (the source of truth) and the buffers, and attends over the
-buffers with two plain batched products. The per-step page gather of the "gather" implementation
-is replaced by one gather per chunk.
+token's K/V into the buffers only and attends over them with two plain batched products; after the
+chunk's last step `flush_chunk` writes the new columns into the page pools (the cache between
+chunks) in one scatter per layer. The per-step page gather of the "gather" implementation is
+replaced by one gather per chunk, and the per-step page scatters by one flush per chunk (measured:
+the per-step scatters into the pools were ~0.3 ms of a ~5 ms model-T step).
 
 Why: on XLA:CPU the per-step gather is materialised element by element (about 3 GB/s) and the
 q.k product over a gathered [.., C, E] operand contracts its minor axis (a transposed operand, about
@@ -32,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from rpeg_jax.sampling.paged_attention import NEG_INF, gather_pages, write_pages
+from rpeg_jax.sampling.paged_attention import NEG_INF, gather_pages, write_pages, write_targets
 
 
 def gather_chunk(pools, table_BxW, kv_len_B, *, per_layer: bool):
@@ -84,19 +86,16 @@ def attend_dense_t(q_BxHxE, kt_KxBxExC, v_KxBxCxE, kv_len_B):
 class ChunkAttention:
     """The model-facing attention for one decode step over chunk buffers (T = 1 query per slot).
 
-    cache = (k_pool, v_pool, kt, v) with kt/v from `gather_chunk`. write_page_B / write_off_B: where
-    the token's K/V goes in the pools (page >= P drops it); col_B: its buffer column (>= C drops it);
-    kv_len_B: valid key columns after this step's write (0 for inactive slots)."""
+    cache = (kt, v) from `gather_chunk`. col_B: the buffer column of this step's token (its
+    position; >= C drops the write, for inactive slots); kv_len_B: valid key columns after this
+    step's write (0 for inactive slots). The pools are not touched: `flush_chunk` writes the chunk's
+    new columns into the pages once, after the last step."""
 
-    write_page_B: jax.Array
-    write_off_B: jax.Array
     col_B: jax.Array
     kv_len_B: jax.Array
 
     def __call__(self, q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, *, layer, cache: Any):
-        k_pool, v_pool, kt, vb = cache
-        k_pool = write_pages(k_pool, layer, k_BxTxKxE, self.write_page_B[:, None], self.write_off_B[:, None])
-        v_pool = write_pages(v_pool, layer, v_BxTxKxE, self.write_page_B[:, None], self.write_off_B[:, None])
+        kt, vb = cache
         rows = jnp.arange(q_BxTxHxE.shape[0])
         # numpy indexing: (rows, col) separated by a slice put the update's dims first ([B, K, E]);
         # adjacent, in place ([K, B, E]).
@@ -104,4 +103,23 @@ class ChunkAttention:
         v_l = _get(vb, layer).at[:, rows, self.col_B].set(
             v_BxTxKxE[:, 0].swapaxes(0, 1).astype(vb[0].dtype), mode="drop")
         out = attend_dense_t(q_BxTxHxE[:, 0], kt_l, v_l, self.kv_len_B)[:, None]
-        return out, (k_pool, v_pool, _put(kt, layer, kt_l), _put(vb, layer, v_l))
+        return out, (_put(kt, layer, kt_l), _put(vb, layer, v_l))
+
+
+def flush_chunk(pools, bufs, table_BxW, start_B, stop_B, steps: int):
+    """Write buffer columns [start_B, stop_B) (the positions a chunk of at most `steps` decode steps
+    wrote) into every layer's pages; the pools are the cache between chunks. Slots with
+    start == stop write nothing (their rows go to page P, dropped)."""
+    k_pool, v_pool = pools
+    kt, vb = bufs
+    num_pages, page_size = k_pool.shape[2], k_pool.shape[3]
+    c = _get(kt, 0).shape[3]
+    pos_BxT = start_B[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
+    page, off = write_targets(table_BxW, pos_BxT, pos_BxT < stop_B[:, None], num_pages, page_size)
+    col_BxT = jnp.clip(pos_BxT, 0, c - 1)
+    for layer in range(k_pool.shape[0]):
+        k = jnp.take_along_axis(_get(kt, layer), col_BxT[None, :, None, :], axis=3)  # [K, B, E, T]
+        v = jnp.take_along_axis(_get(vb, layer), col_BxT[None, :, :, None], axis=2)  # [K, B, T, E]
+        k_pool = write_pages(k_pool, layer, k.transpose(1, 3, 0, 2), page, off)
+        v_pool = write_pages(v_pool, layer, v.transpose(1, 2, 0, 3), page, off)
+    return k_pool, v_pool

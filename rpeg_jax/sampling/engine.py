@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from rpeg_jax.sampling.chunk_attention import ChunkAttention, gather_chunk
+from rpeg_jax.sampling.chunk_attention import ChunkAttention, flush_chunk, gather_chunk
 from rpeg_jax.sampling.paged_attention import PagedAttention, copy_pages, write_targets
 from rpeg_jax.sampling.transforms import sample, sequence_keys
 
@@ -77,16 +77,15 @@ def fork_pages(pools, src_N, dst_N):
 def _decode_step(fwd, params, cache, st: DecodeState, keys_Bx2, token_B, pos_B, active_B, attention: str,
                  block_pages: int):
     """One step for every slot: write K/V at pos, attend, sample the token at pos + 1. `cache` is the
-    pools, or (k_pool, v_pool, kt, v) for the "chunk" attention."""
-    pools = cache[:2]
-    num_pages, page_size = pools[0].shape[2], pools[0].shape[3]
+    pools, or the chunk buffers (kt, v) for the "chunk" attention (the pools are flushed after)."""
     pos_Bx1 = pos_B[:, None]
-    page, off = write_targets(st.table_BxW, pos_Bx1, active_B[:, None], num_pages, page_size)
     kv_len_B = jnp.where(active_B, pos_B + 1, 0)
     if attention == "chunk":
-        cols = st.table_BxW.shape[1] * page_size
-        attn = ChunkAttention(page[:, 0], off[:, 0], jnp.where(active_B, pos_B, cols), kv_len_B)
+        cols = cache[0][0].shape[-1]  # C: an out-of-range column drops the write
+        attn = ChunkAttention(jnp.where(active_B, pos_B, cols), kv_len_B)
     else:
+        num_pages, page_size = cache[0].shape[2], cache[0].shape[3]
+        page, off = write_targets(st.table_BxW, pos_Bx1, active_B[:, None], num_pages, page_size)
         attn = PagedAttention(page, off, st.table_BxW, pos_Bx1, kv_len_B, block_pages if attention == "blocked" else 0)
     h, cache = fwd.hidden(params, token_B[:, None], pos_Bx1, attn, cache)
     logits_BxV = fwd.logits(params, h[:, 0])
@@ -108,7 +107,7 @@ def decode_chunk(fwd, params, pools, st: DecodeState, num_steps, *, chunk: int, 
     cache = tuple(pools)
     if attention == "chunk":  # positions < pos are in the pages; the step writes pos itself
         kv_len_B = jnp.where(st.active_B, st.pos_B, 0)
-        cache += gather_chunk(pools, st.table_BxW, kv_len_B, per_layer=fwd.static_layers)
+        cache = gather_chunk(pools, st.table_BxW, kv_len_B, per_layer=fwd.static_layers)
 
     def cond(carry):
         step, _, _, _, active_B, _, _ = carry
@@ -128,7 +127,11 @@ def decode_chunk(fwd, params, pools, st: DecodeState, num_steps, *, chunk: int, 
     init = (jnp.zeros((), jnp.int32), cache, st.token_B, st.pos_B, st.active_B,
             jnp.full((chunk, b), -1, jnp.int32), jnp.zeros((chunk, b), jnp.float32))
     steps, cache, token_B, pos_B, active_B, tok_KxB, logp_KxB = jax.lax.while_loop(cond, body, init)
-    return cache[:2], ChunkResult(tok_KxB, logp_KxB, steps, token_B, pos_B, active_B)
+    if attention == "chunk":  # written: positions [pos at the start, pos now) of every slot
+        pools = flush_chunk(pools, cache, st.table_BxW, st.pos_B, pos_B, chunk)
+    else:
+        pools = cache
+    return pools, ChunkResult(tok_KxB, logp_KxB, steps, token_B, pos_B, active_B)
 
 
 def make_pools(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype,
