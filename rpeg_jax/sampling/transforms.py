@@ -16,7 +16,12 @@ Definitions (row-wise; l = float32 logits, T = temperature):
   truncation), as vLLM reports it; a point mass has no useful logprob.
 - randomness: key = fold_in(fold_in(fold_in(PRNGKey(seed), prompt_id), sample_id), position), where
   position is the sampled token's position in the sequence, so a sequence's draws do not depend on
-  its batch, slot, page size, chunk size or preemption. Gumbel-max draws the token.
+  its batch, slot, page size, chunk size or preemption. Gumbel-max draws the token; the Gumbel noise
+  of vocabulary entry i is -log(-log(u)) with u from the Threefry-2x32 hash (20 rounds, Salmon et
+  al. 2011, the hash behind jax.random) of the counter i under the row's key, computed elementwise
+  over [B, V] (`_threefry_uniform`). Why not `jax.random.gumbel` per row: on CPU its vmapped,
+  rolled-loop lowering cost 0.3-0.7 ms per model-T step (64 x 128 draws) and 6.7 ms per model-S
+  step (8 x 32000), 5-15% of a step; the elementwise hash fuses into one vectorised loop.
 """
 
 from __future__ import annotations
@@ -30,6 +35,33 @@ def sequence_keys(seed_B, prompt_id_B, sample_id_B):
     def one(seed, pid, sid):
         return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), pid), sid)
     return jax.vmap(one)(seed_B, prompt_id_B, sample_id_B)
+
+
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def _threefry2x32(k0, k1, x0, x1):
+    """Threefry-2x32, 20 rounds (the Random123 reference schedule), elementwise over uint32 arrays."""
+    ks = (k0, k1, k0 ^ k1 ^ jnp.uint32(0x1BD11BDA))
+    x0, x1 = x0 + ks[0], x1 + ks[1]
+    for i in range(5):  # 5 groups of 4 rounds, a key injection after each
+        for r in _ROTATIONS[i % 2]:
+            x0 = x0 + x1
+            x1 = ((x1 << jnp.uint32(r)) | (x1 >> jnp.uint32(32 - r))) ^ x0
+        x0, x1 = x0 + ks[(i + 1) % 3], x1 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
+    return x0, x1
+
+
+def _threefry_uniform(key_Bx2, v: int):
+    """float32 [B, v] uniform in (0, 1): the hash of counters (j, 0), j < ceil(v / 2), under each
+    row's key gives two 32-bit words per counter; the top 23 bits of a word are the mantissa."""
+    half = (v + 1) // 2
+    ctr = jnp.arange(half, dtype=jnp.uint32)[None, :]
+    k = key_Bx2.astype(jnp.uint32)
+    a, b = _threefry2x32(k[:, :1], k[:, 1:], ctr, jnp.zeros_like(ctr))
+    bits = jnp.concatenate([a, b], axis=1)[:, :v]
+    u = jax.lax.bitcast_convert_type((bits >> jnp.uint32(9)) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
+    return jnp.maximum(u, jnp.finfo(jnp.float32).tiny)  # [0, 1) -> (0, 1)
 
 
 def _truncate_sorted(s_BxV, top_k_B, top_p_B):
@@ -70,7 +102,7 @@ def sample(logits_BxV, key_Bx2, position_B, temperature_B, top_k_B, top_p_B, min
 
     def gumbel(_):
         keys = jax.vmap(jax.random.fold_in)(key_Bx2, position_B)
-        return jax.vmap(lambda k: jax.random.gumbel(k, s.shape[-1:], jnp.float32))(keys)
+        return -jnp.log(-jnp.log(_threefry_uniform(keys, s.shape[-1])))
 
     # All-greedy batches skip the random draw at run time.
     g = jax.lax.cond(jnp.all(greedy), lambda _: jnp.zeros_like(s), gumbel, None)
