@@ -15,9 +15,10 @@ retire finished sequences (their pages return to the pool) and admit new ones.
 A chunk ends early where the page-table width bucket would grow (after min_chunk_steps), so each
 step gathers at most about twice the key columns it needs.
 
-Shapes that reach the compiler are bucketed: decode is [max_slots] x power-of-two page-table widths;
-prefill is power-of-two rows x power-of-two lengths (>= min_prefill_len). Everything else (sampling
-settings, lengths, step limits, stop ids) is a traced argument.
+Shapes that reach the compiler are bucketed: decode is [max_slots] x page-table widths in the
+sequence min_table_width * table_width_growth^i (powers of two by default), the last one capped at
+ceil(max_seq_len / page_size); prefill is power-of-two rows x power-of-two lengths (>= min_prefill_len).
+Everything else (sampling settings, lengths, step limits, stop ids) is a traced argument.
 """
 
 from __future__ import annotations
@@ -85,7 +86,9 @@ class Sampler:
         self._attention = cfg.attention if cfg.attention != "auto" else (
             "chunk" if jax.default_backend() == "cpu" else "gather")
         self.num_pages = num_pages
-        self.max_width = width_bucket(per_seq, cfg.min_table_width, cfg.table_width_growth)
+        # The widest table any sequence needs; the last width bucket is capped here, not rounded up
+        # (a rounded-up last bucket made the final chunk's attention read up to ~2x the columns).
+        self.max_width = per_seq
         self.eos_ids = tuple(cfg.eos_token_ids if cfg.eos_token_ids is not None else (mcfg.eos_id,))
         kv_dtype = jnp.dtype(cfg.kv_dtype or mcfg.dtype)
         self.pools = engine.make_pools(mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads,
