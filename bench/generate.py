@@ -58,16 +58,30 @@ def _best_time(fn, *args, reps=5) -> float:
 
 
 def measure_limits(dtype) -> dict:
-    """Matmul FLOP/s (square matmuls, best size) and memory bandwidth (read-only reduction and a copy,
-    the better), both through JAX in `dtype`."""
+    """Matmul FLOP/s (square matmuls) and memory bandwidth, both through JAX in `dtype`.
+
+    Bandwidth = the best streaming READ rate of three probes over 1 GiB (CPU) / 4 GiB (GPU) of
+    float32: a full reduction, a row reduction and a few-row GEMV against [out, in] weight blocks
+    (the decode step's own access pattern). The array is several times the CPU's last-level cache
+    (300 MB L3 on the development machine) so the rate is DRAM's, as for model S, whose 440 MB of
+    weights per step do not fit either; a 256 MiB probe measured up to 2x more (partly from L3).
+    A copy (read + write) is recorded too but is not the limit of a read-only workload."""
     n_mm = 8192 if ON_GPU else 1536
     a = jnp.ones((n_mm, n_mm), dtype)
     flops = 2 * n_mm ** 3 / _best_time(jax.jit(lambda x: x @ x), a)
-    n_bw = (1 << 30 if ON_GPU else 1 << 26)  # elements: 4 GiB / 256 MiB of float32
+    del a
+    n_bw = 1 << 30 if ON_GPU else 1 << 28  # elements: 4 GiB / 1 GiB of float32
     x = jnp.ones((n_bw,), jnp.float32)
     read = 4 * n_bw / _best_time(jax.jit(lambda x: jnp.sum(x)), x)
+    rows = 4 * n_bw / _best_time(jax.jit(lambda x: jnp.sum(x.reshape(-1, 4096), axis=1)), x)
     copy = 8 * n_bw / _best_time(jax.jit(lambda x: x * 2.0), x)
-    return {"matmul_flops": flops, "bandwidth_bytes_s": max(read, copy), "bw_read": read, "bw_copy": copy}
+    w_t = x.reshape(-1, 4096)  # [out, in] blocks read by an 8-row product
+    v = jnp.ones((8, 4096), jnp.float32)
+    gemv = 4 * n_bw / _best_time(jax.jit(lambda w, v: jnp.einsum("oi,mi->mo", w, v)), w_t, v)
+    del x, w_t
+    bw = max(read, rows, gemv)
+    return {"matmul_flops": flops, "bandwidth_bytes_s": bw, "bw_read": read, "bw_rowsum": rows,
+            "bw_gemv": gemv, "bw_copy": copy}
 
 
 def work_per_token(cfg: ModelConfig, batch: int, mean_ctx: float, param_bytes: int) -> tuple[float, float]:
@@ -131,7 +145,9 @@ def main(argv=None) -> int:
             raise SystemExit(f"--workloads: unknown {name!r}; known: {', '.join(table)}")
     limits = measure_limits(jnp.bfloat16 if ON_GPU else jnp.float32)
     print(f"device {jax.devices()[0].device_kind}: matmul {limits['matmul_flops'] / 1e9:.1f} GFLOP/s, "
-          f"bandwidth {limits['bandwidth_bytes_s'] / 1e9:.1f} GB/s", flush=True)
+          f"bandwidth {limits['bandwidth_bytes_s'] / 1e9:.1f} GB/s (read {limits['bw_read'] / 1e9:.1f}, "
+          f"rows {limits['bw_rowsum'] / 1e9:.1f}, gemv {limits['bw_gemv'] / 1e9:.1f}, copy {limits['bw_copy'] / 1e9:.1f}); "
+          f"load {os.getloadavg()[0]:.1f}", flush=True)
     records, models = [], {}
     for name in names:
         preset, num_prompts, plen, n, new, temp, bound = table[name]
@@ -150,7 +166,7 @@ def main(argv=None) -> int:
             rec = dict(workload=name, variant=variant, new_tokens_per_s=best, median_tokens_per_s=statistics.median(rates),
                        limit_fraction=best / limit, limit_kind=bound, limit_tokens_per_s=limit, batch=batch,
                        flops_per_token=flops, bytes_per_step=step_bytes, device=jax.devices()[0].device_kind,
-                       **{k: limits[k] for k in ("matmul_flops", "bandwidth_bytes_s")})
+                       load_avg_1m=os.getloadavg()[0], **limits)
             records.append(rec)
             print(f"{name:14s} {variant:6s} {best:10.1f} new tok/s (median {rec['median_tokens_per_s']:.1f}) "
                   f"= {rec['limit_fraction']:.1%} of the {bound} limit ({limit:.0f} tok/s)", flush=True)
