@@ -169,6 +169,42 @@ def test_minibatches_and_epochs_match_a_plain_loop():
     np.testing.assert_allclose(float(m["actor/lr"]), 0.05, rtol=1e-6)
 
 
+def test_group_mode_moves_whole_groups():
+    """group_size=2: epochs shuffle whole groups and minibatch k of M is groups k::M (a plain loop
+    over group-permuted rows, atol 1e-5); every micro-batch the policy sees holds whole groups."""
+    params, batch = make_case(5, behav_noise=0.2)
+    g, rng = 2, jax.random.key(7)
+    _, opt, cfg = compiled(**LOOP_KW)
+    seen = []
+
+    def grouped_policy(p, mb):  # records the rows of each micro-batch (traced once per piece shape)
+        jax.debug.callback(lambda r: seen.append(np.asarray(r)), mb["row_B"])
+        return policy_fn(p, mb)
+
+    upd = jax.jit(rl.make_actor_update(grouped_policy, opt, cfg, group_size=g))
+    new, _, m = upd(params, opt.init(params), batch, rng)
+    jax.effects_barrier()
+
+    @jax.jit
+    def sgd_step(p, st, mb):
+        lw, tw = rl.agg_weights(mb["response_mask_BxR"], cfg.loss_agg)
+        grad = jax.grad(lambda q: rl.actor_objective(policy_fn(q, mb), mb, cfg, lw, tw)[0])(p)
+        u, st = opt.update(grad, st, p)
+        return optax.apply_updates(p, u), st
+
+    p, st = params, opt.init(params)
+    for key in jax.random.split(rng, 2):
+        groups = np.asarray(jax.random.permutation(key, B // g))
+        for j in range(2):
+            idx = (groups[j::2][:, None] * g + np.arange(g)).reshape(-1)
+            p, st = sgd_step(p, st, {k: v[idx] for k, v in batch.items()})
+    np.testing.assert_allclose(np.asarray(new["table"]), np.asarray(p["table"]), rtol=0, atol=1e-5)
+    assert float(m["actor/updates"]) == 4
+    assert len(seen) == 8 and all(len(r) == g and r[0] % g == 0 and r[1] == r[0] + 1 for r in seen)
+    with pytest.raises(ConfigError, match="whole groups"):
+        jax.jit(rl.make_actor_update(policy_fn, opt, cfg, group_size=4))(params, opt.init(params), batch, rng)
+
+
 # ---------------------------------------------------------------- critic and shared backbone
 def np_value_grad(v, v_old, ret, mask, clip):
     """d/dv of 0.5·token-mean max((v-R)², (v_old+clip(v-v_old)-R)²), float64."""

@@ -6,12 +6,18 @@ sharded like its input; [B, ...] -> [n, B/n, ...] puts the sharding on the B/n a
 pieces are strided so that each one is spread over all data devices). Without a mesh, or with
 Auto axes, these are the plain jnp operations.
 
+Group mode (`group_size` G > 1, unsharded batches only): the batch holds groups of G
+consecutive rows (G responses to one prompt); permutations and splits move whole groups, so every
+minibatch and micro-batch keeps its groups intact and a forward pass can run each group's prompt
+once (models/prefix.py).
+
 Called by: rl.update (minibatches, per-epoch shuffles, micro-batches).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 
 def explicit_spec(x):
@@ -61,11 +67,29 @@ def split_rows(x, n: int):
     return y.swapaxes(0, 1)
 
 
+def split_groups(x, n: int, group_size: int):
+    """[B, ...] -> [n, B/n, ...] in whole groups of `group_size` consecutive rows, strided over
+    groups: piece k = groups k, k+n, k+2n, ... (unsharded batches only)."""
+    if explicit_spec(x) is not None:
+        raise ValueError("split_groups: group mode needs an unsharded batch")
+    b, rest = x.shape[0], tuple(x.shape[1:])
+    y = x.reshape((b // (group_size * n), n, group_size) + rest).swapaxes(0, 1)
+    return y.reshape((n, b // n) + rest)
+
+
+def group_permutation(key, b: int, group_size: int):
+    """A row index that permutes whole groups of `group_size` consecutive rows."""
+    groups = jax.random.permutation(key, b // group_size)
+    return (groups[:, None] * group_size + jnp.arange(group_size)).reshape(-1)
+
+
 def permute_tree(tree, index):
     return jax.tree.map(lambda x: take_rows(x, index), tree)
 
 
-def split_tree(tree, n: int):
+def split_tree(tree, n: int, group_size: int = 1):
+    if group_size > 1:
+        return jax.tree.map(lambda x: split_groups(x, n, group_size), tree)
     return jax.tree.map(lambda x: split_rows(x, n), tree)
 
 

@@ -10,12 +10,15 @@ response_mask_BxR, advantages_BxR, old_logp_BxR; anything else policy_fn needs r
 
 One call runs rl.ppo_epochs × rl.minibatches optimizer steps (a per-epoch permutation drawn
 from `rng`; None keeps the order; minibatch k of M takes rows k, k+M, k+2M, ... of the
-(permuted) batch, see rl.layout.split_rows). Each optimizer step sums the gradients of rl.micro_batches
-micro-batches (lax.scan); the loss weights are fixed over the minibatch (rl.losses.agg_weights),
-so accumulation equals the big-batch gradient. NaN guard: when the loss or the gradient norm of a
-step is not finite, the step keeps the old params and optimizer state and is counted in
-`<prefix>/nan_skipped`; with rl.on_nan=stop, `<prefix>/nan_stop` is 1 and the runtime must stop
-the run. A minibatch with no response tokens is skipped too (`<prefix>/empty_skipped`).
+(permuted) batch, see rl.layout.split_rows). With `group_size=G > 1` (the runtime passes it when
+the forward runs each group's prompt once) the batch holds groups of G consecutive rows, and the
+shuffles and splits move whole groups (rl.layout.split_groups). Each optimizer step sums the
+gradients of rl.micro_batches micro-batches (lax.scan); the loss weights are fixed over the
+minibatch (rl.losses.agg_weights), so accumulation equals the big-batch gradient.
+NaN guard: when the loss or the gradient norm of a step is not finite, the step keeps the old params
+and optimizer state and is counted in `<prefix>/nan_skipped`; with rl.on_nan=stop,
+`<prefix>/nan_stop` is 1 and the runtime must stop the run. A minibatch with no response tokens is
+skipped too (`<prefix>/empty_skipped`).
 Other metrics are means over the applied steps (NaN if none was applied).
 """
 
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from rpeg_jax.config.base import check
-from rpeg_jax.rl.layout import permute_tree, split_tree
+from rpeg_jax.rl.layout import group_permutation, permute_tree, split_tree
 from rpeg_jax.rl.losses import actor_objective, agg_weights, critic_objective
 from rpeg_jax.rl.masked import masked_count
 from rpeg_jax.rl.optimizer import current_lr
@@ -36,7 +39,7 @@ ACTOR_KEYS = (MASK, "advantages_BxR", "old_logp_BxR")
 CRITIC_KEYS = (MASK, "values_BxR", "returns_BxR")
 
 
-def check_batch(batch: dict, needs, cfg, stage: str) -> None:
+def check_batch(batch: dict, needs, cfg, stage: str, group_size: int = 1) -> None:
     """Shapes and keys, checked while tracing (before compiling); errors name the field."""
     missing = [k for k in needs if k not in batch]
     if missing:
@@ -52,13 +55,15 @@ def check_batch(batch: dict, needs, cfg, stage: str) -> None:
     check(b % n == 0, "rl.minibatches", cfg.minibatches,
           f"a batch of B={b} sequences does not split into rl.minibatches={cfg.minibatches} x "
           f"rl.micro_batches={cfg.micro_batches} equal pieces")
+    check(group_size == 1 or b % (n * group_size) == 0, "rl.group_size", group_size,
+          f"{stage}: a batch of B={b} rows does not split into {n} pieces of whole groups")
 
 
 def _tree_where(ok, new, old):
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
-def _minibatch_grads(grad_fn, params, mb, cfg, accum_dtype):
+def _minibatch_grads(grad_fn, params, mb, cfg, accum_dtype, group_size):
     """(loss, summed metrics, grads) of one minibatch, accumulated over micro-batches."""
     loss_w, tok_w = agg_weights(mb[MASK], cfg.loss_agg, cfg.loss_agg_norm)
     cast = lambda g: jax.tree.map(lambda x: x.astype(accum_dtype), g)  # noqa: E731
@@ -71,7 +76,7 @@ def _minibatch_grads(grad_fn, params, mb, cfg, accum_dtype):
         return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads), (loss, aux)
 
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=accum_dtype), params)
-    pieces = split_tree((mb, loss_w, tok_w), cfg.micro_batches)
+    pieces = split_tree((mb, loss_w, tok_w), cfg.micro_batches, group_size)
     grads, (losses, auxs) = jax.lax.scan(body, zeros, pieces)
     return jnp.sum(losses), jax.tree.map(lambda x: jnp.sum(x, 0), auxs), grads
 
@@ -99,14 +104,15 @@ def _summarise(stats, opt_state, cfg, prefix):
 
 
 def make_update(loss_fn, optimizer: optax.GradientTransformation, cfg, *, prefix: str,
-                needs=(MASK,), accum_dtype=jnp.float32):
+                needs=(MASK,), accum_dtype=jnp.float32, group_size: int = 1):
     """Generic update step from `loss_fn(params, mb, loss_w_BxR, tok_w_BxR) -> (loss, metrics)`,
-    whose metrics must be additive over micro-batches (sums weighted by tok_w or loss_w)."""
+    whose metrics must be additive over micro-batches (sums weighted by tok_w or loss_w).
+    group_size > 1: shuffles and splits keep groups of that many consecutive rows together."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(carry, mb):
         params, opt_state = carry
-        loss, aux, grads = _minibatch_grads(grad_fn, params, mb, cfg, accum_dtype)
+        loss, aux, grads = _minibatch_grads(grad_fn, params, mb, cfg, accum_dtype, group_size)
         gnorm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         empty = masked_count(mb[MASK]) == 0
@@ -121,12 +127,16 @@ def make_update(loss_fn, optimizer: optax.GradientTransformation, cfg, *, prefix
         return carry, stats
 
     def update(params, opt_state, batch: dict, rng=None):
-        check_batch(batch, needs, cfg, f"{prefix}_update")
+        check_batch(batch, needs, cfg, f"{prefix}_update", group_size)
         b = batch[MASK].shape[0]
 
         def epoch(carry, key):
-            data = batch if key is None else permute_tree(batch, jax.random.permutation(key, b))
-            return jax.lax.scan(step, carry, split_tree(data, cfg.minibatches))
+            if key is None:
+                data = batch
+            else:
+                index = jax.random.permutation(key, b) if group_size == 1 else group_permutation(key, b, group_size)
+                data = permute_tree(batch, index)
+            return jax.lax.scan(step, carry, split_tree(data, cfg.minibatches, group_size))
 
         keys = None if rng is None else jax.random.split(rng, cfg.ppo_epochs)
         (params, opt_state), stats = jax.lax.scan(epoch, (params, opt_state), keys, length=cfg.ppo_epochs)
@@ -135,21 +145,23 @@ def make_update(loss_fn, optimizer: optax.GradientTransformation, cfg, *, prefix
     return update
 
 
-def make_actor_update(policy_fn, optimizer, cfg, *, accum_dtype=jnp.float32):
+def make_actor_update(policy_fn, optimizer, cfg, *, accum_dtype=jnp.float32, group_size: int = 1):
     """Policy update (PPO/GRPO/GSPO surrogate, decoupled/TIS weights, KL and entropy terms)."""
     def loss_fn(params, mb, loss_w, tok_w):
         return actor_objective(policy_fn(params, mb), mb, cfg, loss_w, tok_w)
-    return make_update(loss_fn, optimizer, cfg, prefix="actor", needs=ACTOR_KEYS, accum_dtype=accum_dtype)
+    return make_update(loss_fn, optimizer, cfg, prefix="actor", needs=ACTOR_KEYS, accum_dtype=accum_dtype,
+                       group_size=group_size)
 
 
-def make_critic_update(value_fn, optimizer, cfg, *, accum_dtype=jnp.float32):
+def make_critic_update(value_fn, optimizer, cfg, *, accum_dtype=jnp.float32, group_size: int = 1):
     """Separate critic: clipped value loss; value_fn(params, batch) -> {"values": [B, R]}."""
     def loss_fn(params, mb, loss_w, tok_w):
         return critic_objective(value_fn(params, mb), mb, cfg, loss_w, tok_w)
-    return make_update(loss_fn, optimizer, cfg, prefix="critic", needs=CRITIC_KEYS, accum_dtype=accum_dtype)
+    return make_update(loss_fn, optimizer, cfg, prefix="critic", needs=CRITIC_KEYS, accum_dtype=accum_dtype,
+                       group_size=group_size)
 
 
-def make_actor_critic_update(policy_fn, optimizer, cfg, *, accum_dtype=jnp.float32):
+def make_actor_critic_update(policy_fn, optimizer, cfg, *, accum_dtype=jnp.float32, group_size: int = 1):
     """One backbone with policy and value heads: L = L_actor + c_v·L_v (policy_fn returns values)."""
     def loss_fn(params, mb, loss_w, tok_w):
         out = policy_fn(params, mb)
@@ -157,4 +169,4 @@ def make_actor_critic_update(policy_fn, optimizer, cfg, *, accum_dtype=jnp.float
         v_loss, v_metrics = critic_objective(out, mb, cfg, loss_w, tok_w)
         return a_loss + cfg.vf_coef * v_loss, {**a_metrics, **v_metrics}
     return make_update(loss_fn, optimizer, cfg, prefix="actor", needs=ACTOR_KEYS + CRITIC_KEYS[1:],
-                       accum_dtype=accum_dtype)
+                       accum_dtype=accum_dtype, group_size=group_size)
