@@ -22,7 +22,11 @@ HF = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 FIXED = dict(max_seq_len=32, min_prefill_len=32, min_prefill_rows=8, min_table_width=16)
 BASE = SamplerConfig(page_size=4, max_slots=8, chunk_steps=8, **FIXED)
 OTHER = SamplerConfig(page_size=3, max_slots=1, chunk_steps=5, **FIXED)  # another page size, chunk and slot count
-LP_TOL = 1e-5  # float32 logprob agreement between sampler runs of other engine shapes
+# float32 logprob agreement between sampler runs of other engine shapes (batch rows, page size,
+# key columns: other GEMM kernels and reduction lengths). Max 2e-5 per token (was 1e-5: after the
+# Gumbel source changed, other draws measured 1.14e-5 at one token of 84, the same floor as the
+# trainer comparison below) and mean 2e-6 over a run, so a systematic shift still fails.
+LP_TOL, LP_MEAN_TOL = 2e-5, 2e-6
 # Sampler vs the trainer's teacher-forced forward (float32, "~1e-5"): paged decode attention and the
 # trainer's dense attention round differently (other reduction orders and padding); the measured
 # floor on these fixtures is max |d| ~1.0e-5 .. 1.4e-5 and mean ~1.5e-6 over all response tokens.
@@ -65,6 +69,8 @@ def assert_same(a, b, tol=LP_TOL):
         assert x[:3] == y[:3], f"tokens differ for prompt {x[0]} sample {x[1]}"
         np.testing.assert_allclose(x[3], y[3], atol=tol)
         assert x[4] == y[4]
+    d = np.concatenate([np.abs(np.asarray(x[3], np.float64) - y[3]) for x, y in zip(a, b)] or [np.zeros(1)])
+    assert d.mean() <= LP_MEAN_TOL, f"mean |logprob difference| {d.mean():.2e} > {LP_MEAN_TOL}"
 
 
 @pytest.mark.parametrize("name,forward,attention", [
