@@ -13,11 +13,16 @@ layout (prompts left-padded to P, responses right-padded to R) plus `host_*` met
 per-token output is response-aligned [B, R]. Host kernels also receive `_step` (int) and
 `_piece`/`_pieces` from the executor.
 
+Forward passes (scoring and updates) run each group's shared prompt once when the batch allows it
+(`shared_prompt_groups`: rows in whole groups of rl.group_size, whole groups on every device, no
+explicit mesh axes on the batch); the update then shuffles and splits whole groups. Same values to float32 rounding.
+
 Called by: graph/compile.py via runtime/trainer.py.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -27,8 +32,10 @@ from flax import nnx
 from rpeg_jax.graph.compile import Kernel, KernelRegistry, StageEnv
 from rpeg_jax.graph.ir import StageKind
 from rpeg_jax.models.logprobs import token_logprobs
+from rpeg_jax.models.prefix import group_hidden, group_token_logprobs
 from rpeg_jax.rl import (batch_metrics, compute_advantages, grad_dtype, make_actor_critic_update, make_actor_update,
                          make_critic_update)
+from rpeg_jax.rl.layout import explicit_spec
 from rpeg_jax.runtime import rollouts
 
 K = StageKind
@@ -39,25 +46,68 @@ def _shifted(tokens_BxS):
     return jnp.concatenate([tokens_BxS[:, 1:], jnp.zeros_like(tokens_BxS[:, :1])], axis=1)
 
 
-def forward_fn(graphdef, *, temperature: float, logp: bool, entropy: bool, values: bool):
-    """(params, completions) -> {"logp", "entropy", "values"} over the response window [B, R]."""
+def shared_prompt_groups(c: dict, group_size: int, pieces: int = 1, devices: int = 1) -> int:
+    """The group size to run the prompt once per group with (models/prefix.py), or 1 (plain pass).
+
+    Sharing needs groups of G >= 2 consecutive rows (the rollout layout), >= 2 response columns,
+    every one of the `pieces` (minibatches x micro-batches) made of whole groups, and as many
+    groups per piece as a multiple of the stage's `devices`, so that each device's rows are whole
+    groups and regrouping moves no rows between devices; a batch with explicit mesh axes (sharding
+    in types) keeps the plain pass."""
+    tokens, r = c["tokens_BxS"], c["response_mask_BxR"].shape[1]
+    b = tokens.shape[0]
+    if group_size < 2 or b % (group_size * pieces) or (b // (group_size * pieces)) % devices:
+        return 1
+    if r < 2 or tokens.shape[1] <= r or explicit_spec(tokens) is not None:
+        return 1
+    return group_size
+
+
+def forward_fn(graphdef, *, temperature: float, logp: bool, entropy: bool, values: bool, group_size: int = 1):
+    """(params, completions) -> {"logp", "entropy", "values"} over the response window [B, R].
+
+    group_size > 1: the rows come in groups of that many responses to one prompt, and the
+    prompt runs once per group (models/prefix.py; the same values to float32 rounding)."""
 
     def fn(params, c):
         model = nnx.merge(graphdef, params)
         r = c["response_mask_BxR"].shape[1]
         start = c["tokens_BxS"].shape[1] - r - 1  # column P-1 predicts the first response token
+        args = (model, c["tokens_BxS"], c["positions_BxS"], c["segment_ids_BxS"])
         out = {"logp": None, "entropy": None, "values": None}
-        if logp:
-            lp, ent, h = token_logprobs(model, c["tokens_BxS"], c["positions_BxS"], c["segment_ids_BxS"],
-                                        _shifted(c["tokens_BxS"]), start=start, length=r,
+        if logp and group_size > 1:
+            lp, ent, h = group_token_logprobs(*args, response_len=r, group_size=group_size, temperature=temperature,
+                                              with_entropy=entropy, return_hidden=True)
+            out.update(logp=lp, entropy=ent)
+        elif logp:
+            lp, ent, h = token_logprobs(*args, _shifted(c["tokens_BxS"]), start=start, length=r,
                                         temperature=temperature, with_entropy=entropy, return_hidden=True)
             out.update(logp=lp, entropy=ent)
+        elif group_size > 1:
+            h, _ = group_hidden(*args, response_len=r, group_size=group_size)
         else:
-            hfull, _ = model.hidden(c["tokens_BxS"], c["positions_BxS"], c["segment_ids_BxS"])
+            hfull, _ = model.hidden(*args[1:])
             h = jax.lax.slice_in_dim(hfull, start, start + r, axis=1)
         if values:
             out["values"] = model.values(h)
         return out
+
+    return fn
+
+
+def _devices(env: StageEnv) -> int:
+    return math.prod(env.plan.mesh.values()) if env.plan.mesh else 1
+
+
+def scoring_fn(graphdef, group_size: int, devices: int, **kw):
+    """A forward pass over the whole batch, sharing each group's prompt when the batch allows it."""
+    fwds = {}
+
+    def fn(params, c):
+        g = shared_prompt_groups(c, group_size, 1, devices)
+        if g not in fwds:
+            fwds[g] = forward_fn(graphdef, group_size=g, **kw)
+        return fwds[g](params, c)
 
     return fn
 
@@ -80,8 +130,8 @@ _BATCH_KEYS = {"old_logp": "old_logp_BxR", "behav_logp": "behav_logp_BxR", "ref_
 # ---- device kernels ---------------------------------------------------------------------------
 def ref_forward(env: StageEnv) -> Kernel:
     ctx = env.context
-    fwd = forward_fn(ctx.graphdefs["reference"], temperature=ctx.temperature, logp=True, entropy=False,
-                     values=False)
+    fwd = scoring_fn(ctx.graphdefs["reference"], ctx.cfg.rl.group_size, _devices(env), temperature=ctx.temperature,
+                     logp=True, entropy=False, values=False)
     return Kernel(lambda i: {"ref_logp": fwd(i["reference"], i["completions"])["logp"]})
 
 
@@ -89,8 +139,8 @@ def old_forward(env: StageEnv) -> Kernel:
     """π_old over the batch; with a shared backbone the same pass yields the values."""
     ctx = env.context
     want_values = "values" in env.stage.workload.heads  # a shared backbone (share_actor_critic)
-    fwd = forward_fn(ctx.graphdefs["actor"], temperature=ctx.temperature, logp=True, entropy=False,
-                     values=want_values)
+    fwd = scoring_fn(ctx.graphdefs["actor"], ctx.cfg.rl.group_size, _devices(env), temperature=ctx.temperature,
+                     logp=True, entropy=False, values=want_values)
 
     def fn(i):
         out = fwd(i["actor"], i["completions"])
@@ -105,7 +155,8 @@ def old_forward(env: StageEnv) -> Kernel:
 def critic_forward(env: StageEnv) -> Kernel:
     ctx = env.context
     src = "critic" if env.stage.workload.models[0].role == "critic" else "actor"  # actor: shared backbone
-    fwd = forward_fn(ctx.graphdefs[src], temperature=ctx.temperature, logp=False, entropy=False, values=True)
+    fwd = scoring_fn(ctx.graphdefs[src], ctx.cfg.rl.group_size, _devices(env), temperature=ctx.temperature,
+                     logp=False, entropy=False, values=True)
     return Kernel(lambda i: {"values": fwd(i[src], i["completions"])["values"]})
 
 
@@ -122,16 +173,32 @@ def advantage(env: StageEnv) -> Kernel:
     return Kernel(fn)
 
 
+def _grouped_update(make, graphdef, optimizer, ctx, accum_dtype, devices, **fwd_kw):
+    """update(params, opt_state, batch, rng) that shares each group's prompt in its forward passes
+    when the batch's minibatches and micro-batches split into whole groups (decided per batch
+    shape while tracing; the forward and the update's shuffles agree on it)."""
+    rl = ctx.cfg.rl
+    updates = {}
+
+    def update(params, opt_state, batch, rng):
+        g = shared_prompt_groups(batch, rl.group_size, rl.minibatches * rl.micro_batches, devices)
+        if g not in updates:
+            fwd = forward_fn(graphdef, temperature=ctx.temperature, group_size=g, **fwd_kw)
+            updates[g] = make(lambda params, mb: fwd(params, mb), optimizer, rl, accum_dtype=accum_dtype,
+                              group_size=g)
+        return updates[g](params, opt_state, batch, rng)
+
+    return update
+
+
 def actor_update(env: StageEnv) -> Kernel:
     ctx = env.context
     shared = bool(env.stage.attrs.get("value_loss")) or any(
         p.attrs.get("value_loss") for p in env.stage.parts)
     rl = ctx.cfg.rl
-    fwd = forward_fn(ctx.graphdefs["actor"], temperature=ctx.temperature, logp=True,
-                     entropy=rl.entropy_coef > 0, values=shared)
-    policy = lambda params, mb: fwd(params, mb)  # noqa: E731  (mb carries the completion arrays)
     make = make_actor_critic_update if shared else make_actor_update
-    update = make(policy, ctx.optimizers["actor"], rl, accum_dtype=grad_dtype(ctx.cfg.optim))
+    update = _grouped_update(make, ctx.graphdefs["actor"], ctx.optimizers["actor"], ctx, grad_dtype(ctx.cfg.optim),
+                             _devices(env), logp=True, entropy=rl.entropy_coef > 0, values=shared)
 
     def fn(i):
         batch = _rl_batch(i, _BATCH_KEYS)
@@ -144,9 +211,9 @@ def actor_update(env: StageEnv) -> Kernel:
 
 def critic_update(env: StageEnv) -> Kernel:
     ctx = env.context
-    fwd = forward_fn(ctx.graphdefs["critic"], temperature=ctx.temperature, logp=False, entropy=False, values=True)
-    update = make_critic_update(lambda params, mb: fwd(params, mb), ctx.optimizers["critic"], ctx.cfg.rl,
-                                accum_dtype=grad_dtype((ctx.cfg.critic_optim or ctx.cfg.optim)))
+    update = _grouped_update(make_critic_update, ctx.graphdefs["critic"], ctx.optimizers["critic"], ctx,
+                             grad_dtype(ctx.cfg.critic_optim or ctx.cfg.optim), _devices(env), logp=False,
+                             entropy=False, values=True)
 
     def fn(i):
         batch = _rl_batch(i, _BATCH_KEYS)
