@@ -15,7 +15,7 @@ def matmul_flops_per_token(cfg, head=True):
 
 
 def expected(cfg, prompt, resp, passes_actor, passes_critic):
-    """One sequence, group of 1: generation (prompt once, response tokens with logits), then
+    """One sequence as if its group were 1: generation (prompt once, response tokens with logits), then
     full passes over prompt + response; attention 4·L·H·E per query-key pair (causal)."""
     m = cfg.model
     body, head = matmul_flops_per_token(m)
@@ -26,6 +26,19 @@ def expected(cfg, prompt, resp, passes_actor, passes_critic):
     cbody, _ = matmul_flops_per_token(cfg.critic_model, head=False)
     critic_pass = cbody * seq + attn * seq * seq / 2
     return gen + passes_actor * one_pass + passes_critic * critic_pass
+
+
+def prompt_share(cfg, prompt, passes_actor, passes_critic):
+    """What a group of G saves on one sequence's prompt when it is computed once per group:
+    (1 - 1/G) of its body FLOPs and of its own attention pairs, in generation and every pass."""
+    m = cfg.model
+    body, _ = matmul_flops_per_token(m)
+    cbody, _ = matmul_flops_per_token(cfg.critic_model, head=False)
+    attn = 4 * m.num_layers * m.num_heads * m.head_size
+    share = 1 - 1 / cfg.rl.group_size
+    actor = (body * prompt + attn * prompt * prompt / 2) * share
+    critic = (cbody * prompt + attn * prompt * prompt / 2) * share
+    return body * prompt * share + passes_actor * actor + passes_critic * critic
 
 
 @pytest.mark.parametrize("overrides,actor,critic", [
@@ -39,8 +52,8 @@ def test_step_flops_match_a_per_matrix_count(overrides, actor, critic):
     cfg = load_config(None, ["rl.group_size=2"] + overrides)
     prompt, resp = 5, 3
     stats = {"resp": resp, "prompt": prompt, "seq": prompt + resp, "resp_ctx": resp * (prompt + resp / 2),
-             "seq_sq": (prompt + resp) ** 2 / 2}
+             "prompt_sq": prompt * prompt / 2}
     got = step_flops(cfg, stats)
-    # the helper counts a group's prompt once per group: with G = 2 the prompt term halves
-    want = expected(cfg, prompt, resp, actor, critic) - matmul_flops_per_token(cfg.model)[0] * prompt / 2
+    # a group's prompt counts once per group (G = 2 here): generation and every pass
+    want = expected(cfg, prompt, resp, actor, critic) - prompt_share(cfg, prompt, actor, critic)
     assert got == pytest.approx(want, rel=2e-3)  # norm weights counted as matmul weights: < 0.2%

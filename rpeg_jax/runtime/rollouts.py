@@ -175,7 +175,7 @@ def _token_stats(versions_BxR, mask_BxR, segment_ids_BxS):
     prompt = seq - resp
     return {"min_version": jnp.min(jnp.where(m, versions_BxR, jnp.iinfo(jnp.int32).max)),
             "resp": resp.sum(), "prompt": prompt.sum(), "seq": seq.sum(),
-            "resp_ctx": (resp * (prompt + resp / 2.0)).sum(), "seq_sq": (seq * seq / 2.0).sum()}
+            "resp_ctx": (resp * (prompt + resp / 2.0)).sum(), "prompt_sq": (prompt * prompt / 2.0).sum()}
 
 
 def token_stats(comps: dict) -> dict[str, float]:
@@ -209,13 +209,16 @@ def generation_flops(cfg, stats: dict) -> float:
             + attn * stats["resp_ctx"])
 
 
-def pass_flops(m, stats: dict, *, logits: bool = True) -> float:
-    """One forward pass of model `m` over the batch's real tokens: the body on every token, the
-    LM head only where a response token is scored (prompt logits are never needed; none for a
-    value model), attention causal over each sequence."""
+def pass_flops(m, stats: dict, group_size: int, *, logits: bool = True) -> float:
+    """One forward pass of model `m` over the batch's real tokens: the body on every response
+    token and on each group's shared prompt once, the LM head only where a response token is
+    scored (prompt logits are never needed; none for a value model), attention causal (the
+    prompt's own pairs once per group, each response token over its prompt and predecessors)."""
     body, head = _matmul_weights(m)
     attn = 4 * m.num_layers * m.num_heads * m.head_size
-    return 2.0 * body * stats["seq"] + (2.0 * head * stats["resp"] if logits else 0.0) + attn * stats["seq_sq"]
+    tokens = stats["resp"] + stats["prompt"] / group_size
+    pairs = stats["resp_ctx"] + stats["prompt_sq"] / group_size
+    return 2.0 * body * tokens + (2.0 * head * stats["resp"] if logits else 0.0) + attn * pairs
 
 
 def step_flops(cfg, stats: dict) -> float:
@@ -223,12 +226,12 @@ def step_flops(cfg, stats: dict) -> float:
     (forward + backward = 3 passes), a reference forward when β > 0, for PPO the critic's value
     forward and update (4 passes of the critic, no LM head) unless the backbone is shared (then
     the value head rides on the actor's passes), and the proximal-policy forward only under
-    bounded asynchrony (on-policy, the sampler's logprobs serve). Padding, prompt logits and
-    passes a rewrite removes are not useful work."""
+    bounded asynchrony (on-policy, the sampler's logprobs serve). Padding, prompt logits, a
+    group's prompt beyond its first copy and passes a rewrite removes are not useful work."""
     rl = cfg.rl
-    actor = pass_flops(cfg.model, stats)
+    actor = pass_flops(cfg.model, stats, rl.group_size)
     flops = generation_flops(cfg, stats) + 3 * rl.ppo_epochs * actor
     flops += actor * (int(rl.kl_coef > 0) + int(cfg.pipeline.staleness > 0))
     if rl.algorithm == "ppo" and not cfg.pipeline.share_actor_critic:
-        flops += (1 + 3 * rl.ppo_epochs) * pass_flops(cfg.critic_model, stats, logits=False)
+        flops += (1 + 3 * rl.ppo_epochs) * pass_flops(cfg.critic_model, stats, rl.group_size, logits=False)
     return float(flops)
