@@ -16,6 +16,8 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
+from rpeg_jax.sharding.axes import explicit_spec
+
 NEG_INF = -1e30  # finite: fully masked rows (padding queries) stay finite instead of NaN
 
 
@@ -30,11 +32,10 @@ def _group_heads(q_BxTxHxE, k_BxSxKxE):
     not sharded, e.g. fewer kv heads than tensor devices)."""
     b, t, h, e = q_BxTxHxE.shape
     kv = k_BxSxKxE.shape[2]
-    q_spec = getattr(getattr(jax.typeof(q_BxTxHxE), "sharding", None), "spec", None)
-    if q_spec is None or all(s is None for s in q_spec):
+    q_spec = explicit_spec(q_BxTxHxE)
+    if q_spec is None:
         return q_BxTxHxE.reshape(b, t, kv, h // kv, e)
-    q_spec = tuple(q_spec) + (None,) * (4 - len(q_spec))
-    k_spec = tuple(jax.typeof(k_BxSxKxE).sharding.spec) + (None,) * 4
+    k_spec = explicit_spec(k_BxSxKxE) or (None,) * 4
     if q_spec[2] != k_spec[2]:
         q_BxTxHxE = jax.reshard(q_BxTxHxE, jax.P(q_spec[0], q_spec[1], k_spec[2], q_spec[3]))
     return jnp.reshape(q_BxTxHxE, (b, t, kv, h // kv, e),

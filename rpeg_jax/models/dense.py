@@ -5,7 +5,8 @@ weight gradient JAX derives from it contracts over two axes (b, t), which XLA:CP
 transposed copy of an operand and a slower dot (about 2x slower backward on the tiny model T).
 Flattening the leading axes first (`[B*T, D] @ [D, F]`) gives every product of forward and
 backward one plain GEMM. When an operand carries explicit (sharding-in-types) mesh axes the
-flattening could move shards, so the einsum form is kept there.
+flattening could move shards, so the product is one dot_general there that states its layout
+(`_dense_explicit`; `compute_layout` gathers FSDP-sharded weights before use).
 
 Called by: models/llama.py (projections, embedding), models/logprobs.py (unembedding).
 """
@@ -17,21 +18,19 @@ import math
 import jax
 import jax.numpy as jnp
 
+from rpeg_jax.sharding.axes import explicit_spec
+
 ONEHOT_MAX_VOCAB = 1024  # vocabularies up to this size embed by one-hot GEMM (its backward is a GEMM, not a scatter)
 
 
 def explicitly_sharded(*xs) -> bool:
     """True when any of `xs` has an axis sharded over an explicit mesh axis (sharding in types)."""
-    for x in xs:
-        spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-        if spec is not None and any(s is not None for s in spec):
-            return True
-    return False
+    return any(explicit_spec(x) is not None for x in xs)
 
 
 def _spec(x) -> tuple:
-    spec = tuple(getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ())
-    return spec + (None,) * (x.ndim - len(spec))
+    """x's partition spec, one entry per dimension (all None when nothing is explicitly sharded)."""
+    return explicit_spec(x) or (None,) * x.ndim
 
 
 def _names(entry) -> tuple:

@@ -19,14 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
-def explicit_spec(x):
-    """x's PartitionSpec when some of its axes are explicitly sharded, else None."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    spec = getattr(sharding, "spec", None)
-    if spec is None or all(s is None for s in spec):
-        return None
-    return tuple(spec) + (None,) * (x.ndim - len(spec))
+from rpeg_jax.sharding.axes import explicit_spec
 
 
 def take_rows(x, index):

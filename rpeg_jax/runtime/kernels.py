@@ -35,8 +35,8 @@ from rpeg_jax.models.logprobs import token_logprobs
 from rpeg_jax.models.prefix import group_hidden, group_token_logprobs
 from rpeg_jax.rl import (batch_metrics, compute_advantages, grad_dtype, make_actor_critic_update, make_actor_update,
                          make_critic_update)
-from rpeg_jax.rl.layout import explicit_spec
 from rpeg_jax.runtime import rollouts
+from rpeg_jax.sharding.axes import explicit_spec
 
 K = StageKind
 

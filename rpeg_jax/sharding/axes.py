@@ -48,3 +48,15 @@ def constrain(x, axes: Sequence[str | None]):
     import jax
 
     return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def explicit_spec(x) -> tuple | None:
+    """x's PartitionSpec entries, one per dimension, when some dimension is sharded over an explicit
+    mesh axis (sharding in types: the layout is part of the array's type); None otherwise (no mesh,
+    Auto axes, or fully replicated)."""
+    import jax
+
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    if spec is None or all(s is None for s in spec):
+        return None
+    return tuple(spec) + (None,) * (x.ndim - len(spec))
