@@ -95,6 +95,15 @@ CALIBRATION = [
     ("train", "M", 32, 16, 32, (1, 8, 1), 1, "none"),
     ("train", "T", 64, 16, 32, (8, 1, 1), 2, "none"),
     ("generate", "M", 64, 16, 32, (8, 1, 1), 8, "-"),
+    # Session 3: tensor meshes with data > 1, 8 data replicas of the large model, and more
+    # generation shapes (7 generation points had left its factors loose: validation 18.6%).
+    ("forward", "T", 32, 16, 32, (2, 1, 2), 1, "none"),
+    ("forward", "W", 8, 16, 32, (4, 1, 2), 1, "none"),
+    ("train", "M", 16, 16, 32, (2, 1, 2), 1, "none"),
+    ("train", "W", 16, 16, 32, (8, 1, 1), 2, "none"),
+    ("generate", "M", 32, 16, 32, (2, 1, 1), 8, "-"),
+    ("generate", "W", 16, 16, 48, (2, 1, 2), 4, "-"),
+    ("generate", "T", 32, 16, 48, (1, 1, 1), 4, "-"),
 ]
 assert not set(VALIDATION) & set(CALIBRATION), "calibration and validation configurations must be disjoint"
 QUICK = [VALIDATION[i] for i in (0, 3, 8, 10, 13, 18, 21)]

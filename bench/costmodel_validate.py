@@ -342,7 +342,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="--calibrate: profile path (default the calibrated cache)")
     ap.add_argument("--step-level", action="store_true", help="also run whole RL steps of the candidate plans")
     ap.add_argument("--steps", type=int, default=4, help="measured steps per plan and round (after 2 warm-up)")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--plan-timeout", type=int, default=900)
     ap.add_argument("--reprice", default=None, help="re-predict the measured plans of an earlier --step-level "
                                                    "--json with the current profile (after a recalibration)")

@@ -170,6 +170,9 @@ def test_pass_weights_unrolled_vs_scanned_and_logits_split():
     assert float(tiny.pass_weight_bytes(4, 2, "matrix", 0.0, train=False)) == pytest.approx(W / 2)
     assert float(tiny.pass_weight_bytes(1, 2, "matrix", 0.0, train=True)) == 0.0
     assert float(tiny.pass_weight_bytes(4, 1, "matrix", 0.0, train=True)) == pytest.approx(W)
+    # ... and a second gathered copy when the step loops over micro-batches or recomputes (FSDP only)
+    assert float(tiny.pass_weight_bytes(4, 2, "matrix", 0.0, train=True, looped=True)) == pytest.approx(W)
+    assert float(tiny.pass_weight_bytes(1, 2, "matrix", 0.0, train=True, looped=True)) == 0.0
     deep = dataclasses.replace(tiny, scanned=True)
     d, f_, layer = deep.D, deep.F, deep.layer_params
     assert float(deep.pass_weight_bytes(1, 1, "layer", 0.0, train=True)) == 0.0

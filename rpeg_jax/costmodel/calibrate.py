@@ -260,12 +260,17 @@ def fit_stages(prof: HardwareProfile, stages: list[dict]) -> tuple[HardwareProfi
 
     eff0 = dataclasses.replace(prof.efficiency, elementwise_factor=1.0, layer_s=0.0, backward_factor=1.0)
     base = dataclasses.replace(prof, efficiency=eff0)
+    # On a shared host the matmul part is compute + memory (stages.roofline): only the compute
+    # scales with `a`; the memory part is the same profile's with an unbounded FLOP rate.
+    fast = with_nodes(base, device=dataclasses.replace(base.device, peak_flops=base.device.peak_flops * 1e9,
+                                                        peak_flops_fp32=base.device.peak_flops_fp32 * 1e9))
     fw = [m for m in stages if m["kind"] == "forward"]
     rows, ys = [], []
     for m in fw:
         ms, p, ovh = parts(base, m)
-        rows.append([float(p["matmul"]), float(p["elementwise"]), ms.L * ovh])
-        ys.append(m["seconds"] - base.efficiency.dispatch_s)
+        mem = float(parts(fast, m)[1]["matmul"]) if prof.shared_host else 0.0
+        rows.append([float(p["matmul"]) - mem, float(p["elementwise"]), ms.L * ovh])
+        ys.append(m["seconds"] - base.efficiency.dispatch_s - mem)
     A, y = np.array(rows), np.array(ys)
     w = 1.0 / np.maximum(y, 1e-9)
     # Weak priors a ≈ 1 (the micro-benchmarks' matmul rate) and b ≈ 1 keep the fit well-posed
