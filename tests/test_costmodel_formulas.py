@@ -211,3 +211,33 @@ def test_shared_host_collectives_and_decode_serialise():
     c1 = flops / (hw.peak(ms.dtype) * float(interp_eff(hw.efficiency.matmul, 2.0 * b * ms.D * ms.F)))
     m1 = nbytes / (hw.device.memory_bw * float(interp_eff(hw.efficiency.memory, nbytes)))
     assert float(S.decode_step_time(stg, ms, 1, busy, b, ctx)) == pytest.approx(max(c1, m1) + fixed1, rel=1e-9)
+
+
+def test_shared_host_roofline_adds_and_fsdp_gathers_by_layer_loop():
+    # Shared host: a layer kernel costs compute + memory (one CPU's GEMM of a few rows does not hide
+    # its weight stream); elsewhere the max. FSDP in a training step: scanned layers gather every
+    # layer forward and backward per micro-batch; unrolled ones gather the whole model once per
+    # optimizer step (loop-invariant, held: pass_weight_bytes); gradients reduce-scatter per
+    # micro-batch either way. Hand counts from collective_time.
+    from rpeg_jax.costmodel.comm import collective_time
+    from rpeg_jax.costmodel.hardware import interp_eff
+
+    st = setting("cpu", B=16, P=16, R=32)
+    hw = st.hw
+    flops, nbytes, size = 3e9, 2e8, 1e7
+    c = flops / (hw.peak("float32") * float(interp_eff(hw.efficiency.matmul, size)))
+    m = nbytes / (hw.device.memory_bw * float(interp_eff(hw.efficiency.memory, nbytes)))
+    assert float(S.roofline(hw, flops, nbytes, size, hw.peak("float32"), hw.device.memory_bw)) == pytest.approx(c + m)
+    gpu = dataclasses.replace(hw, shared_host=False)
+    assert float(S.roofline(gpu, flops, nbytes, size, hw.peak("float32"), hw.device.memory_bw)) == pytest.approx(max(c, m))
+
+    f = 4
+    for scanned in (False, True):
+        ms = dataclasses.replace(shape("tiny"), scanned=scanned)
+        layer_p = ms.layer_params * ms.param_bytes_per
+        ag = ms.L * float(collective_time(hw, "all_gather", layer_p, f, 1))
+        rs = ms.L * float(collective_time(hw, "reduce_scatter", layer_p, f, 1))
+        for micro in (1, 2):
+            _, parts = S.train_stage(st, ms, f, 1, f, 1, micro, "none")
+            gathers = 2 * micro if scanned else 1
+            assert float(parts["comm"]) == pytest.approx((gathers * ag + micro * rs) * f / hw.host_cores), (scanned, micro)

@@ -147,13 +147,17 @@ def train_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, remat: str, e
     # Collectives per micro-batch: FSDP gathers each layer twice (forward, backward) and
     # reduce-scatters its gradient; TP all-reduces 2 activations per layer per direction.
     layer_p = ms.layer_params * ms.param_bytes_per / t
-    fsdp = ms.L * (2.0 * collective_time(hw, "all_gather", layer_p, f, t)
-                   + collective_time(hw, "reduce_scatter", layer_p, f, t))
+    gather = ms.L * collective_time(hw, "all_gather", layer_p, f, t)
+    scatter = ms.L * collective_time(hw, "reduce_scatter", layer_p, f, t)
     n_tp = 4.0 + (2.0 if remat == "full" else 0.0)
     tp = n_tp * ms.L * collective_time(hw, "all_reduce", tok_mb * ms.D * ms.act_bytes_per, t, 1)
     dp = collective_time(hw, "all_reduce", ms.num_params * ms.param_bytes_per / (f * t), d, f * t)
+    # Scanned layers gather each layer inside the loop, forward and backward, per micro-batch.
+    # Unrolled layers: the whole model is gathered once per optimizer step and held (the gather
+    # is loop-invariant, XLA hoists it out of the micro-batch loop; memory: pass_weight_bytes).
+    fsdp = np.where(ms.scanned, 2.0 * n_mb, minibatches) * gather + n_mb * scatter
     fsdp, tp, dp = fsdp * ovh, tp * ovh, dp * ovh  # shared host: every device's copies on the same cores
-    overl = epochs * (n_mb * fsdp + minibatches * dp)
+    overl = epochs * (fsdp + minibatches * dp)
     comm = _exposed(hw, core, overl, epochs * n_mb * tp)
     opt_bytes = hw.efficiency.update_streams * ms.num_params * ms.param_bytes_per / (f * t)
     opt = epochs * minibatches * mem_time(hw, opt_bytes, bw, busy)
@@ -192,7 +196,7 @@ def forward_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, heads: int 
     ew = elementwise_bytes(st, ms, t, seqs * st.seq_tokens)
     core, mm, ewt = layer_core(hw, flops, micro * ms.weight_bytes() / t, ew, ms.mm_size(tok_mb, t), rate, bw, busy)
     layer_p = ms.layer_params * ms.param_bytes_per / t
-    fsdp = micro * ms.L * collective_time(hw, "all_gather", layer_p, f, t)
+    fsdp = (micro if ms.scanned else 1) * ms.L * collective_time(hw, "all_gather", layer_p, f, t)
     tp = micro * 2.0 * ms.L * collective_time(hw, "all_reduce", tok_mb * ms.D * ms.act_bytes_per, t, 1)
     comm = _exposed(hw, core, fsdp * ovh, tp * ovh)
     over = hw.efficiency.dispatch_s + micro * ms.L * hw.efficiency.layer_s * ovh
