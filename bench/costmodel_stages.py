@@ -109,9 +109,38 @@ assert not set(VALIDATION) & set(CALIBRATION), "calibration and validation confi
 QUICK = [VALIDATION[i] for i in (0, 3, 8, 10, 13, 18, 21)]
 KEYS = ("kind", "model", "B", "P", "R", "mesh", "micro", "remat")
 
+# One GPU (bench/gpu_check.sh -> costmodel_validate.py --gpu): bfloat16 Qwen2-0.5B / 1.5B shapes
+# (random weights) on a 1-device mesh; disjoint calibration and validation halves, each with every
+# stage kind and both models. GPU_DRY_*: the same plumbing with model T on a CPU (--dry-run).
+GPU_MODELS = {
+    "Q05": dict(preset="qwen2-0.5b", dtype="bfloat16", param_dtype="bfloat16"),
+    "Q15": dict(preset="qwen2-1.5b", dtype="bfloat16", param_dtype="bfloat16"),
+}
+GPU_CALIBRATION = [
+    ("forward", "Q05", 16, 64, 192, (1, 1, 1), 1, "none"),
+    ("forward", "Q15", 8, 64, 448, (1, 1, 1), 1, "none"),
+    ("train", "Q05", 8, 64, 192, (1, 1, 1), 1, "none"),
+    ("train", "Q15", 8, 64, 192, (1, 1, 1), 2, "full"),
+    ("generate", "Q05", 64, 32, 128, (1, 1, 1), 8, "-"),
+    ("generate", "Q15", 32, 32, 128, (1, 1, 1), 4, "-"),
+]
+GPU_VALIDATION = [
+    ("forward", "Q05", 32, 64, 448, (1, 1, 1), 1, "none"),
+    ("forward", "Q15", 16, 64, 192, (1, 1, 1), 1, "none"),
+    ("train", "Q05", 16, 64, 192, (1, 1, 1), 2, "none"),
+    ("train", "Q15", 4, 64, 192, (1, 1, 1), 1, "none"),
+    ("generate", "Q05", 128, 32, 128, (1, 1, 1), 8, "-"),
+    ("generate", "Q15", 16, 32, 256, (1, 1, 1), 4, "-"),
+]
+GPU_DRY_CALIBRATION = [("forward", "T", 8, 16, 16, (1, 1, 1), 1, "none"), ("train", "T", 8, 16, 16, (1, 1, 1), 1, "none"),
+                       ("generate", "T", 8, 16, 16, (1, 1, 1), 4, "-")]
+GPU_DRY_VALIDATION = [("forward", "T", 16, 16, 16, (1, 1, 1), 1, "none"), ("train", "T", 4, 16, 16, (1, 1, 1), 1, "none"),
+                      ("generate", "T", 16, 16, 16, (1, 1, 1), 8, "-")]
+assert not set(GPU_VALIDATION) & set(GPU_CALIBRATION), "GPU calibration and validation must be disjoint"
+
 
 def model_cfg(name: str, remat: str):
-    spec = dict(MODELS[name])
+    spec = dict(MODELS[name] if name in MODELS else GPU_MODELS[name])
     preset = spec.pop("preset")
     return model_preset(preset, remat=remat, max_position_embeddings=512, **spec)
 

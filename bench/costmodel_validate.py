@@ -159,6 +159,84 @@ def stage_summary(rows: list[dict]) -> dict:
             "spearman_stage": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])}
 
 
+# ---- one GPU (bench/gpu_check.sh) -------------------------------------------------------------
+def gpu_validate(args) -> int:
+    """`--gpu`: GPU_CALIBRATION and GPU_VALIDATION of bench/costmodel_stages.py (1-device meshes,
+    bfloat16 Qwen2 shapes; `--dry-run`: model T on a CPU) measured interleaved on the wall clock,
+    each configuration built, warmed up and timed on its own (the GPU is not shared: no round-robin
+    needed). A point is written as soon as it is measured and no configuration starts after
+    `--budget-s`, so a time limit still leaves a result. The profile (`--start`, e.g. the output of
+    `rpeg calibrate --profile h200`, else the `--hardware` preset) is fitted on the calibration half
+    as `rpeg calibrate --points` does (saved to `--out`, the points beside it); the JSON reports the
+    validation half's MAPE per kind for the preset, the start profile and the fitted one."""
+    import itertools
+
+    import costmodel_stages as CS
+
+    cal_set, val_set = ((CS.GPU_DRY_CALIBRATION, CS.GPU_DRY_VALIDATION) if args.dry_run
+                        else (CS.GPU_CALIBRATION, CS.GPU_VALIDATION))
+    mixed = [c for pair in itertools.zip_longest(cal_set, val_set) for c in pair if c is not None]
+    preset = load_hardware(args.hardware, calibrated=False)
+    start = load_hardware(args.start) if args.start else preset
+    out_prof = args.out or os.path.join(tempfile.gettempdir(), f"{args.hardware}_gpu_stages.yaml")
+    points_path = os.path.splitext(out_prof)[0] + ".points.json"
+    t0, done, skipped = time.perf_counter(), [], []
+    for c in mixed:
+        if time.perf_counter() - t0 > args.budget_s:
+            skipped.append(c)
+            continue
+        got = CS.measure_set([c], args.repeats, time.perf_counter, batch=1)
+        if got:
+            done.append((c, got[0]))
+        _gpu_dump(args.json, {"partial": True, "points": [p for _, p in done], "skipped": [list(x) for x in skipped]})
+    cal = [p for c, p in done if c in cal_set]
+    val = [p for c, p in done if c in val_set]
+    res = {"hardware": args.hardware, "start": args.start, "dry_run": args.dry_run, "clock": "wall",
+           "measure_seconds": time.perf_counter() - t0, "skipped": [list(x) for x in skipped],
+           "calibration_points": len(cal), "validation_points": len(val)}
+    profiles = {"preset": preset, "start": start}
+    if cal:
+        os.makedirs(os.path.dirname(os.path.abspath(points_path)), exist_ok=True)
+        with open(points_path, "w") as f:
+            json.dump({"clock": "wall", "points": cal}, f, indent=1)
+        fitted = fit_saved_points(start, points_path, "wall", preset)
+        save_hardware(fitted, out_prof)
+        profiles["fitted"] = fitted
+        res.update(profile=out_prof, points=points_path, fit={k: float(v) for k, v in fitted.calibrated.items()})
+    for name, hw in profiles.items():
+        rows = [_gpu_row(hw, p) for p in val]
+        res[name] = {**stage_summary(rows), "stages": rows} if rows else None
+        res[f"calibration_fit_{name}"] = stage_summary([_gpu_row(hw, p) for p in cal]) if cal else None
+    best = res.get("fitted") or res.get("start")
+    for r in (best or {}).get("stages", []):
+        print(f"validation {r['kind']:<8} {r['model']} B{r['B']:<3} S{r['P'] + r['R']:<4} mb{r['micro']} {r['remat']:<4} "
+              f"measured {1e3 * r['measured_s']:9.2f} ms  predicted {1e3 * r['predicted_s']:9.2f} ms "
+              f"({100 * r['error']:+6.1f}%)", flush=True)
+    for name in profiles:
+        if res.get(name):
+            print(f"GPU stage MAPE on the validation half ({name} profile): "
+                  + ", ".join(f"{k} {100 * v:.1f}%" for k, v in res[name]["mape_stage"].items())
+                  + f"; all {100 * res[name]['mape_stage_all']:.1f}%; memory error "
+                  + (f"{100 * res[name]['memory_error']:.1f}%" if res[name]["memory_error"] is not None else "n/a"),
+                  flush=True)
+    _gpu_dump(args.json, res)
+    return 0 if val and cal else 1
+
+
+def _gpu_row(hw, p: dict) -> dict:
+    sec, mem = predict_point(hw, p)
+    m = p.get("memory")
+    return {**{k: p[k] for k in ("kind", "model", "B", "P", "R", "mesh", "micro", "remat")}, "measured_s": p["seconds"],
+            "predicted_s": sec, "error": (sec - p["seconds"]) / p["seconds"], "memory_measured": m,
+            "memory_predicted": mem, "memory_error": (mem - m) / m if m else None, "point": p}
+
+
+def _gpu_dump(path, data) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+
+
 # ---- step level ------------------------------------------------------------------------------
 def run_plan(plan_path: str, out: str, steps: int, warmup: int, clock: str, overrides=()) -> None:
     """(Child process) train the default config (+ overrides) under a saved plan; write per-step seconds."""
@@ -352,12 +430,19 @@ def main() -> int:
                                                        "(no measuring; after a change of the formulas)")
     ap.add_argument("--step-config", type=int, default=None, help="--calibrate-steps: only this calibration config "
                                                                  "(index into STEP_CALIBRATIONS)")
+    ap.add_argument("--gpu", action="store_true", help="one GPU: measure GPU_CALIBRATION + GPU_VALIDATION (1 device, "
+                                                       "wall clock), fit on the first, report MAPE on the second")
+    ap.add_argument("--dry-run", action="store_true", help="--gpu: the same plumbing with model T (on a CPU)")
+    ap.add_argument("--start", default=None, help="--gpu: profile YAML to start the fit from (rpeg calibrate --out)")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="--gpu: start no configuration after this")
     ap.add_argument("--run-plan", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--overrides", nargs="*", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.run_plan:
         run_plan(args.run_plan, args.out, args.steps, 2, args.clock, args.overrides)
         return 0
+    if args.gpu:
+        return gpu_validate(args)
     if args.calibrate:
         return calibrate(args)
     if args.calibrate_steps:
