@@ -9,7 +9,8 @@ Workloads: R1-a GRPO without KL, R1-b GRPO with KL 0.04 to a reference model, R1
 critic; all on model T, task "a+b=" (2-digit operands), 16 prompts x group 8, 32 new tokens at
 temperature 1.0, one AdamW step (lr 1e-4) per batch. Variants: "baseline" = the pipeline defaults
 (synchronous, unfused, π_old recomputed by an old_forward pass); "optimized" = the rewrites on
-(the sampler's logprobs serve as π_old, forwards fused, advantages folded into the update).
+(the sampler's logprobs serve as π_old, forwards fused, advantages folded into the update);
+"shared" (R1-c only) = optimized + actor-critic sharing (one backbone with policy and value heads).
 
 Method (the machine is shared and noisy): every (workload, variant) pipeline is built and compiled
 first and runs `--warmup` steps; then the measured steps are interleaved round by round
@@ -59,7 +60,13 @@ WORKLOADS = {"R1-a": ["rl.algorithm=grpo", "rl.kl_coef=0.0"],
              "R1-b": ["rl.algorithm=grpo", "rl.kl_coef=0.04"],
              "R1-c": ["rl.algorithm=ppo", "rl.kl_coef=0.0"]}
 VARIANTS = {"baseline": [],
-            "optimized": ["pipeline.elide_old_forward=true", "pipeline.fuse=[forwards,advantage]"]}
+            "optimized": ["pipeline.elide_old_forward=true", "pipeline.fuse=[forwards,advantage]"],
+            # PPO only: the optimized pipeline with actor-critic sharing (one backbone, policy and
+            # value heads; the paper's structural choice). A different model than R1-c's separate
+            # critic, so it is reported beside "optimized", not as it.
+            "shared": ["pipeline.elide_old_forward=true", "pipeline.fuse=[forwards,advantage]",
+                       "pipeline.share_actor_critic=true"]}
+ONLY = {"shared": {"R1-c"}}  # variants that apply to some workloads only
 
 
 # ---- the machine's limit -----------------------------------------------------------------------
@@ -161,8 +168,9 @@ def print_table(records: list[dict]) -> None:
               f"{r['flops_per_step'] / 1e9:6.1f} {r['compile_step_s']:7.1f}  {st}")
     by = {(r["workload"], r["variant"]): r["seconds_per_step"] for r in records}
     for w in sorted({r["workload"] for r in records}):
-        if (w, "baseline") in by and (w, "optimized") in by:
-            print(f"{w}: baseline / optimized = {by[(w, 'baseline')] / by[(w, 'optimized')]:.2f}x")
+        for v in ("optimized", "shared"):
+            if (w, "baseline") in by and (w, v) in by:
+                print(f"{w}: baseline / {v} = {by[(w, 'baseline')] / by[(w, v)]:.2f}x")
 
 
 def main(argv=None) -> int:
@@ -188,6 +196,8 @@ def main(argv=None) -> int:
     pipes, compile_s = [], {}
     for w in workloads:
         for v in variants:
+            if v in ONLY and w not in ONLY[v]:
+                continue
             t0 = time.perf_counter()
             p = Pipeline(w, v, os.path.join(args.run_dir, f"{w}-{v}"), args.warmup + args.steps, args.override)
             for i in range(args.warmup):
