@@ -116,20 +116,20 @@ GPU_MODELS = {
     "Q05": dict(preset="qwen2-0.5b", dtype="bfloat16", param_dtype="bfloat16"),
     "Q15": dict(preset="qwen2-1.5b", dtype="bfloat16", param_dtype="bfloat16"),
 }
-GPU_CALIBRATION = [
+GPU_CALIBRATION = [  # Q05 forward, train, generate first: a budget cut still leaves every kind
     ("forward", "Q05", 16, 64, 192, (1, 1, 1), 1, "none"),
-    ("forward", "Q15", 8, 64, 448, (1, 1, 1), 1, "none"),
     ("train", "Q05", 8, 64, 192, (1, 1, 1), 1, "none"),
-    ("train", "Q15", 8, 64, 192, (1, 1, 1), 2, "full"),
     ("generate", "Q05", 64, 32, 128, (1, 1, 1), 8, "-"),
+    ("forward", "Q15", 8, 64, 448, (1, 1, 1), 1, "none"),
+    ("train", "Q15", 8, 64, 192, (1, 1, 1), 2, "full"),
     ("generate", "Q15", 32, 32, 128, (1, 1, 1), 4, "-"),
 ]
 GPU_VALIDATION = [
     ("forward", "Q05", 32, 64, 448, (1, 1, 1), 1, "none"),
-    ("forward", "Q15", 16, 64, 192, (1, 1, 1), 1, "none"),
     ("train", "Q05", 16, 64, 192, (1, 1, 1), 2, "none"),
-    ("train", "Q15", 4, 64, 192, (1, 1, 1), 1, "none"),
     ("generate", "Q05", 128, 32, 128, (1, 1, 1), 8, "-"),
+    ("forward", "Q15", 16, 64, 192, (1, 1, 1), 1, "none"),
+    ("train", "Q15", 4, 64, 192, (1, 1, 1), 1, "none"),
     ("generate", "Q15", 16, 32, 256, (1, 1, 1), 4, "-"),
 ]
 GPU_DRY_CALIBRATION = [("forward", "T", 8, 16, 16, (1, 1, 1), 1, "none"), ("train", "T", 8, 16, 16, (1, 1, 1), 1, "none"),
