@@ -178,7 +178,8 @@ def test_grpo_group_prefills_once_shares_pages_and_equals_unshared_run(llama):
     dict(page_size=1), dict(page_size=16), dict(page_size=64, max_seq_len=64), dict(chunk_steps=1),
     dict(max_slots=3), dict(max_slots=5, num_pages=13, page_size=3, watermark=0.0), dict(min_chunk_steps=1),
     dict(min_table_width=1), dict(attention="blocked", block_pages=2), dict(attention="gather"),
-    dict(attention="chunk"), dict(forward="model"), dict(forward="split_t"), dict(table_width_growth=1.5)])
+    dict(attention="chunk"), dict(forward="model"), dict(forward="split_t"), dict(table_width_growth=1.5),
+    dict(chunk_steps=24)])  # chunk_steps > chunk_attention.FLUSH_BLOCK: a multi-block flush
 def test_invariance_matrix(llama, baseline, variant):
     """Each factor on its own (the default run covers them combined)."""
     prompts, ref = baseline

@@ -106,20 +106,36 @@ class ChunkAttention:
         return out, (_put(kt, layer, kt_l), _put(vb, layer, v_l))
 
 
+FLUSH_BLOCK = 16  # buffer columns per flush block (one take + one pool scatter per layer each)
+
+
 def flush_chunk(pools, bufs, table_BxW, start_B, stop_B, steps: int):
     """Write buffer columns [start_B, stop_B) (the positions a chunk of at most `steps` decode steps
     wrote) into every layer's pages; the pools are the cache between chunks. Slots with
-    start == stop write nothing (their rows go to page P, dropped)."""
+    start == stop write nothing (their rows go to page P, dropped).
+
+    Why blocks: a chunk usually runs fewer steps than `steps` (it ends where the width bucket grows,
+    or when every slot stops), and each flushed column costs an element-wise take from the buffers
+    plus a pool scatter; a loop over blocks of FLUSH_BLOCK columns that stops after the longest
+    slot's new columns reads only those (measured on model T: the flush of a 16-step chunk read
+    128 columns)."""
     k_pool, v_pool = pools
     kt, vb = bufs
     num_pages, page_size = k_pool.shape[2], k_pool.shape[3]
     c = _get(kt, 0).shape[3]
-    pos_BxT = start_B[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
-    page, off = write_targets(table_BxW, pos_BxT, pos_BxT < stop_B[:, None], num_pages, page_size)
-    col_BxT = jnp.clip(pos_BxT, 0, c - 1)
-    for layer in range(k_pool.shape[0]):
-        k = jnp.take_along_axis(_get(kt, layer), col_BxT[None, :, None, :], axis=3)  # [K, B, E, T]
-        v = jnp.take_along_axis(_get(vb, layer), col_BxT[None, :, :, None], axis=2)  # [K, B, T, E]
-        k_pool = write_pages(k_pool, layer, k.transpose(1, 3, 0, 2), page, off)
-        v_pool = write_pages(v_pool, layer, v.transpose(1, 2, 0, 3), page, off)
-    return k_pool, v_pool
+    blk = min(FLUSH_BLOCK, steps)
+    n_blocks = (jnp.max(stop_B - start_B) + blk - 1) // blk
+
+    def block(i, pools):
+        k_pool, v_pool = pools
+        pos_BxT = start_B[:, None] + i * blk + jnp.arange(blk, dtype=jnp.int32)[None, :]
+        page, off = write_targets(table_BxW, pos_BxT, pos_BxT < stop_B[:, None], num_pages, page_size)
+        col_BxT = jnp.clip(pos_BxT, 0, c - 1)
+        for layer in range(k_pool.shape[0]):
+            k = jnp.take_along_axis(_get(kt, layer), col_BxT[None, :, None, :], axis=3)  # [K, B, E, T]
+            v = jnp.take_along_axis(_get(vb, layer), col_BxT[None, :, :, None], axis=2)  # [K, B, T, E]
+            k_pool = write_pages(k_pool, layer, k.transpose(1, 3, 0, 2), page, off)
+            v_pool = write_pages(v_pool, layer, v.transpose(1, 2, 0, 3), page, off)
+        return k_pool, v_pool
+
+    return jax.lax.fori_loop(0, n_blocks, block, (k_pool, v_pool))
