@@ -117,19 +117,19 @@ GPU_MODELS = {
     "Q15": dict(preset="qwen2-1.5b", dtype="bfloat16", param_dtype="bfloat16"),
 }
 GPU_CALIBRATION = [  # Q05 forward, train, generate first: a budget cut still leaves every kind
-    ("forward", "Q05", 16, 64, 192, (1, 1, 1), 1, "none"),
-    ("train", "Q05", 8, 64, 192, (1, 1, 1), 1, "none"),
+    ("forward", "Q05", 64, 64, 192, (1, 1, 1), 1, "none"),
+    ("train", "Q05", 32, 64, 192, (1, 1, 1), 1, "none"),
     ("generate", "Q05", 64, 32, 128, (1, 1, 1), 8, "-"),
-    ("forward", "Q15", 8, 64, 448, (1, 1, 1), 1, "none"),
-    ("train", "Q15", 8, 64, 192, (1, 1, 1), 2, "full"),
+    ("forward", "Q15", 32, 64, 448, (1, 1, 1), 1, "none"),
+    ("train", "Q15", 32, 64, 192, (1, 1, 1), 2, "full"),
     ("generate", "Q15", 32, 32, 128, (1, 1, 1), 4, "-"),
 ]
 GPU_VALIDATION = [
-    ("forward", "Q05", 32, 64, 448, (1, 1, 1), 1, "none"),
-    ("train", "Q05", 16, 64, 192, (1, 1, 1), 2, "none"),
+    ("forward", "Q05", 128, 64, 448, (1, 1, 1), 1, "none"),
+    ("train", "Q05", 64, 64, 192, (1, 1, 1), 2, "none"),
     ("generate", "Q05", 128, 32, 128, (1, 1, 1), 8, "-"),
-    ("forward", "Q15", 16, 64, 192, (1, 1, 1), 1, "none"),
-    ("train", "Q15", 4, 64, 192, (1, 1, 1), 1, "none"),
+    ("forward", "Q15", 64, 64, 192, (1, 1, 1), 1, "none"),
+    ("train", "Q15", 16, 64, 192, (1, 1, 1), 1, "none"),
     ("generate", "Q15", 16, 32, 256, (1, 1, 1), 4, "-"),
 ]
 GPU_DRY_CALIBRATION = [("forward", "T", 8, 16, 16, (1, 1, 1), 1, "none"), ("train", "T", 8, 16, 16, (1, 1, 1), 1, "none"),

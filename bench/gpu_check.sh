@@ -129,7 +129,7 @@ if [ "$DRY" = 1 ]; then
     --budget-s 40 --json "$OUT/gpu_stages.json" --out "$OUT/${PROFILE}_stages.yaml"
 else  # no new configuration after BUDGET s: the last one's compile + runs and the fit fit in the cap
   BUDGET=$(( $(left) - 60 )); [ "$BUDGET" -gt 120 ] && BUDGET=120; [ "$BUDGET" -lt 20 ] && BUDGET=20
-  step stages 180 $PY bench/costmodel_validate.py --gpu --hardware h200 "${START_PROF[@]}" --repeats 3 \
+  step stages 180 $PY bench/costmodel_validate.py --gpu --hardware h200 "${START_PROF[@]}" --repeats 5 \
     --budget-s "$BUDGET" --json "$OUT/gpu_stages.json" --out "$OUT/${PROFILE}_stages.yaml"
 fi
 
