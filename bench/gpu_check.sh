@@ -36,8 +36,11 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit 2
 if [ -z "${OUT:-}" ]; then OUT=/tmp/rpeg_gpu_check$([ "$DRY" = 1 ] && echo _dry); fi
 mkdir -p "$OUT"
-rm -f "$OUT"/gpu_check.log
-exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+export OUT
+if [ -z "${GPU_CHECK_CHILD:-}" ]; then  # a plain pipe (not exec > >(tee)): tee has written all before we return
+  GPU_CHECK_CHILD=1 bash "$ROOT/bench/gpu_check.sh" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+  exit "${PIPESTATUS[0]}"
+fi
 START=$(date +%s)
 DEADLINE=${GPU_CHECK_DEADLINE:-$([ "$DRY" = 1 ] && echo 170 || echo 470)}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONDONTWRITEBYTECODE=1
