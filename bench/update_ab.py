@@ -2,10 +2,13 @@
 pipeline runs it), plain pass against the group-shared prompt (models/prefix.py), calls
 interleaved in one process; optionally a jax.profiler trace and the compiled HLO of each.
 
-    python bench/update_ab.py [--groups 1,8] [--reps 5] [--profile DIR] [--hlo PREFIX]
+    python bench/update_ab.py [--groups 1,8] [--ynn default,off] [--reps 5] [--profile DIR] [--hlo PREFIX]
 
 --groups: 1 = the plain pass over every row's prompt, 8 = each group's prompt once. The batch is
 R1-shaped (16 prompts of 7 tokens x 8 responses, P=8, R=32, 90% of responses full length).
+--ynn: "default" = XLA's defaults (YNNPACK fusions on CPU in JAX 0.10), "off" = this program
+compiled with `xla_cpu_experimental_ynn_fusion_type` empty (Eigen dots), as a per-program compiler
+option (rpeg_jax/runtime/xla_flags.py); every (group, ynn) pair is one interleaved variant.
 """
 import argparse
 import os
@@ -25,6 +28,7 @@ from rpeg_jax.rl import compute_advantages, make_actor_update, make_optimizer  #
 from rpeg_jax.runtime import kernels  # noqa: E402
 
 B, P, R, G = 128, 8, 32, 8
+YNN_OFF = {"xla_cpu_experimental_ynn_fusion_type": ""}
 R1 = ["data.task=add", "rl.group_size=8", "optim.lr=1e-4", "optim.warmup_steps=0", "model.preset=tiny",
       "rl.kl_coef=0.0"]
 
@@ -49,7 +53,7 @@ def r1_batch(seed: int = 0) -> dict:
     return {k: jnp.asarray(v) for k, v in batch.items()}
 
 
-def build(cfg, group: int):
+def build(cfg, group: int, compiler_options: dict | None = None):
     """(jitted step, params, opt_state) with the advantage folded in, prompt shared per `group`."""
     gd, params = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(params=0)), nnx.Param)
     tx = make_optimizer(cfg.optim, 100)
@@ -61,7 +65,8 @@ def build(cfg, group: int):
         b = dict(batch, advantages_BxR=adv["advantages_BxR"], old_logp_BxR=batch["behav_logp_BxR"])
         return update(params, opt, b, key)
 
-    return jax.jit(step, donate_argnums=(0, 1)), params, tx.init(params)
+    return (jax.jit(step, donate_argnums=(0, 1), compiler_options=compiler_options or None), params,
+            tx.init(params))
 
 
 def timed(st, batch, key) -> float:
@@ -75,29 +80,33 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile", default=None, help="write a jax.profiler trace per variant under this folder")
-    ap.add_argument("--hlo", default=None, help="write the compiled HLO per variant to PREFIX.g<group>.hlo")
+    ap.add_argument("--hlo", default=None, help="write the compiled HLO per variant to PREFIX.<variant>.hlo")
     ap.add_argument("--groups", default="1,8")
+    ap.add_argument("--ynn", default="default", help="comma list of default / off (per-program compiler option)")
     args = ap.parse_args(argv)
     cfg, batch, key = load_config(None, R1), r1_batch(), jax.random.key(0)
     runs = {}
     for grp in (int(x) for x in args.groups.split(",")):
-        f, params, opt = build(cfg, grp)
-        runs[grp] = [f, params, opt, []]
-        print(f"group {grp}: first call (compile + run) {timed(runs[grp], batch, key):.2f}s", flush=True)
-        if args.hlo:
-            with open(f"{args.hlo}.g{grp}.hlo", "w") as fh:
-                fh.write(f.lower(runs[grp][1], runs[grp][2], batch, key).compile().as_text())
+        for ynn in args.ynn.split(","):
+            name = f"g{grp}" + ("" if ynn == "default" else f".ynn-{ynn}")
+            opts = {"default": None, "off": YNN_OFF}[ynn]
+            f, params, opt = build(cfg, grp, opts)
+            runs[name] = [f, params, opt, []]
+            print(f"{name}: first call (compile + run) {timed(runs[name], batch, key):.2f}s", flush=True)
+            if args.hlo:
+                with open(f"{args.hlo}.{name}.hlo", "w") as fh:
+                    fh.write(f.lower(runs[name][1], runs[name][2], batch, key).compile().as_text())
     for _ in range(args.reps):
         for st in runs.values():
             st[3].append(timed(st, batch, key))
-    for grp, st in runs.items():
+    for name, st in runs.items():
         if args.profile:
-            jax.profiler.start_trace(f"{args.profile}/g{grp}", create_perfetto_trace=True)
+            jax.profiler.start_trace(f"{args.profile}/{name}", create_perfetto_trace=True)
             timed(st, batch, key)
             timed(st, batch, key)
             jax.profiler.stop_trace()
         ts = st[3]
-        print(f"group {grp}: median {statistics.median(ts):.3f}s best {min(ts):.3f}s "
+        print(f"{name}: median {statistics.median(ts):.3f}s best {min(ts):.3f}s "
               f"(steps {[round(t, 3) for t in ts]})")
     print(f"load average {os.getloadavg()[0]:.1f}")
     return 0

@@ -13,10 +13,11 @@ the kernels: users register their own kernels for existing or new stage kinds.
 
 A jittable stage becomes ONE `jax.jit` program: a fused stage without a dedicated kernel runs
 its parts' kernels in order inside that one program (the parts exchange data in a namespace;
-internal data never leaves the device program). Inputs the kernel donates (e.g. the actor's
-params and optimizer state in an update) are donated to XLA. Keys starting with `host_` inside
-a data value are host-side metadata (prompt texts, answers) and are not passed into jitted
-programs. Host stages (the sampler's generate loop, reward verifiers) run as plain Python.
+internal data never leaves the device program), compiled with the context's `compiler_options`
+if it has any (the runtime's per-program XLA options, runtime/xla_flags.py). Inputs the kernel
+donates (e.g. the actor's params and optimizer state in an update) are donated to XLA. Keys
+starting with `host_` inside a data value are host-side metadata (prompt texts, answers) and are
+not passed into jitted programs. Host stages (the sampler's generate loop, reward verifiers) run as plain Python.
 
 Called by: runtime/trainer.py.
 """
@@ -189,6 +190,7 @@ def compile_graph(graph: Graph, plan: Plan, registry: KernelRegistry, context: A
         cs = CompiledStage(st, env.plan, reads, writes, kernel, context=context)
         if kernel.jittable:
             fn = kernel.fn
-            cs._jitted = jax.jit(lambda donated, kept, fn=fn: fn({**donated, **kept}), donate_argnums=(0,))
+            cs._jitted = jax.jit(lambda donated, kept, fn=fn: fn({**donated, **kept}), donate_argnums=(0,),
+                                 compiler_options=getattr(context, "compiler_options", None) or None)
         stages.append(cs)
     return Program(graph, plan, stages)

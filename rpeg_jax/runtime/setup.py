@@ -25,6 +25,7 @@ from rpeg_jax.graph.ir import Graph, StateKind
 from rpeg_jax.graph.plan import Plan
 from rpeg_jax.models import Transformer, load_hf
 from rpeg_jax.rl import make_optimizer, optimizer_steps
+from rpeg_jax.runtime import xla_flags
 from rpeg_jax.runtime.executor import Store
 from rpeg_jax.runtime.placement import Placement
 from rpeg_jax.runtime.rollouts import RolloutBuffer, StepPrompts
@@ -50,6 +51,7 @@ class RuntimeContext:
     placement: Placement
     prompt_offset: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
+    compiler_options: dict[str, str] = field(default_factory=dict)  # stage programs' XLA options (xla_flags)
 
     def put_batch(self, x):
         """This process's rollout rows -> device arrays of the training stages."""
@@ -118,7 +120,7 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
         update_key=jax.random.key(cfg.train.seed + 12345),
         fixed_shapes=cfg.pipeline.microbatches > 1, placement=placement,
         prompt_offset=jax.process_index() * (cfg.data.prompts_per_step // jax.process_count()),
-        extras={"data_skipped": dict(pipeline.skipped)})
+        extras={"data_skipped": dict(pipeline.skipped)}, compiler_options=xla_flags.train_compiler_options())
     store = Store(keep_versions=cfg.pipeline.staleness + 2)
     store.put_state("actor", 0, split["actor"][1])
     store.put_state("actor_opt", 0, placement.init_opt_state(optimizers["actor"], split["actor"][1]))
