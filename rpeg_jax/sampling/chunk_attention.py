@@ -5,9 +5,10 @@ interface, like `PagedAttention`. At the start of a chunk of decode steps the pa
 `gather_chunk` copies each slot's pages once into dense per-layer buffers; every step then writes its
 token's K/V into the buffers only and attends over them with two plain batched products; after the
 chunk's last step `flush_chunk` writes the new columns into the page pools (the cache between
-chunks) in one scatter per layer per block of FLUSH_BLOCK columns. The per-step page gather of the "gather" implementation is
-replaced by one gather per chunk, and the per-step page scatters by one flush per chunk (measured:
-the per-step scatters into the pools were ~0.3 ms of a ~5 ms model-T step).
+chunks), one scatter per layer per block of FLUSH_BLOCK columns. The per-step page gather of the
+"gather" implementation is replaced by one gather per chunk, and the per-step page scatters by one
+flush per chunk (measured: the per-step scatters into the pools were ~0.3 ms of a ~5 ms model-T
+step).
 
 Why: on XLA:CPU the per-step gather is materialised element by element (about 3 GB/s) and the
 q.k product over a gathered [.., C, E] operand contracts its minor axis (a transposed operand, about
