@@ -241,3 +241,26 @@ def test_shared_host_roofline_adds_and_fsdp_gathers_by_layer_loop():
             _, parts = S.train_stage(st, ms, f, 1, f, 1, micro, "none")
             gathers = 2 * micro if scanned else 1
             assert float(parts["comm"]) == pytest.approx((gathers * ag + micro * rs) * f / hw.host_cores), (scanned, micro)
+
+
+def test_group_prompt_counted_once_where_the_runtime_shares_it():
+    # runtime/kernels.shared_prompt_groups runs a group's prompt once when every piece is whole
+    # groups and the groups per piece split evenly over the batch devices: tokens per sequence
+    # P/G + R instead of P + R, attention rows P²/G + R(P + R) instead of (P + R)². Hand counts.
+    st = dataclasses.replace(setting("cpu", B=64, P=16, R=32), prompt_sharing=True)  # G = 8: 8 groups
+    tok, sq = S.shared_tokens(st, d=np.array([1, 2, 8, 16]), f=1, pieces=1)
+    shared_tok, shared_sq = 16 / 8 + 32, 16 ** 2 / 8 + 32 * (16 + 32)
+    assert tok.tolist() == pytest.approx([shared_tok, shared_tok, shared_tok, 48])  # 16 devices: half groups
+    assert sq.tolist() == pytest.approx([shared_sq, shared_sq, shared_sq, 48 ** 2])
+    tok, _ = S.shared_tokens(st, 1, 1, pieces=16)  # 4 sequences per piece: not whole groups
+    assert float(tok) == 48
+    off = dataclasses.replace(st, prompt_sharing=False)
+    assert float(S.shared_tokens(off, 1, 1, 1)[0]) == 48
+    # ... and the training stage's FLOPs follow them
+    ms = shape("tiny")
+    _, on = S.train_stage(st, ms, 1, 1, 1, 1, 1, "none")
+    _, plain = S.train_stage(off, ms, 1, 1, 1, 1, 1, "none")
+    ratio = float(on["flops"]) / float(plain["flops"])
+    lin = float(ms.forward_flops(64 * shared_tok, 64 * 32, 64 * shared_sq, st.causal_skip)) / \
+        float(ms.forward_flops(64 * 48, 64 * 32, 64 * 48 ** 2, st.causal_skip))
+    assert ratio == pytest.approx(lin) and ratio < 0.85

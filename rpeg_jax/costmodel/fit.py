@@ -13,7 +13,8 @@ squares on log(predicted / measured) with weak priors toward the starting values
 
     peak FLOP/s, memory bandwidth, elementwise_factor, layer_s, backward_factor, update_streams,
     decode_step_s,
-    decode_layer_s, kv_read_factor, dispatch_s, collective link bandwidth and latency, contention
+    decode_layer_s, kv_read_factor, dispatch_s, collective link bandwidth and latency, contention,
+    matmul_size_exponent
                                                            (continuous, log-space)
     fsdp_gather in {matrix, layer, model}, weight_copies, act_memory_factor, fwd_act_memory_factor
                                                            (memory: linear least squares per mode)
@@ -36,8 +37,8 @@ from rpeg_jax.costmodel.lengths import LengthDist
 from rpeg_jax.costmodel.shape import ModelShape, default_scanned
 
 GATHERS = ("matrix", "layer", "model")
-LOWER = {"kv_read_factor": 1.0, "contention": 0.0}
-UPPER = {"contention": 4.0}  # validated lower bounds of factors
+LOWER = {"kv_read_factor": 1.0, "contention": 0.0, "matmul_size_exponent": 0.0}
+UPPER = {"contention": 4.0, "matmul_size_exponent": 2.0}  # the profile's validated ranges
 PRIOR = 0.02  # weight of log(factor / start) against one point's log error
 # (section, field, floor): the continuous factors; floors let a zero start value move.
 FACTORS = (("device", "peak_flops", 1e6), ("device", "memory_bw", 1e6), ("efficiency", "elementwise_factor", 1e-3),
@@ -45,7 +46,8 @@ FACTORS = (("device", "peak_flops", 1e6), ("device", "memory_bw", 1e6), ("effici
            ("efficiency", "update_streams", 1.0),
            ("efficiency", "decode_step_s", 1e-7), ("efficiency", "decode_layer_s", 1e-7),
            ("efficiency", "kv_read_factor", 1.0), ("efficiency", "dispatch_s", 1e-7),
-           ("node", "link_bw", 1e6), ("node", "latency_s", 1e-7), ("efficiency", "contention", 0.0))
+           ("node", "link_bw", 1e6), ("node", "latency_s", 1e-7), ("efficiency", "contention", 0.0),
+           ("efficiency", "matmul_size_exponent", 0.0))
 
 
 def shape_of(dims: dict) -> ModelShape:
@@ -89,7 +91,7 @@ def _apply(hw: HardwareProfile, values: dict) -> HardwareProfile:
     return with_nodes(hw, device=secs["device"], efficiency=secs["efficiency"], node=secs["node"])
 
 
-LINEAR = ("contention",)  # fitted as values (they start at 0), the rest as logs
+LINEAR = ("contention", "matmul_size_exponent")  # fitted as values (0 is allowed), the rest as logs
 
 
 def _start(hw: HardwareProfile) -> np.ndarray:

@@ -115,6 +115,9 @@ class EfficiencySpec:
     decode_layer_s: float | None = None  # fixed cost per layer per decode step (page-table gathers,
     #   KV writes, launches), s; None -> layer_s
     kv_read_factor: float = 2.0  # KV bytes moved per cached byte per step (gather attention copies pages)
+    matmul_size_exponent: float = 1.0  # how steeply matmul efficiency falls with size: eff(size)^this
+    #   (1 = the table as written; 0 = size-independent); fitted on a shared CPU host, where the
+    #   small per-device GEMMs lost less than the accelerator-shaped table says
     elementwise_factor: float = 1.0  # fitted multiplier on the elementwise kernels' activation traffic
     backward_factor: float = 1.0  # backward time / (2 x forward time) of the same layers (fitted)
     update_streams: float = 7.0  # parameter-sized arrays the optimizer step streams per parameter shard:
@@ -135,6 +138,8 @@ class EfficiencySpec:
             check_table(getattr(self, name), key(path, name))
         check(0.0 <= self.overlap <= 1.0, key(path, "overlap"), self.overlap, "must be in [0, 1]")
         check(self.kv_read_factor >= 1.0, key(path, "kv_read_factor"), self.kv_read_factor, "must be >= 1")
+        check(0.0 <= self.matmul_size_exponent <= 2.0, key(path, "matmul_size_exponent"), self.matmul_size_exponent,
+              "must be in [0, 2]")
         check(self.elementwise_factor > 0, key(path, "elementwise_factor"), self.elementwise_factor, "must be > 0")
         check(0.0 <= self.contention <= 4.0, key(path, "contention"), self.contention, "must be in [0, 4]")
         check(self.backward_factor > 0, key(path, "backward_factor"), self.backward_factor, "must be > 0")

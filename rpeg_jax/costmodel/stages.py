@@ -49,6 +49,8 @@ class Setting:
     packing: bool  # trainer packs sequences instead of padding to R
     budget_bytes: float  # memory per device plans may use
     kv_replicated: bool = False  # the sampler's page pool is replicated over the generation data axis
+    prompt_sharing: bool = False  # training passes run a group's prompt once (models/prefix.py) where
+    #   the layout allows it (`shared_tokens`)
 
     @property
     def seq_tokens(self) -> float:
@@ -68,6 +70,23 @@ class Setting:
         return self.dist.mean(self.B) if self.packing else float(self.R)
 
 
+def shared_tokens(st: Setting, d, f, pieces):
+    """(tokens, Σ context² for attention) per sequence of a training/scoring pass over `pieces`
+    micro-batches on d x f batch-splitting devices. With `prompt_sharing` the runtime runs a GRPO
+    group's prompt once (runtime/kernels.shared_prompt_groups: G >= 2, every piece whole groups,
+    groups per piece a multiple of the devices): a sequence then carries P/G prompt tokens instead
+    of P, and the prompt's P² attention rows once per group; its response rows still see the prompt."""
+    d, f, pieces = (np.asarray(x, np.float64) for x in (d, f, pieces))
+    tok, sq = st.seq_tokens, st.seq_sumsq
+    if not st.prompt_sharing or st.G < 2 or st.R < 2:
+        return tok + 0.0 * d, sq + 0.0 * d
+    groups = st.B / (st.G * pieces)
+    ok = (np.mod(st.B, st.G * pieces) == 0) & (np.mod(groups, d * f) == 0)
+    # prompt rows: P x P once per group (were P x (P + response)); response rows unchanged
+    return (np.where(ok, tok - st.P * (1.0 - 1.0 / st.G), tok),
+            np.where(ok, sq - st.P * tok + st.P ** 2 / st.G, sq))
+
+
 def rates(hw: HardwareProfile, dtype: str, busy):
     """(FLOP/s, bytes/s, overhead multiplier) per device when `busy` devices work at once.
 
@@ -82,6 +101,12 @@ def rates(hw: HardwareProfile, dtype: str, busy):
                 np.maximum(busy / hw.host_cores, 1.0))
     one = np.ones_like(busy)
     return hw.peak(dtype) * one, hw.device.memory_bw * one, one
+
+
+def mm_eff(hw: HardwareProfile, mm_size):
+    """Fraction of peak a matmul of `mm_size` FLOPs reaches: the profile's table, its size
+    dependence scaled by the fitted `matmul_size_exponent` (log-log: eff^exponent)."""
+    return interp_eff(hw.efficiency.matmul, mm_size) ** hw.efficiency.matmul_size_exponent
 
 
 def mem_time(hw: HardwareProfile, nbytes, bw, busy=1.0):
@@ -99,7 +124,7 @@ def roofline(hw: HardwareProfile, flops, nbytes, mm_size, rate, bw, busy=1.0):
     meshes) the stream leaves the last-level cache. Fitted on session B's points (bench/NOTES.md,
     cost model, session 3): forward validation MAPE 18.9% -> 15.1%, train 13.3% -> 11.5%, and the
     2-fold check (fit on validation, predict calibration) improved the same way."""
-    t_c = flops / (rate * interp_eff(hw.efficiency.matmul, mm_size))
+    t_c = flops / (rate * mm_eff(hw, mm_size))
     t_m = mem_time(hw, nbytes, bw, busy)
     return t_c + t_m if hw.shared_host else np.maximum(t_c, t_m)
 
@@ -131,15 +156,15 @@ def train_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, remat: str, e
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
     seqs = st.B / (d * f)  # sequences per device per epoch
     n_mb = minibatches * micro
-    tok_mb = seqs * st.seq_tokens / n_mb
-    fwd = ms.forward_flops(seqs * st.seq_tokens, seqs * st.seq_scored * heads, seqs * st.seq_sumsq,
-                           st.causal_skip) / t
+    seq_tok, seq_sq = shared_tokens(st, d, f, n_mb)
+    tok_mb = seqs * seq_tok / n_mb
+    fwd = ms.forward_flops(seqs * seq_tok, seqs * st.seq_scored * heads, seqs * seq_sq, st.causal_skip) / t
     rate, bw, ovh = rates(hw, ms.dtype, busy)
     # One forward's kernels; the backward does twice the work at the profile's backward_factor
     # (1 on GPUs; more where transposed matmuls and weight-gradient reductions run slower), and
     # full remat adds one more forward of the layers.
     f_core, f_mm, f_ew = layer_core(hw, fwd, n_mb * ms.weight_bytes() / t,
-                                    elementwise_bytes(st, ms, t, seqs * st.seq_tokens),
+                                    elementwise_bytes(st, ms, t, seqs * seq_tok),
                                     ms.mm_size(tok_mb, t), rate, bw, busy)
     passes = 1.0 + REMAT_EXTRA_FWD[remat] + 2.0 * hw.efficiency.backward_factor
     flops = epochs * (3.0 + REMAT_EXTRA_FWD[remat]) * fwd
@@ -171,7 +196,7 @@ def train_memory(st: Setting, ms: ModelShape, d, f, t, micro, remat: str, miniba
     """Peak bytes per device of a training stage: resident state + update buffers + activations."""
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
     seqs_mb = st.B / (d * f) / (minibatches * micro)
-    tok_mb = seqs_mb * st.seq_tokens
+    tok_mb = seqs_mb * shared_tokens(st, d, f, minibatches * micro)[0]
     dense_ctx = st.P + st.R if st.dense_scores else 0.0
     eff = st.hw.efficiency
     act = ms.L * tok_mb * ms.act_bytes_per_token_layer(t, remat, dense_ctx)
@@ -189,11 +214,11 @@ def forward_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, heads: int 
     hw = st.hw
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
     seqs = st.B / (d * f)
-    tok_mb = seqs * st.seq_tokens / micro
-    flops = ms.forward_flops(seqs * st.seq_tokens, seqs * st.seq_scored * heads, seqs * st.seq_sumsq,
-                             st.causal_skip) / t
+    seq_tok, seq_sq = shared_tokens(st, d, f, micro)
+    tok_mb = seqs * seq_tok / micro
+    flops = ms.forward_flops(seqs * seq_tok, seqs * st.seq_scored * heads, seqs * seq_sq, st.causal_skip) / t
     rate, bw, ovh = rates(hw, ms.dtype, busy)
-    ew = elementwise_bytes(st, ms, t, seqs * st.seq_tokens)
+    ew = elementwise_bytes(st, ms, t, seqs * seq_tok)
     core, mm, ewt = layer_core(hw, flops, micro * ms.weight_bytes() / t, ew, ms.mm_size(tok_mb, t), rate, bw, busy)
     layer_p = ms.layer_params * ms.param_bytes_per / t
     fsdp = (micro if ms.scanned else 1) * ms.L * collective_time(hw, "all_gather", layer_p, f, t)
@@ -208,7 +233,7 @@ def forward_memory(st: Setting, ms: ModelShape, d, f, t, micro):
     """Transient bytes per device of a forward (weights are counted by the caller)."""
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
     seqs_mb = st.B / (d * f) / micro
-    tok_mb = seqs_mb * st.seq_tokens
+    tok_mb = seqs_mb * shared_tokens(st, d, f, micro)[0]
     dense_ctx = st.P + st.R if st.dense_scores else 0.0
     eff = st.hw.efficiency
     live = tok_mb * ms.act_bytes_per_token_layer(t, "none", dense_ctx, score_arrays=1)  # one layer's
@@ -251,7 +276,7 @@ def decode_step_time(st: Setting, ms: ModelShape, t, busy, batch, ctx):
               * hw.efficiency.kv_read_factor + batch * ms.V * 4.0)
     if hw.shared_host:  # a CPU's decode kernels (small GEMMs, page gathers, softmax) run one after
         # another on the same cores: streaming the weights and KV does not hide behind the compute
-        core = flops / (rate * interp_eff(hw.efficiency.matmul, ms.mm_size(batch, t))) + mem_time(hw, nbytes, bw, busy)
+        core = flops / (rate * mm_eff(hw, ms.mm_size(batch, t))) + mem_time(hw, nbytes, bw, busy)
     else:
         core = roofline(hw, flops, nbytes, ms.mm_size(batch, t), rate, bw, busy)
     tp = 2.0 * ms.L * collective_time(hw, "all_reduce", batch * ms.D * ms.act_bytes_per, t, 1) * ovh
