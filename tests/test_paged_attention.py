@@ -190,3 +190,38 @@ def test_chunk_attention_equals_reference_with_nan_garbage(page_size, kv_heads, 
     np.testing.assert_array_equal(nk, expect_k)
     np.testing.assert_array_equal(nv, expect_v)
     assert np.isnan(nk[layer, :, table[4, last[4] // page_size], last[4] % page_size]).all()
+
+
+@pytest.mark.parametrize("per_layer", [True, False])
+def test_flush_chunk_writes_every_new_column_across_blocks(per_layer):
+    """A chunk longer than `FLUSH_BLOCK` decode steps: `flush_chunk` writes every buffer column in
+    [start, stop) of each slot into its page and offset, in every layer, and nothing else (numpy
+    reference; slot 3 wrote nothing, slot 1 starts at 0, slot 0 runs past two block boundaries)."""
+    from rpeg_jax.sampling.chunk_attention import FLUSH_BLOCK, flush_chunk, gather_chunk
+    page_size, kv_heads = 4, 2
+    lengths = [40, 30, 32, 8]
+    _, _, table, pk, pv = build_case(page_size, kv_heads, lengths, shared=0)
+    start = np.array([3, 0, 10, 5], np.int32)
+    stop = np.array([40, 25, 32, 5], np.int32)
+    steps = int((stop - start).max())
+    assert steps > 2 * FLUSH_BLOCK
+    pools = (jnp.asarray(pk), jnp.asarray(pv))
+    bufs = gather_chunk(pools, jnp.asarray(table), jnp.asarray(start), per_layer=per_layer)
+    rng = np.random.default_rng(3)
+    kt = [np.array(x) for x in (bufs[0] if per_layer else list(bufs[0]))]  # per layer [K, B, E, C]
+    vb = [np.array(x) for x in (bufs[1] if per_layer else list(bufs[1]))]  # per layer [K, B, C, E]
+    expect_k, expect_v = pk.copy(), pv.copy()
+    for layer in range(pk.shape[0]):
+        for i in range(len(lengths)):
+            for p in range(start[i], stop[i]):
+                kk = rng.standard_normal((kv_heads, E)).astype(np.float32)
+                vv = rng.standard_normal((kv_heads, E)).astype(np.float32)
+                kt[layer][:, i, :, p], vb[layer][:, i, p, :] = kk, vv
+                page, off = table[i, p // page_size], p % page_size
+                expect_k[layer, :, page, off], expect_v[layer, :, page, off] = kk, vv
+    new = ((tuple(jnp.asarray(x) for x in kt), tuple(jnp.asarray(x) for x in vb)) if per_layer
+           else (jnp.asarray(np.stack(kt)), jnp.asarray(np.stack(vb))))
+    nk, nv = (np.asarray(x) for x in flush_chunk(pools, new, jnp.asarray(table), jnp.asarray(start),
+                                                  jnp.asarray(stop), steps))
+    np.testing.assert_array_equal(nk, expect_k)
+    np.testing.assert_array_equal(nv, expect_v)
