@@ -48,7 +48,7 @@ from rpeg_jax.sampling.paged_attention import attend_blocked, attend_pages, dens
 from rpeg_jax.sampling.sampler import _COMPILES
 
 from test_paged_attention import E, build_case, ref_attention  # noqa: E402
-from test_sampler import rollout_batch  # noqa: E402
+from test_sampler import prompts_of, sampler_trainer_gap  # noqa: E402
 from test_sampler_api import model_with, perturbed  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -81,11 +81,6 @@ def rel(a, b):
 @pytest.fixture(scope="module")
 def model16():
     return init_model(model_preset("tiny", **BF16), seed=3)
-
-
-def prompts_of(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 128, size=n).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("page_size,kv_heads", [(1, 2), (3, 1), (16, 2), (64, 4)])
@@ -150,15 +145,8 @@ def test_greedy_bf16_matches_plain_forward_argmax(model16, forward, attention):
 
 
 def test_sampler_logprobs_bf16_match_trainer(model16):
-    prompts = prompts_of([6, 3, 10])
     for temp in (1.0, 0.7):
-        outs = Sampler(model16, CFG).generate(prompts, SamplingParams(n=3, temperature=temp, max_new_tokens=12, seed=4))
-        tok, pos, seg, mask, behav, P, R = rollout_batch(outs)
-        targets = np.concatenate([tok[:, 1:], np.zeros((len(tok), 1), np.int32)], axis=1)
-        logp, _ = token_logprobs(model16, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(targets),
-                                 start=P - 1, length=R, temperature=temp)
-        assert logp.dtype == jnp.float32
-        err = np.abs(np.asarray(logp) - behav) * mask
+        err, mask = sampler_trainer_gap(model16, CFG, temp)
         mean = err.sum() / mask.sum()
         report(f"sampler_vs_trainer[T={temp}]", max_abs=err.max(), mean_abs=mean)
         assert err.max() <= LP_MAX and mean <= LP_MEAN, (temp, err.max(), mean)

@@ -146,11 +146,9 @@ def test_micro_batches_equal_one_big_batch(mode):
 LOOP_KW = dict(tx="adamw", minibatches=2, ppo_epochs=2, micro_batches=2, kl_coef=0.05, loss_agg="seq-mean-token-mean")
 
 
-def test_minibatches_and_epochs_match_a_plain_loop():
-    params, batch = make_case(5, behav_noise=0.2)
-    rng = jax.random.key(7)
-    new, state, m = run(params, batch, rng, **LOOP_KW)
-    _, opt, cfg = compiled(**LOOP_KW)
+def plain_loop(params, batch, rng, opt, cfg, rows_of):
+    """The reference for the update's epochs x minibatches: 2 epochs (one key each from `rng`),
+    2 minibatches per epoch with rows `rows_of(key, j)`, one plain SGD step of the actor objective each."""
 
     @jax.jit
     def sgd_step(p, st, mb):
@@ -161,9 +159,17 @@ def test_minibatches_and_epochs_match_a_plain_loop():
 
     p, st = params, opt.init(params)
     for key in jax.random.split(rng, 2):
-        perm = np.asarray(jax.random.permutation(key, B))
         for j in range(2):
-            p, st = sgd_step(p, st, {k: v[perm[j::2]] for k, v in batch.items()})
+            p, st = sgd_step(p, st, {k: v[rows_of(key, j)] for k, v in batch.items()})
+    return p
+
+
+def test_minibatches_and_epochs_match_a_plain_loop():
+    params, batch = make_case(5, behav_noise=0.2)
+    rng = jax.random.key(7)
+    new, state, m = run(params, batch, rng, **LOOP_KW)
+    _, opt, cfg = compiled(**LOOP_KW)
+    p = plain_loop(params, batch, rng, opt, cfg, lambda key, j: np.asarray(jax.random.permutation(key, B))[j::2])
     np.testing.assert_allclose(np.asarray(new["table"]), np.asarray(p["table"]), rtol=0, atol=1e-5)
     assert float(m["actor/updates"]) == 4
     np.testing.assert_allclose(float(m["actor/lr"]), 0.05, rtol=1e-6)
@@ -185,19 +191,11 @@ def test_group_mode_moves_whole_groups():
     new, _, m = upd(params, opt.init(params), batch, rng)
     jax.effects_barrier()
 
-    @jax.jit
-    def sgd_step(p, st, mb):
-        lw, tw = rl.agg_weights(mb["response_mask_BxR"], cfg.loss_agg)
-        grad = jax.grad(lambda q: rl.actor_objective(policy_fn(q, mb), mb, cfg, lw, tw)[0])(p)
-        u, st = opt.update(grad, st, p)
-        return optax.apply_updates(p, u), st
-
-    p, st = params, opt.init(params)
-    for key in jax.random.split(rng, 2):
+    def rows(key, j):  # minibatch j of 2: groups j::2 of the permutation, each group's rows in order
         groups = np.asarray(jax.random.permutation(key, B // g))
-        for j in range(2):
-            idx = (groups[j::2][:, None] * g + np.arange(g)).reshape(-1)
-            p, st = sgd_step(p, st, {k: v[idx] for k, v in batch.items()})
+        return (groups[j::2][:, None] * g + np.arange(g)).reshape(-1)
+
+    p = plain_loop(params, batch, rng, opt, cfg, rows)
     np.testing.assert_allclose(np.asarray(new["table"]), np.asarray(p["table"]), rtol=0, atol=1e-5)
     assert float(m["actor/updates"]) == 4
     assert len(seen) == 8 and all(len(r) == g and r[0] % g == 0 and r[1] == r[0] + 1 for r in seen)

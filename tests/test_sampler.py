@@ -112,15 +112,22 @@ def rollout_batch(outs):
     return tok, pos, seg, mask, behav, P, R
 
 
-def test_logprobs_equal_trainer_forward(llama):
+def sampler_trainer_gap(model, cfg, temp):
+    """(|sampler logprob - trainer logprob| masked [B, R], mask [B, R]) for 3 prompts x 3 samples of
+    12 tokens at temperature `temp`: the trainer's `token_logprobs` (float32) of the sampled tokens."""
     prompts = prompts_of([6, 3, 10])
+    outs = Sampler(model, cfg).generate(prompts, SamplingParams(n=3, temperature=temp, max_new_tokens=12, seed=4))
+    tok, pos, seg, mask, behav, P, R = rollout_batch(outs)
+    targets = np.concatenate([tok[:, 1:], np.zeros((len(tok), 1), np.int32)], axis=1)
+    logp, _ = token_logprobs(model, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(targets),
+                             start=P - 1, length=R, temperature=temp)
+    assert logp.dtype == jnp.float32
+    return np.abs(np.asarray(logp) - behav) * mask, mask
+
+
+def test_logprobs_equal_trainer_forward(llama):
     for temp in (1.0, 0.7):
-        outs = Sampler(llama, BASE).generate(prompts, SamplingParams(n=3, temperature=temp, max_new_tokens=12, seed=4))
-        tok, pos, seg, mask, behav, P, R = rollout_batch(outs)
-        targets = np.concatenate([tok[:, 1:], np.zeros((len(tok), 1), np.int32)], axis=1)
-        logp, _ = token_logprobs(llama, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(targets),
-                                 start=P - 1, length=R, temperature=temp)
-        err = np.abs(np.asarray(logp) - behav) * mask
+        err, mask = sampler_trainer_gap(llama, BASE, temp)
         assert err.max() < TRAINER_MAX, f"max |sampler - trainer| = {err.max():.2e} at T={temp}"
         assert err.sum() / mask.sum() < TRAINER_MEAN, f"mean |sampler - trainer| = {err.sum() / mask.sum():.2e}"
 
