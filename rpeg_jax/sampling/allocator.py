@@ -140,3 +140,91 @@ class PageAllocator:
             for i, p in enumerate(pages):
                 assert count[p] == 1 or i < self.shared_prefix[s], (
                     f"page {p} is shared but writable by slot {s} (index {i} >= prefix {self.shared_prefix[s]})")
+
+
+class ShardedPages:
+    """The page pool split over D data shards: one `PageAllocator` per shard, each over its own
+    `pages_per_shard` local page ids (local page 0 is that shard's null page) and its own
+    `max_slots / D` slots. Global slot b belongs to shard b // (max_slots / D) (the slot axis is
+    data-sharded contiguously on device) and is local slot b % (max_slots / D) there; page tables hold
+    LOCAL page ids. D = 1 is the unsharded pool (one allocator, global = local).
+
+    The scheduler (`sampling/scheduler.py`) keeps every sequence of a group in one shard, so a fork
+    shares and copies pages within that shard only. Pages of different shards live in different
+    device memories, so no page is ever owned across shards; `check()` checks each allocator."""
+
+    def __init__(self, num_shards: int, pages_per_shard: int, page_size: int, max_slots: int, debug: bool = False):
+        if num_shards < 1 or max_slots % num_shards:
+            raise ValueError(f"num_shards={num_shards}: must be >= 1 and divide max_slots={max_slots}")
+        self.num_shards, self.page_size, self.max_slots = num_shards, page_size, max_slots
+        self.slots_per_shard = max_slots // num_shards
+        self.pages_per_shard = pages_per_shard
+        self.allocs = [PageAllocator(pages_per_shard, page_size, self.slots_per_shard, debug)
+                       for _ in range(num_shards)]
+
+    # ---- slot -> shard ------------------------------------------------------------------------
+    def shard(self, slot: int) -> int:
+        return slot // self.slots_per_shard
+
+    def _local(self, slot: int) -> tuple[PageAllocator, int]:
+        d, i = divmod(slot, self.slots_per_shard)
+        return self.allocs[d], i
+
+    def shard_slots(self, shard: int) -> range:
+        return range(shard * self.slots_per_shard, (shard + 1) * self.slots_per_shard)
+
+    # ---- queries ------------------------------------------------------------------------------
+    def num_free(self, shard: int) -> int:
+        return self.allocs[shard].num_free
+
+    @property
+    def num_used(self) -> int:
+        return sum(a.num_used for a in self.allocs)
+
+    def used_per_shard(self) -> list[int]:
+        return [a.num_used for a in self.allocs]
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-int(num_tokens) // self.page_size)
+
+    def need(self, slot: int, num_tokens: int) -> int:
+        a, i = self._local(slot)
+        return a.need(i, num_tokens)
+
+    def table(self, slots, width: int) -> np.ndarray:
+        """int32 [len(slots), width] of LOCAL page ids (each row in its slot's shard)."""
+        out = np.full((len(slots), width), NULL_PAGE, np.int32)
+        for row, s in enumerate(slots):
+            a, i = self._local(s)
+            pages = a.slot_pages[i][:width]
+            out[row, :len(pages)] = pages
+        return out
+
+    def pages(self, slot: int) -> list[int]:
+        a, i = self._local(slot)
+        return list(a.slot_pages[i])
+
+    # ---- mutations (as PageAllocator's, on global slots) --------------------------------------
+    def grow(self, slot: int, num_tokens: int) -> list[int]:
+        a, i = self._local(slot)
+        return a.grow(i, num_tokens)
+
+    def fork(self, parent: int, children, num_tokens: int) -> list[tuple[int, int, int]]:
+        """As `PageAllocator.fork`; every child must be in the parent's shard. Returns
+        (shard, src_page, dst_page) copies in local page ids."""
+        d = self.shard(parent)
+        children = list(children)
+        for c in children:
+            if self.shard(c) != d:
+                raise ValueError(f"fork: child slot {c} is in shard {self.shard(c)}, parent slot {parent} in {d}")
+        base = d * self.slots_per_shard
+        copies = self.allocs[d].fork(parent - base, [c - base for c in children], num_tokens)
+        return [(d, src, dst) for src, dst in copies]
+
+    def release(self, slot: int) -> list[int]:
+        a, i = self._local(slot)
+        return a.release(i)
+
+    def check(self) -> None:
+        for a in self.allocs:
+            a.check()

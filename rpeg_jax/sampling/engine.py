@@ -22,10 +22,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from rpeg_jax.sampling.chunk_attention import ChunkAttention, flush_chunk, gather_chunk
 from rpeg_jax.sampling.paged_attention import PagedAttention, copy_pages, write_targets
 from rpeg_jax.sampling.transforms import sample, sequence_keys
+from rpeg_jax.sharding.axes import use_resolver
 
 
 class DecodeState(NamedTuple):
@@ -55,10 +57,36 @@ class ChunkResult(NamedTuple):
     active_B: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("fwd",), donate_argnames=("pools",))
-def prefill(fwd, params, pools, tokens_BxT, lengths_B, table_BxW):
+DATA = "data"
+_POOL = (P(None, None, DATA), P(None, None, DATA))  # page axis over data (kv heads stay Auto)
+_ROWS = P(DATA)
+
+
+def _per_shard(fn, mesh, in_specs, out_specs):
+    """`fn` itself without a mesh; else `fn` run per data shard (`jax.shard_map` over `data` only:
+    every array's leading slot/row axis and the pools' page axis are split, the other mesh axes stay
+    Auto). Model activation constraints are off inside: `data` is manual there."""
+    if mesh is None:
+        return fn
+
+    def local(*args):
+        with use_resolver(None):
+            return fn(*args)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={DATA},
+                         check_vma=False)
+
+
+@functools.partial(jax.jit, static_argnames=("fwd", "mesh"), donate_argnames=("pools",))
+def prefill(fwd, params, pools, tokens_BxT, lengths_B, table_BxW, *, mesh=None):
     """Run the model over right-padded `tokens_BxT` (the first lengths_B of each row are real) and
-    write their K/V into the rows' pages. Padding rows use length 0. Returns the pools."""
+    write their K/V into the rows' pages. Padding rows use length 0. Returns the pools. With `mesh`
+    (a sharded pool) the rows come in D blocks, block d for shard d, with local page ids."""
+    body = functools.partial(_prefill, fwd)
+    return _per_shard(body, mesh, (P(), _POOL, _ROWS, _ROWS, _ROWS), _POOL)(
+        params, pools, tokens_BxT, lengths_B, table_BxW)
+
+
+def _prefill(fwd, params, pools, tokens_BxT, lengths_B, table_BxW):
     b, t = tokens_BxT.shape
     num_pages, page_size = pools[0].shape[2], pools[0].shape[3]
     pos_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -68,10 +96,12 @@ def prefill(fwd, params, pools, tokens_BxT, lengths_B, table_BxW):
     return pools
 
 
-@functools.partial(jax.jit, donate_argnames=("pools",))
-def fork_pages(pools, src_N, dst_N):
-    """Copy pages src -> dst in every layer (dst >= num_pages: padding, dropped)."""
-    return copy_pages(pools[0], pools[1], src_N, dst_N)
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("pools",))
+def fork_pages(pools, src_N, dst_N, *, mesh=None):
+    """Copy pages src -> dst in every layer (dst >= num_pages: padding, dropped). With `mesh`: D
+    blocks of local page ids, block d copied within shard d."""
+    body = lambda pools, src, dst: copy_pages(pools[0], pools[1], src, dst)  # noqa: E731
+    return _per_shard(body, mesh, (_POOL, _ROWS, _ROWS), _POOL)(pools, src_N, dst_N)
 
 
 def _decode_step(fwd, params, cache, st: DecodeState, keys_Bx2, token_B, pos_B, active_B, attention: str,
@@ -94,13 +124,31 @@ def _decode_step(fwd, params, cache, st: DecodeState, keys_Bx2, token_B, pos_B, 
     return cache, new_B, logp_B
 
 
-@functools.partial(jax.jit, static_argnames=("fwd", "chunk", "attention", "block_pages"), donate_argnames=("pools",))
+@functools.partial(jax.jit, static_argnames=("fwd", "chunk", "attention", "block_pages", "mesh"),
+                   donate_argnames=("pools",))
 def decode_chunk(fwd, params, pools, st: DecodeState, num_steps, *, chunk: int, attention: str = "gather",
-                 block_pages: int = 4):
+                 block_pages: int = 4, mesh=None):
     """Up to min(num_steps, chunk) decode steps in one while_loop; exits early once every slot has
     stopped (stop id sampled or end reached). `attention`: "gather" (gather the pages every step),
     "blocked" (online softmax over blocks of `block_pages` pages) or "chunk" (gather them once into
-    dense buffers for the whole chunk, sampling/chunk_attention.py). Returns (pools, ChunkResult)."""
+    dense buffers for the whole chunk, sampling/chunk_attention.py). Returns (pools, ChunkResult).
+    With `mesh` (a sharded pool) every data shard runs its own loop over its slots and local pages
+    (no collective over `data`; a shard exits when its own slots stop) and `steps` is int32 [D]."""
+    body = functools.partial(_decode_chunk, fwd, chunk=chunk, attention=attention, block_pages=block_pages)
+    if mesh is not None:
+        body = _steps_per_shard(body)
+    out_specs = (_POOL, ChunkResult(P(None, DATA), P(None, DATA), _ROWS, _ROWS, _ROWS, _ROWS))
+    return _per_shard(body, mesh, (P(), _POOL, _ROWS, P()), out_specs)(params, pools, st, num_steps)
+
+
+def _steps_per_shard(body):
+    def f(*args):
+        pools, res = body(*args)
+        return pools, res._replace(steps=res.steps[None])
+    return f
+
+
+def _decode_chunk(fwd, params, pools, st: DecodeState, num_steps, *, chunk: int, attention: str, block_pages: int):
     b = st.token_B.shape[0]
     keys_Bx2 = sequence_keys(st.seed_B, st.prompt_id_B, st.sample_id_B)
     limit = jnp.minimum(num_steps, chunk)

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from rpeg_jax.sampling import engine
-from rpeg_jax.sampling.allocator import PageAllocator
+from rpeg_jax.sampling.allocator import ShardedPages
 from rpeg_jax.sampling.forward import choose_forward
 from rpeg_jax.sampling.scheduler import Scheduler, Sequence
 from rpeg_jax.sampling.sharding import SamplerSharding, mesh_of
@@ -70,13 +70,19 @@ class Sampler:
             raise ValueError(f"sampler.max_seq_len={self.max_seq_len}: exceeds model.max_position_embeddings="
                              f"{mcfg.max_position_embeddings}")
         per_seq = -(-self.max_seq_len // cfg.page_size)
-        num_pages = cfg.num_pages or 1 + cfg.max_slots * per_seq + math.ceil(cfg.watermark * cfg.max_slots * per_seq)
-        if num_pages - 1 < per_seq:
-            raise ValueError(f"sampler.num_pages={num_pages}: cannot hold one sequence of max_seq_len="
-                             f"{self.max_seq_len} tokens ({per_seq} pages of {cfg.page_size} + the null page)")
-        # (shape checks above run before anything is placed or compiled)
         graphdef, params = as_params(model)
-        self.sharding = SamplerSharding(mesh or mesh_of(params), mcfg.num_kv_heads, cfg.max_slots)
+        self.sharding = SamplerSharding(mesh or mesh_of(params), mcfg.num_kv_heads, cfg.max_slots, cfg.kv_pool)
+        d = self.sharding.pool_shards
+        slots = cfg.max_slots // d
+        # num_pages is the GLOBAL count (every shard's null page included); each shard gets an equal
+        # ceil(num_pages / D) pages (the total is rounded up to a multiple of D).
+        per_shard = -(-cfg.num_pages // d) if cfg.num_pages else (
+            1 + slots * per_seq + math.ceil(cfg.watermark * slots * per_seq))
+        if per_shard - 1 < per_seq:
+            where = f" ({per_shard} per shard of the pool split over data={d})" if d > 1 else ""
+            raise ValueError(f"sampler.num_pages={cfg.num_pages or per_shard * d}{where}: cannot hold one sequence of "
+                             f"max_seq_len={self.max_seq_len} tokens ({per_seq} pages of {cfg.page_size} + the null page)")
+        # (shape checks above run before anything is compiled; placing params moves no data)
         params = self.sharding.place_params(params)
         self._signature = ParamSignature.of(params)
         self._fwd = choose_forward(cfg.forward, graphdef, mcfg, rows=cfg.max_slots)
@@ -85,20 +91,21 @@ class Sampler:
         self._weights = self._fwd.prepare(params)
         self._attention = cfg.attention if cfg.attention != "auto" else (
             "chunk" if jax.default_backend() == "cpu" else "gather")
-        self.num_pages = num_pages
+        self.num_pages = per_shard * d  # global, with the D null pages
+        self.pages_per_shard = per_shard
         # The widest table any sequence needs; the last width bucket is capped here, not rounded up
         # (a rounded-up last bucket made the final chunk's attention read up to ~2x the columns).
         self.max_width = per_seq
         self.eos_ids = tuple(cfg.eos_token_ids if cfg.eos_token_ids is not None else (mcfg.eos_id,))
         kv_dtype = jnp.dtype(cfg.kv_dtype or mcfg.dtype)
-        self.pools = engine.make_pools(mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads,
+        self.pools = engine.make_pools(mcfg.num_layers, self.num_pages, cfg.page_size, mcfg.num_kv_heads,
                                        mcfg.head_size, kv_dtype, self.sharding.pools)
-        self.alloc = PageAllocator(num_pages, cfg.page_size, cfg.max_slots, debug=cfg.debug_checks)
-        self.sched = Scheduler(self.alloc, math.ceil(cfg.watermark * (num_pages - 1)))
+        self.alloc = ShardedPages(d, per_shard, cfg.page_size, cfg.max_slots, debug=cfg.debug_checks)
+        self.sched = Scheduler(self.alloc, math.ceil(cfg.watermark * (per_shard - 1)))
         self.version, self._pending = 0, None
         self._calls = 0
         self._stats = dict(new_tokens=0, prefill_tokens=0, chunks=0, decode_steps=0, pages_peak=0,
-                           recompiles=0, xla_compiles=0, generate_s=0.0, last_tokens_per_s=0.0, page_copies=0)
+                           shard_pages_peak=0, recompiles=0, xla_compiles=0, generate_s=0.0, last_tokens_per_s=0.0, page_copies=0)
 
     # ---- public API ---------------------------------------------------------------------------
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | None = None, *,
@@ -146,6 +153,7 @@ class Sampler:
         k, _ = self.sched.reserve(self.cfg.chunk_steps)
         k = self._align_chunk(k)
         self._stats["pages_peak"] = max(self._stats["pages_peak"], self.alloc.num_used)
+        self._stats["shard_pages_peak"] = max(self._stats["shard_pages_peak"], *self.alloc.used_per_shard())
         done = self._decode(k) if k else []
         if self._pending is not None and not self.sched.running:
             self._swap(*self._pending)  # the old weights' last sequences just finished
@@ -171,8 +179,10 @@ class Sampler:
     def stats(self) -> dict:
         """Throughput, page usage, preemptions and compile counts so far."""
         s = dict(self._stats)
-        s.update(pages_total=self.num_pages - 1, pages_used=self.alloc.num_used,
-                 page_usage=self.alloc.num_used / (self.num_pages - 1),
+        shards = self.alloc.num_shards
+        s.update(pages_total=self.num_pages - shards, pages_used=self.alloc.num_used,
+                 page_usage=self.alloc.num_used / (self.num_pages - shards), pool_shards=shards,
+                 shard_pages_total=self.pages_per_shard - 1, shard_pages_used=self.alloc.used_per_shard(),
                  preemptions=self.sched.num_preemptions, policy_version=self.version,
                  tokens_per_s=s["new_tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0)
         return s
@@ -186,27 +196,33 @@ class Sampler:
         return out
 
     def _prefill(self, plan) -> None:
+        d, mesh = self.alloc.num_shards, self.sharding.shard_mesh
         if plan.rows:
-            rows = len(plan.rows)
+            # D blocks of r_b rows, block i = shard i's rows (the row axis is split over `data`).
+            per = [[(slot, t) for slot, t in plan.rows if self.alloc.shard(slot) == i] for i in range(d)]
+            r_b = pow2ceil(max(max(len(p) for p in per), -(-self.cfg.min_prefill_rows // d)))
             longest = max(len(t) for _, t in plan.rows)
-            r_b = pow2ceil(max(rows, self.cfg.min_prefill_rows))
             t_b = pow2ceil(max(self.cfg.min_prefill_len, longest))
             w_b = pow2ceil(-(-t_b // self.cfg.page_size))
-            tokens = np.zeros((r_b, t_b), np.int32)
-            lengths = np.zeros((r_b,), np.int32)
-            for r, (_, toks) in enumerate(plan.rows):
-                tokens[r, :len(toks)], lengths[r] = toks, len(toks)
-            table = np.zeros((r_b, w_b), np.int32)
-            table[:rows] = self.alloc.table([slot for slot, _ in plan.rows], w_b)
+            tokens = np.zeros((d * r_b, t_b), np.int32)
+            lengths = np.zeros((d * r_b,), np.int32)
+            table = np.zeros((d * r_b, w_b), np.int32)
+            for i, rows in enumerate(per):
+                for r, (slot, toks) in enumerate(rows, start=i * r_b):
+                    tokens[r, :len(toks)], lengths[r] = toks, len(toks)
+                    table[r] = self.alloc.table([slot], w_b)[0]
             self.pools = self._device(engine.prefill, self._fwd, self._weights, self.pools,
-                                      *self.sharding.put_rows(tokens, lengths, table))
+                                      *self.sharding.put_rows(tokens, lengths, table), mesh=mesh)
             self._stats["prefill_tokens"] += int(lengths.sum())
         if plan.copies:
-            n = pow2ceil(len(plan.copies))
-            src = np.zeros((n,), np.int32)
-            dst = np.full((n,), self.num_pages, np.int32)  # out of range: dropped
-            src[:len(plan.copies)], dst[:len(plan.copies)] = zip(*plan.copies)
-            self.pools = self._device(engine.fork_pages, self.pools, jnp.asarray(src), jnp.asarray(dst))
+            per = [[(src, dst) for sh, src, dst in plan.copies if sh == i] for i in range(d)]
+            n = pow2ceil(max(len(p) for p in per))
+            src = np.zeros((d * n,), np.int32)
+            dst = np.full((d * n,), self.pages_per_shard, np.int32)  # out of range: dropped
+            for i, pairs in enumerate(per):
+                if pairs:
+                    src[i * n:i * n + len(pairs)], dst[i * n:i * n + len(pairs)] = zip(*pairs)
+            self.pools = self._device(engine.fork_pages, self.pools, *self.sharding.put_pages(src, dst), mesh=mesh)
             self._stats["page_copies"] += len(plan.copies)
 
     def _decode(self, k: int) -> list[Sequence]:
@@ -214,8 +230,9 @@ class Sampler:
         st = self._decode_state(seqs, k)
         self.pools, res = self._device(engine.decode_chunk, self._fwd, self._weights, self.pools, st,
                                        jnp.int32(k), chunk=self.cfg.chunk_steps, attention=self._attention,
-                                       block_pages=self.cfg.block_pages)
+                                       block_pages=self.cfg.block_pages, mesh=self.sharding.shard_mesh)
         toks, logps, steps = jax.device_get((res.tokens_KxB, res.logprobs_KxB, res.steps))
+        steps = int(np.max(steps))  # one count per shard with a sharded pool (shards loop on their own)
         self._stats["chunks"] += 1
         self._stats["decode_steps"] += int(steps)
         done = []

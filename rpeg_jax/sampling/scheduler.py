@@ -18,6 +18,13 @@ running slots' next chunk); `reserve` shrinks the chunk to what fits; if not eve
 the youngest group is preempted (the last member of it when it is the only group left) and requeued
 at the front. The Sampler rejects at construction a pool that cannot hold one maximal sequence, so
 one sequence alone always makes progress.
+
+Sharded pool (`ShardedPages` with D data shards; D = 1 is the plain pool): each shard has its own
+slots and pages, so every rule above holds per shard. A group is admitted WHOLE into one shard (its
+prompt is prefilled there once and forked within the shard); admission balances groups over shards
+(the shard with the most free slots, then the most free pages, among those the group fits in); the
+watermark, the chunk reservation and preemption (the youngest group of the shard that ran out) are
+per shard. The chunk length k is the same for every shard (the smallest that every shard fits).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import collections
 import dataclasses
 from typing import Any
 
-from rpeg_jax.sampling.allocator import PageAllocator
+from rpeg_jax.sampling.allocator import ShardedPages
 
 
 @dataclasses.dataclass(eq=False)
@@ -53,10 +60,11 @@ class Sequence:
 
 @dataclasses.dataclass(eq=False)
 class Group:
-    """An admission unit: sequences admitted, prefilled and preempted together."""
+    """An admission unit: sequences admitted, prefilled and preempted together, in one shard."""
 
     seqs: list[Sequence]
     order: int = -1  # admission counter (the largest is the youngest)
+    shard: int = -1  # the pool shard its slots and pages are in (while running)
 
     @property
     def fresh(self) -> bool:
@@ -66,23 +74,23 @@ class Group:
 @dataclasses.dataclass
 class AdmitPlan:
     rows: list[tuple[int, list[int]]]  # (slot, tokens to prefill at positions 0..)
-    copies: list[tuple[int, int]]  # (src_page, dst_page)
+    copies: list[tuple[int, int, int]]  # (shard, src_page, dst_page), local page ids
     groups: list[Group]
 
 
 class Scheduler:
-    def __init__(self, alloc: PageAllocator, watermark_pages: int):
+    def __init__(self, alloc: ShardedPages, watermark_pages: int):
         self.alloc = alloc
-        self.watermark_pages = watermark_pages
+        self.watermark_pages = watermark_pages  # per shard
         self.waiting: collections.deque[Group] = collections.deque()
         self.running: list[Group] = []
-        self.free_slots = list(range(alloc.max_slots))
+        self.free_slots = [list(alloc.shard_slots(d)) for d in range(alloc.num_shards)]
         self._order = 0
         self.num_preemptions = 0
 
     # ---- queries ------------------------------------------------------------------------------
-    def running_seqs(self) -> list[Sequence]:
-        return [s for g in self.running for s in g.seqs if s.slot >= 0]
+    def running_seqs(self, shard: int | None = None) -> list[Sequence]:
+        return [s for g in self.running if shard is None or g.shard == shard for s in g.seqs if s.slot >= 0]
 
     def idle(self) -> bool:
         return not self.waiting and not self.running
@@ -99,13 +107,16 @@ class Scheduler:
             return base + (len(g.seqs) - 1) * partial + len(g.seqs) * (grown - base)
         return sum(self._pf(min(s.pos + k, s.end - 1)) for s in g.seqs)
 
-    def _running_need(self, k: int) -> int:
-        return sum(self.alloc.need(s.slot, min(s.pos + k, s.end - 1)) for s in self.running_seqs())
+    def _running_need(self, k: int, shard: int) -> int:
+        return sum(self.alloc.need(s.slot, min(s.pos + k, s.end - 1)) for s in self.running_seqs(shard))
+
+    def _fits(self, k: int) -> bool:
+        return all(self._running_need(k, d) <= self.alloc.num_free(d) for d in range(self.alloc.num_shards))
 
     # ---- submission and admission ---------------------------------------------------------------
     def submit(self, seqs: list[Sequence], front: bool = False) -> None:
-        """Queue sequences as groups of at most max_slots (a larger n is split)."""
-        cap = self.alloc.max_slots
+        """Queue sequences as groups of at most one shard's slots (a larger n is split)."""
+        cap = self.alloc.slots_per_shard
         groups = [Group(seqs[i:i + cap]) for i in range(0, len(seqs), cap)]
         if front:
             self.waiting.extendleft(reversed(groups))
@@ -115,15 +126,23 @@ class Scheduler:
     def admit(self, k: int) -> AdmitPlan:
         """Place waiting groups (FIFO) while slots and pages allow; allocates prefill/fork pages."""
         plan = AdmitPlan([], [], [])
-        budget = self.alloc.num_free - self._running_need(k)
-        while self.waiting and len(self.waiting[0].seqs) <= len(self.free_slots):
+        shards = range(self.alloc.num_shards)
+        budget = [self.alloc.num_free(d) - self._running_need(k, d) for d in shards]
+        while self.waiting:
             g = self.waiting[0]
             need = self._group_need(g, k)
-            alone = not self.running
-            if need + self.watermark_pages > budget:
-                if not alone:
+            open_ = [d for d in shards if len(g.seqs) <= len(self.free_slots[d])]
+            if not open_:
+                break
+            # Balance: most free slots, then most free pages; prefer a shard the group fits in.
+            d = max(open_, key=lambda d: (need + self.watermark_pages <= budget[d], len(self.free_slots[d]),
+                                          budget[d], -d))
+            if need + self.watermark_pages > budget[d]:
+                idle = [e for e in open_ if not any(x.shard == e for x in self.running)]
+                if not idle:
                     break
-                if self._group_need(g, 1) > budget:  # even one step does not fit: split the group
+                d = max(idle, key=lambda e: (budget[e], -e))  # alone in its shard: admit anyway
+                if self._group_need(g, 1) > budget[d]:  # even one step does not fit: split the group
                     if len(g.seqs) == 1:
                         raise RuntimeError("page pool too small for one sequence (checked at construction)")
                     half = len(g.seqs) // 2
@@ -131,15 +150,17 @@ class Scheduler:
                     self.waiting.extendleft([Group(g.seqs[half:]), Group(g.seqs[:half])])
                     continue
             self.waiting.popleft()
-            self._place(g, plan)
-            budget -= need
+            self._place(g, plan, d)
+            budget[d] -= need
         return plan
 
-    def _place(self, g: Group, plan: AdmitPlan) -> None:
-        self.free_slots.sort()
+    def _place(self, g: Group, plan: AdmitPlan, shard: int) -> None:
+        free = self.free_slots[shard]
+        free.sort()
         for s in g.seqs:
-            s.slot = self.free_slots.pop(0)
+            s.slot = free.pop(0)
         g.order, self._order = self._order, self._order + 1
+        g.shard = shard
         if g.fresh:
             s0 = g.seqs[0]
             self.alloc.grow(s0.slot, s0.pos)
@@ -157,27 +178,31 @@ class Scheduler:
     # ---- chunk reservation and preemption -------------------------------------------------------
     def reserve(self, k_max: int) -> tuple[int, list[Sequence]]:
         """Reserve pages so every running slot can take k steps; returns (k, preempted). k = 0 when
-        nothing runs. Shrinks k to fit; preempts the youngest group while not even 1 step fits."""
+        nothing runs. Shrinks k to fit every shard; preempts, in a shard where not even 1 step fits,
+        that shard's youngest group until it does."""
         preempted: list[Sequence] = []
-        while self.running_seqs() and self._running_need(1) > self.alloc.num_free:
-            preempted += self.preempt_youngest()
+        for d in range(self.alloc.num_shards):
+            while self.running_seqs(d) and self._running_need(1, d) > self.alloc.num_free(d):
+                preempted += self.preempt_youngest(d)
         seqs = self.running_seqs()
         if not seqs:
             return 0, preempted
         lo, hi = 1, min(k_max, max(s.end - 1 - s.pos for s in seqs))
-        while lo < hi:  # largest k in [1, hi] whose pages fit (need is monotone in k)
+        while lo < hi:  # largest k in [1, hi] whose pages fit in every shard (need is monotone in k)
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self._running_need(mid) <= self.alloc.num_free else (lo, mid - 1)
+            lo, hi = (mid, hi) if self._fits(mid) else (lo, mid - 1)
         for s in seqs:
             self.alloc.grow(s.slot, min(s.pos + lo, s.end - 1))
         return lo, preempted
 
-    def preempt_youngest(self) -> list[Sequence]:
-        """Free the youngest group's slots and pages and requeue it at the front (tokens kept)."""
-        g = max(self.running, key=lambda g: g.order)
+    def preempt_youngest(self, shard: int = 0) -> list[Sequence]:
+        """Free the youngest group of `shard` (slots and pages) and requeue it at the front (tokens
+        kept)."""
+        mine = [g for g in self.running if g.shard == shard]
+        g = max(mine, key=lambda g: g.order)
         live = [s for s in g.seqs if s.slot >= 0]
-        if len(self.running) == 1 and len(live) > 1:
-            victims = [live[-1]]  # the only group left: shed its last member, keep the rest running
+        if len(mine) == 1 and len(live) > 1:
+            victims = [live[-1]]  # the shard's only group: shed its last member, keep the rest running
             g.seqs.remove(live[-1])
         else:
             victims = live
@@ -209,5 +234,5 @@ class Scheduler:
 
     def _release(self, s: Sequence) -> None:
         self.alloc.release(s.slot)
-        self.free_slots.append(s.slot)
+        self.free_slots[self.alloc.shard(s.slot)].append(s.slot)
         s.slot = -1

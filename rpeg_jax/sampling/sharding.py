@@ -10,8 +10,17 @@ Meshes with Explicit axes are relabelled to the same devices with Auto axes (par
 data movement): the decode loop relies on XLA's sharding propagation (gathers over data-sharded page
 tables), which Explicit mode would require spelling out at every indexing op of the model.
 
-The pools are replicated over `data` (each data shard can read any page); splitting the page pool
-per data shard is future work (it needs a per-shard allocator and shard_map'd attention).
+KV page pool over `data` (SamplerConfig.kv_pool):
+- "sharded" (default): the pools' page axis is split over `data` too, P(None, tensor, data): each of
+  the D data shards holds P/D pages of [L, K/T, P/D, S, E] (its own null page at local id 0), so KV
+  memory per device shrinks with data parallelism. Slot b lives in shard b // (B/D); its page table
+  holds local page ids (host side: `allocator.ShardedPages`, `scheduler.Scheduler`). The device
+  functions run per shard under `jax.shard_map` over `data` only (`shard_mesh`; the other axes, e.g.
+  kv heads over `tensor`, stay Auto inside), so no pool gather crosses shards and XLA never
+  all-gathers the pool (tests/test_sampler_sharded_pool.py checks the shard shapes).
+- "replicated": every data shard holds the whole pool (one allocator; XLA's propagation handles the
+  data-sharded page tables). Used, whatever kv_pool says, when there is no `data` axis > 1 or it does
+  not divide max_slots.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 
@@ -45,11 +55,15 @@ def mesh_of(params) -> jax.sharding.Mesh | None:
 
 
 class SamplerSharding:
-    def __init__(self, mesh: jax.sharding.Mesh | None, kv_heads: int, max_slots: int):
+    def __init__(self, mesh: jax.sharding.Mesh | None, kv_heads: int, max_slots: int, kv_pool: str = "sharded"):
         mesh = auto_mesh(mesh)
         self.mesh = mesh
-        self.pools = None if mesh is None else NamedSharding(mesh, P(None, _axis(mesh, "tensor", kv_heads)))
         self.slot_axis = _axis(mesh, "data", max_slots)
+        sharded = kv_pool == "sharded" and self.slot_axis is not None
+        self.pool_shards = mesh.shape["data"] if sharded else 1  # D: page-pool shards
+        self.shard_mesh = mesh if sharded else None  # the engine's shard_map mesh (None: no shard_map)
+        self.pools = None if mesh is None else NamedSharding(
+            mesh, P(None, _axis(mesh, "tensor", kv_heads), "data" if sharded else None))
 
     def place_params(self, params):
         """Relabel NamedSharding parameters onto the Auto-axes mesh (same devices, same specs)."""
@@ -72,6 +86,12 @@ class SamplerSharding:
     def put_state(self, st):
         """Decode state: every field has the slot dimension first."""
         return type(st)(*(self._put(x, self.slot_axis) for x in st))
+
+    def put_pages(self, *arrays):
+        """Fork copies (src, dst local page ids, D blocks): over `data` with a sharded pool."""
+        if self.shard_mesh is None:
+            return tuple(jnp.asarray(x) for x in arrays)
+        return tuple(self._put(x, "data") for x in arrays)
 
     def put_rows(self, *arrays):
         """Prefill inputs (rows first); rows over `data` when they divide evenly."""

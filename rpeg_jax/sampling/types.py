@@ -22,7 +22,9 @@ class SamplerConfig:
     """Engine settings (fixed for a Sampler's lifetime: they set the compiled shapes)."""
 
     page_size: int = 16  # S: tokens per KV page
-    num_pages: int | None = None  # P incl. the null page; None -> max_slots full-length sequences
+    num_pages: int | None = None  # P: GLOBAL pages incl. the null page(s); None -> max_slots
+    #   full-length sequences (+ watermark). With the pool split over D data shards each shard gets
+    #   ceil(num_pages / D) pages, one of them its null page (the total rounds up to a multiple of D)
     max_slots: int = 64  # B: concurrent sequences (decode batch)
     max_seq_len: int | None = None  # prompt + completion tokens; None -> model max positions
     chunk_steps: int = 64  # K: decode steps per jitted while_loop chunk (at most)
@@ -40,6 +42,9 @@ class SamplerConfig:
     #   layers over per-layer weight copies ("split_t": transposed copies, faster for few rows); see
     #   sampling/forward.py; auto = split on CPU (split_t up to 16 slots), model elsewhere
     kv_dtype: str | None = None  # KV pool dtype; None -> the model's compute dtype
+    kv_pool: Literal["sharded", "replicated"] = "sharded"  # on a mesh with a `data` axis D > 1 that
+    #   divides max_slots: split the page pool over data (each shard holds num_pages / D pages and
+    #   its slots' KV) or keep a whole pool per data shard; see sampling/sharding.py
     eos_token_ids: tuple[int, ...] | None = None  # None -> (model.cfg.eos_id,)
     max_stop_ids: int = 8  # N: stop token ids per sequence on device (eos + stop_token_ids)
     min_prefill_len: int = 16  # smallest prefill length bucket (powers of two above it)
@@ -67,6 +72,8 @@ class SamplerConfig:
               self.on_weight_update, "must be 'finish' or 'recompute'")
         check(self.forward in ("auto", "model", "split", "split_t"), f"{path}.forward", self.forward,
               "must be 'auto', 'model', 'split' or 'split_t'")
+        check(self.kv_pool in ("sharded", "replicated"), f"{path}.kv_pool", self.kv_pool,
+              "must be 'sharded' or 'replicated'")
         check(self.attention in ("auto", "gather", "blocked", "chunk"), f"{path}.attention", self.attention,
               "must be 'auto', 'gather', 'blocked' or 'chunk'")
 
