@@ -16,6 +16,12 @@ class PipelineConfig:
     share_actor_critic: bool = False  # one backbone with policy and value heads (PPO)
     fuse: tuple[str, ...] = ()  # subset of FUSIONS
     elide_old_forward: bool = False  # reuse the sampler's logprobs as π_old when they match the trainer's
+    # One optimizer step per batch (rl.ppo_epochs = rl.minibatches = 1): the update's own first
+    # forward runs at exactly the parameters a separate scoring pass would use, so that pass can go.
+    proximal_from_update: bool = False  # π_prox (decoupled PPO) / π_old = stop_gradient(π_θ) of the
+    #   actor update's own forward: old_forward is dropped; exact, also under staleness k >= 1
+    values_from_critic_update: bool = False  # PPO: V_φ(s_t) for GAE = stop_gradient of the critic update's
+    #   own forward (one fused program: values -> GAE -> value loss); critic_forward is dropped; exact
     microbatches: int = 1  # pieces generation is split into for streaming to downstream stages
     placement: Literal["colocated", "split"] = "colocated"
     split_sizes: tuple[int, ...] = ()  # split: devices for (generation, training)

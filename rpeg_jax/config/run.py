@@ -62,6 +62,29 @@ class RunConfig:
         if p.elide_old_forward and p.staleness > 0:
             check(False, "pipeline.elide_old_forward", True,
                   f"with pipeline.staleness={p.staleness} the proximal policy must be recomputed")
+        self._check_one_step_rewrites()
+
+    def _check_one_step_rewrites(self) -> None:
+        """pipeline.proximal_from_update / values_from_critic_update are exact only when the update
+        takes ONE optimizer step per batch (its first forward is at the scoring pass's parameters)."""
+        p, r = self.pipeline, self.rl
+        for knob in ("proximal_from_update", "values_from_critic_update"):
+            if not getattr(p, knob):
+                continue
+            for name in ("ppo_epochs", "minibatches"):
+                v = getattr(r, name)
+                check(v == 1, f"rl.{name}", v, f"pipeline.{knob}=true needs one optimizer step per batch "
+                                               f"(rl.ppo_epochs=1 and rl.minibatches=1); set it to 1 or turn the rewrite off")
+        if p.proximal_from_update:
+            check(not p.elide_old_forward, "pipeline.proximal_from_update", True,
+                  "pick one source of π_old: pipeline.elide_old_forward (sampler's logprobs) or this")
+            check(not (r.kl_in_reward and r.kl_coef > 0), "pipeline.proximal_from_update", True,
+                  "rl.kl_in_reward needs π_old before the advantages (it is known only inside the update)")
+        if p.values_from_critic_update:
+            check(r.algorithm == "ppo" and not p.share_actor_critic, "pipeline.values_from_critic_update", True,
+                  "needs a separate critic (rl.algorithm=ppo, pipeline.share_actor_critic=false)")
+            check(r.advantage_estimator == "gae", "pipeline.values_from_critic_update", True,
+                  f"the values feed GAE; rl.advantage={r.advantage_estimator!r}")
 
     @property
     def critic_model(self) -> ModelConfig:

@@ -6,7 +6,8 @@
         outputs = cs(inputs)                          # {port: value} -> {port: value}
 
 A kernel is `fn(inputs: Mapping[port, value]) -> dict[port, value]`, built by a factory
-registered per StageKind (or per tuple of kinds for a dedicated fused kernel). Ports are the
+registered per StageKind (or per tuple of kinds for a dedicated fused kernel, whose factory may
+return None for stages it does not handle: the parts are then composed). Ports are the
 names on the graph's edges (a state's name, a data node's name, or a renamed port such as the
 update's `old_logp` wired to `behav_logp` after `elide_old_forward`). The graph never imports
 the kernels: users register their own kernels for existing or new stage kinds.
@@ -89,7 +90,9 @@ class KernelRegistry:
             return self._single[st.kind](env)
         kinds = tuple(p.kind for p in st.parts)
         if kinds in self._fused:
-            return self._fused[kinds](env)
+            kernel = self._fused[kinds](env)
+            if kernel is not None:  # a dedicated fused factory may decline (None): compose the parts
+                return kernel
         return self._compose(env)
 
     def _compose(self, env: StageEnv) -> Kernel:

@@ -5,7 +5,12 @@ no-op when its effect is already present (idempotent), and raises GraphError nam
 when the rewrite is illegal. `apply_pipeline` applies what `cfg.pipeline` asks for, in the
 one order that keeps every combination legal:
 
-    elide_old_forward -> share_actor_critic -> bounded_async(k) -> fuse(...) -> microbatch -> place
+    elide_old_forward | proximal_from_update -> share_actor_critic -> values_from_critic_update
+        -> bounded_async(k) -> fuse(...) -> microbatch -> place
+
+The two one-step rewrites (proximal_from_update, values_from_critic_update) are legal only when
+the update they lean on takes ONE optimizer step per batch (workload epochs x minibatches = 1):
+its first forward then runs at exactly the parameters of the pass it replaces.
 
 Callers: `rpeg graph`, the planner (costmodel) for every candidate, and the runtime.
 """
@@ -199,6 +204,79 @@ def elide_old_forward(g: Graph) -> Graph:
     return g
 
 
+def _one_step(st: Stage, pass_name: str) -> None:
+    w = st.workload
+    if w.epochs * w.minibatches != 1:
+        raise GraphError(st.name, f"{pass_name} needs one optimizer step per batch; this update takes "
+                                  f"epochs={w.epochs} x minibatches={w.minibatches} (rl.ppo_epochs, rl.minibatches)")
+
+
+@graph_pass
+def proximal_from_update(g: Graph) -> Graph:
+    """π_old / π_prox = stop_gradient(π_θ) of the actor update's own forward; old_forward goes.
+
+    Exact when the update takes one optimizer step: its forward runs at θ_t, the parameters
+    old_forward reads, so the ratio π_θ/π_prox (value 1, gradient ∇log π_θ), the clip, and under
+    bounded asynchrony the behaviour weight π_prox/π_behav are the same numbers (decoupled PPO,
+    AReaL eq. 5: π_prox is the current actor). Legal for any k, unlike elide_old_forward. The
+    update is marked attrs['proximal'] = 'update'; consumers other than the update are illegal."""
+    if g.attrs.get("proximal_from_update"):
+        return g
+    if g.attrs.get("elided_old_forward"):
+        raise GraphError("old_forward", "elide_old_forward already replaced π_old; pick one of the two")
+    old = _plain(g, K.OLD_FORWARD, "proximal_from_update")
+    if old is None:
+        raise GraphError("old_forward", "no old_forward stage to replace")
+    if "values" in old.workload.heads:
+        raise GraphError(old.name, "old_forward also yields values (shared backbone); apply "
+                                   "proximal_from_update before share_actor_critic")
+    upd = _plain(g, K.ACTOR_UPDATE, "proximal_from_update")
+    _one_step(upd, "proximal_from_update")
+    others = [c for c in g.consumers("old_logp") if c != upd.name]
+    if others:
+        raise GraphError(others[0], "reads π_old before the actor update (e.g. rl.kl_in_reward); "
+                                    "proximal_from_update cannot serve it")
+    g.remove(old.name)
+    g.remove("old_logp")
+    g.replace_node(replace(upd, attrs={**upd.attrs, "proximal": "update"}))
+    g.attrs["proximal_from_update"] = True
+    return g
+
+
+@graph_pass
+def values_from_critic_update(g: Graph) -> Graph:
+    """V_φ(s_t) for GAE = stop_gradient of the critic update's own forward; critic_forward goes.
+
+    advantage and critic_update become one fused stage (one program): the critic's forward
+    gives the values, GAE turns them into advantages and returns, the value loss uses those
+    returns, its backward and the optimizer step follow; the advantages go to the actor update.
+    Exact when the critic takes one optimizer step (its forward runs at φ_t, the parameters
+    critic_forward reads; the clipped value loss around V_old = sg(V) has the same value and
+    gradient). Needs a separate critic (apply after share_actor_critic, which removes it)."""
+    if g.attrs.get("values_from_critic_update"):
+        return g
+    if g.attrs.get("shared"):
+        raise GraphError("critic_forward", "the backbone is shared (no critic update); "
+                                           "values_from_critic_update needs a separate critic")
+    cf = _plain(g, K.CRITIC_FORWARD, "values_from_critic_update")
+    cu = _plain(g, K.CRITIC_UPDATE, "values_from_critic_update")
+    adv = _plain(g, K.ADVANTAGE, "values_from_critic_update")
+    if cf is None or cu is None:
+        raise GraphError("critic_forward", "needs critic_forward and critic_update (rl.algorithm=ppo)")
+    _one_step(cu, "values_from_critic_update")
+    others = [c for c in g.consumers("values") if c not in (adv.name, cu.name)]
+    if others:
+        raise GraphError(others[0], "reads the values outside advantage / critic_update")
+    g.remove(cf.name)
+    g.remove("values")
+    g = fuse.__wrapped__(g, [adv.name, cu.name])
+    fused = g.stage(f"{adv.name}+{cu.name}")
+    internal = list(fused.attrs.get("internal", [])) + ["values"]
+    g.replace_node(replace(fused, attrs={**fused.attrs, "internal": internal, "values_from_update": True}))
+    g.attrs["values_from_critic_update"] = True
+    return g
+
+
 @graph_pass
 def fuse(g: Graph, stages: Sequence[str], name: str | None = None) -> Graph:
     """Run `stages` as one stage (one jitted program): e.g. ref_forward + old_forward +
@@ -343,6 +421,8 @@ def fuse_named(g: Graph, fusion: str) -> Graph:
         adv, upd = g.find(K.ADVANTAGE), g.find(K.ACTOR_UPDATE)
         if adv is None or upd is None:
             raise GraphError("advantage", "fuse=advantage needs advantage and actor_update stages")
+        if adv.attrs.get("values_from_update"):  # GAE runs inside the critic update's program already
+            return g
         return g if adv is upd else fuse(g, [adv.name, upd.name])
     raise GraphError("pipeline.fuse", f"unknown fusion {fusion!r} (forwards | advantage)")
 
@@ -351,8 +431,12 @@ def apply_pipeline(g: Graph, pipeline, rl=None) -> Graph:
     """Apply the passes a PipelineConfig asks for, in the legal order (see module docstring)."""
     if pipeline.elide_old_forward:
         g = elide_old_forward(g)
+    if pipeline.proximal_from_update:
+        g = proximal_from_update(g)
     if pipeline.share_actor_critic:
         g = share_actor_critic(g)
+    if pipeline.values_from_critic_update:
+        g = values_from_critic_update(g)
     if pipeline.staleness:
         g = bounded_async(g, pipeline.staleness, rl.behav_weight_cap if rl is not None else None)
     for fusion in pipeline.fuse:

@@ -30,7 +30,7 @@ from rpeg_jax.config.sharding import MESH_AXES
 from rpeg_jax.graph.ir import Graph, GraphError, Op, Stage
 
 KNOBS = ("staleness", "share_actor_critic", "fuse", "elide_old_forward", "microbatches", "placement",
-         "split_sizes")
+         "split_sizes", "proximal_from_update", "values_from_critic_update")
 PLAN_VERSION = 1
 
 

@@ -6,6 +6,7 @@ The runtime calls:
   make_actor_update / make_critic_update / make_actor_critic_update(fn, tx, rl_cfg,
                                                                     accum_dtype=grad_dtype(optim_cfg))
       -> update(params, opt_state, batch, rng=None) -> (params, opt_state, metrics)
+  make_critic_values_update(fn, tx, rl_cfg) -> update(...) -> (params, opt_state, metrics, {values_BxR})
   batch_metrics(batch, version=...) -> reward/*, response_length/*, ... metrics
 rl imports no model code: the forward is a function handed in (see rl.update).
 """
@@ -19,7 +20,7 @@ from rpeg_jax.rl.masked import masked_mean, masked_sum, masked_var, masked_white
 from rpeg_jax.rl.metrics import batch_metrics
 from rpeg_jax.rl.optimizer import current_lr, grad_dtype, make_optimizer, make_schedule, optimizer_steps
 from rpeg_jax.rl.update import (ACTOR_KEYS, CRITIC_KEYS, check_batch, make_actor_critic_update,
-                                make_actor_update, make_critic_update, make_update)
+                                make_actor_update, make_critic_update, make_critic_values_update, make_update)
 
 __all__ = [
     "compute_advantages", "gae", "grpo_advantages", "last_token_mask", "rloo_advantages", "token_rewards",
@@ -27,5 +28,5 @@ __all__ = [
     "ppo_token_loss", "value_token_loss", "masked_mean", "masked_sum", "masked_var", "masked_whiten",
     "batch_metrics", "current_lr", "grad_dtype", "make_optimizer", "make_schedule", "optimizer_steps",
     "ACTOR_KEYS", "CRITIC_KEYS", "check_batch", "make_actor_critic_update", "make_actor_update",
-    "make_critic_update", "make_update",
+    "make_critic_update", "make_critic_values_update", "make_update",
 ]

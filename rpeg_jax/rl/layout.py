@@ -86,6 +86,18 @@ def split_tree(tree, n: int, group_size: int = 1):
     return jax.tree.map(lambda x: split_rows(x, n), tree)
 
 
+def merge_rows(y, group_size: int = 1):
+    """The inverse of split_rows / split_groups: [n, B/n, ...] -> [B, ...] in the original order."""
+    n, m, rest = y.shape[0], y.shape[1], tuple(y.shape[2:])
+    if group_size > 1:
+        return y.reshape((n, m // group_size, group_size) + rest).swapaxes(0, 1).reshape((n * m,) + rest)
+    x = y.swapaxes(0, 1)
+    spec = explicit_spec(x)
+    if spec is None:
+        return x.reshape((n * m,) + rest)
+    return jax.lax.reshape(x, (n * m,) + rest, out_sharding=jax.P(spec[0], *spec[2:]))
+
+
 def replicated(x):
     """x with every axis unsharded (a reshard under explicit sharding, else x itself)."""
     if explicit_spec(x) is None:

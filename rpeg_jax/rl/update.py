@@ -20,6 +20,12 @@ and optimizer state and is counted in `<prefix>/nan_skipped`; with rl.on_nan=sto
 `<prefix>/nan_stop` is 1 and the runtime must stop the run. A minibatch with no response tokens is
 skipped too (`<prefix>/empty_skipped`).
 Other metrics are means over the applied steps (NaN if none was applied).
+
+One-step rewrites (graph passes proximal_from_update / values_from_critic_update; need
+rl.ppo_epochs = rl.minibatches = 1, else ConfigError): `make_actor_update(...,
+proximal_from_update=True)` takes π_old = stop_gradient(logp) of its own forward (no old_logp_BxR
+in the batch); `make_critic_values_update` takes V_old = stop_gradient(V) of its own forward,
+computes the returns by GAE inside the loss, and also returns those values (for the advantages).
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ import jax.numpy as jnp
 import optax
 
 from rpeg_jax.config.base import check
-from rpeg_jax.rl.layout import group_permutation, permute_tree, split_tree
+from rpeg_jax.rl.advantages import compute_advantages
+from rpeg_jax.rl.layout import group_permutation, merge_rows, permute_tree, split_tree
 from rpeg_jax.rl.losses import actor_objective, agg_weights, critic_objective
 from rpeg_jax.rl.masked import masked_count
 from rpeg_jax.rl.optimizer import current_lr
@@ -63,8 +70,9 @@ def _tree_where(ok, new, old):
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
-def _minibatch_grads(grad_fn, params, mb, cfg, accum_dtype, group_size):
-    """(loss, summed metrics, grads) of one minibatch, accumulated over micro-batches."""
+def _minibatch_grads(grad_fn, params, mb, cfg, accum_dtype, group_size, rows=False):
+    """(loss, summed metrics, grads) of one minibatch, accumulated over micro-batches.
+    rows: the aux is (metrics, {key: [b, ...]}); the per-row arrays are put back in row order."""
     loss_w, tok_w = agg_weights(mb[MASK], cfg.loss_agg, cfg.loss_agg_norm)
     cast = lambda g: jax.tree.map(lambda x: x.astype(accum_dtype), g)  # noqa: E731
     if cfg.micro_batches == 1:
@@ -78,6 +86,10 @@ def _minibatch_grads(grad_fn, params, mb, cfg, accum_dtype, group_size):
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=accum_dtype), params)
     pieces = split_tree((mb, loss_w, tok_w), cfg.micro_batches, group_size)
     grads, (losses, auxs) = jax.lax.scan(body, zeros, pieces)
+    if rows:
+        metrics, per_row = auxs
+        return (jnp.sum(losses), (jax.tree.map(lambda x: jnp.sum(x, 0), metrics),
+                                  jax.tree.map(lambda y: merge_rows(y, group_size), per_row)), grads)
     return jnp.sum(losses), jax.tree.map(lambda x: jnp.sum(x, 0), auxs), grads
 
 
@@ -103,16 +115,30 @@ def _summarise(stats, opt_state, cfg, prefix):
     return out
 
 
+def check_one_step(cfg, what: str) -> None:
+    """The one-step rewrites are exact only when the update takes one optimizer step per batch."""
+    for name in ("ppo_epochs", "minibatches"):
+        v = getattr(cfg, name)
+        check(v == 1, f"rl.{name}", v, f"{what} needs one optimizer step per batch (rl.ppo_epochs=1, "
+                                       f"rl.minibatches=1)")
+
+
 def make_update(loss_fn, optimizer: optax.GradientTransformation, cfg, *, prefix: str,
-                needs=(MASK,), accum_dtype=jnp.float32, group_size: int = 1):
+                needs=(MASK,), accum_dtype=jnp.float32, group_size: int = 1, rows: bool = False):
     """Generic update step from `loss_fn(params, mb, loss_w_BxR, tok_w_BxR) -> (loss, metrics)`,
     whose metrics must be additive over micro-batches (sums weighted by tok_w or loss_w).
-    group_size > 1: shuffles and splits keep groups of that many consecutive rows together."""
+    group_size > 1: shuffles and splits keep groups of that many consecutive rows together.
+    rows=True (one optimizer step only): loss_fn returns (loss, (metrics, {key: [B, ...]})) and
+    the update returns those per-row arrays as a 4th output, in batch order; `rng` is not used
+    (one step over one minibatch: a shuffle would only reorder the micro-batches of one sum)."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if rows:
+        check_one_step(cfg, f"{prefix} update with per-row outputs")
 
     def step(carry, mb):
         params, opt_state = carry
-        loss, aux, grads = _minibatch_grads(grad_fn, params, mb, cfg, accum_dtype, group_size)
+        loss, aux, grads = _minibatch_grads(grad_fn, params, mb, cfg, accum_dtype, group_size, rows)
+        aux, per_row = aux if rows else (aux, None)
         gnorm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         empty = masked_count(mb[MASK]) == 0
@@ -124,7 +150,7 @@ def make_update(loss_fn, optimizer: optax.GradientTransformation, cfg, *, prefix
         carry = (_tree_where(ok, new_params, params), _tree_where(ok, new_state, opt_state))
         stats = dict(aux, ok=ok, finite=finite, empty=empty)
         stats.update({f"{prefix}/loss": loss, f"{prefix}/grad_norm": gnorm})
-        return carry, stats
+        return carry, (stats, per_row) if rows else stats
 
     def update(params, opt_state, batch: dict, rng=None):
         check_batch(batch, needs, cfg, f"{prefix}_update", group_size)
@@ -138,18 +164,33 @@ def make_update(loss_fn, optimizer: optax.GradientTransformation, cfg, *, prefix
                 data = permute_tree(batch, index)
             return jax.lax.scan(step, carry, split_tree(data, cfg.minibatches, group_size))
 
-        keys = None if rng is None else jax.random.split(rng, cfg.ppo_epochs)
+        keys = None if rng is None or rows else jax.random.split(rng, cfg.ppo_epochs)
         (params, opt_state), stats = jax.lax.scan(epoch, (params, opt_state), keys, length=cfg.ppo_epochs)
+        if rows:
+            stats, per_row = stats
+            per_row = jax.tree.map(lambda x: x[0, 0], per_row)  # [epochs=1, minibatches=1, B, ...]
+            return params, opt_state, _summarise(dict(stats), opt_state, cfg, prefix), per_row
         return params, opt_state, _summarise(dict(stats), opt_state, cfg, prefix)
 
     return update
 
 
-def make_actor_update(policy_fn, optimizer, cfg, *, accum_dtype=jnp.float32, group_size: int = 1):
+def _proximal(out: dict, mb: dict, on: bool) -> dict:
+    """proximal_from_update: π_old = π_θ without gradient, from this very forward (one step: θ = θ_t)."""
+    return {**mb, "old_logp_BxR": jax.lax.stop_gradient(out["logp"])} if on else mb
+
+
+def make_actor_update(policy_fn, optimizer, cfg, *, accum_dtype=jnp.float32, group_size: int = 1,
+                      proximal_from_update: bool = False):
     """Policy update (PPO/GRPO/GSPO surrogate, decoupled/TIS weights, KL and entropy terms)."""
+    if proximal_from_update:
+        check_one_step(cfg, "pipeline.proximal_from_update")
+
     def loss_fn(params, mb, loss_w, tok_w):
-        return actor_objective(policy_fn(params, mb), mb, cfg, loss_w, tok_w)
-    return make_update(loss_fn, optimizer, cfg, prefix="actor", needs=ACTOR_KEYS, accum_dtype=accum_dtype,
+        out = policy_fn(params, mb)
+        return actor_objective(out, _proximal(out, mb, proximal_from_update), cfg, loss_w, tok_w)
+    needs = tuple(k for k in ACTOR_KEYS if not (proximal_from_update and k == "old_logp_BxR"))
+    return make_update(loss_fn, optimizer, cfg, prefix="actor", needs=needs, accum_dtype=accum_dtype,
                        group_size=group_size)
 
 
@@ -161,12 +202,34 @@ def make_critic_update(value_fn, optimizer, cfg, *, accum_dtype=jnp.float32, gro
                        group_size=group_size)
 
 
-def make_actor_critic_update(policy_fn, optimizer, cfg, *, accum_dtype=jnp.float32, group_size: int = 1):
+def make_critic_values_update(value_fn, optimizer, cfg, *, accum_dtype=jnp.float32, group_size: int = 1):
+    """values_from_critic_update: the critic's one optimizer step with V_old = stop_gradient(V) of
+    its own forward and the returns computed from it by GAE inside the loss (returns are per row
+    and never whitened, so each micro-batch computes its own). update(...) -> (params, opt_state,
+    metrics, {"values_BxR": V_old in batch order}); the caller computes the advantages from them."""
+    check_one_step(cfg, "pipeline.values_from_critic_update")
+
+    def loss_fn(params, mb, loss_w, tok_w):
+        out = value_fn(params, mb)
+        v = jax.lax.stop_gradient(out["values"])
+        ret = compute_advantages({**mb, "values_BxR": v}, cfg)[0]["returns_BxR"]
+        loss, metrics = critic_objective(out, {**mb, "values_BxR": v, "returns_BxR": ret}, cfg, loss_w, tok_w)
+        return loss, (metrics, {"values_BxR": v})
+    return make_update(loss_fn, optimizer, cfg, prefix="critic", needs=(MASK, "rewards_B"),
+                       accum_dtype=accum_dtype, group_size=group_size, rows=True)
+
+
+def make_actor_critic_update(policy_fn, optimizer, cfg, *, accum_dtype=jnp.float32, group_size: int = 1,
+                             proximal_from_update: bool = False):
     """One backbone with policy and value heads: L = L_actor + c_v·L_v (policy_fn returns values)."""
+    if proximal_from_update:
+        check_one_step(cfg, "pipeline.proximal_from_update")
+
     def loss_fn(params, mb, loss_w, tok_w):
         out = policy_fn(params, mb)
-        a_loss, a_metrics = actor_objective(out, mb, cfg, loss_w, tok_w)
+        a_loss, a_metrics = actor_objective(out, _proximal(out, mb, proximal_from_update), cfg, loss_w, tok_w)
         v_loss, v_metrics = critic_objective(out, mb, cfg, loss_w, tok_w)
         return a_loss + cfg.vf_coef * v_loss, {**a_metrics, **v_metrics}
-    return make_update(loss_fn, optimizer, cfg, prefix="actor", needs=ACTOR_KEYS + CRITIC_KEYS[1:],
-                       accum_dtype=accum_dtype, group_size=group_size)
+    needs = tuple(k for k in ACTOR_KEYS + CRITIC_KEYS[1:] if not (proximal_from_update and k == "old_logp_BxR"))
+    return make_update(loss_fn, optimizer, cfg, prefix="actor", needs=needs, accum_dtype=accum_dtype,
+                       group_size=group_size)

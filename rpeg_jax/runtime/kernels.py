@@ -34,7 +34,7 @@ from rpeg_jax.graph.ir import StageKind
 from rpeg_jax.models.logprobs import token_logprobs
 from rpeg_jax.models.prefix import group_hidden, group_token_logprobs
 from rpeg_jax.rl import (batch_metrics, compute_advantages, grad_dtype, make_actor_critic_update, make_actor_update,
-                         make_critic_update)
+                         make_critic_update, make_critic_values_update)
 from rpeg_jax.runtime import rollouts
 from rpeg_jax.sharding.axes import explicit_spec
 
@@ -160,20 +160,21 @@ def critic_forward(env: StageEnv) -> Kernel:
     return Kernel(lambda i: {"values": fwd(i[src], i["completions"])["values"]})
 
 
-def advantage(env: StageEnv) -> Kernel:
-    cfg = env.context.cfg.rl
+def _advantages(batch: dict, ctx, step):
+    out, metrics = compute_advantages(batch, ctx.cfg.rl)
+    metrics.update(batch_metrics({**batch, **out}, version=step, max_response_len=ctx.cfg.rollout.max_new_tokens))
+    return out, metrics
 
+
+def advantage(env: StageEnv) -> Kernel:
     def fn(i):
-        batch = _rl_batch(i, _BATCH_KEYS)
-        out, metrics = compute_advantages(batch, cfg)
-        metrics.update(batch_metrics({**batch, **out}, version=i["_step"],
-                                     max_response_len=env.context.cfg.rollout.max_new_tokens))
+        out, metrics = _advantages(_rl_batch(i, _BATCH_KEYS), env.context, i["_step"])
         return {"advantages": out["advantages_BxR"], "returns": out["returns_BxR"], "metrics": metrics}
 
     return Kernel(fn)
 
 
-def _grouped_update(make, graphdef, optimizer, ctx, accum_dtype, devices, **fwd_kw):
+def _grouped_update(make, graphdef, optimizer, ctx, accum_dtype, devices, make_kw=None, **fwd_kw):
     """update(params, opt_state, batch, rng) that shares each group's prompt in its forward passes
     when the batch's minibatches and micro-batches split into whole groups (decided per batch
     shape while tracing; the forward and the update's shuffles agree on it)."""
@@ -185,20 +186,26 @@ def _grouped_update(make, graphdef, optimizer, ctx, accum_dtype, devices, **fwd_
         if g not in updates:
             fwd = forward_fn(graphdef, temperature=ctx.temperature, group_size=g, **fwd_kw)
             updates[g] = make(lambda params, mb: fwd(params, mb), optimizer, rl, accum_dtype=accum_dtype,
-                              group_size=g)
+                              group_size=g, **(make_kw or {}))
         return updates[g](params, opt_state, batch, rng)
 
     return update
 
 
+def _attr(env: StageEnv, name: str):
+    """A stage attribute set on the stage or (fused) on one of its parts."""
+    return env.stage.attrs.get(name) or next((p.attrs[name] for p in env.stage.parts if p.attrs.get(name)), None)
+
+
 def actor_update(env: StageEnv) -> Kernel:
     ctx = env.context
-    shared = bool(env.stage.attrs.get("value_loss")) or any(
-        p.attrs.get("value_loss") for p in env.stage.parts)
+    shared = _attr(env, "value_loss")
+    proximal = _attr(env, "proximal") == "update"  # graph pass proximal_from_update: π_old = sg(own logp)
     rl = ctx.cfg.rl
     make = make_actor_critic_update if shared else make_actor_update
     update = _grouped_update(make, ctx.graphdefs["actor"], ctx.optimizers["actor"], ctx, grad_dtype(ctx.cfg.optim),
-                             _devices(env), logp=True, entropy=rl.entropy_coef > 0, values=shared)
+                             _devices(env), make_kw={"proximal_from_update": proximal}, logp=True,
+                             entropy=rl.entropy_coef > 0, values=shared)
 
     def fn(i):
         batch = _rl_batch(i, _BATCH_KEYS)
@@ -220,6 +227,28 @@ def critic_update(env: StageEnv) -> Kernel:
         rng = jax.random.fold_in(ctx.update_key, i["_step"] + 1_000_003)
         params, opt_state, metrics = update(i["critic"], i["critic_opt"], batch, rng)
         return {"critic": params, "critic_opt": opt_state, "metrics": metrics}
+
+    return Kernel(fn, donate=("critic", "critic_opt"))
+
+
+def critic_values_update(env: StageEnv) -> Kernel | None:
+    """advantage+critic_update after values_from_critic_update: ONE program in which the critic's
+    forward gives V_old = sg(V) (its one optimizer step runs at φ_t, where critic_forward ran), the
+    value loss uses GAE returns from them, and the advantages (GAE, whitened if asked, exactly as
+    the advantage stage) go to the actor update. None (compose the parts) for a plain fusion."""
+    if not env.stage.attrs.get("values_from_update"):
+        return None
+    ctx = env.context
+    update = _grouped_update(make_critic_values_update, ctx.graphdefs["critic"], ctx.optimizers["critic"], ctx,
+                             grad_dtype(ctx.cfg.critic_optim or ctx.cfg.optim), _devices(env), logp=False,
+                             entropy=False, values=True)
+
+    def fn(i):
+        batch = _rl_batch(i, _BATCH_KEYS)
+        params, opt_state, metrics, rows = update(i["critic"], i["critic_opt"], batch, None)
+        out, adv_metrics = _advantages({**batch, **rows}, ctx, i["_step"])
+        return {"critic": params, "critic_opt": opt_state, "advantages": out["advantages_BxR"],
+                "metrics": {**adv_metrics, **metrics}}
 
     return Kernel(fn, donate=("critic", "critic_opt"))
 
@@ -273,4 +302,5 @@ def default_registry() -> KernelRegistry:
                           (K.ADVANTAGE, advantage), (K.ACTOR_UPDATE, actor_update),
                           (K.CRITIC_UPDATE, critic_update), (K.WEIGHT_SYNC, weight_sync)):
         reg.register(kind, factory)
+    reg.register_fused((K.ADVANTAGE, K.CRITIC_UPDATE), critic_values_update)
     return reg

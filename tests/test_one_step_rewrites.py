@@ -1,0 +1,166 @@
+"""The one-step rewrites (graph passes proximal_from_update, values_from_critic_update): the graph
+they produce, their legality (one optimizer step per batch, else a ConfigError / GraphError naming
+the field), and end to end: the same seed gives the same metrics and parameters as the plain
+pipeline that runs old_forward / critic_forward (float32 tolerance, tiny model, 2 steps)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from rpeg_jax import rl
+from rpeg_jax.config import ConfigError, RLConfig, load_config
+from rpeg_jax.graph.algorithms import build_graph
+from rpeg_jax.graph.ir import GraphError, StageKind
+from rpeg_jax.graph.passes import (apply_pipeline, bounded_async, fuse_named, proximal_from_update,
+                                   share_actor_critic, values_from_critic_update)
+from rpeg_jax.runtime.rollouts import step_flops
+
+from test_rl_update import make_case, policy_fn, value_fn
+from test_runtime import TINY, assert_same_run, run
+
+SIZES = ["data.prompts_per_step=4", "rl.group_size=2", "data.max_prompt_len=5", "rollout.max_new_tokens=7"]
+
+
+def graph(*overrides):
+    return build_graph(load_config(None, [*SIZES, *overrides]))
+
+
+def kinds(g):
+    return sorted(p.kind.value for s in g.stages() for p in (s.parts or (s,)))
+
+
+# ---- the passes ---------------------------------------------------------------------------------
+def test_proximal_from_update_drops_old_forward_also_under_staleness():
+    g = bounded_async(proximal_from_update(graph("rl.kl_coef=0.1")), 1)
+    assert "old_forward" not in g.stage_names() and "old_logp" not in g.nodes
+    upd = g.stage("actor_update")
+    assert upd.attrs["proximal"] == "update" and upd.attrs["decoupled"]
+    assert {e.port for e in g.inputs("actor_update")} >= {"behav_logp", "ref_logp", "advantages"}
+    assert "old_logp" not in {e.port for e in g.inputs("actor_update")}
+    assert proximal_from_update(g).nodes == g.nodes  # idempotent
+    # With a shared backbone the values come from critic_forward reading the actor, as after elision.
+    s = share_actor_critic(proximal_from_update(graph("rl.algorithm=ppo")))
+    assert ("actor", "critic_forward") in {(e.src, e.dst) for e in s.edges}
+
+
+def test_values_from_critic_update_fuses_gae_into_the_critic_update():
+    plain = graph("rl.algorithm=ppo")
+    g = values_from_critic_update(plain)
+    assert "critic_forward" not in g.stage_names() and "values" not in g.nodes
+    st = g.stage("advantage+critic_update")
+    assert [p.kind for p in st.parts] == [StageKind.ADVANTAGE, StageKind.CRITIC_UPDATE]
+    assert st.attrs["values_from_update"] and set(st.attrs["internal"]) == {"returns", "values"}
+    assert g.producer("advantages") == st.name and "actor_update" in g.consumers("advantages")
+    assert sorted(kinds(g) + ["critic_forward"]) == kinds(plain)
+    assert fuse_named(g, "advantage").nodes == g.nodes  # GAE already inside the critic's program
+    both = apply_pipeline(plain, load_config(None, [*SIZES, "rl.algorithm=ppo", "pipeline.staleness=1",
+                                                    "pipeline.proximal_from_update=true",
+                                                    "pipeline.values_from_critic_update=true",
+                                                    "pipeline.fuse=[forwards,advantage]"]).pipeline)
+    assert sorted(both.stage_names()) == ["actor_update", "advantage+critic_update", "generate", "reward",
+                                          "weight_sync"]
+
+
+def test_one_step_rewrites_reject_several_optimizer_steps():
+    for field in ("ppo_epochs", "minibatches"):
+        for knob in ("proximal_from_update", "values_from_critic_update"):
+            with pytest.raises(ConfigError, match=f"rl.{field}") as e:
+                load_config(None, [*SIZES, "rl.algorithm=ppo", f"rl.{field}=2", f"pipeline.{knob}=true"])
+            assert e.value.value == 2
+        g = graph("rl.algorithm=ppo", f"rl.{field}=2")  # the passes check it too (planner plans)
+        with pytest.raises(GraphError, match="one optimizer step"):
+            proximal_from_update(g)
+        with pytest.raises(GraphError, match="one optimizer step"):
+            values_from_critic_update(g)
+    with pytest.raises(ConfigError, match="pipeline.proximal_from_update"):
+        load_config(None, [*SIZES, "pipeline.elide_old_forward=true", "pipeline.proximal_from_update=true"])
+    with pytest.raises(ConfigError, match="pipeline.values_from_critic_update"):
+        load_config(None, [*SIZES, "pipeline.values_from_critic_update=true"])  # GRPO: no critic
+    with pytest.raises(GraphError, match="separate critic"):
+        values_from_critic_update(share_actor_critic(graph("rl.algorithm=ppo")))
+
+
+def test_useful_flops_never_count_a_pass_one_step_makes_redundant():
+    stats = {"resp": 3, "prompt": 5, "seq": 8, "resp_ctx": 3 * 6.5, "prompt_sq": 12.5}
+    one = load_config(None, [*SIZES, "rl.algorithm=ppo", "pipeline.staleness=1"])
+    two = load_config(None, [*SIZES, "rl.algorithm=ppo", "pipeline.staleness=1", "rl.minibatches=2"])
+    on = load_config(None, [*SIZES, "rl.algorithm=ppo", "pipeline.staleness=1", "pipeline.proximal_from_update=true",
+                            "pipeline.values_from_critic_update=true"])
+    assert step_flops(one, stats) == step_flops(on, stats) < step_flops(two, stats)
+
+
+# ---- the update functions against the plain two-pass computation ---------------------------------
+def _close(a, b, tol=1e-6):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("micro,group", [(1, 1), (2, 1), (2, 2)])
+def test_critic_values_update_equals_forward_then_gae_then_update(micro, group):
+    """V_old and the GAE returns from the update's own forward = a separate forward, then GAE, then
+    the plain critic update; the values come back in batch order (micro-batches and groups split
+    the rows: their order is undone)."""
+    params, batch = make_case(3, critic=True)
+    del batch["values_BxR"], batch["returns_BxR"]
+    batch["rewards_B"] = jnp.asarray(np.random.default_rng(1).normal(size=batch["row_B"].shape), jnp.float32)
+    cfg = RLConfig(algorithm="ppo", micro_batches=micro, value_clip=0.2, gamma=0.9, lam=0.8)
+    opt = optax.adam(0.05)
+    values = value_fn(params, batch)["values"]
+    ret = rl.compute_advantages({**batch, "values_BxR": values}, cfg)[0]["returns_BxR"]
+    plain = jax.jit(rl.make_critic_update(value_fn, opt, cfg, group_size=group))
+    want_p, want_s, want_m = plain(params, opt.init(params), {**batch, "values_BxR": values, "returns_BxR": ret})
+    fused = jax.jit(rl.make_critic_values_update(value_fn, opt, cfg, group_size=group))
+    got_p, got_s, got_m, rows = fused(params, opt.init(params), batch)
+    _close(rows["values_BxR"], values, 0.0)
+    _close((got_p, got_s), (want_p, want_s))
+    for k in ("critic/vf_loss", "critic/grad_norm", "critic/vf_clipfrac"):
+        np.testing.assert_allclose(got_m[k], want_m[k], rtol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_actor_proximal_from_update_equals_a_separate_proximal_pass(decoupled):
+    """π_old = sg(logp) of the update's forward = π_old from a separate forward at the same θ: the
+    loss, its gradient and (decoupled) the behaviour weights π_prox/π_behav agree."""
+    params, batch = make_case(4, behav_noise=0.3 if decoupled else 0.0)
+    if not decoupled:
+        del batch["behav_logp_BxR"]
+    cfg = RLConfig(kl_coef=0.05, entropy_coef=0.01, behav_weight_cap=2.0, micro_batches=2)
+    opt = optax.adam(0.05)
+    batch["old_logp_BxR"] = policy_fn(params, batch)["logp"]  # the separate pass at θ_t
+    want = jax.jit(rl.make_actor_update(policy_fn, opt, cfg))(params, opt.init(params), batch)
+    del batch["old_logp_BxR"]
+    got = jax.jit(rl.make_actor_update(policy_fn, opt, cfg, proximal_from_update=True))(params, opt.init(params), batch)
+    _close(got[:2], want[:2])
+    for k, v in want[2].items():
+        np.testing.assert_allclose(got[2][k], v, rtol=1e-6, atol=1e-7, err_msg=k)
+    with pytest.raises(ConfigError, match="rl.ppo_epochs"):
+        rl.make_actor_update(policy_fn, opt, RLConfig(ppo_epochs=2), proximal_from_update=True)
+
+
+# ---- end to end: the same numbers as the plain pipeline ------------------------------------------
+def test_proximal_from_update_equals_recomputed_proximal_under_staleness(tmp_path):
+    """GRPO, k = 1 (decoupled PPO: behaviour weights π_prox/π_behav), with a KL term and entropy."""
+    grpo = TINY + ["rl.kl_coef=0.04", "rl.entropy_coef=0.01", "pipeline.staleness=1"]
+    assert_same_run(run(tmp_path, "recomputed", grpo, steps=2),
+                    run(tmp_path, "rewritten", grpo + ["pipeline.proximal_from_update=true"], steps=2))
+
+
+def test_ppo_one_step_rewrites_equal_the_plain_pipeline(tmp_path):
+    """PPO with a critic, synchronous: values from the critic update (GAE in its program) and π_old
+    from the actor update; also the same with micro-batches (the values come back in row order)."""
+    ppo = TINY + ["rl.algorithm=ppo", "rl.kl_coef=0.04"]
+    plain = run(tmp_path, "plain", ppo, steps=2)
+    assert_same_run(plain, run(tmp_path, "rewritten", ppo + ["pipeline.values_from_critic_update=true",
+                                                             "pipeline.proximal_from_update=true"], steps=2))
+
+
+@pytest.mark.slow
+def test_ppo_one_step_rewrites_under_staleness_and_micro_batches(tmp_path):
+    ppo = TINY + ["rl.algorithm=ppo", "rl.kl_coef=0.04", "pipeline.staleness=1", "rl.micro_batches=2",
+                  "rl.whiten_advantages=true"]
+    assert_same_run(run(tmp_path, "plain", ppo, steps=2),
+                    run(tmp_path, "rewritten", ppo + ["pipeline.values_from_critic_update=true",
+                                                      "pipeline.proximal_from_update=true",
+                                                      "pipeline.fuse=[forwards,advantage]"], steps=2))
