@@ -44,8 +44,10 @@ def prompt_share(cfg, prompt, passes_actor, passes_critic):
 @pytest.mark.parametrize("overrides,actor,critic", [
     ([], 3, 0),                                          # GRPO: update = forward + backward
     (["rl.kl_coef=0.04"], 4, 0),                         # + reference forward
-    (["rl.kl_coef=0.04", "pipeline.staleness=1"], 5, 0),  # + proximal-policy forward (decoupled PPO)
-    (["rl.algorithm=ppo"], 3, 4),                        # critic: value forward + update
+    (["rl.kl_coef=0.04", "pipeline.staleness=1", "rl.minibatches=2"], 5, 0),  # + proximal forward (decoupled PPO)
+    (["rl.kl_coef=0.04", "pipeline.staleness=1"], 4, 0),  # one optimizer step: π_prox from the update's forward
+    (["rl.algorithm=ppo", "rl.minibatches=2"], 3, 4),    # critic: value forward + update
+    (["rl.algorithm=ppo"], 3, 3),                        # one step: the values from the critic update's forward
     (["rl.algorithm=ppo", "pipeline.share_actor_critic=true"], 3, 0),
 ])
 def test_step_flops_match_a_per_matrix_count(overrides, actor, critic):

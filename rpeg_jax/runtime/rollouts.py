@@ -227,11 +227,17 @@ def step_flops(cfg, stats: dict) -> float:
     forward and update (4 passes of the critic, no LM head) unless the backbone is shared (then
     the value head rides on the actor's passes), and the proximal-policy forward only under
     bounded asynchrony (on-policy, the sampler's logprobs serve). Padding, prompt logits, a
-    group's prompt beyond its first copy and passes a rewrite removes are not useful work."""
+    group's prompt beyond its first copy and passes a rewrite removes are not useful work.
+    With one optimizer step per batch (rl.ppo_epochs = rl.minibatches = 1) the update's own forward
+    runs at the scoring pass's parameters, so neither the proximal forward nor the critic's values
+    forward is needed (graph passes proximal_from_update / values_from_critic_update), whether or
+    not the run applies those rewrites: every variant of a workload has the same useful FLOPs."""
     rl = cfg.rl
+    one_step = rl.ppo_epochs * rl.minibatches == 1
     actor = pass_flops(cfg.model, stats, rl.group_size)
     flops = generation_flops(cfg, stats) + 3 * rl.ppo_epochs * actor
-    flops += actor * (int(rl.kl_coef > 0) + int(cfg.pipeline.staleness > 0))
+    flops += actor * (int(rl.kl_coef > 0) + int(cfg.pipeline.staleness > 0 and not one_step))
     if rl.algorithm == "ppo" and not cfg.pipeline.share_actor_critic:
-        flops += (1 + 3 * rl.ppo_epochs) * pass_flops(cfg.critic_model, stats, rl.group_size, logits=False)
+        values = int(not one_step)
+        flops += (values + 3 * rl.ppo_epochs) * pass_flops(cfg.critic_model, stats, rl.group_size, logits=False)
     return float(flops)
