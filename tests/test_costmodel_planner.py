@@ -78,14 +78,15 @@ def test_slow_links_rule_out_tensor_parallelism():
 
 
 def test_long_tail_favours_bounded_asynchrony_when_allowed():
-    # (Without elision: skipping old_forward makes the synchronous plan as fast on this workload.
-    # With a KL reference pass: the training side must be long enough for the overlap to pay; with the
-    # group's prompt run once in the training passes, GRPO without KL leaves too little of it here.)
-    cfg = cfg_of("costmodel.max_staleness=1", "costmodel.search_elide_old_forward=false", "rl.kl_coef=0.04")
+    # (Without elision nor π_prox from the update: skipping old_forward makes the synchronous plan as
+    # fast on this workload. With a KL reference pass: the training side must be long enough for the
+    # overlap to pay; with the group's prompt run once in the training passes, GRPO without KL leaves
+    # too little of it here.)
+    keep = ("costmodel.search_elide_old_forward=false", "costmodel.search_one_step_rewrites=false", "rl.kl_coef=0.04")
+    cfg = cfg_of("costmodel.max_staleness=1", *keep)
     res = P.search(cfg, 16, GH)
     assert res.chosen.knobs["staleness"] == 1
-    sync_only = P.search(cfg_of("costmodel.max_staleness=0", "costmodel.search_elide_old_forward=false",
-                                "rl.kl_coef=0.04"), 16, GH)
+    sync_only = P.search(cfg_of("costmodel.max_staleness=0", *keep), 16, GH)
     assert sync_only.chosen.knobs["staleness"] == 0
     assert res.chosen.step_time_s < sync_only.chosen.step_time_s
 
@@ -286,7 +287,7 @@ def test_shared_host_may_leave_devices_idle_but_gpus_use_all():
 
 
 def test_elide_old_forward_is_searched_and_priced():
-    cfg = load_config(None, [])
+    cfg = load_config(None, ["costmodel.search_one_step_rewrites=false"])  # old_forward kept unless elided
     ctx = P.make_context(cfg, 4, GH)
     opts = P.structural_options(ctx, "colocated", False)
     assert {o.elide_old_forward for o in opts} == {False, True}

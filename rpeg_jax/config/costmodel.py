@@ -33,6 +33,8 @@ class CostModelConfig:
     search_fusion: bool = True  # may fuse forwards / advantage
     search_elide_old_forward: bool = True  # may reuse the sampler's logprobs as π_old when k = 0 and the
     #   sampler's distribution is the trainer's (no top_k / top_p / min_p truncation)
+    search_one_step_rewrites: bool = True  # with one optimizer step per batch, plans take π_prox and the
+    #   critic's values from the updates' own forwards (pipeline.proximal_from_update / values_from_critic_update)
     tensor_sizes: tuple[int, ...] = (1, 2, 4, 8)  # tensor-parallel degrees tried
     runners_up: int = 5  # plans listed after the chosen one
 

@@ -2,6 +2,7 @@
 which candidate meshes may shard the batches of a graph.
 
     structural_options(ctx, placement, share)  # PipelineConfigs tried: k, elision, fusion, pieces
+    one_step_rewrites(cfg, share)              # the one-step rewrites every candidate gets when legal
     families(ctx)                              # (placement, shared backbone) families
     allocations(ctx, placement)                # (n_gen, n_train) device-group options
     divisible(ctx, graph, tab)                 # rows whose mesh axes divide what they shard
@@ -43,14 +44,28 @@ def structural_options(ctx, placement: str, share: bool) -> list[PipelineConfig]
     # Pieces split each process's prompts evenly (runtime/rollouts.py generate_piece).
     prompts = ctx.base.sizes["N"] // ctx.processes
     pieces = [1] if placement == "colocated" else [m for m in (1, *PIECES) if prompts % m == 0]
+    prox, vals = one_step_rewrites(cfg, share)
     out = []
     for k, el, fz, m in itertools.product(ks, elides, fuses, pieces):
         if el and k:
             continue
         out.append(PipelineConfig(staleness=k, share_actor_critic=share, fuse=fz, elide_old_forward=el,
                                   microbatches=m, placement=placement,
-                                  split_sizes=(1, 1) if placement == "split" else (), plan="manual"))
+                                  split_sizes=(1, 1) if placement == "split" else (), plan="manual",
+                                  proximal_from_update=prox and not el, values_from_critic_update=vals))
     return out
+
+
+def one_step_rewrites(cfg: RunConfig, share: bool) -> tuple[bool, bool]:
+    """(proximal_from_update, values_from_critic_update) for every candidate: with one optimizer
+    step per batch they are exact and only remove a forward pass, so they are on whenever legal
+    (not a search dimension; costmodel.search_one_step_rewrites=false keeps the passes)."""
+    r, p = cfg.rl, cfg.pipeline
+    search = cfg.costmodel.search_one_step_rewrites and r.ppo_epochs * r.minibatches == 1
+    prox = p.proximal_from_update or (search and not (r.kl_in_reward and r.kl_coef > 0))
+    vals = (p.values_from_critic_update or search) and r.algorithm == "ppo" and not share \
+        and r.advantage_estimator == "gae"
+    return prox, vals
 
 
 def families(ctx) -> list[tuple[str, bool]]:
