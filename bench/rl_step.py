@@ -9,8 +9,19 @@ Workloads: R1-a GRPO without KL, R1-b GRPO with KL 0.04 to a reference model, R1
 critic; all on model T, task "a+b=" (2-digit operands), 16 prompts x group 8, 32 new tokens at
 temperature 1.0, one AdamW step (lr 1e-4) per batch. Variants: "baseline" = the pipeline defaults
 (synchronous, unfused, π_old recomputed by an old_forward pass); "optimized" = the rewrites on
-(the sampler's logprobs serve as π_old, forwards fused, advantages folded into the update);
-"shared" (R1-c only) = optimized + actor-critic sharing (one backbone with policy and value heads).
+(the sampler's logprobs serve as π_old, forwards fused, advantages folded into the update; R1-c:
+also the critic's values for GAE from the critic update's own forward, values_from_critic_update);
+"shared" (R1-c only) = optimized + actor-critic sharing (one backbone with policy and value heads);
+"async" = bounded asynchrony k = 1 (generation of step t+1 beside the training of step t) with
+π_prox from the actor update's own forward (proximal_from_update; no old_forward), forwards and
+advantage fused (R1-c: values_from_critic_update too), on a split placement [1, 1] (one device
+generates, one trains) when the process has >= 2 devices, else colocated on one.
+
+Devices: every variant but async plans for ONE device (device 0; any others idle), so its numbers
+are the same whether or not the process has more. For the split async variant run with two host
+devices, e.g. `XLA_FLAGS=--xla_force_host_platform_device_count=2 python bench/rl_step.py`; both
+devices share this machine's cores, so "async" measures overlap of the two device programs on
+the same CPUs (the recorded `devices` field says which placement ran).
 
 Method (the machine is shared and noisy): every (workload, variant) pipeline is built and compiled
 first and runs `--warmup` steps; then the measured steps are interleaved round by round
@@ -20,10 +31,11 @@ executor times them, each stage synchronised), and the compile step's seconds.
 
 Step FLOPs (the useful work; runtime/rollouts.py): real tokens only (no padding), prompt logits
 never, the shared prompt of a group once in generation, no second forward where the sampler's
-logprobs serve; so every variant of a workload has the same FLOPs:
+logprobs serve, no proximal or values forward where the update takes one optimizer step (its own
+forward serves: rollouts.step_flops); so every variant of a workload has the same FLOPs:
     R1-a: generation + 3 actor passes (update: forward + backward)
     R1-b: + 1 reference pass (ref logprobs)
-    R1-c: + 1 critic pass (values for GAE) + 3 critic passes (critic update), without LM head
+    R1-c: + 3 critic passes (critic update), without LM head
 limit_s = step FLOPs / matmul rate (the best rate seen in the run: JAX float32 matmuls of a few
 sizes, best of several); limit_fraction = median limit_s / median seconds per step. Also recorded:
 limit_fraction_paired, each step against the rate measured next to it (less sensitive to load).
@@ -32,6 +44,7 @@ limit_fraction_paired, each step against the rate measured next to it (less sens
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -65,8 +78,15 @@ VARIANTS = {"baseline": [],
             # value heads; the paper's structural choice). A different model than R1-c's separate
             # critic, so it is reported beside "optimized", not as it.
             "shared": ["pipeline.elide_old_forward=true", "pipeline.fuse=[forwards,advantage]",
-                       "pipeline.share_actor_critic=true"]}
+                       "pipeline.share_actor_critic=true"],
+            # k = 1; π_prox = sg(π_θ) of the update's own forward (exact with one optimizer step).
+            "async": ["pipeline.staleness=1", "pipeline.proximal_from_update=true",
+                      "pipeline.fuse=[forwards,advantage]"]}
 ONLY = {"shared": {"R1-c"}}  # variants that apply to some workloads only
+# With a separate critic: V for GAE from the critic update's own forward (one optimizer step).
+EXTRA = {("R1-c", "optimized"): ["pipeline.values_from_critic_update=true"],
+         ("R1-c", "async"): ["pipeline.values_from_critic_update=true"]}
+SPLIT = ["pipeline.placement=split", "pipeline.split_sizes=[1,1]"]
 
 
 # ---- the machine's limit -----------------------------------------------------------------------
@@ -112,10 +132,13 @@ class Pipeline:
 
     def __init__(self, workload: str, variant: str, run_dir: str, steps: int, extra: list[str]):
         self.workload, self.variant = workload, variant
-        self.overrides = R1 + WORKLOADS[workload] + VARIANTS[variant] + extra + [
-            f"train.steps={steps}", f"train.run_dir={run_dir}"]
+        split = variant == "async" and jax.device_count() >= 2
+        self.overrides = R1 + WORKLOADS[workload] + VARIANTS[variant] + EXTRA.get((workload, variant), []) + (
+            SPLIT if split else []) + extra + [f"train.steps={steps}", f"train.run_dir={run_dir}"]
         self.cfg = load_config(None, self.overrides)
-        plan = plan_for_config(self.cfg, jax.device_count())  # pipeline.plan=manual: the knobs above
+        self.devices = 2 if split else 1
+        plan = plan_for_config(self.cfg, self.devices)  # pipeline.plan=manual: the knobs above
+        plan = dataclasses.replace(plan, num_devices=jax.device_count())  # devices beyond the plan idle
         graph = graph_for_plan(self.cfg, plan)
         self.ctx, self.store = build(self.cfg, graph, plan)
         self.executor = Executor(compile_graph(graph, plan, default_registry(), self.ctx), self.store)
@@ -155,7 +178,7 @@ def summarise(p: Pipeline, compile_s: float, rate_best: float, rates_paired: lis
                 gen_share=stages.get("gen", 0.0) / med, compile_step_s=compile_s,
                 tokens_per_step=statistics.median(r["tokens"] for r in steps), stages=p.stages,
                 overrides=[o for o in p.overrides if not o.startswith("train.run_dir")],
-                device=jax.devices()[0].device_kind, steps_measured=len(steps))
+                device=jax.devices()[0].device_kind, devices=p.devices, steps_measured=len(steps))
 
 
 def print_table(records: list[dict]) -> None:
@@ -168,7 +191,7 @@ def print_table(records: list[dict]) -> None:
               f"{r['flops_per_step'] / 1e9:6.1f} {r['compile_step_s']:7.1f}  {st}")
     by = {(r["workload"], r["variant"]): r["seconds_per_step"] for r in records}
     for w in sorted({r["workload"] for r in records}):
-        for v in ("optimized", "shared"):
+        for v in ("optimized", "shared", "async"):
             if (w, "baseline") in by and (w, v) in by:
                 print(f"{w}: baseline / {v} = {by[(w, 'baseline')] / by[(w, v)]:.2f}x")
 
