@@ -95,7 +95,8 @@ def bounded_async(g: Graph, k: int, behav_weight_cap: float | None = None) -> Gr
     The rollout buffer (checkpointed state) carries max_staleness=k: the runtime admits a new
     rollout only while it will be consumed within k versions, and restores the version counter on
     resume. For k >= 1 the actor update takes behaviour logprobs and applies the decoupled-PPO
-    correction: ratio to the recomputed proximal π_old, weighted by π_old/π_behav (capped)."""
+    correction: ratio to the proximal π_old (recomputed, or the update's own with
+    proximal_from_update), weighted by π_old/π_behav (capped)."""
     gen = _plain(g, K.GENERATE, "bounded_async")
     if gen is None or not g.has("rollout_weights"):
         raise GraphError("generate", "bounded_async needs a generate stage reading rollout_weights")
@@ -219,7 +220,9 @@ def proximal_from_update(g: Graph) -> Graph:
     old_forward reads, so the ratio π_θ/π_prox (value 1, gradient ∇log π_θ), the clip, and under
     bounded asynchrony the behaviour weight π_prox/π_behav are the same numbers (decoupled PPO,
     AReaL eq. 5: π_prox is the current actor). Legal for any k, unlike elide_old_forward. The
-    update is marked attrs['proximal'] = 'update'; consumers other than the update are illegal."""
+    update is marked attrs['proximal'] = 'update'; consumers other than the update are illegal.
+    Metrics: actor/ppo_kl and actor/pg_clipfrac (KL and clipping between π_θ and π_old) are then
+    exactly 0; with a recomputed old_forward they are 0 up to the rounding between two programs."""
     if g.attrs.get("proximal_from_update"):
         return g
     if g.attrs.get("elided_old_forward"):
@@ -252,7 +255,8 @@ def values_from_critic_update(g: Graph) -> Graph:
     returns, its backward and the optimizer step follow; the advantages go to the actor update.
     Exact when the critic takes one optimizer step (its forward runs at φ_t, the parameters
     critic_forward reads; the clipped value loss around V_old = sg(V) has the same value and
-    gradient). Needs a separate critic (apply after share_actor_critic, which removes it)."""
+    gradient; critic/vf_clipfrac is exactly 0, 0 up to rounding with critic_forward). Needs a
+    separate critic (apply after share_actor_critic, which removes it)."""
     if g.attrs.get("values_from_critic_update"):
         return g
     if g.attrs.get("shared"):
