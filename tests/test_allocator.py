@@ -120,3 +120,25 @@ def test_fork_of_page_aligned_prompt_copies_nothing_and_all_or_nothing_allocatio
         a.fork(0, [1], 8)
     with pytest.raises(ValueError, match="num_pages"):
         PageAllocator(1, 4, 1)
+
+
+def test_sharded_pages_map_slots_to_shards_with_local_page_ids():
+    from rpeg_jax.sampling.allocator import ShardedPages
+    sp = ShardedPages(num_shards=2, pages_per_shard=6, page_size=4, max_slots=4)  # slots 0-1 | 2-3
+    assert [sp.shard(s) for s in range(4)] == [0, 0, 1, 1]
+    sp.grow(0, 6)
+    sp.grow(2, 6)
+    assert sp.pages(0) == sp.pages(2) == [1, 2], "each shard hands out its own local ids from 1"
+    assert sp.fork(2, [3], 6) == [(1, 2, 3)]  # (shard, src, dst): the partial page copied in shard 1
+    with pytest.raises(ValueError, match="shard"):
+        sp.fork(0, [3], 4)  # a child in another shard
+    assert sp.used_per_shard() == [2, 3] and sp.num_used == 5 and sp.num_free(0) == 3
+    with pytest.raises(OutOfPages):
+        sp.grow(1, 4 * 4)  # 4 pages > 3 free in shard 0: nothing taken
+    assert sp.num_free(0) == 3 and sp.num_free(1) == 2
+    for s in range(4):
+        sp.release(s)
+    sp.check()
+    assert sp.num_used == 0 and sp.table(range(4), 2).tolist() == [[0, 0]] * 4
+    with pytest.raises(ValueError, match="divide"):
+        ShardedPages(3, 6, 4, 4)

@@ -225,3 +225,17 @@ def test_flush_chunk_writes_every_new_column_across_blocks(per_layer):
                                                   jnp.asarray(stop), steps))
     np.testing.assert_array_equal(nk, expect_k)
     np.testing.assert_array_equal(nv, expect_v)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_batched_heads_gather_equals_the_indexed_gather(kv_heads):
+    """gather_pages(batched_heads=True) (the form used when kv heads are sharded over `tensor`) gathers
+    exactly the pages the default form does, checked against numpy indexing of the pool."""
+    from rpeg_jax.sampling.paged_attention import gather_pages
+    rng = np.random.default_rng(4)
+    pool = rng.standard_normal((2, kv_heads, 9, 3, E)).astype(np.float32)
+    table = rng.integers(0, 9, size=(5, 4)).astype(np.int32)
+    ref = pool[1][:, table].reshape(kv_heads, 5, 4 * 3, E)  # numpy: [K, B, W, S, E] -> [K, B, C, E]
+    for batched in (False, True):
+        got = np.asarray(gather_pages(jnp.asarray(pool), 1, jnp.asarray(table), batched))
+        np.testing.assert_array_equal(got, ref)

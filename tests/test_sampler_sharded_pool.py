@@ -92,22 +92,21 @@ def test_data2_tensor2_gather_attention_equals_single_device_and_no_pool_collect
     assert_pool_shards(sampler, data=2, tensor=2)
     for outs, ref in zip(run_both(sampler, prompts), reference):
         assert_same(outs, ref)
-    # The compiled decode chunk: no collective carries pool-sized data (global or per shard).
+    # The compiled decode chunk: no collective carries KV pages, and none crosses data shards.
     sampler.submit(prompts[:2], SAMPLED)
     sampler._prefill(sampler.sched.admit(8))
     k, _ = sampler.sched.reserve(8)
     st_ = sampler._decode_state(sampler.sched.running_seqs(), k)
     hlo = engine.decode_chunk.lower(sampler._fwd, sampler._weights, sampler.pools, st_, jnp.int32(k), chunk=8,
-                                    attention="gather", block_pages=4, mesh=sampler.sharding.shard_mesh
-                                    ).compile().as_text()
-    _, _, p, s, e = sampler.pools[0].shape
-    colls = [ln for ln in hlo.splitlines()
-             if re.search(r"= .*\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\(", ln)]
+                                    attention="gather", block_pages=4, mesh=sampler.sharding.shard_mesh,
+                                    heads_sharded=sampler.sharding.heads_sharded).compile().as_text()
+    _, _, _, s, e = sampler.pools[0].shape
+    op = re.compile(r"= .*?\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\(")
+    colls = [(ln[:m.start(1)], ln) for ln in hlo.splitlines() if (m := op.search(ln))]  # (result shapes, line)
     assert colls, "expected the tensor axis' collectives (the test would not see pool ones otherwise)"
-    data_of = {dev.id: i for i, row in enumerate(mesh.devices) for dev in row}  # device id -> data index
-    for ln in colls:
-        for n in (p, p // 2):
-            assert f",{n},{s},{e}]" not in ln, f"a collective over the pool: {ln[:200]}"
+    data_of = {i: i // 2 for i in range(4)}  # logical device (row-major over (data, tensor)) -> data index
+    for shapes, ln in colls:  # pool [.., P(/D), S, E] and gathered pages [K, B, W, S, E] both end in S, E
+        assert not re.search(rf"\[[\d,]*,{s},{e}\]", shapes), f"a collective over KV pages: {ln[:200]}"
         for group in device_groups(ln):  # every collective stays inside one data shard (tensor only)
             assert len({data_of[i] for i in group}) == 1, f"a collective across data shards: {ln[:200]}"
 
@@ -200,7 +199,10 @@ def test_scheduler_keeps_groups_in_one_shard_never_double_owns_and_never_leaks(s
             sim.write(slot, toks, 0)
         for d, src, dst in plan.copies:
             sim.pool[d, dst] = sim.pool[d, src]
-        k, _ = sched.reserve(ks[step % len(ks)])
+        shard_of = {id(s): alloc.shard(s.slot) for s in sched.running_seqs()}
+        short = {d for d in range(shards) if sched._running_need(1, d) > alloc.num_free(d)}
+        k, preempted = sched.reserve(ks[step % len(ks)])
+        assert all(shard_of[id(s)] in short for s in preempted), "preempted in a shard that had pages"
         for s in sched.running_seqs():  # k decode steps: write known[pos] at pos, sample a token
             for _ in range(min(k, s.end - 1 - s.pos)):
                 sim.write(s.slot, [s.known()[-1]], s.pos)

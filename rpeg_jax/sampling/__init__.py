@@ -9,9 +9,9 @@ model runs inside them), paged_attention, transforms (temperature/top-k/top-p/mi
 weights, sharding.
 """
 
-from rpeg_jax.sampling.allocator import OutOfPages, PageAllocator
+from rpeg_jax.sampling.allocator import OutOfPages, PageAllocator, ShardedPages
 from rpeg_jax.sampling.sampler import Sampler
 from rpeg_jax.sampling.types import Completion, RequestOutput, SamplerConfig, SamplingParams
 
-__all__ = ["OutOfPages", "PageAllocator", "Sampler", "Completion", "RequestOutput", "SamplerConfig",
+__all__ = ["OutOfPages", "PageAllocator", "ShardedPages", "Sampler", "Completion", "RequestOutput", "SamplerConfig",
            "SamplingParams"]

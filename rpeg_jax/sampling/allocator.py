@@ -15,6 +15,8 @@ Conventions
 - Invariants (`check()`; tests verify them independently): the refcount of a page equals the
   number of slot lists that hold it; free pages have refcount 0 and appear once in the free stack;
   free + used = num_pages - 1; a page held by two slots sits in both slots' shared prefix.
+- `ShardedPages`: the pool split over D data shards, one `PageAllocator` per shard (its own local
+  page ids, null page and slots); D = 1 is the plain pool. The scheduler uses this interface always.
 """
 
 from __future__ import annotations

@@ -38,17 +38,18 @@ import jax.numpy as jnp
 from rpeg_jax.sampling.paged_attention import NEG_INF, gather_pages, write_pages, write_targets
 
 
-def gather_chunk(pools, table_BxW, kv_len_B, *, per_layer: bool):
+def gather_chunk(pools, table_BxW, kv_len_B, *, per_layer: bool, batched_heads: bool = False):
     """(kt, v): the slots' keys transposed [L][K, B, E, C] and values [L][K, B, C, E] in the pools'
     dtype, zero at columns >= kv_len_B. Tuples of per-layer arrays when `per_layer` (the attention is
-    then called with a Python-int layer), else arrays stacked over L."""
+    then called with a Python-int layer), else arrays stacked over L. `batched_heads`: see
+    paged_attention.gather_pages."""
     k_pool, v_pool = pools
     c = table_BxW.shape[1] * k_pool.shape[3]
     valid_BxC = jnp.arange(c, dtype=jnp.int32)[None, :] < kv_len_B[:, None]
     kts, vs = [], []
     for layer in range(k_pool.shape[0]):
-        k = jnp.where(valid_BxC[None, :, :, None], gather_pages(k_pool, layer, table_BxW), 0)
-        v = jnp.where(valid_BxC[None, :, :, None], gather_pages(v_pool, layer, table_BxW), 0)
+        k = jnp.where(valid_BxC[None, :, :, None], gather_pages(k_pool, layer, table_BxW, batched_heads), 0)
+        v = jnp.where(valid_BxC[None, :, :, None], gather_pages(v_pool, layer, table_BxW, batched_heads), 0)
         kts.append(k.swapaxes(2, 3))
         vs.append(v)
     if per_layer:

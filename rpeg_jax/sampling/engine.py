@@ -12,6 +12,11 @@ cache). A step writes that token's K/V at `pos`, attends over positions <= pos, 
 at pos + 1. Prefill therefore writes all but the last known token of a sequence, and every sampled
 token comes from the same decode step (one place for sampling, logprobs and stop checks).
 
+Sharded pool (static `mesh`, sampling/sharding.py): each function runs per data shard under
+`jax.shard_map` over `data` only: the shard's slots/rows, its P/D pages addressed by local page ids
+(page-table entries, write targets and copy indices are all local; the padding page id is P/D), and
+the other mesh axes (kv heads over `tensor`) left to XLA. Without a mesh the bodies run as they are.
+
 Letters: B slots, T tokens, W page-table width, N stop ids per slot, K chunk steps (buffer size).
 """
 
@@ -76,22 +81,23 @@ def _per_shard(fn, mesh, in_specs, out_specs):
                          check_vma=False)
 
 
-@functools.partial(jax.jit, static_argnames=("fwd", "mesh"), donate_argnames=("pools",))
-def prefill(fwd, params, pools, tokens_BxT, lengths_B, table_BxW, *, mesh=None):
+@functools.partial(jax.jit, static_argnames=("fwd", "mesh", "heads_sharded"), donate_argnames=("pools",))
+def prefill(fwd, params, pools, tokens_BxT, lengths_B, table_BxW, *, mesh=None, heads_sharded: bool = False):
     """Run the model over right-padded `tokens_BxT` (the first lengths_B of each row are real) and
     write their K/V into the rows' pages. Padding rows use length 0. Returns the pools. With `mesh`
-    (a sharded pool) the rows come in D blocks, block d for shard d, with local page ids."""
-    body = functools.partial(_prefill, fwd)
+    (a sharded pool) the rows come in D blocks, block d for shard d, with local page ids.
+    `heads_sharded`: the pools' kv heads are split over a mesh axis (paged_attention.gather_pages)."""
+    body = functools.partial(_prefill, fwd, heads_sharded=heads_sharded)
     return _per_shard(body, mesh, (P(), _POOL, _ROWS, _ROWS, _ROWS), _POOL)(
         params, pools, tokens_BxT, lengths_B, table_BxW)
 
 
-def _prefill(fwd, params, pools, tokens_BxT, lengths_B, table_BxW):
+def _prefill(fwd, params, pools, tokens_BxT, lengths_B, table_BxW, *, heads_sharded: bool):
     b, t = tokens_BxT.shape
     num_pages, page_size = pools[0].shape[2], pools[0].shape[3]
     pos_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     page, off = write_targets(table_BxW, pos_BxT, pos_BxT < lengths_B[:, None], num_pages, page_size)
-    attention = PagedAttention(page, off, table_BxW, pos_BxT, lengths_B)
+    attention = PagedAttention(page, off, table_BxW, pos_BxT, lengths_B, batched_heads=heads_sharded)
     _, pools = fwd.hidden(params, tokens_BxT, pos_BxT, attention, pools)
     return pools
 
@@ -105,7 +111,7 @@ def fork_pages(pools, src_N, dst_N, *, mesh=None):
 
 
 def _decode_step(fwd, params, cache, st: DecodeState, keys_Bx2, token_B, pos_B, active_B, attention: str,
-                 block_pages: int):
+                 block_pages: int, heads_sharded: bool):
     """One step for every slot: write K/V at pos, attend, sample the token at pos + 1. `cache` is the
     pools, or the chunk buffers (kt, v) for the "chunk" attention (the pools are flushed after)."""
     pos_Bx1 = pos_B[:, None]
@@ -116,7 +122,8 @@ def _decode_step(fwd, params, cache, st: DecodeState, keys_Bx2, token_B, pos_B, 
     else:
         num_pages, page_size = cache[0].shape[2], cache[0].shape[3]
         page, off = write_targets(st.table_BxW, pos_Bx1, active_B[:, None], num_pages, page_size)
-        attn = PagedAttention(page, off, st.table_BxW, pos_Bx1, kv_len_B, block_pages if attention == "blocked" else 0)
+        attn = PagedAttention(page, off, st.table_BxW, pos_Bx1, kv_len_B, block_pages if attention == "blocked" else 0,
+                              heads_sharded)
     h, cache = fwd.hidden(params, token_B[:, None], pos_Bx1, attn, cache)
     logits_BxV = fwd.logits(params, h[:, 0])
     new_B, logp_B = sample(logits_BxV, keys_Bx2, pos_B + 1, st.temperature_B, st.top_k_B, st.top_p_B,
@@ -124,17 +131,18 @@ def _decode_step(fwd, params, cache, st: DecodeState, keys_Bx2, token_B, pos_B, 
     return cache, new_B, logp_B
 
 
-@functools.partial(jax.jit, static_argnames=("fwd", "chunk", "attention", "block_pages", "mesh"),
+@functools.partial(jax.jit, static_argnames=("fwd", "chunk", "attention", "block_pages", "mesh", "heads_sharded"),
                    donate_argnames=("pools",))
 def decode_chunk(fwd, params, pools, st: DecodeState, num_steps, *, chunk: int, attention: str = "gather",
-                 block_pages: int = 4, mesh=None):
+                 block_pages: int = 4, mesh=None, heads_sharded: bool = False):
     """Up to min(num_steps, chunk) decode steps in one while_loop; exits early once every slot has
     stopped (stop id sampled or end reached). `attention`: "gather" (gather the pages every step),
     "blocked" (online softmax over blocks of `block_pages` pages) or "chunk" (gather them once into
     dense buffers for the whole chunk, sampling/chunk_attention.py). Returns (pools, ChunkResult).
     With `mesh` (a sharded pool) every data shard runs its own loop over its slots and local pages
     (no collective over `data`; a shard exits when its own slots stop) and `steps` is int32 [D]."""
-    body = functools.partial(_decode_chunk, fwd, chunk=chunk, attention=attention, block_pages=block_pages)
+    body = functools.partial(_decode_chunk, fwd, chunk=chunk, attention=attention, block_pages=block_pages,
+                             heads_sharded=heads_sharded)
     if mesh is not None:
         body = _steps_per_shard(body)
     out_specs = (_POOL, ChunkResult(P(None, DATA), P(None, DATA), _ROWS, _ROWS, _ROWS, _ROWS))
@@ -148,14 +156,15 @@ def _steps_per_shard(body):
     return f
 
 
-def _decode_chunk(fwd, params, pools, st: DecodeState, num_steps, *, chunk: int, attention: str, block_pages: int):
+def _decode_chunk(fwd, params, pools, st: DecodeState, num_steps, *, chunk: int, attention: str, block_pages: int,
+                  heads_sharded: bool):
     b = st.token_B.shape[0]
     keys_Bx2 = sequence_keys(st.seed_B, st.prompt_id_B, st.sample_id_B)
     limit = jnp.minimum(num_steps, chunk)
     cache = tuple(pools)
     if attention == "chunk":  # positions < pos are in the pages; the step writes pos itself
         kv_len_B = jnp.where(st.active_B, st.pos_B, 0)
-        cache = gather_chunk(pools, st.table_BxW, kv_len_B, per_layer=fwd.static_layers)
+        cache = gather_chunk(pools, st.table_BxW, kv_len_B, per_layer=fwd.static_layers, batched_heads=heads_sharded)
 
     def cond(carry):
         step, _, _, _, active_B, _, _ = carry
@@ -164,7 +173,7 @@ def _decode_chunk(fwd, params, pools, st: DecodeState, num_steps, *, chunk: int,
     def body(carry):
         step, cache, token_B, pos_B, active_B, tok_KxB, logp_KxB = carry
         cache, new_B, logp_B = _decode_step(fwd, params, cache, st, keys_Bx2, token_B, pos_B, active_B,
-                                            attention, block_pages)
+                                            attention, block_pages, heads_sharded)
         stopped = jnp.any(new_B[:, None] == st.stop_ids_BxN, axis=1) | (pos_B + 2 >= st.end_B)
         tok_KxB = tok_KxB.at[step].set(jnp.where(active_B, new_B, -1))
         logp_KxB = logp_KxB.at[step].set(jnp.where(active_B, logp_B, 0.0))

@@ -39,11 +39,20 @@ def write_pages(pool_LxKxPxSxE, layer, x_BxTxKxE, page_BxT, offset_BxT):
         x_BxTxKxE.astype(pool_LxKxPxSxE.dtype), mode="drop")
 
 
-def gather_pages(pool_LxKxPxSxE, layer, table_BxW):
-    """[K, B, W*S, E]: each sequence's pages laid end to end (column c = position c)."""
+def gather_pages(pool_LxKxPxSxE, layer, table_BxW, batched_heads: bool = False):
+    """[K, B, W*S, E]: each sequence's pages laid end to end (column c = position c).
+
+    `batched_heads` (kv heads sharded over a mesh axis, e.g. `tensor`): one gather per head as a
+    batch dimension (vmap), which XLA's SPMD partitioner splits per head shard with no collective.
+    The (head, page) index form below made it all-gather the layer's pool over `tensor` (or gather
+    the indices and all-reduce the gathered pages), seen in the decode HLO on a (data 2, tensor 2)
+    mesh. On one CPU the batched form lowers to the slower [B, W, K] gather + transpose, so it is
+    used only when heads are sharded."""
     b, w = table_BxW.shape
     _, kh, _, s, e = pool_LxKxPxSxE.shape
     pages = jax.lax.dynamic_index_in_dim(pool_LxKxPxSxE, layer, axis=0, keepdims=False)  # [K, P, S, E]
+    if batched_heads:
+        return jax.vmap(lambda p_PxSxE: p_PxSxE[table_BxW])(pages).reshape(kh, b, w * s, e)
     # Index (head, page) pairs so the gather emits [K, B, W] blocks of contiguous [S, E] rows in
     # output order (indexing pages only would gather [B, W, K, S, E] and transpose it: 2x slower).
     heads = jnp.arange(kh, dtype=table_BxW.dtype)[:, None, None]
@@ -88,14 +97,15 @@ def dense_attention(q_BxTxHxE, k_KxBxCxE, v_KxBxCxE, q_pos_BxT, kv_len_B):
     return _to_heads(_weighted_values(p, v_KxBxCxE, valid), q_BxTxHxE)
 
 
-def attend_pages(q_BxTxHxE, k_pool, v_pool, layer, table_BxW, q_pos_BxT, kv_len_B):
+def attend_pages(q_BxTxHxE, k_pool, v_pool, layer, table_BxW, q_pos_BxT, kv_len_B, *, batched_heads: bool = False):
     """The "gather" implementation: gather the pages, then `dense_attention`."""
-    k = gather_pages(k_pool, layer, table_BxW)
-    v = gather_pages(v_pool, layer, table_BxW)
+    k = gather_pages(k_pool, layer, table_BxW, batched_heads)
+    v = gather_pages(v_pool, layer, table_BxW, batched_heads)
     return dense_attention(q_BxTxHxE, k, v, q_pos_BxT, kv_len_B)
 
 
-def attend_blocked(q_BxTxHxE, k_pool, v_pool, layer, table_BxW, q_pos_BxT, kv_len_B, *, block_pages: int):
+def attend_blocked(q_BxTxHxE, k_pool, v_pool, layer, table_BxW, q_pos_BxT, kv_len_B, *, block_pages: int,
+                   batched_heads: bool = False):
     """The "blocked" implementation: a loop over blocks of `block_pages` pages with an online
     softmax (flash-decoding without split-K). The trip count is dynamic, ceil(max kv_len / block), so
     each step reads only the pages the longest sequence needs, whatever the table width; each
@@ -110,7 +120,7 @@ def attend_blocked(q_BxTxHxE, k_pool, v_pool, layer, table_BxW, q_pos_BxT, kv_le
     def body(j, carry):
         m, l, acc = carry  # running max, sum and weighted V: [K,B,G,T] x2, [K,B,G,T,E]
         pages = jax.lax.dynamic_slice_in_dim(table, j * block_pages, block_pages, axis=1)
-        k, v = gather_pages(k_pool, layer, pages), gather_pages(v_pool, layer, pages)
+        k, v = gather_pages(k_pool, layer, pages, batched_heads), gather_pages(v_pool, layer, pages, batched_heads)
         sc, mask, valid = _scores(q_BxTxHxE, k, q_pos_BxT, kv_len_B, col0=j * cols)
         m_new = jnp.maximum(m, jnp.max(sc, axis=2))
         p = jnp.where(mask[None], jnp.exp(sc - m_new[:, :, None]), 0.0)
@@ -139,6 +149,7 @@ class PagedAttention:
     q_pos_BxT: jax.Array
     kv_len_B: jax.Array
     block_pages: int = 0  # 0: "gather" implementation; > 0: "blocked" with this many pages per block
+    batched_heads: bool = False  # kv heads sharded over a mesh axis (see gather_pages)
 
     def __call__(self, q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, *, layer, cache):
         k_pool, v_pool = cache
@@ -146,9 +157,9 @@ class PagedAttention:
         v_pool = write_pages(v_pool, layer, v_BxTxKxE, self.write_page_BxT, self.write_off_BxT)
         args = (q_BxTxHxE, k_pool, v_pool, layer, self.table_BxW, self.q_pos_BxT, self.kv_len_B)
         if self.block_pages:
-            out = attend_blocked(*args, block_pages=self.block_pages)
+            out = attend_blocked(*args, block_pages=self.block_pages, batched_heads=self.batched_heads)
         else:
-            out = attend_pages(*args)
+            out = attend_pages(*args, batched_heads=self.batched_heads)
         return out, (k_pool, v_pool)
 
 

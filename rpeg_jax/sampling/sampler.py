@@ -19,6 +19,11 @@ Shapes that reach the compiler are bucketed: decode is [max_slots] x page-table 
 sequence min_table_width * table_width_growth^i (powers of two by default), the last one capped at
 ceil(max_seq_len / page_size); prefill is power-of-two rows x power-of-two lengths (>= min_prefill_len).
 Everything else (sampling settings, lengths, step limits, stop ids) is a traced argument.
+
+On a mesh with a `data` axis D > 1 dividing max_slots the page pool is split over `data` by default
+(SamplerConfig.kv_pool, sampling/sharding.py): slot b and its pages live in shard b // (max_slots / D),
+a GRPO group is admitted into one shard, and prefill rows / fork copies are laid out in D blocks of
+equal (bucketed) size. `config.num_pages` counts the global pool: ceil(num_pages / D) per shard.
 """
 
 from __future__ import annotations
@@ -177,7 +182,9 @@ class Sampler:
             self._pending = (new, version)
 
     def stats(self) -> dict:
-        """Throughput, page usage, preemptions and compile counts so far."""
+        """Throughput, page usage, preemptions and compile counts so far. Page counts exclude the
+        null pages; with a sharded pool `shard_pages_*` are per shard (`shard_pages_peak`: the
+        fullest shard's peak, `pages_peak`: the peak of the sum)."""
         s = dict(self._stats)
         shards = self.alloc.num_shards
         s.update(pages_total=self.num_pages - shards, pages_used=self.alloc.num_used,
@@ -212,7 +219,8 @@ class Sampler:
                     tokens[r, :len(toks)], lengths[r] = toks, len(toks)
                     table[r] = self.alloc.table([slot], w_b)[0]
             self.pools = self._device(engine.prefill, self._fwd, self._weights, self.pools,
-                                      *self.sharding.put_rows(tokens, lengths, table), mesh=mesh)
+                                      *self.sharding.put_rows(tokens, lengths, table), mesh=mesh,
+                                      heads_sharded=self.sharding.heads_sharded)
             self._stats["prefill_tokens"] += int(lengths.sum())
         if plan.copies:
             per = [[(src, dst) for sh, src, dst in plan.copies if sh == i] for i in range(d)]
@@ -230,7 +238,8 @@ class Sampler:
         st = self._decode_state(seqs, k)
         self.pools, res = self._device(engine.decode_chunk, self._fwd, self._weights, self.pools, st,
                                        jnp.int32(k), chunk=self.cfg.chunk_steps, attention=self._attention,
-                                       block_pages=self.cfg.block_pages, mesh=self.sharding.shard_mesh)
+                                       block_pages=self.cfg.block_pages, mesh=self.sharding.shard_mesh,
+                                       heads_sharded=self.sharding.heads_sharded)
         toks, logps, steps = jax.device_get((res.tokens_KxB, res.logprobs_KxB, res.steps))
         steps = int(np.max(steps))  # one count per shard with a sharded pool (shards loop on their own)
         self._stats["chunks"] += 1

@@ -62,8 +62,9 @@ class SamplerSharding:
         sharded = kv_pool == "sharded" and self.slot_axis is not None
         self.pool_shards = mesh.shape["data"] if sharded else 1  # D: page-pool shards
         self.shard_mesh = mesh if sharded else None  # the engine's shard_map mesh (None: no shard_map)
-        self.pools = None if mesh is None else NamedSharding(
-            mesh, P(None, _axis(mesh, "tensor", kv_heads), "data" if sharded else None))
+        heads = _axis(mesh, "tensor", kv_heads)
+        self.heads_sharded = heads is not None  # static engine flag (paged_attention.gather_pages)
+        self.pools = None if mesh is None else NamedSharding(mesh, P(None, heads, "data" if sharded else None))
 
     def place_params(self, params):
         """Relabel NamedSharding parameters onto the Auto-axes mesh (same devices, same specs)."""
