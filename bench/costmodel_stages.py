@@ -104,6 +104,19 @@ CALIBRATION = [
     ("generate", "M", 32, 16, 32, (2, 1, 1), 8, "-"),
     ("generate", "W", 16, 16, 48, (2, 1, 2), 4, "-"),
     ("generate", "T", 32, 16, 48, (1, 1, 1), 4, "-"),
+    # Session 4: generation at the batch sizes and lengths of whole RL steps (many slots, few
+    # tokens: B 64-256, R 4-12; the configs of --calibrate-steps, not the default's B=128, R=8),
+    # tensor 1 and 2: the points above (B <= 64, R >= 32) left the sampler's tensor-parallel
+    # cost at large batch unpinned (T B192 R6: tensor 1 259 ms, tensor 2 391 ms of CPU time).
+    ("generate", "T", 192, 16, 6, (1, 1, 1), 8, "-"),
+    ("generate", "T", 192, 16, 6, (1, 1, 2), 8, "-"),
+    ("generate", "T", 192, 16, 6, (2, 1, 1), 8, "-"),
+    ("generate", "T", 64, 16, 12, (1, 1, 2), 8, "-"),
+    ("generate", "T", 96, 16, 10, (1, 1, 2), 8, "-"),
+    ("generate", "M", 64, 16, 8, (1, 1, 2), 8, "-"),
+    ("generate", "T", 256, 16, 4, (1, 1, 1), 8, "-"),
+    ("generate", "T", 64, 16, 12, (2, 1, 2), 8, "-"),
+    ("generate", "T", 64, 16, 12, (1, 1, 1), 8, "-"),
 ]
 assert not set(VALIDATION) & set(CALIBRATION), "calibration and validation configurations must be disjoint"
 QUICK = [VALIDATION[i] for i in (0, 3, 8, 10, 13, 18, 21)]
@@ -137,6 +150,29 @@ GPU_DRY_CALIBRATION = [("forward", "T", 8, 16, 16, (1, 1, 1), 1, "none"), ("trai
 GPU_DRY_VALIDATION = [("forward", "T", 16, 16, 16, (1, 1, 1), 1, "none"), ("train", "T", 4, 16, 16, (1, 1, 1), 1, "none"),
                       ("generate", "T", 16, 16, 16, (1, 1, 1), 8, "-")]
 assert not set(GPU_VALIDATION) & set(GPU_CALIBRATION), "GPU calibration and validation must be disjoint"
+
+
+# Generation memory (issue 6): the sampler's compiled programs (prefill, page fork, decode chunk) per
+# device against stages.generate_memory. (model, slots B, prompt P, response R, tensor t, group G,
+# page size); meshes of `tensor` devices only (data = 1: the page pool's layout over `data` is the
+# sampler's, in flux). The formula was chosen looking at GEN_MEMORY_CAL; GEN_MEMORY_VAL is held out.
+GEN_MEMORY_CAL = [
+    ("T", 32, 16, 32, 1, 8, 16),
+    ("T", 64, 16, 48, 2, 8, 16),
+    ("M", 16, 16, 48, 1, 4, 8),
+    ("W", 16, 16, 32, 2, 4, 16),
+    ("T", 128, 16, 8, 1, 8, 16),
+    ("M", 32, 16, 40, 2, 8, 16),
+]
+GEN_MEMORY_VAL = [
+    ("T", 128, 16, 8, 2, 8, 16),
+    ("M", 64, 16, 32, 1, 8, 32),
+    ("W", 8, 32, 64, 1, 4, 16),
+    ("W", 32, 16, 24, 2, 8, 8),
+    ("T", 16, 16, 100, 1, 4, 16),
+    ("M", 16, 32, 64, 2, 4, 16),
+]
+assert not set(GEN_MEMORY_CAL) & set(GEN_MEMORY_VAL)
 
 
 def model_cfg(name: str, remat: str):
@@ -255,6 +291,72 @@ def build(kind, mname, B, P, R, mesh_shape, micro, remat) -> Stage:
              "advantages_BxR": put(jnp.asarray(rng.normal(size=(B, R)), jnp.float32)),
              "old_logp_BxR": put(jnp.full((B, R), -5.0, jnp.float32))}
     return Stage(kind, jax.jit(update, donate_argnums=(0, 1)), (params, opt_state, batch), resolver)
+
+
+@contextlib.contextmanager
+def sampler_programs():
+    """Record XLA's compiled memory analysis (bytes per device: arguments + outputs + temporaries -
+    aliased, as for the training programs) of every distinct sampler device program called inside
+    the block: {(name, signature): bytes}. Each program is lowered and compiled once more from its
+    first call's arguments (before the call: the pools are donated)."""
+    from rpeg_jax.sampling import engine
+
+    names = ("prefill", "decode_chunk", "fork_pages")
+    saved = {n: getattr(engine, n) for n in names}
+    peaks: dict = {}
+
+    def sig(x):
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return (tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", "")))
+        return type(x).__name__ if isinstance(x, (int, float, bool)) else x
+
+    def wrap(name, fn):
+        def call(*args, **kw):
+            leaves = jax.tree_util.tree_leaves((args, {k: v for k, v in kw.items() if k not in STATIC_KW}))
+            key = (name, tuple(sig(x) for x in leaves), tuple(sorted((k, kw[k]) for k in kw if k in STATIC_KW)))
+            if key not in peaks:
+                ma = fn.lower(*args, **kw).compile().memory_analysis()
+                peaks[key] = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+                              - ma.alias_size_in_bytes) if ma is not None else None
+            return fn(*args, **kw)
+        return call
+
+    import jax
+
+    STATIC_KW = ("chunk", "attention", "block_pages", "mesh")
+    for n in names:
+        setattr(engine, n, wrap(n, saved[n]))
+    try:
+        yield peaks
+    finally:
+        for n in names:
+            setattr(engine, n, saved[n])
+
+
+def generation_memory(c: tuple) -> dict:
+    """A GEN_MEMORY configuration: build the sampler on a (1, 1, tensor) mesh, generate once, and
+    return a point (kind "generate", memory = the largest per-device peak of its programs)."""
+    from flax import nnx
+
+    import jax
+
+    from rpeg_jax.models import init_model
+    from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
+
+    mname, B, P, R, t, G, page = c
+    mesh = _mesh((1, 1, t))
+    model = init_model(model_cfg(mname, "none"), seed=0)
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.device_put(state, layout(state, mesh)[0]))
+    sampler = Sampler(model, SamplerConfig(max_slots=B, max_seq_len=P + R, page_size=page), mesh=mesh)
+    rng = np.random.default_rng(0)
+    prompts = [[1] + rng.integers(3, 100, P - 1).tolist() for _ in range(B // G)]
+    with sampler_programs() as peaks:
+        sampler.generate(prompts, SamplingParams(n=G, max_new_tokens=R, ignore_eos=True, temperature=1.0))
+    progs = {f"{k[0]}#{i}": v for i, (k, v) in enumerate(peaks.items())}
+    p = point(("generate", mname, B, P, R, (1, 1, t), G, "-"), float("nan"), max(v for v in progs.values() if v))
+    p.update(page_size=page, programs=progs)
+    return p
 
 
 def measure_set(configs, repeats: int, clock, batch: int = 7, log=print) -> list[dict]:

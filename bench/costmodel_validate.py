@@ -159,6 +159,41 @@ def stage_summary(rows: list[dict]) -> dict:
             "spearman_stage": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])}
 
 
+# ---- generation memory -------------------------------------------------------------------------
+def gen_memory(args, hw) -> dict:
+    """`--gen-memory [FILE]`: the sampler's peak bytes per device (the largest compiled memory
+    analysis of its prefill / fork / decode programs, bench/costmodel_stages.generation_memory) of
+    GEN_MEMORY_CAL and GEN_MEMORY_VAL against stages.generate_memory; measured now and saved to
+    FILE, or re-read from FILE when it exists. memory_error_generate is the held-out VAL set's mean
+    |relative error| (no memory factor is fitted for generation; CAL is where the formula was read)."""
+    import costmodel_stages as CS
+
+    path = args.gen_memory
+    if path and os.path.isfile(path):
+        with open(path) as f:
+            pts = json.load(f)
+    else:
+        pts = [dict(CS.generation_memory(c), set=name) for name, cs in (("cal", CS.GEN_MEMORY_CAL),
+                                                                         ("val", CS.GEN_MEMORY_VAL)) for c in cs]
+        if path:
+            with open(path, "w") as f:
+                json.dump(pts, f, indent=1)
+    rows = []
+    for p in pts:
+        mem = predict_point(hw, p)[1]
+        rows.append({"set": p["set"], **{k: p[k] for k in ("model", "B", "P", "R", "mesh", "G", "page_size")},
+                     "memory_measured": p["memory"], "memory_predicted": mem,
+                     "memory_error": (mem - p["memory"]) / p["memory"], "programs": p["programs"]})
+        r = rows[-1]
+        print(f"gen memory {r['set']} {r['model']} B{r['B']:<3} S{r['P'] + r['R']:<4} t{r['mesh'][2]} page {r['page_size']:<3}"
+              f" measured {r['memory_measured'] / 1e6:8.2f} MB  predicted {mem / 1e6:8.2f} MB ({100 * r['memory_error']:+.1f}%)")
+    err = {s: [abs(r["memory_error"]) for r in rows if r["set"] == s] for s in ("cal", "val")}
+    return {"memory_error_generate": float(np.mean(err["val"])) if err["val"] else None,
+            "memory_error_generate_max": float(np.max(err["val"])) if err["val"] else None,
+            "memory_error_generate_cal": float(np.mean(err["cal"])) if err["cal"] else None,
+            "gen_memory": rows}
+
+
 # ---- one GPU (bench/gpu_check.sh) -------------------------------------------------------------
 def gpu_validate(args) -> int:
     """`--gpu`: GPU_CALIBRATION and GPU_VALIDATION of bench/costmodel_stages.py (1-device meshes,
@@ -249,14 +284,36 @@ def run_plan(plan_path: str, out: str, steps: int, warmup: int, clock: str, over
     cfg = apply_plan_settings(load_config(None, list(overrides)), plan)
     marks = []
     clk = time.process_time if clock == "cpu" else time.perf_counter
+    probe = [matmul_rate(clk)]
     with tempfile.TemporaryDirectory() as d:
         tr = dataclasses.replace(cfg.train, steps=warmup + steps, run_dir=d, checkpoint_every=0,
                                  tensorboard=False, progress=False, resume="never")
         marks.append(clk())
         train(dataclasses.replace(cfg, train=tr), plan=plan, on_step=lambda s, m: marks.append(clk()))
+    probe.append(matmul_rate(clk))
     sec = np.diff(marks)[warmup:].tolist()
     with open(out, "w") as f:
-        json.dump({"seconds": sec}, f)
+        json.dump({"seconds": sec, "probe_flops": float(np.mean(probe))}, f)
+
+
+def matmul_rate(clk, n: int = 384, reps: int = 8) -> float:
+    """FLOP/s of a jitted f32 matmul chain on the step clock, median of `reps` calls (~0.1 s): the
+    machine's state next to a plan's steps, for the probe-normalised statistic (`summarise`)."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def chain(a, b):
+        return jax.lax.fori_loop(0, 4, lambda i, x: jnp.tanh(x @ b), a)
+
+    a = jnp.ones((n, n), jnp.float32) / n
+    jax.block_until_ready(chain(a, a))
+    times = []
+    for _ in range(reps):
+        t = clk()
+        jax.block_until_ready(chain(a, a))
+        times.append(clk() - t)
+    return 4 * 2.0 * n ** 3 / max(float(np.median(times)), 1e-9)
 
 
 def step_candidates(hw, n: int, cap: int = 12) -> list:
@@ -289,7 +346,8 @@ def reprice(args, hw) -> dict:
         old = [p for p in json.load(f)["plans"] if p["measured_s"]]
     cfg = load_config(None, [])
     pred = [price_layout(cfg, p["knobs"], p["layout"], 8, hw, 1).step_time_s for p in old]
-    out = summarise(old, pred, [p["measured_s"] for p in old], [p["runs_s"] for p in old])
+    out = summarise(old, pred, [p["measured_s"] for p in old], [p["runs_s"] for p in old],
+                    [p.get("probe_flops") for p in old])
     # The plan today's profile would choose: one of the measured plans, or none of them.
     from rpeg_jax.costmodel import planner as P
 
@@ -303,25 +361,44 @@ def reprice(args, hw) -> dict:
     return out
 
 
-def summarise(plans, pred, meas, runs) -> dict:
-    """mape_step (the first plan: the chosen one), mape_step_all, spearman, chosen_vs_best."""
+def summarise(plans, pred, meas, runs, probes=None) -> dict:
+    """mape_step (the first plan: the chosen one), mape_step_all, spearman, chosen_vs_best; with
+    `probes` (per plan, the matmul FLOP/s of each of its processes, `run_plan`) the same four on
+    probe-normalised times as `*_norm`: every process's step times x (its probe rate / the median
+    rate over all processes of all plans), so that a slow phase of the machine (a round whose
+    matmul rate was 1.5x lower) weighs on no plan more than on another; the median over a plan's
+    normalised steps is `measured_norm_s`. Both statistics are always reported."""
     label = lambda p: p.label if hasattr(p, "label") else p["label"]  # noqa: E731
     for p, q, m in zip(plans, pred, meas):
         print(f"plan {label(p):<16} predicted {q:8.3f} s  measured {m:8.3f} s  ({100 * (q - m) / m:+.1f}%)")
-    err = [abs(q - m) / m for q, m in zip(pred, meas)]
     chosen = label(plans[0]) == "chosen"
-    return {"mape_step": err[0] if chosen else None, "mape_step_all": float(np.mean(err)),
-            "spearman": spearman(pred, meas) if len(meas) > 2 else None,
-            "chosen_vs_best": meas[0] / min(meas) - 1.0 if chosen else None,
-            "plans": [{"label": label(p), "predicted_s": q, "measured_s": m, "runs_s": r,
-                       "knobs": p.knobs if hasattr(p, "knobs") else p["knobs"],
-                       "layout": p.layout if hasattr(p, "layout") else p["layout"]}
-                      for p, q, m, r in zip(plans, pred, meas, runs)]}
+    out = {**_rank_stats(pred, meas, chosen, ""),
+           "plans": [{"label": label(p), "predicted_s": q, "measured_s": m, "runs_s": r,
+                      "knobs": p.knobs if hasattr(p, "knobs") else p["knobs"],
+                      "layout": p.layout if hasattr(p, "layout") else p["layout"]}
+                     for p, q, m, r in zip(plans, pred, meas, runs)]}
+    if probes and all(probes) and len(probes) == len(plans):
+        ref = float(np.median([r for pr in probes for r in pr]))
+        per = [len(r) // len(pr) for r, pr in zip(runs, probes)]  # steps per process
+        norm = [float(np.median([x * pr[k // n] / ref for k, x in enumerate(r)]))
+                for r, pr, n in zip(runs, probes, per)]
+        out.update(_rank_stats(pred, norm, chosen, "_norm"), probe_ref_flops=ref)
+        for row, pr, m in zip(out["plans"], probes, norm):
+            row.update(probe_flops=pr, measured_norm_s=m)
+    return out
+
+
+def _rank_stats(pred, meas, chosen: bool, suffix: str) -> dict:
+    err = [abs(q - m) / m for q, m in zip(pred, meas)]
+    return {f"mape_step{suffix}": err[0] if chosen else None, f"mape_step_all{suffix}": float(np.mean(err)),
+            f"spearman{suffix}": spearman(pred, meas) if len(meas) > 2 else None,
+            f"chosen_vs_best{suffix}": meas[0] / min(meas) - 1.0 if chosen else None}
 
 
 def measure_plans(plans: list, args, overrides=()) -> list[list[float]]:
     """Seconds per step of each plan, every plan in its own process, `args.rounds` interleaved rounds."""
     runs: list[list[float]] = [[] for _ in plans]
+    probes: list[list[float]] = [[] for _ in plans]
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.path.join(tempfile.gettempdir(), "rpeg_cm_xla_cache")}
     with tempfile.TemporaryDirectory() as d:
         for r in range(args.rounds):
@@ -338,18 +415,21 @@ def measure_plans(plans: list, args, overrides=()) -> list[list[float]]:
                     rc = "timeout"
                 if rc == 0:
                     with open(out) as f:
-                        runs[i] += json.load(f)["seconds"]
-                print(f"  round {r} {p.label:<16} rc={rc} steps {['%.2f' % x for x in runs[i]]}", flush=True)
-    return runs
+                        res = json.load(f)
+                    runs[i] += res["seconds"]
+                    probes[i].append(res["probe_flops"])
+                print(f"  round {r} {p.label:<16} rc={rc} steps {['%.2f' % x for x in runs[i]]} "
+                      f"probe {['%.0f' % (x / 1e9) for x in probes[i]]} GFLOP/s", flush=True)
+    return runs, probes
 
 
 def step_level(args, hw) -> dict:
     plans = step_candidates(hw, 8)
     print(f"step level: {len(plans)} candidate plans of the default config", flush=True)
-    runs = measure_plans(plans, args)
+    runs, probes = measure_plans(plans, args)
     ok = [i for i, x in enumerate(runs) if x]
     out = summarise([plans[i] for i in ok], [plans[i].step_time_s for i in ok],
-                    [float(np.median(runs[i])) for i in ok], [runs[i] for i in ok])
+                    [float(np.median(runs[i])) for i in ok], [runs[i] for i in ok], [probes[i] for i in ok])
     out["failed"] = [plans[i].label for i in range(len(plans)) if not runs[i]]
     return out
 
@@ -399,11 +479,11 @@ def measure_steps(args, overrides: list[str]) -> list[dict]:
             p = price_layout(cfg, kn, alts[base].layout, 8, hw, 1)
             p.label = f"{base} p{m}"
             plans.append(p)
-    runs = measure_plans(plans, args, STEP_CALIBRATION)
+    runs, probes = measure_plans(plans, args, STEP_CALIBRATION)
     note_load()
     return [{"overrides": STEP_CALIBRATION, "knobs": p.knobs, "layout": p.layout, "num_devices": 8,
-             "label": p.label, "seconds": float(np.median(r)), "runs_s": r, "load": LOADS[-1]}
-            for p, r in zip(plans, runs) if r]
+             "label": p.label, "seconds": float(np.median(r)), "runs_s": r, "probe_flops": pr, "load": LOADS[-1]}
+            for p, r, pr in zip(plans, runs, probes) if r]
 
 
 def main() -> int:
@@ -435,6 +515,9 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="--gpu: the same plumbing with model T (on a CPU)")
     ap.add_argument("--start", default=None, help="--gpu: profile YAML to start the fit from (rpeg calibrate --out)")
     ap.add_argument("--budget-s", type=float, default=240.0, help="--gpu: start no configuration after this")
+    ap.add_argument("--gen-memory", nargs="?", const="", default=None, metavar="FILE",
+                    help="also validate generation memory (sampler programs' compiled peaks); FILE: "
+                         "re-read it when it exists, else measure and save there")
     ap.add_argument("--run-plan", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--overrides", nargs="*", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -456,6 +539,8 @@ def main() -> int:
     if not args.no_stages:
         rows = stage_rows(args, hw)
         out.update(stages=rows, **stage_summary(rows))
+    if args.gen_memory is not None:
+        out.update(gen_memory(args, hw))
     if args.reprice:
         out.update(reprice(args, hw))
     elif args.step_level:
@@ -463,7 +548,7 @@ def main() -> int:
     else:
         out.update(mape_step=None, spearman=None, chosen_vs_best=None, pending="run with --step-level")
     out["load"] = LOADS
-    print(json.dumps({k: v for k, v in out.items() if k not in ("stages", "plans")}, indent=1))
+    print(json.dumps({k: v for k, v in out.items() if k not in ("stages", "plans", "gen_memory")}, indent=1))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -264,3 +264,58 @@ def test_group_prompt_counted_once_where_the_runtime_shares_it():
     lin = float(ms.forward_flops(64 * shared_tok, 64 * 32, 64 * shared_sq, st.causal_skip)) / \
         float(ms.forward_flops(64 * 48, 64 * 32, 64 * 48 ** 2, st.causal_skip))
     assert ratio == pytest.approx(lin) and ratio < 0.85
+
+
+def test_sampler_tensor_parallel_collectives_fitted_factor_and_shared_host_bytes():
+    # Decode step on tensor t = 2 minus the same step on t = 1 (everything else equal except the
+    # per-device work split) must be the TP term, by hand: decode_tp_factor x 2 all-reduces per
+    # layer of the rows' hidden state, on a shared host priced per byte at link_bw (2(t-1)/t S / bw
+    # + 2 log2(t) alpha, no message-size efficiency) x the devices busy (host_cores = 1 here).
+    st = setting("cpu", B=192, P=16, R=6)
+    hw0 = dataclasses.replace(st.hw, host_cores=1)
+    hw = dataclasses.replace(hw0, efficiency=dataclasses.replace(hw0.efficiency, decode_tp_factor=7.0))
+    ms, rows, busy = shape("tiny"), 192, 2
+    S_b = rows * ms.D * 4.0
+    ar = 2.0 * (2 - 1) / 2 * S_b / hw.node.link_bw + 2.0 * 1.0 * hw.node.latency_s
+    want = 7.0 * 2.0 * ms.L * ar * busy
+    st7, st1 = dataclasses.replace(st, hw=hw), dataclasses.replace(st, hw=hw0)
+    got = float(S.decode_step_time(st7, ms, 2, busy, rows, 20)) - float(S.decode_step_time(st1, ms, 2, busy, rows, 20))
+    assert got == pytest.approx(want - want / 7.0, rel=1e-9)
+    assert float(S.sampler_tp_time(hw, ms, rows, 2)) == pytest.approx(7.0 * 2.0 * ms.L * ar, rel=1e-9)
+    assert float(S.sampler_tp_time(hw, ms, rows, 1)) == 0.0
+    # prefill carries the same term over its tokens (B/G prompts of P tokens)
+    tok = (192 // 8) * 16
+    d_pf = S._prefill_time(st7, ms, 2, busy, 192 // 8, 16) - S._prefill_time(st1, ms, 2, busy, 192 // 8, 16)
+    ar_p = 2.0 * 0.5 * tok * ms.D * 4.0 / hw.node.link_bw + 2.0 * hw.node.latency_s
+    assert d_pf == pytest.approx(6.0 * 2.0 * ms.L * ar_p * busy, rel=1e-9)
+    # an accelerator keeps the size-dependent collective table (comm.collective_time)
+    from rpeg_jax.costmodel.comm import collective_time
+
+    gpu = load_hardware("h200", calibrated=False)
+    assert float(S.sampler_tp_time(gpu, ms, rows, 2)) == pytest.approx(
+        2.0 * ms.L * float(collective_time(gpu, "all_reduce", S_b, 2, 1)), rel=1e-9)
+
+
+def test_generation_memory_whole_pages_and_cpu_chunk_working_set():
+    # Hand count per device: weights / t + slots x whole pages of KV (ceil((P+R)/page) pages of
+    # `page` tokens, kv heads split over min(t, K)) + gen_memory_factor x the gathered KV (CPU:
+    # every layer's pages of every slot, NOT split over tensor; accelerator: one layer's, split)
+    # + 2 float32 logits rows per slot.
+    ms = shape("tiny")
+    cpu = load_hardware("cpu", calibrated=False)
+    cpu = dataclasses.replace(cpu, efficiency=dataclasses.replace(cpu.efficiency, gen_memory_factor=1.5))
+    st = S.Setting(hw=cpu, B=64, P=16, R=40, G=8, dist=LengthDist.fixed(40), causal_skip=False, dense_scores=True,
+                   packing=False, budget_bytes=1e9, kv_replicated=True, page_size=16)
+    kv_tok = 2 * ms.L * ms.K * ms.E * 4  # K and V, float32
+    tokens = 64  # 56 tokens -> 4 pages of 16
+    t, slots = 2, 64
+    want = ms.weight_bytes() / t + slots * tokens * kv_tok / min(t, ms.K) + 1.5 * slots * tokens * kv_tok \
+        + slots * ms.V * 8.0
+    assert float(S.generate_memory(st, ms, t, slots)) == pytest.approx(want, rel=1e-12)
+    gpu = dataclasses.replace(st, hw=load_hardware("h200", calibrated=False), page_size=1)
+    want_gpu = ms.weight_bytes() / t + slots * 56 * kv_tok / min(t, ms.K) * (1 + 1 / ms.L) + slots * ms.V * 8.0
+    assert float(S.generate_memory(gpu, ms, t, slots)) == pytest.approx(want_gpu, rel=1e-12)
+    # max_slots inverts the same count: the slots it returns fit, one more does not
+    free = 3e7
+    n = int(S.max_slots(st, ms, t, free))
+    assert float(S.generate_memory(st, ms, t, n)) <= free < float(S.generate_memory(st, ms, t, n + 1))

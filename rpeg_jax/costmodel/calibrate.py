@@ -410,6 +410,9 @@ def fit_saved_points(prof: HardwareProfile, path: str, clock: str, alt: Hardware
         return prof
     fits = [F.fit_points(p, data["points"]) for p in ([prof] if alt is None else [prof, alt])]
     best, resid = min(fits, key=lambda pr: pr[1].get("fit_time_mape", 0.0))
+    if data.get("gen_memory"):  # the sampler programs' compiled memory (calibration set only)
+        best, rg = F.fit_gen_memory(best, data["gen_memory"])
+        resid = {**resid, **rg}
     if data.get("steps"):  # whole steps of calibration configs: the runtime's host costs
         best, rs = F.fit_steps(best, data["steps"])
         resid = {**resid, **rs}

@@ -115,6 +115,9 @@ class EfficiencySpec:
     decode_layer_s: float | None = None  # fixed cost per layer per decode step (page-table gathers,
     #   KV writes, launches), s; None -> layer_s
     kv_read_factor: float = 2.0  # KV bytes moved per cached byte per step (gather attention copies pages)
+    decode_tp_factor: float = 1.0  # the sampler's tensor-parallel collective time per decode / prefill
+    #   layer, in units of 2 all-reduces of the hidden state (fitted, >= 1; the CPU sampler's fused
+    #   q/k/v and gate/up products also reshard their outputs every layer)
     matmul_size_exponent: float = 1.0  # how steeply matmul efficiency falls with size: eff(size)^this
     #   (1 = the table as written; 0 = size-independent); fitted on a shared CPU host, where the
     #   small per-device GEMMs lost less than the accelerator-shaped table says
@@ -129,6 +132,9 @@ class EfficiencySpec:
     #   step (fitted)
     fwd_act_memory_factor: float = 1.0  # the same for a forward-only pass: one layer's live set, which
     #   the compiler's fusion shrinks (fitted)
+    gen_memory_factor: float = 1.0  # the sampler's decode working set / the KV it gathers to dense
+    #   buffers (one layer's pages; on a CPU every layer's, the "chunk" attention), fitted on the
+    #   compiled memory of the sampler's programs (bench/costmodel_validate.py --gen-memory)
     fsdp_gather: Literal["matrix", "layer", "model"] = "matrix"  # what an FSDP pass holds gathered at once:
     #   two weight matrices (gathered right before use), two layers, or every layer (the compiler
     #   hoists the gathers out of the layer scan; XLA:CPU does); fitted by calibration
@@ -138,6 +144,7 @@ class EfficiencySpec:
             check_table(getattr(self, name), key(path, name))
         check(0.0 <= self.overlap <= 1.0, key(path, "overlap"), self.overlap, "must be in [0, 1]")
         check(self.kv_read_factor >= 1.0, key(path, "kv_read_factor"), self.kv_read_factor, "must be >= 1")
+        check(self.decode_tp_factor >= 1.0, key(path, "decode_tp_factor"), self.decode_tp_factor, "must be >= 1")
         check(0.0 <= self.matmul_size_exponent <= 2.0, key(path, "matmul_size_exponent"), self.matmul_size_exponent,
               "must be in [0, 2]")
         check(self.elementwise_factor > 0, key(path, "elementwise_factor"), self.elementwise_factor, "must be > 0")
@@ -147,6 +154,7 @@ class EfficiencySpec:
         check(self.update_streams > 0, key(path, "update_streams"), self.update_streams, "must be > 0")
         check(self.weight_copies >= 0, key(path, "weight_copies"), self.weight_copies, "must be >= 0")
         check(self.act_memory_factor > 0, key(path, "act_memory_factor"), self.act_memory_factor, "must be > 0")
+        check(self.gen_memory_factor > 0, key(path, "gen_memory_factor"), self.gen_memory_factor, "must be > 0")
         check(self.fwd_act_memory_factor > 0, key(path, "fwd_act_memory_factor"), self.fwd_act_memory_factor,
               "must be > 0")
         check(self.fsdp_gather in ("matrix", "layer", "model"), key(path, "fsdp_gather"), self.fsdp_gather,

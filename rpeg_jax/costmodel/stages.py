@@ -51,6 +51,7 @@ class Setting:
     kv_replicated: bool = False  # the sampler's page pool is replicated over the generation data axis
     prompt_sharing: bool = False  # training passes run a group's prompt once (models/prefix.py) where
     #   the layout allows it (`shared_tokens`)
+    page_size: int = 1  # tokens per KV page of the sampler (rollout.page_size): a sequence holds whole pages
 
     @property
     def seq_tokens(self) -> float:
@@ -242,27 +243,36 @@ def forward_memory(st: Setting, ms: ModelShape, d, f, t, micro):
 
 
 def kv_bytes_per_seq(st: Setting, ms: ModelShape, t):
-    """KV pages one sequence holds at the maximum length, per device of its replica."""
-    return (st.P + st.R) * ms.kv_bytes_per_token / ms.kv_shards(t)
+    """KV pages one sequence holds at the maximum length (whole pages), per device of its replica."""
+    page = max(int(st.page_size), 1)
+    return -(-(st.P + st.R) // page) * page * ms.kv_bytes_per_token / ms.kv_shards(t)
 
 
 def generate_memory(st: Setting, ms: ModelShape, t, slots, reps=1):
     """Bytes per device of generation: weights in the generation layout, KV pages, working set.
     `slots` per replica; with a replicated page pool (`st.kv_replicated`, the sampler today) every
-    device of the group holds the pages of all `reps` replicas."""
+    device of the group holds the pages of all `reps` replicas. The working set is the KV gathered
+    to dense buffers x the fitted gen_memory_factor: one layer's pages (gather attention), or on a
+    CPU every layer's pages of every slot, unsplit over `tensor` (the "chunk" attention,
+    sampling/chunk_attention.gather_chunk; the compiled decode programs of models T/M/W at tensor 2
+    hold them whole on each device)."""
     t, slots = np.asarray(t, np.float64), np.asarray(slots, np.float64)
     held = slots * (np.asarray(reps, np.float64) if st.kv_replicated else 1.0)
     kv = held * kv_bytes_per_seq(st, ms, t)
-    gather = slots * kv_bytes_per_seq(st, ms, t) / ms.L  # one layer's pages gathered to dense
+    if st.hw.kind == "cpu":
+        gathered = slots * kv_bytes_per_seq(st, ms, 1)
+    else:
+        gathered = slots * kv_bytes_per_seq(st, ms, t) / ms.L
     logits = slots * ms.V * 4.0 * 2.0
-    return ms.weight_bytes() / t + kv + gather + logits
+    return ms.weight_bytes() / t + kv + st.hw.efficiency.gen_memory_factor * gathered + logits
 
 
 def max_slots(st: Setting, ms: ModelShape, t, free_bytes, reps=1):
     """Concurrent sequences per replica that fit in `free_bytes` per device (after weights)."""
     t = np.asarray(t, np.float64)
     held = np.asarray(reps, np.float64) if st.kv_replicated else 1.0
-    per = kv_bytes_per_seq(st, ms, t) * (held + 1.0 / ms.L) + ms.V * 8.0
+    work = (kv_bytes_per_seq(st, ms, 1) if st.hw.kind == "cpu" else kv_bytes_per_seq(st, ms, t) / ms.L)
+    per = kv_bytes_per_seq(st, ms, t) * held + st.hw.efficiency.gen_memory_factor * work + ms.V * 8.0
     return np.floor(np.maximum(free_bytes - ms.weight_bytes() / t, 0.0) / per)
 
 
@@ -279,8 +289,25 @@ def decode_step_time(st: Setting, ms: ModelShape, t, busy, batch, ctx):
         core = flops / (rate * mm_eff(hw, ms.mm_size(batch, t))) + mem_time(hw, nbytes, bw, busy)
     else:
         core = roofline(hw, flops, nbytes, ms.mm_size(batch, t), rate, bw, busy)
-    tp = 2.0 * ms.L * collective_time(hw, "all_reduce", batch * ms.D * ms.act_bytes_per, t, 1) * ovh
+    tp = sampler_tp_time(hw, ms, batch, t) * ovh
     return core + tp + hw.efficiency.decode_step_s * ovh + ms.L * hw.efficiency.decode_layer * ovh
+
+
+def sampler_tp_time(hw: HardwareProfile, ms: ModelShape, rows, t):
+    """Tensor-parallel collectives of one sampler pass over `rows` tokens: 2 all-reduces of the
+    hidden state per layer (Megatron), × the fitted decode_tp_factor. The CPU sampler's fused
+    q/k/v and gate/up products (sampling/forward.py) split their outputs off shard boundaries, so
+    XLA also permutes them every layer (decode HLO of model T at 192 slots, tensor 2: 9 all-reduces
+    plus 20 collective-permutes per step, ~3x the bytes), and the decode program's CPU time doubled
+    from tensor 1 to 2 (155 -> 322 ms) where 2 all-reduces per layer priced +20%."""
+    if hw.shared_host:  # in-process copies and reductions: per byte, no message-size efficiency
+        t = np.asarray(t, np.float64)
+        nbytes = rows * ms.D * ms.act_bytes_per
+        ar = np.where(t > 1, 2.0 * (t - 1.0) / t * nbytes / hw.node.link_bw + 2.0 * np.log2(np.maximum(t, 2.0))
+                      * hw.node.latency_s, 0.0)
+    else:
+        ar = collective_time(hw, "all_reduce", rows * ms.D * ms.act_bytes_per, t, 1)
+    return hw.efficiency.decode_tp_factor * 2.0 * ms.L * ar
 
 
 def generate_stage(st: Setting, ms: ModelShape, n_gen: int, t, slots, async_ks=(), recompute: bool = False):
@@ -343,7 +370,7 @@ def _prefill_time(st: Setting, ms: ModelShape, t, busy, seqs, seq_len):
     flops = ms.forward_flops(tokens, seqs, seqs * seq_len ** 2, st.causal_skip) / t
     nbytes = ms.weight_bytes() / t + tokens * ms.kv_bytes_per_token / ms.kv_shards(t)
     core = roofline(hw, flops, nbytes, ms.mm_size(tokens, t), rate, bw, busy)
-    tp = 2.0 * ms.L * collective_time(hw, "all_reduce", tokens * ms.D * ms.act_bytes_per, t, 1) * ovh
+    tp = sampler_tp_time(hw, ms, tokens, t) * ovh
     return float(core + tp + ms.L * hw.efficiency.layer_s * ovh)
 
 
