@@ -93,7 +93,8 @@ def calibrate(args) -> int:
         with open(points) as f:
             old = json.load(f)
     with open(points, "w") as f:  # whole-step calibration points (--calibrate-steps) are kept
-        json.dump({"clock": args.clock, "points": cal, "steps": old.get("steps", []), "load": LOADS}, f, indent=1)
+        json.dump({"clock": args.clock, "points": cal, "steps": old.get("steps", []),  # kept: steps, gen memory
+                   "gen_memory": old.get("gen_memory", []), "load": LOADS}, f, indent=1)
     with open(os.path.splitext(path)[0] + ".validation.json", "w") as f:
         json.dump({"clock": args.clock, "stages": [{"point": p} for p in val], "load": LOADS}, f, indent=1)
     preset = load_hardware(args.hardware, calibrated=False)
