@@ -85,9 +85,10 @@ def test_data4_chunk_attention_equals_single_device(llama, prompts, reference):
     assert st_["prefill_tokens"] == 2 * sum(len(p) - 1 for p in prompts), "one prefill per group"
 
 
-def test_data2_tensor2_gather_attention_equals_single_device_and_no_pool_collective(llama, prompts, reference):
+def test_data2_tensor2_model_forward_gather_equals_single_device_and_no_pool_collective(llama, prompts, reference):
     mesh = mesh_of((2, 2), ("data", "tensor"))
-    cfg = SamplerConfig(page_size=4, max_slots=8, chunk_steps=8, attention="gather", **FIXED)
+    # The GPU defaults (the model's own forward, "gather" attention); the CPU defaults run on data=4.
+    cfg = SamplerConfig(page_size=4, max_slots=8, chunk_steps=8, attention="gather", forward="model", **FIXED)
     sampler = Sampler(shard(llama, mesh), cfg)
     assert_pool_shards(sampler, data=2, tensor=2)
     for outs, ref in zip(run_both(sampler, prompts), reference):
@@ -124,6 +125,18 @@ def device_groups(hlo_line):
     m = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,{}]*\})\}", hlo_line)
     assert m, f"cannot read the device groups of: {hlo_line[:200]}"
     return [[int(x) for x in grp.split(",")] for grp in re.findall(r"\{([\d,]+)\}", m[1])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention,forward", [("blocked", "split"), ("chunk", "model"), ("gather", "split_t")])
+def test_other_attention_and_forward_kinds_on_data2_tensor2(llama, prompts, reference, attention, forward):
+    mesh = mesh_of((2, 2), ("data", "tensor"))
+    cfg = SamplerConfig(page_size=4, max_slots=8, chunk_steps=8, attention=attention, forward=forward, block_pages=2,
+                        **FIXED)
+    sampler = Sampler(shard(llama, mesh), cfg)
+    assert_pool_shards(sampler, data=2, tensor=2)
+    for outs, ref in zip(run_both(sampler, prompts), reference):
+        assert_same(outs, ref)
 
 
 def test_preemption_inside_shards_keeps_outputs(llama, prompts, reference):
