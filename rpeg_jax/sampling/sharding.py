@@ -17,9 +17,14 @@ KV page pool over `data` (SamplerConfig.kv_pool):
   holds local page ids (host side: `allocator.ShardedPages`, `scheduler.Scheduler`). The device
   functions run per shard under `jax.shard_map` over `data` only (`shard_mesh`; the other axes, e.g.
   kv heads over `tensor`, stay Auto inside), so no pool gather crosses shards and XLA never
-  all-gathers the pool (tests/test_sampler_sharded_pool.py checks the shard shapes).
+  all-gathers the pool (tests/test_sampler_sharded_pool.py checks the shard shapes, and that no
+  collective of the compiled decode chunk carries KV pages or crosses data shards).
+  With kv heads over `tensor` the page gathers index the head axis as a gather batch dimension
+  (`heads_sharded`, paged_attention.gather_pages), so attention needs no collective over the pool
+  either way (without it XLA all-gathered a layer's pool over `tensor`, or all-reduced the pages).
 - "replicated": every data shard holds the whole pool (one allocator; XLA's propagation handles the
-  data-sharded page tables). Used, whatever kv_pool says, when there is no `data` axis > 1 or it does
+  data-sharded page tables: each decode step all-gathers the new K/V rows and their write targets
+  across data shards to keep the copies equal). Used, whatever kv_pool says, when there is no `data` axis > 1 or it does
   not divide max_slots.
 """
 

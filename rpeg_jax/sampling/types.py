@@ -48,7 +48,8 @@ class SamplerConfig:
     eos_token_ids: tuple[int, ...] | None = None  # None -> (model.cfg.eos_id,)
     max_stop_ids: int = 8  # N: stop token ids per sequence on device (eos + stop_token_ids)
     min_prefill_len: int = 16  # smallest prefill length bucket (powers of two above it)
-    min_prefill_rows: int = 1  # smallest prefill row bucket (powers of two above it)
+    min_prefill_rows: int = 1  # smallest prefill row bucket (powers of two above it; with a sharded
+    #                            pool the rows of all shards together: D blocks of the per-shard bucket)
     min_table_width: int = 1  # smallest decode page-table width bucket, in pages (fewer compiles
     #                           against more gathered columns; capped at the widest table)
     table_width_growth: float = 2.0  # ratio of consecutive decode page-table width buckets (2: powers of
