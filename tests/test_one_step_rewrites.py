@@ -43,6 +43,12 @@ def test_proximal_from_update_drops_old_forward_also_under_staleness():
     # With a shared backbone the values come from critic_forward reading the actor, as after elision.
     s = share_actor_critic(proximal_from_update(graph("rl.algorithm=ppo")))
     assert ("actor", "critic_forward") in {(e.src, e.dst) for e in s.edges}
+    # ... and values_from_critic_update then moves them into the shared update's own forward.
+    v = values_from_critic_update(s)
+    assert "critic_forward" not in v.stage_names() and "values" not in v.nodes
+    st = v.stage("advantage+actor_update")
+    assert st.attrs["values_from_update"] and set(st.attrs["internal"]) == {"advantages", "returns", "values"}
+    assert st.parts[1].attrs["proximal"] == "update" and st.parts[1].attrs["value_loss"]
 
 
 def test_values_from_critic_update_fuses_gae_into_the_critic_update():
@@ -78,8 +84,11 @@ def test_one_step_rewrites_reject_several_optimizer_steps():
         load_config(None, [*SIZES, "pipeline.elide_old_forward=true", "pipeline.proximal_from_update=true"])
     with pytest.raises(ConfigError, match="pipeline.values_from_critic_update"):
         load_config(None, [*SIZES, "pipeline.values_from_critic_update=true"])  # GRPO: no critic
-    with pytest.raises(GraphError, match="separate critic"):
+    with pytest.raises(GraphError, match="ride on old_forward"):
         values_from_critic_update(share_actor_critic(graph("rl.algorithm=ppo")))
+    with pytest.raises(ConfigError, match="pipeline.values_from_critic_update"):
+        load_config(None, [*SIZES, "rl.algorithm=ppo", "pipeline.share_actor_critic=true",
+                           "pipeline.values_from_critic_update=true"])
 
 
 def test_useful_flops_never_count_a_pass_one_step_makes_redundant():
@@ -100,10 +109,9 @@ def test_planner_plans_drop_the_passes_one_step_makes_redundant():
     for share in (False, True):
         opts = P.structural_options(ctx, "colocated", share)
         assert all(o.proximal_from_update != o.elide_old_forward for o in opts)
-        assert all(o.values_from_critic_update == (not share) for o in opts)
+        assert all(o.values_from_critic_update for o in opts)
         for _, g in P._graphs(ctx, opts):
-            assert "old_forward" not in g.stage_names()
-            assert ("critic_forward" in g.stage_names()) == share
+            assert not {"old_forward", "critic_forward"} & set(g.stage_names())
     res = P.search(load_config(None, ["rl.algorithm=ppo", "costmodel.search_share_actor_critic=false"]), 4, hw)
     assert res.chosen.knobs["values_from_critic_update"] and "advantage+critic_update" in res.chosen.stage_times_s
     assert not {"critic_forward", "old_forward"} & set(res.chosen.stage_times_s)
@@ -141,6 +149,28 @@ def test_critic_values_update_equals_forward_then_gae_then_update(micro, group):
     _close((got_p, got_s), (want_p, want_s))
     for k in ("critic/vf_loss", "critic/grad_norm", "critic/vf_clipfrac"):
         np.testing.assert_allclose(got_m[k], want_m[k], rtol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("micro", [2])
+def test_shared_values_update_equals_forward_then_gae_then_update(micro):
+    """Shared backbone: V_old, advantages and returns from the update's own forward (and π_old too)
+    = a separate forward, GAE, then the plain actor-critic update."""
+    params, batch = make_case(5, critic=True)
+    for k in ("values_BxR", "returns_BxR", "advantages_BxR", "old_logp_BxR"):
+        del batch[k]
+    batch["rewards_B"] = jnp.asarray(np.random.default_rng(2).normal(size=batch["row_B"].shape), jnp.float32)
+    cfg = RLConfig(algorithm="ppo", micro_batches=micro, gamma=0.9, lam=0.8, kl_coef=0.05)
+    opt = optax.adam(0.05)
+    out = policy_fn(params, batch)
+    adv = rl.compute_advantages({**batch, "values_BxR": out["values"]}, cfg)[0]
+    full = {**batch, **adv, "values_BxR": out["values"], "old_logp_BxR": out["logp"]}
+    want = jax.jit(rl.make_actor_critic_update(policy_fn, opt, cfg))(params, opt.init(params), full)
+    fused = rl.make_actor_critic_update(policy_fn, opt, cfg, proximal_from_update=True, values_from_update=True)
+    got = jax.jit(fused)(params, opt.init(params), batch)
+    _close(got[3]["values_BxR"], out["values"], 0.0)
+    _close(got[:2], want[:2])
+    for k, v in want[2].items():
+        np.testing.assert_allclose(got[2][k], v, rtol=1e-6, atol=1e-7, err_msg=k)
 
 
 @pytest.mark.parametrize("decoupled", [False, True])
@@ -188,3 +218,12 @@ def test_ppo_one_step_rewrites_under_staleness_and_micro_batches(tmp_path):
                     run(tmp_path, "rewritten", ppo + ["pipeline.values_from_critic_update=true",
                                                       "pipeline.proximal_from_update=true",
                                                       "pipeline.fuse=[forwards,advantage]"], steps=2))
+
+
+@pytest.mark.slow
+def test_shared_backbone_one_step_rewrites_equal_the_plain_pipeline(tmp_path):
+    """One backbone: values and π_old from the shared update's own forward = old_forward giving both."""
+    ppo = TINY + ["rl.algorithm=ppo", "rl.kl_coef=0.04", "pipeline.share_actor_critic=true"]
+    assert_same_run(run(tmp_path, "plain", ppo, steps=2),
+                    run(tmp_path, "rewritten", ppo + ["pipeline.values_from_critic_update=true",
+                                                      "pipeline.proximal_from_update=true"], steps=2))

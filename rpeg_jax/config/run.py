@@ -81,8 +81,14 @@ class RunConfig:
             check(not (r.kl_in_reward and r.kl_coef > 0), "pipeline.proximal_from_update", True,
                   "rl.kl_in_reward needs π_old before the advantages (it is known only inside the update)")
         if p.values_from_critic_update:
-            check(r.algorithm == "ppo" and not p.share_actor_critic, "pipeline.values_from_critic_update", True,
-                  "needs a separate critic (rl.algorithm=ppo, pipeline.share_actor_critic=false)")
+            check(r.algorithm == "ppo", "pipeline.values_from_critic_update", True, "needs a critic: set rl.algorithm=ppo")
+            if p.share_actor_critic:  # the shared update computes the advantages inside its loss
+                check(p.elide_old_forward or p.proximal_from_update, "pipeline.values_from_critic_update", True,
+                      "with a shared backbone the values ride on old_forward; drop it first "
+                      "(pipeline.proximal_from_update or elide_old_forward)")
+                check(r.micro_batches == 1 or not r.whiten_advantages, "rl.micro_batches", r.micro_batches,
+                      "a shared backbone's values rewrite whitens advantages per micro-batch; "
+                      "use rl.micro_batches=1 or rl.whiten_advantages=false")
             check(r.advantage_estimator == "gae", "pipeline.values_from_critic_update", True,
                   f"the values feed GAE; rl.advantage={r.advantage_estimator!r}")
 

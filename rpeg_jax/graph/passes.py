@@ -255,26 +255,28 @@ def values_from_critic_update(g: Graph) -> Graph:
     returns, its backward and the optimizer step follow; the advantages go to the actor update.
     Exact when the critic takes one optimizer step (its forward runs at φ_t, the parameters
     critic_forward reads; the clipped value loss around V_old = sg(V) has the same value and
-    gradient; critic/vf_clipfrac is exactly 0, 0 up to rounding with critic_forward). Needs a
-    separate critic (apply after share_actor_critic, which removes it)."""
+    gradient; critic/vf_clipfrac is exactly 0, 0 up to rounding with critic_forward).
+    With a shared backbone (after share_actor_critic, once old_forward is gone so that the values
+    come from a critic_forward on the actor) the shared actor-critic update does the same:
+    advantage+actor_update, whose loss computes the advantages and returns from its own values."""
     if g.attrs.get("values_from_critic_update"):
         return g
-    if g.attrs.get("shared"):
-        raise GraphError("critic_forward", "the backbone is shared (no critic update); "
-                                           "values_from_critic_update needs a separate critic")
+    shared = bool(g.attrs.get("shared"))
     cf = _plain(g, K.CRITIC_FORWARD, "values_from_critic_update")
-    cu = _plain(g, K.CRITIC_UPDATE, "values_from_critic_update")
+    upd = _plain(g, K.ACTOR_UPDATE if shared else K.CRITIC_UPDATE, "values_from_critic_update")
     adv = _plain(g, K.ADVANTAGE, "values_from_critic_update")
-    if cf is None or cu is None:
-        raise GraphError("critic_forward", "needs critic_forward and critic_update (rl.algorithm=ppo)")
-    _one_step(cu, "values_from_critic_update")
-    others = [c for c in g.consumers("values") if c not in (adv.name, cu.name)]
+    if cf is None:
+        why = ("the shared backbone's values ride on old_forward; apply proximal_from_update or "
+               "elide_old_forward first") if shared else "needs critic_forward and critic_update (rl.algorithm=ppo)"
+        raise GraphError("critic_forward", why)
+    _one_step(upd, "values_from_critic_update")
+    others = [c for c in g.consumers("values") if c not in (adv.name, upd.name)]
     if others:
-        raise GraphError(others[0], "reads the values outside advantage / critic_update")
+        raise GraphError(others[0], "reads the values outside advantage / the update")
     g.remove(cf.name)
     g.remove("values")
-    g = fuse.__wrapped__(g, [adv.name, cu.name])
-    fused = g.stage(f"{adv.name}+{cu.name}")
+    g = fuse.__wrapped__(g, [adv.name, upd.name])
+    fused = g.stage(f"{adv.name}+{upd.name}")
     internal = list(fused.attrs.get("internal", [])) + ["values"]
     g.replace_node(replace(fused, attrs={**fused.attrs, "internal": internal, "values_from_update": True}))
     g.attrs["values_from_critic_update"] = True

@@ -211,25 +211,41 @@ def make_critic_values_update(value_fn, optimizer, cfg, *, accum_dtype=jnp.float
 
     def loss_fn(params, mb, loss_w, tok_w):
         out = value_fn(params, mb)
-        v = jax.lax.stop_gradient(out["values"])
-        ret = compute_advantages({**mb, "values_BxR": v}, cfg)[0]["returns_BxR"]
-        loss, metrics = critic_objective(out, {**mb, "values_BxR": v, "returns_BxR": ret}, cfg, loss_w, tok_w)
-        return loss, (metrics, {"values_BxR": v})
+        mb = _own_values(out, mb, cfg)
+        loss, metrics = critic_objective(out, mb, cfg, loss_w, tok_w)
+        return loss, (metrics, {"values_BxR": mb["values_BxR"]})
     return make_update(loss_fn, optimizer, cfg, prefix="critic", needs=(MASK, "rewards_B"),
                        accum_dtype=accum_dtype, group_size=group_size, rows=True)
 
 
+def _own_values(out: dict, mb: dict, cfg) -> dict:
+    """values_from_critic_update: V_old = sg(V) of this forward, advantages and returns from it."""
+    v = jax.lax.stop_gradient(out["values"])
+    adv = compute_advantages({**mb, "values_BxR": v}, cfg)[0]
+    return {**mb, "values_BxR": v, **adv}
+
+
 def make_actor_critic_update(policy_fn, optimizer, cfg, *, accum_dtype=jnp.float32, group_size: int = 1,
-                             proximal_from_update: bool = False):
-    """One backbone with policy and value heads: L = L_actor + c_v·L_v (policy_fn returns values)."""
+                             proximal_from_update: bool = False, values_from_update: bool = False):
+    """One backbone with policy and value heads: L = L_actor + c_v·L_v (policy_fn returns values).
+
+    values_from_update (one optimizer step): V_old = sg(V) of this forward, the advantages and
+    returns computed from it inside the loss (per micro-batch: exact for GAE unless advantages are
+    whitened over the batch), and the values returned as a 4th output like make_critic_values_update."""
     if proximal_from_update:
         check_one_step(cfg, "pipeline.proximal_from_update")
+    if values_from_update:
+        check_one_step(cfg, "pipeline.values_from_critic_update")
 
     def loss_fn(params, mb, loss_w, tok_w):
         out = policy_fn(params, mb)
+        mb = _own_values(out, mb, cfg) if values_from_update else mb
         a_loss, a_metrics = actor_objective(out, _proximal(out, mb, proximal_from_update), cfg, loss_w, tok_w)
         v_loss, v_metrics = critic_objective(out, mb, cfg, loss_w, tok_w)
-        return a_loss + cfg.vf_coef * v_loss, {**a_metrics, **v_metrics}
-    needs = tuple(k for k in ACTOR_KEYS + CRITIC_KEYS[1:] if not (proximal_from_update and k == "old_logp_BxR"))
+        loss, metrics = a_loss + cfg.vf_coef * v_loss, {**a_metrics, **v_metrics}
+        return (loss, (metrics, {"values_BxR": mb["values_BxR"]})) if values_from_update else (loss, metrics)
+    drop = ({"old_logp_BxR"} if proximal_from_update else set()) | (
+        {"advantages_BxR", "values_BxR", "returns_BxR"} if values_from_update else set())
+    needs = tuple(k for k in ACTOR_KEYS + CRITIC_KEYS[1:] if k not in drop) + (("rewards_B",) if values_from_update else ())
     return make_update(loss_fn, optimizer, cfg, prefix="actor", needs=needs, accum_dtype=accum_dtype,
-                       group_size=group_size)
+                       group_size=group_size, rows=values_from_update)

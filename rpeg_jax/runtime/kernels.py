@@ -253,6 +253,28 @@ def critic_values_update(env: StageEnv) -> Kernel | None:
     return Kernel(fn, donate=("critic", "critic_opt"))
 
 
+def shared_values_update(env: StageEnv) -> Kernel | None:
+    """advantage+actor_update after values_from_critic_update on a shared backbone: the shared
+    update's forward gives the values, its loss computes the advantages and returns from them
+    (rl.update.make_actor_critic_update(values_from_update=True)); the advantage stage's metrics
+    come from the values it returns. None (compose the parts) for the plain fuse=advantage."""
+    if not env.stage.attrs.get("values_from_update"):
+        return None
+    ctx = env.context
+    kw = {"proximal_from_update": _attr(env, "proximal") == "update", "values_from_update": True}
+    update = _grouped_update(make_actor_critic_update, ctx.graphdefs["actor"], ctx.optimizers["actor"], ctx,
+                             grad_dtype(ctx.cfg.optim), _devices(env), make_kw=kw, logp=True,
+                             entropy=ctx.cfg.rl.entropy_coef > 0, values=True)
+
+    def fn(i):
+        batch = _rl_batch(i, _BATCH_KEYS)
+        params, opt_state, metrics, rows = update(i["actor"], i["actor_opt"], batch, None)
+        _, adv_metrics = _advantages({**batch, **rows}, ctx, i["_step"])
+        return {"actor": params, "actor_opt": opt_state, "metrics": {**adv_metrics, **metrics}}
+
+    return Kernel(fn, donate=("actor", "actor_opt"))
+
+
 # ---- host kernels -----------------------------------------------------------------------------
 def generate(env: StageEnv) -> Kernel:
     """Sample G completions of each prompt of the step with the weights of version t-k."""
@@ -303,4 +325,5 @@ def default_registry() -> KernelRegistry:
                           (K.CRITIC_UPDATE, critic_update), (K.WEIGHT_SYNC, weight_sync)):
         reg.register(kind, factory)
     reg.register_fused((K.ADVANTAGE, K.CRITIC_UPDATE), critic_values_update)
+    reg.register_fused((K.ADVANTAGE, K.ACTOR_UPDATE), shared_values_update)
     return reg
