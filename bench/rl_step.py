@@ -11,7 +11,8 @@ temperature 1.0, one AdamW step (lr 1e-4) per batch. Variants: "baseline" = the 
 (synchronous, unfused, π_old recomputed by an old_forward pass); "optimized" = the rewrites on
 (the sampler's logprobs serve as π_old, forwards fused, advantages folded into the update; R1-c:
 also the critic's values for GAE from the critic update's own forward, values_from_critic_update);
-"shared" (R1-c only) = optimized + actor-critic sharing (one backbone with policy and value heads);
+"shared" (R1-c only) = optimized + actor-critic sharing (one backbone with policy and value heads;
+its values, advantages and returns from the shared update's own forward);
 "async" = bounded asynchrony k = 1 (generation of step t+1 beside the training of step t) with
 π_prox from the actor update's own forward (proximal_from_update; no old_forward), forwards and
 advantage fused (R1-c: values_from_critic_update too), on a split placement [1, 1] (one device
@@ -84,8 +85,7 @@ VARIANTS = {"baseline": [],
                       "pipeline.fuse=[forwards,advantage]"]}
 ONLY = {"shared": {"R1-c"}}  # variants that apply to some workloads only
 # With a separate critic: V for GAE from the critic update's own forward (one optimizer step).
-EXTRA = {("R1-c", "optimized"): ["pipeline.values_from_critic_update=true"],
-         ("R1-c", "async"): ["pipeline.values_from_critic_update=true"]}
+EXTRA = {("R1-c", v): ["pipeline.values_from_critic_update=true"] for v in ("optimized", "shared", "async")}
 SPLIT = ["pipeline.placement=split", "pipeline.split_sizes=[1,1]"]
 
 
