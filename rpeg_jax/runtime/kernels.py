@@ -17,6 +17,11 @@ Forward passes (scoring and updates) run each group's shared prompt once when th
 (`shared_prompt_groups`: rows in whole groups of rl.group_size, whole groups on every device, no
 explicit mesh axes on the batch); the update then shuffles and splits whole groups. Same values to float32 rounding.
 
+One-step rewrites (graph/passes.py): an actor update marked proximal='update' takes π_old from its
+own forward; a fused advantage+critic_update (or advantage+actor_update on a shared backbone)
+marked values_from_update is one dedicated program: the update's forward gives the values, GAE
+runs inside it, and the advantage stage's outputs and metrics come from those values.
+
 Called by: graph/compile.py via runtime/trainer.py.
 """
 
