@@ -299,7 +299,7 @@ def test_sampler_tensor_parallel_collectives_fitted_factor_and_shared_host_bytes
 def test_generation_memory_whole_pages_and_cpu_chunk_working_set():
     # Hand count per device: weights / t + slots x whole pages of KV (ceil((P+R)/page) pages of
     # `page` tokens, kv heads split over min(t, K)) + gen_memory_factor x the gathered KV (CPU:
-    # every layer's pages of every slot, NOT split over tensor; accelerator: one layer's, split)
+    # every layer's pages of every slot; accelerator: one layer's; both split like the pool)
     # + 2 float32 logits rows per slot.
     ms = shape("tiny")
     cpu = load_hardware("cpu", calibrated=False)
@@ -309,8 +309,7 @@ def test_generation_memory_whole_pages_and_cpu_chunk_working_set():
     kv_tok = 2 * ms.L * ms.K * ms.E * 4  # K and V, float32
     tokens = 64  # 56 tokens -> 4 pages of 16
     t, slots = 2, 64
-    want = ms.weight_bytes() / t + slots * tokens * kv_tok / min(t, ms.K) + 1.5 * slots * tokens * kv_tok \
-        + slots * ms.V * 8.0
+    want = ms.weight_bytes() / t + (1 + 1.5) * slots * tokens * kv_tok / min(t, ms.K) + slots * ms.V * 8.0
     assert float(S.generate_memory(st, ms, t, slots)) == pytest.approx(want, rel=1e-12)
     gpu = dataclasses.replace(st, hw=load_hardware("h200", calibrated=False), page_size=1)
     want_gpu = ms.weight_bytes() / t + slots * 56 * kv_tok / min(t, ms.K) * (1 + 1 / ms.L) + slots * ms.V * 8.0

@@ -253,14 +253,14 @@ def generate_memory(st: Setting, ms: ModelShape, t, slots, reps=1):
     `slots` per replica; with a replicated page pool (`st.kv_replicated`, the sampler today) every
     device of the group holds the pages of all `reps` replicas. The working set is the KV gathered
     to dense buffers x the fitted gen_memory_factor: one layer's pages (gather attention), or on a
-    CPU every layer's pages of every slot, unsplit over `tensor` (the "chunk" attention,
-    sampling/chunk_attention.gather_chunk; the compiled decode programs of models T/M/W at tensor 2
-    hold them whole on each device)."""
+    CPU every layer's pages of every slot (the "chunk" attention, sampling/chunk_attention.gather_chunk),
+    split over `tensor` like the pool (since d163566; before it the decode programs at tensor 2
+    held them whole on each device)."""
     t, slots = np.asarray(t, np.float64), np.asarray(slots, np.float64)
     held = slots * (np.asarray(reps, np.float64) if st.kv_replicated else 1.0)
     kv = held * kv_bytes_per_seq(st, ms, t)
     if st.hw.kind == "cpu":
-        gathered = slots * kv_bytes_per_seq(st, ms, 1)
+        gathered = slots * kv_bytes_per_seq(st, ms, t)
     else:
         gathered = slots * kv_bytes_per_seq(st, ms, t) / ms.L
     logits = slots * ms.V * 4.0 * 2.0
@@ -271,7 +271,7 @@ def max_slots(st: Setting, ms: ModelShape, t, free_bytes, reps=1):
     """Concurrent sequences per replica that fit in `free_bytes` per device (after weights)."""
     t = np.asarray(t, np.float64)
     held = np.asarray(reps, np.float64) if st.kv_replicated else 1.0
-    work = (kv_bytes_per_seq(st, ms, 1) if st.hw.kind == "cpu" else kv_bytes_per_seq(st, ms, t) / ms.L)
+    work = kv_bytes_per_seq(st, ms, t) / (1.0 if st.hw.kind == "cpu" else ms.L)
     per = kv_bytes_per_seq(st, ms, t) * held + st.hw.efficiency.gen_memory_factor * work + ms.V * 8.0
     return np.floor(np.maximum(free_bytes - ms.weight_bytes() / t, 0.0) / per)
 
