@@ -8,10 +8,11 @@ GRPO (G=16) and PPO, prompt 512, responses 4k-16k tokens long-tailed (4096 + log
 time, memory per GPU and utilization; the verl-like and ReaL-like baselines (each the best of
 its family on the same hardware) and their ratios; and the search time on one core.
 The main columns model our runtime as it is: each step's batch is one generate call (tail
-included) and the sampler's KV page pool is replicated over the generation group's data axis.
+included) and the sampler's KV page pool is split per replica over the generation group's data
+axis (since session 4; costmodel.kv_pool=replicated prices the older replicated pool).
 The baselines are priced with their own engines (one KV pool per replica). "next s" is our
-chosen plan once the sampler shards its pool per replica and admits the next steps' prompts
-while a step's tail finishes (costmodel.kv_pool=sharded, continuous_admission=true).
+chosen plan once the sampler also admits the next steps' prompts while a step's tail finishes
+(costmodel.continuous_admission=true, not built yet).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ MACHINES = [("gh200", 64), ("gh200", 128), ("gh200", 256), ("h100", 8), ("h200",
 
 def one(hw_name: str, gpus: int, model: str, algo: str) -> dict:
     row = _search(hw_name, gpus, model, algo, [])
-    if row["fits"]:  # with a per-replica KV pool and continuous admission (partial rollouts)
-        ca = _search(hw_name, gpus, model, algo, ["costmodel.kv_pool=sharded", "costmodel.continuous_admission=true"])
+    if row["fits"]:  # with continuous admission (partial rollouts) on top
+        ca = _search(hw_name, gpus, model, algo, ["costmodel.continuous_admission=true"])
         row["next"] = {"step_time_s": ca["chosen"]["step_time_s"], "knobs": ca["chosen"]["knobs"],
                                        "layout": ca["chosen"]["layout"], "search_seconds": ca["search_seconds"]}
     return row

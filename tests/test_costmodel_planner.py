@@ -138,8 +138,8 @@ def test_search_finds_the_optimum_of_its_space_and_baselines_are_family_best(alg
 
 @pytest.mark.slow
 def test_baselines_use_their_own_engines():
-    # Our sampler replicates its KV pool over the data axis; verl/ReaL engines do not, and are
-    # priced that way (no straw men), so the baselines are the same whatever kv_pool says.
+    # Our sampler shards its KV pool per replica (kv_pool=replicated prices the older sampler); the
+    # verl/ReaL engines are priced with their own engines (no straw men), whatever kv_pool says.
     rep = P.search(cfg_of("costmodel.kv_pool=replicated"), 16, GH)
     shd = P.search(cfg_of("costmodel.kv_pool=sharded"), 16, GH)
     for name in ("verl_like", "real_like"):
@@ -150,7 +150,7 @@ def test_baselines_use_their_own_engines():
 def test_replicated_kv_pool_costs_memory_per_replica():
     from rpeg_jax.costmodel import stages as S
 
-    ctx = P.make_context(cfg_of(model="qwen2-7b"), 16, GH)
+    ctx = P.make_context(cfg_of("costmodel.kv_pool=replicated", model="qwen2-7b"), 16, GH)
     ms = P.roles_of(ctx, ctx.base).actor
     st = ctx.st
     one = float(S.generate_memory(st, ms, 4, 8, reps=1))
