@@ -117,3 +117,17 @@ def test_good_config_through_cli():
     assert r.returncode == 0, r.stderr
     printed = from_dict(yaml.safe_load(r.stdout))
     assert printed == load_config(None, ["rl.group_size=4", "data.task=sort"])
+
+
+def test_rollout_kv_pool_reaches_the_sampler_and_the_cost_model():
+    from rpeg_jax.config import ConfigError
+    from rpeg_jax.costmodel.hardware import load_hardware
+    from rpeg_jax.costmodel.planner import make_context
+    from rpeg_jax.sampling.types import SamplerConfig
+
+    for pool in ("sharded", "replicated"):
+        cfg = load_config(None, [f"rollout.kv_pool={pool}"])
+        assert SamplerConfig.from_rollout(cfg.rollout, max_slots=8).kv_pool == pool
+        assert make_context(cfg, 8, load_hardware("gh200", calibrated=False)).st.kv_replicated == (pool == "replicated")
+    with pytest.raises(ConfigError, match="rollout.kv_pool"):
+        load_config(None, ["rollout.kv_pool=mirrored"])

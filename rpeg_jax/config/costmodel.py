@@ -24,7 +24,8 @@ class CostModelConfig:
     attention: Literal["auto", "dense", "flash"] = "auto"  # auto: dense on cpu, flash on accelerators
     sequence_packing: bool = False  # trainer packs sequences (no padding to max_new_tokens)
     kv_pool: Literal["replicated", "sharded"] = "sharded"  # sampler KV pages over the generation data
-    #   axis: one pool per replica (the sampler since session 4: sampling/sharding.py) or replicated (every device holds all replicas' pages)
+    #   axis: one pool per replica (the sampler since session 4: sampling/sharding.py) or replicated (every device
+    #   holds all replicas' pages); a run with rollout.kv_pool=replicated is priced replicated either way
     continuous_admission: bool = False  # under staleness k the sampler admits later steps' prompts while a
     #   step's tail finishes (partial rollouts), so generation is throughput-bound; False = one batch per call
     # Search space (structural knobs the planner may change).

@@ -27,6 +27,8 @@ class RolloutConfig:
     on_weight_update: Literal["finish", "recompute"] = "finish"
     attention: Literal["auto", "gather", "blocked", "chunk"] = "auto"  # decode attention over pages
     #   (sampling/types.py): auto = "chunk" on CPU, "gather" elsewhere
+    kv_pool: Literal["sharded", "replicated"] = "sharded"  # KV page pool over the generation mesh's data
+    #   axis: one pool per data shard, or every device holding all pages (sampling/sharding.py)
 
     def validate(self, path: str) -> None:
         check(self.max_new_tokens >= 1, key(path, "max_new_tokens"), self.max_new_tokens, "must be >= 1")
@@ -44,3 +46,5 @@ class RolloutConfig:
         check(0.0 <= self.watermark < 1.0, key(path, "watermark"), self.watermark, "must be in [0, 1)")
         check(self.attention in ("auto", "gather", "blocked", "chunk"), key(path, "attention"), self.attention,
               "must be 'auto', 'gather', 'blocked' or 'chunk'")
+        check(self.kv_pool in ("sharded", "replicated"), key(path, "kv_pool"), self.kv_pool,
+              "must be 'sharded' or 'replicated'")

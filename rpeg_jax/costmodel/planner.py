@@ -111,7 +111,8 @@ def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processe
     sz = base.sizes
     st = S.Setting(hw=hw, B=sz["B"], P=sz["P"], R=sz["R"], G=sz["G"], dist=length_dist(cfg),
                    causal_skip=flash, dense_scores=not flash, packing=c.sequence_packing,
-                   budget_bytes=c.memory_budget * hw.hbm_bytes, kv_replicated=c.kv_pool == "replicated",
+                   budget_bytes=c.memory_budget * hw.hbm_bytes,
+                   kv_replicated="replicated" in (c.kv_pool, cfg.rollout.kv_pool),  # the run's pool, or a what-if
                    prompt_sharing=cfg.sharding.axis_types != "explicit",  # kernels: explicit keeps the plain pass
                    page_size=cfg.rollout.page_size)
     return Context(cfg, hw, num_devices, st, base, processes)

@@ -85,7 +85,7 @@ class SamplerConfig:
         kw = dict(page_size=r.page_size, num_pages=r.num_pages, max_slots=r.max_slots or max_slots,
                   max_seq_len=max_seq_len, chunk_steps=r.chunk_steps, min_chunk_steps=r.min_chunk_steps,
                   watermark=r.watermark,
-                  on_weight_update=r.on_weight_update, attention=r.attention)
+                  on_weight_update=r.on_weight_update, attention=r.attention, kv_pool=r.kv_pool)
         return cls(**{**kw, **overrides})
 
 
