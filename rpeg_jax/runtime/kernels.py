@@ -221,11 +221,17 @@ def actor_update(env: StageEnv) -> Kernel:
     return Kernel(fn, donate=("actor", "actor_opt"))
 
 
+def _critic_updater(make, env: StageEnv):
+    """The critic's grouped update built by `make` (make_critic_update / make_critic_values_update)."""
+    ctx = env.context
+    return _grouped_update(make, ctx.graphdefs["critic"], ctx.optimizers["critic"], ctx,
+                           grad_dtype(ctx.cfg.critic_optim or ctx.cfg.optim), _devices(env), logp=False,
+                           entropy=False, values=True)
+
+
 def critic_update(env: StageEnv) -> Kernel:
     ctx = env.context
-    update = _grouped_update(make_critic_update, ctx.graphdefs["critic"], ctx.optimizers["critic"], ctx,
-                             grad_dtype(ctx.cfg.critic_optim or ctx.cfg.optim), _devices(env), logp=False,
-                             entropy=False, values=True)
+    update = _critic_updater(make_critic_update, env)
 
     def fn(i):
         batch = _rl_batch(i, _BATCH_KEYS)
@@ -244,9 +250,7 @@ def critic_values_update(env: StageEnv) -> Kernel | None:
     if not env.stage.attrs.get("values_from_update"):
         return None
     ctx = env.context
-    update = _grouped_update(make_critic_values_update, ctx.graphdefs["critic"], ctx.optimizers["critic"], ctx,
-                             grad_dtype(ctx.cfg.critic_optim or ctx.cfg.optim), _devices(env), logp=False,
-                             entropy=False, values=True)
+    update = _critic_updater(make_critic_values_update, env)
 
     def fn(i):
         batch = _rl_batch(i, _BATCH_KEYS)
