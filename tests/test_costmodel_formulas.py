@@ -252,6 +252,9 @@ def test_group_prompt_counted_once_where_the_runtime_shares_it():
     shared_tok, shared_sq = 16 / 8 + 32, 16 ** 2 / 8 + 32 * (16 + 32)
     assert tok.tolist() == pytest.approx([shared_tok, shared_tok, shared_tok, 48])  # 16 devices: half groups
     assert sq.tolist() == pytest.approx([shared_sq, shared_sq, shared_sq, 48 ** 2])
+    # the runtime counts the stage's whole mesh (kernels._devices): 8 groups over 2 x 1 x 8 = 16 devices
+    tok, _ = S.shared_tokens(st, d=np.array([2, 2]), f=1, pieces=1, t=np.array([4, 8]))
+    assert tok.tolist() == pytest.approx([shared_tok, 48])
     tok, _ = S.shared_tokens(st, 1, 1, pieces=16)  # 4 sequences per piece: not whole groups
     assert float(tok) == 48
     off = dataclasses.replace(st, prompt_sharing=False)
@@ -318,3 +321,34 @@ def test_generation_memory_whole_pages_and_cpu_chunk_working_set():
     free = 3e7
     n = int(S.max_slots(st, ms, t, free))
     assert float(S.generate_memory(st, ms, t, n)) <= free < float(S.generate_memory(st, ms, t, n + 1))
+
+
+def test_trainer_prices_the_runtime_length_bucket_sampler_the_decoded_steps():
+    # runtime/rollouts.py pads the response window to a multiple of LENGTH_BUCKET (8) unless shapes
+    # are fixed: max_new_tokens=12 trains on 16 columns, 6 on 8; the sampler still decodes 12 / 6.
+    ms = shape("tiny")
+    for R, padded in ((12, 16), (6, 8), (8, 8)):
+        bucketed = setting("cpu", B=64, P=16, R=R, dense=True, length_bucket=8)
+        plain = setting("cpu", B=64, P=16, R=padded, dense=True)
+        assert bucketed.R_train == padded and bucketed.seq_tokens == 16 + padded
+        assert bucketed.seq_scored == padded and bucketed.seq_sumsq == (16 + padded) ** 2
+        # training and scoring passes: exactly the plain setting at the padded width
+        assert float(S.train_stage(bucketed, ms, 1, 1, 1, 1, 1, "none")[0]) == pytest.approx(
+            float(S.train_stage(plain, ms, 1, 1, 1, 1, 1, "none")[0]), rel=1e-12)
+        assert float(S.forward_stage(bucketed, ms, 1, 1, 1, 1, 1)[0]) == pytest.approx(
+            float(S.forward_stage(plain, ms, 1, 1, 1, 1, 1)[0]), rel=1e-12)
+        # generation: R decode steps, as without the bucket
+        unpadded = setting("cpu", B=64, P=16, R=R, dense=True)
+        assert S.generate_stage(bucketed, ms, 1, [1], [64])[0][0] == pytest.approx(
+            S.generate_stage(unpadded, ms, 1, [1], [64])[0][0], rel=1e-12)
+
+
+def test_planner_setting_uses_the_length_bucket_unless_shapes_are_fixed():
+    from rpeg_jax.config import load_config
+    from rpeg_jax.costmodel.planner import make_context
+
+    hw = load_hardware("cpu", calibrated=False)
+    st = make_context(load_config(None, ["rollout.max_new_tokens=12"]), 1, hw).st
+    assert (st.R, st.R_train) == (12, 16)
+    fixed = make_context(load_config(None, ["rollout.max_new_tokens=12", "pipeline.microbatches=2"]), 1, hw).st
+    assert (fixed.R, fixed.R_train) == (12, 12)  # runtime/setup.py: fixed_shapes when microbatches > 1

@@ -93,6 +93,9 @@ class SearchResult:
 
 
 # ---- context -------------------------------------------------------------------------------
+RUNTIME_LENGTH_BUCKET = 8  # runtime/rollouts.LENGTH_BUCKET (the cost model does not import the runtime)
+
+
 def length_dist(cfg: RunConfig) -> LengthDist:
     c, r = cfg.costmodel, cfg.rollout.max_new_tokens
     lo = min(c.response_len_min, r)
@@ -114,7 +117,9 @@ def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processe
                    budget_bytes=c.memory_budget * hw.hbm_bytes,
                    kv_replicated="replicated" in (c.kv_pool, cfg.rollout.kv_pool),  # the run's pool, or a what-if
                    prompt_sharing=cfg.sharding.axis_types != "explicit",  # kernels: explicit keeps the plain pass
-                   page_size=cfg.rollout.page_size)
+                   page_size=cfg.rollout.page_size,
+                   # the runtime pads responses to its length bucket unless shapes are fixed (pieces > 1)
+                   length_bucket=1 if cfg.pipeline.microbatches > 1 else RUNTIME_LENGTH_BUCKET)
     return Context(cfg, hw, num_devices, st, base, processes)
 
 

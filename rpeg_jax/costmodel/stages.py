@@ -52,37 +52,47 @@ class Setting:
     prompt_sharing: bool = False  # training passes run a group's prompt once (models/prefix.py) where
     #   the layout allows it (`shared_tokens`)
     page_size: int = 1  # tokens per KV page of the sampler (rollout.page_size): a sequence holds whole pages
+    length_bucket: int = 1  # the runtime pads the rollout's response window to a multiple of this
+    #   (runtime/rollouts.LENGTH_BUCKET, unless shapes are fixed): the trainer computes on R_train columns
+
+    @property
+    def R_train(self) -> int:
+        """Response columns of the trainer's batch: R rounded up to the runtime's length bucket
+        (max_new_tokens=12 trains on 16 columns, 6 on 8; the sampler still decodes R steps)."""
+        b = max(int(self.length_bucket), 1)
+        return -(-self.R // b) * b
 
     @property
     def seq_tokens(self) -> float:
         """Tokens per sequence the trainer computes on."""
-        return self.P + (self.dist.mean(self.B) if self.packing else self.R)
+        return self.P + (self.dist.mean(self.B) if self.packing else self.R_train)
 
     @property
     def seq_sumsq(self) -> float:
         if self.packing:
             ln = self.dist.lengths(self.B).astype(np.float64)
             return float(np.mean((self.P + ln) ** 2))
-        return float((self.P + self.R) ** 2)
+        return float((self.P + self.R_train) ** 2)
 
     @property
     def seq_scored(self) -> float:
         """Positions with logits per sequence (the response window)."""
-        return self.dist.mean(self.B) if self.packing else float(self.R)
+        return self.dist.mean(self.B) if self.packing else float(self.R_train)
 
 
-def shared_tokens(st: Setting, d, f, pieces):
+def shared_tokens(st: Setting, d, f, pieces, t=1):
     """(tokens, Σ context² for attention) per sequence of a training/scoring pass over `pieces`
-    micro-batches on d x f batch-splitting devices. With `prompt_sharing` the runtime runs a GRPO
-    group's prompt once (runtime/kernels.shared_prompt_groups: G >= 2, every piece whole groups,
-    groups per piece a multiple of the devices): a sequence then carries P/G prompt tokens instead
-    of P, and the prompt's P² attention rows once per group; its response rows still see the prompt."""
-    d, f, pieces = (np.asarray(x, np.float64) for x in (d, f, pieces))
+    micro-batches on a d x f x t mesh. With `prompt_sharing` the runtime runs a GRPO group's prompt
+    once (runtime/kernels.shared_prompt_groups: G >= 2, every piece whole groups, groups per piece
+    a multiple of the stage's devices, which the runtime counts as the whole mesh d·f·t
+    (kernels._devices)): a sequence then carries P/G prompt tokens instead of P, and the prompt's
+    P² attention rows once per group; its response rows still see the prompt."""
+    d, f, pieces, t = (np.asarray(x, np.float64) for x in (d, f, pieces, t))
     tok, sq = st.seq_tokens, st.seq_sumsq
     if not st.prompt_sharing or st.G < 2 or st.R < 2:
         return tok + 0.0 * d, sq + 0.0 * d
     groups = st.B / (st.G * pieces)
-    ok = (np.mod(st.B, st.G * pieces) == 0) & (np.mod(groups, d * f) == 0)
+    ok = (np.mod(st.B, st.G * pieces) == 0) & (np.mod(groups, d * f * t) == 0)
     # prompt rows: P x P once per group (were P x (P + response)); response rows unchanged
     return (np.where(ok, tok - st.P * (1.0 - 1.0 / st.G), tok),
             np.where(ok, sq - st.P * tok + st.P ** 2 / st.G, sq))
@@ -142,7 +152,7 @@ def layer_core(hw: HardwareProfile, flops, w_bytes, ew_bytes, mm_size, rate, bw,
 
 def elementwise_bytes(st: Setting, ms: ModelShape, t, tokens):
     """Activation bytes written and read once by a forward's elementwise kernels."""
-    dense_ctx = st.P + st.R if st.dense_scores else 0.0
+    dense_ctx = st.P + st.R_train if st.dense_scores else 0.0
     return 2.0 * ms.L * tokens * ms.act_bytes_per_token_layer(t, "none", dense_ctx)
 
 
@@ -157,7 +167,7 @@ def train_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, remat: str, e
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
     seqs = st.B / (d * f)  # sequences per device per epoch
     n_mb = minibatches * micro
-    seq_tok, seq_sq = shared_tokens(st, d, f, n_mb)
+    seq_tok, seq_sq = shared_tokens(st, d, f, n_mb, t)
     tok_mb = seqs * seq_tok / n_mb
     fwd = ms.forward_flops(seqs * seq_tok, seqs * st.seq_scored * heads, seqs * seq_sq, st.causal_skip) / t
     rate, bw, ovh = rates(hw, ms.dtype, busy)
@@ -197,8 +207,8 @@ def train_memory(st: Setting, ms: ModelShape, d, f, t, micro, remat: str, miniba
     """Peak bytes per device of a training stage: resident state + update buffers + activations."""
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
     seqs_mb = st.B / (d * f) / (minibatches * micro)
-    tok_mb = seqs_mb * shared_tokens(st, d, f, minibatches * micro)[0]
-    dense_ctx = st.P + st.R if st.dense_scores else 0.0
+    tok_mb = seqs_mb * shared_tokens(st, d, f, minibatches * micro, t)[0]
+    dense_ctx = st.P + st.R_train if st.dense_scores else 0.0
     eff = st.hw.efficiency
     act = ms.L * tok_mb * ms.act_bytes_per_token_layer(t, remat, dense_ctx)
     if remat != "none":  # one layer's full working set while it is recomputed
@@ -215,7 +225,7 @@ def forward_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, heads: int 
     hw = st.hw
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
     seqs = st.B / (d * f)
-    seq_tok, seq_sq = shared_tokens(st, d, f, micro)
+    seq_tok, seq_sq = shared_tokens(st, d, f, micro, t)
     tok_mb = seqs * seq_tok / micro
     flops = ms.forward_flops(seqs * seq_tok, seqs * st.seq_scored * heads, seqs * seq_sq, st.causal_skip) / t
     rate, bw, ovh = rates(hw, ms.dtype, busy)
@@ -234,8 +244,8 @@ def forward_memory(st: Setting, ms: ModelShape, d, f, t, micro):
     """Transient bytes per device of a forward (weights are counted by the caller)."""
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
     seqs_mb = st.B / (d * f) / micro
-    tok_mb = seqs_mb * shared_tokens(st, d, f, micro)[0]
-    dense_ctx = st.P + st.R if st.dense_scores else 0.0
+    tok_mb = seqs_mb * shared_tokens(st, d, f, micro, t)[0]
+    dense_ctx = st.P + st.R_train if st.dense_scores else 0.0
     eff = st.hw.efficiency
     live = tok_mb * ms.act_bytes_per_token_layer(t, "none", dense_ctx, score_arrays=1)  # one layer's
     weights = ms.pass_weight_bytes(f, t, eff.fsdp_gather, eff.weight_copies, train=False)
@@ -377,7 +387,7 @@ def _prefill_time(st: Setting, ms: ModelShape, t, busy, seqs, seq_len):
 def elementwise_stage(st: Setting, busy, arrays: int = 6):
     """Advantages/returns: a few [B, R] float32 arrays read and written once."""
     rate, bw, _ = rates(st.hw, "float32", busy)
-    nbytes = arrays * st.B * st.R * 4.0 / np.maximum(np.asarray(busy, np.float64), 1.0)
+    nbytes = arrays * st.B * st.R_train * 4.0 / np.maximum(np.asarray(busy, np.float64), 1.0)
     return nbytes / (bw * interp_eff(st.hw.efficiency.memory, nbytes)) + st.hw.efficiency.dispatch_s
 
 
