@@ -209,3 +209,36 @@ def test_fit_steps_recovers_the_runtime_host_costs():
     assert fitted.efficiency.piece_s == pytest.approx(0.05, rel=0.05)
     assert fitted.efficiency.host_seq_s == pytest.approx(2e-3, rel=0.05)
     assert fitted.efficiency.host_step_s == pytest.approx(0.1, rel=0.05)
+
+
+def test_fit_steps_leaves_the_stage_factors_to_the_stage_points():
+    # Steps that generate on tensor 2 whose 'measured' times carry a 3x larger sampler TP cost
+    # than the stage fit's: the step fit moves only the host costs (piece_s, host_seq_s,
+    # host_step_s), never decode_tp_factor or another stage factor (session 5: a step refit took
+    # it from 12.7 to 109.8 and priced every tensor-parallel generation stage 5-9x too slow).
+    import dataclasses
+
+    from rpeg_jax.config import load_config  # noqa: F401  (predict_step loads the overrides)
+    from rpeg_jax.costmodel.fit import STEP_FACTORS, fit_steps, predict_step
+
+    base = load_hardware("cpu", calibrated=False)
+    base = dataclasses.replace(base, efficiency=dataclasses.replace(base.efficiency, decode_tp_factor=4.0))
+    truth = dataclasses.replace(base, efficiency=dataclasses.replace(base.efficiency, decode_tp_factor=12.0,
+                                                                     host_step_s=0.05))
+    kn = {"staleness": 0, "share_actor_critic": False, "fuse": [], "elide_old_forward": False, "placement": "split",
+          "split_sizes": [2, 2], "microbatches": 1}
+    steps = []
+    for over in (["data.prompts_per_step=8", "rollout.max_new_tokens=8"],
+                 ["data.prompts_per_step=16", "rollout.max_new_tokens=8"]):
+        lay = {"groups": {"gen": 2, "train": 2}, "generate": {"tensor": 2},
+               "train": {"data": 1, "fsdp": 2, "tensor": 1, "micro_batches": 1, "remat": "none"},
+               "forward": {"data": 2, "fsdp": 1, "tensor": 1}}
+        steps.append({"overrides": over, "knobs": kn, "layout": lay, "num_devices": 4})
+    for sp in steps:
+        sp["seconds"] = predict_step(truth, sp)
+    fitted, _ = fit_steps(base, steps)
+    moved = {n for n, _ in STEP_FACTORS}
+    for f in dataclasses.fields(base.efficiency):
+        if f.name not in moved:
+            assert getattr(fitted.efficiency, f.name) == getattr(base.efficiency, f.name), f.name
+    assert fitted.efficiency.host_step_s > 0.05  # the TP miss lands in the host costs instead
