@@ -117,6 +117,8 @@ CALIBRATION = [
     ("generate", "T", 256, 16, 4, (1, 1, 1), 8, "-"),
     ("generate", "T", 64, 16, 12, (2, 1, 2), 8, "-"),
     ("generate", "T", 64, 16, 12, (1, 1, 1), 8, "-"),
+    # Session 6: the small model on 8 data replicas (only model M had been calibrated there)
+    ("generate", "T", 32, 16, 32, (8, 1, 1), 8, "-"),
 ]
 assert not set(VALIDATION) & set(CALIBRATION), "calibration and validation configurations must be disjoint"
 QUICK = [VALIDATION[i] for i in (0, 3, 8, 10, 13, 18, 21)]

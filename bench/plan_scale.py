@@ -31,7 +31,7 @@ from rpeg_jax.costmodel.planner import search  # noqa: E402
 from rpeg_jax.graph.ir import GraphError  # noqa: E402
 
 MODELS = {"1.5B": "qwen2-1.5b", "7B": "qwen2-7b", "32B": "qwen2-32b", "72B": "qwen2-72b"}
-WORKLOAD = ["model.dtype=bfloat16", "model.param_dtype=float32", "data.max_prompt_len=512",
+WORKLOAD = ["model.dtype=bfloat16", "model.param_dtype=float32", "data.max_prompt_len=512", "costmodel.prompt_len=512",
             "rollout.max_new_tokens=16384", "costmodel.response_len_min=4096",
             "costmodel.response_len_median=6144", "costmodel.response_len_sigma=0.8",
             "costmodel.sequence_packing=true", "rl.kl_coef=0.001"]

@@ -352,3 +352,40 @@ def test_planner_setting_uses_the_length_bucket_unless_shapes_are_fixed():
     assert (st.R, st.R_train) == (12, 16)
     fixed = make_context(load_config(None, ["rollout.max_new_tokens=12", "pipeline.microbatches=2"]), 1, hw).st
     assert (fixed.R, fixed.R_train) == (12, 12)  # runtime/setup.py: fixed_shapes when microbatches > 1
+
+
+@pytest.mark.parametrize("task,digits", [("reverse", 3), ("add", 5), ("sort", 9)])
+def test_planner_prices_the_prompt_columns_the_runtime_pads_to(task, digits):
+    """The model's P is what runtime/rollouts lays out: the longest tokenized prompt of the data,
+    bucketed (not data.max_prompt_len); fixed shapes keep max_prompt_len; an override is bucketed."""
+    from rpeg_jax.config import load_config
+    from rpeg_jax.costmodel.planner import make_context
+    from rpeg_jax.data import CharTokenizer, make_records
+    from rpeg_jax.runtime.rollouts import bucket
+
+    over = [f"data.task={task}", f"data.max_digits={digits}", "data.min_digits=1", "data.max_prompt_len=48",
+            "data.num_examples=256"]
+    cfg = load_config(None, over)
+    tok = CharTokenizer()
+    longest = max(len([tok.bos_id] + tok.encode(r["prompt"])) for r in make_records(cfg.data, "train"))
+    hw = load_hardware("cpu", calibrated=False)
+    assert make_context(cfg, 1, hw).st.P == bucket(longest, None)
+    assert make_context(load_config(None, over + ["pipeline.microbatches=2"]), 1, hw).st.P == 48
+    assert make_context(load_config(None, over + ["costmodel.prompt_len=17"]), 1, hw).st.P == 24
+    with pytest.raises(Exception, match="prompt_len"):
+        load_config(None, ["costmodel.prompt_len=0"])
+
+
+def test_generation_prices_the_samplers_host_cost_per_sequence():
+    """gen_seq_s adds B x gen_seq_s to a synchronous batch and to every steady-state (async) step,
+    whatever the mesh: the sampler's Python work per sequence runs once, on the host."""
+    ms = shape("tiny")
+    base = setting("cpu", B=96, P=16, R=12, dense=True)
+    hw = base.hw
+    costly = dataclasses.replace(base, hw=dataclasses.replace(
+        hw, efficiency=dataclasses.replace(hw.efficiency, gen_seq_s=4e-4)))
+    for n, t, slots in ((1, 1, 96), (8, 1, 12), (4, 2, 48)):
+        a = S.generate_stage(base, ms, n, [t], [slots], async_ks=(1,))
+        b = S.generate_stage(costly, ms, n, [t], [slots], async_ks=(1,))
+        assert b[0][0] - a[0][0] == pytest.approx(96 * 4e-4, rel=1e-9)
+        assert b[3][1][0] - a[3][1][0] == pytest.approx(96 * 4e-4, rel=1e-9)

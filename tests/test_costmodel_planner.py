@@ -19,7 +19,8 @@ from rpeg_jax.graph.plan import Plan, graph_for_plan
 GH = load_hardware("gh200", calibrated=False)
 CPU = load_hardware("cpu", calibrated=False)
 P1 = ["model.dtype=bfloat16", "model.param_dtype=float32", "data.prompts_per_step=32", "rl.group_size=16",
-      "data.max_prompt_len=512", "rollout.max_new_tokens=4096", "costmodel.response_len_min=256",
+      "data.max_prompt_len=512", "costmodel.prompt_len=512", "rollout.max_new_tokens=4096",
+      "costmodel.response_len_min=256",
       "costmodel.response_len_median=1024", "costmodel.response_len_sigma=0.8", "costmodel.sequence_packing=true"]
 
 

@@ -18,6 +18,9 @@ class CostModelConfig:
     max_plans: int = 200000  # search budget (candidate layouts scored per placement)
     log_predictions: bool = True  # log predicted vs measured time per stage each step
     # Workload assumptions.
+    prompt_len: int | None = None  # tokens per prompt (bos included) the model prices; None -> the data's
+    #   longest prompt (a built-in task's; data.max_prompt_len for JSONL or another tokenizer). The runtime
+    #   pads prompts to their longest, rounded up to 8 (unless shapes are fixed), not to data.max_prompt_len
     response_len_median: float | None = None  # tokens; None -> halfway to rollout.max_new_tokens
     response_len_min: int = 1  # tokens; shortest response
     response_len_sigma: float = 0.6  # lognormal shape of response lengths (long tail); 0 = fixed
@@ -41,6 +44,8 @@ class CostModelConfig:
 
     def validate(self, path: str) -> None:
         check(0.0 < self.memory_budget <= 1.0, key(path, "memory_budget"), self.memory_budget, "must be in (0, 1]")
+        if self.prompt_len is not None:
+            check(self.prompt_len >= 1, key(path, "prompt_len"), self.prompt_len, "must be >= 1")
         check(self.max_plans >= 1, key(path, "max_plans"), self.max_plans, "must be >= 1")
         if self.num_devices is not None:
             check(self.num_devices >= 1, key(path, "num_devices"), self.num_devices, "must be >= 1")

@@ -16,6 +16,12 @@ BUILTIN_TASKS = ("add", "copy", "reverse", "sort")  # rpeg_jax/data/tasks.py TAS
 MAX_DIGITS = 32  # longest operand/string a built-in task generates
 
 
+def builtin_prompt_chars(task: str, max_digits: int) -> int:
+    """Longest prompt of a built-in task in characters (the character tokenizer's tokens, bos
+    excluded): "a+b=" has two operands, the string tasks ("r123=") one."""
+    return 2 * max_digits + 2 if task == "add" else max_digits + 2
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     task: str = "reverse"  # built-in task name (BUILTIN_TASKS) or "jsonl"
@@ -40,6 +46,13 @@ class DataConfig:
     min_digits: int = 1  # built-in tasks: operand/string length range, the difficulty knob (data/tasks.py)
     max_digits: int = 3
     max_prompt_len: int = 32  # tokens incl. bos; longer prompts are an error (or skipped)
+
+    def longest_prompt(self) -> int:
+        """Tokens of the longest prompt this source gives (bos included): a built-in task's under
+        the character tokenizer, else data.max_prompt_len (a JSONL file is not read to know)."""
+        if self.task in BUILTIN_TASKS and self.tokenizer is None:
+            return min(self.max_prompt_len, builtin_prompt_chars(self.task, self.max_digits) + int(self.add_bos))
+        return self.max_prompt_len
 
     def validate(self, path: str) -> None:
         tasks = (*BUILTIN_TASKS, "jsonl")

@@ -14,7 +14,7 @@ squares on log(predicted / measured) with weak priors toward the starting values
     peak FLOP/s, memory bandwidth, elementwise_factor, layer_s, backward_factor, update_streams,
     decode_step_s,
     decode_layer_s, kv_read_factor, dispatch_s, collective link bandwidth and latency, contention,
-    matmul_size_exponent, decode_tp_factor
+    matmul_size_exponent, decode_tp_factor, gen_seq_s
                                                            (continuous, log-space)
     fsdp_gather in {matrix, layer, model}, weight_copies, act_memory_factor, fwd_act_memory_factor
                                                            (memory: linear least squares per mode)
@@ -49,7 +49,8 @@ FACTORS = (("device", "peak_flops", 1e6), ("device", "memory_bw", 1e6), ("effici
            ("efficiency", "decode_step_s", 1e-7), ("efficiency", "decode_layer_s", 1e-7),
            ("efficiency", "kv_read_factor", 1.0), ("efficiency", "dispatch_s", 1e-7),
            ("node", "link_bw", 1e6), ("node", "latency_s", 1e-7), ("efficiency", "contention", 0.0),
-           ("efficiency", "matmul_size_exponent", 0.0), ("efficiency", "decode_tp_factor", 1.0))
+           ("efficiency", "matmul_size_exponent", 0.0), ("efficiency", "decode_tp_factor", 1.0),
+           ("efficiency", "gen_seq_s", 1e-6))
 
 
 def shape_of(dims: dict) -> ModelShape:

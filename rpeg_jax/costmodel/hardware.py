@@ -107,6 +107,8 @@ class EfficiencySpec:
     decode_step_s: float = 3e-5  # fixed cost per decode step (host sync, sampling), s
     piece_s: float = 0.0  # runtime cost per streamed piece beyond the first (a generate call's host work,
     #   laying the piece out, moving it to the training group, concatenating), s; fitted on whole steps
+    gen_seq_s: float = 0.0  # the sampler's host cost per generated sequence (admission, page allocation,
+    #   block tables, stop checks, results), s; fitted on generation stage points
     host_seq_s: float = 0.0  # runtime host cost per sequence per step (rows, reward, bookkeeping), s
     host_step_s: float = 0.0  # runtime host cost per step whatever its size (data, scheduling, metrics), s;
     #   fitted on whole steps of two batch sizes (with host_seq_s and piece_s)
@@ -159,7 +161,7 @@ class EfficiencySpec:
               "must be > 0")
         check(self.fsdp_gather in ("matrix", "layer", "model"), key(path, "fsdp_gather"), self.fsdp_gather,
               "must be matrix | layer | model")
-        for name in ("dispatch_s", "layer_s", "decode_step_s", "piece_s", "host_seq_s"):
+        for name in ("dispatch_s", "layer_s", "decode_step_s", "piece_s", "host_seq_s", "gen_seq_s"):
             v = getattr(self, name)
             check(v >= 0, key(path, name), v, "must be >= 0")
         if self.decode_layer_s is not None:

@@ -103,6 +103,17 @@ def length_dist(cfg: RunConfig) -> LengthDist:
     return LengthDist(max_len=r, min_len=lo, median=med, sigma=c.response_len_sigma)
 
 
+def prompt_len(cfg: RunConfig, length_bucket: int) -> int:
+    """Prompt columns the runtime computes on: the expected longest prompt (costmodel.prompt_len, else
+    the data's longest) rounded up to the runtime's bucket, at most data.max_prompt_len; with fixed
+    shapes (length_bucket 1) always data.max_prompt_len."""
+    cap = cfg.data.max_prompt_len
+    if length_bucket <= 1:
+        return cap
+    p = cfg.costmodel.prompt_len if cfg.costmodel.prompt_len is not None else cfg.data.longest_prompt()
+    return min(cap, -(-p // length_bucket) * length_bucket)
+
+
 def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processes: int = 1) -> Context:
     if num_devices < 1:
         raise GraphError("num_devices", f"{num_devices} must be >= 1")
@@ -112,14 +123,16 @@ def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processe
     flash = c.attention == "flash" or (c.attention == "auto" and hw.kind != "cpu")
     base = build_graph(cfg)
     sz = base.sizes
-    st = S.Setting(hw=hw, B=sz["B"], P=sz["P"], R=sz["R"], G=sz["G"], dist=length_dist(cfg),
+    bucket = 1 if cfg.pipeline.microbatches > 1 else RUNTIME_LENGTH_BUCKET
+    st = S.Setting(hw=hw, B=sz["B"], P=prompt_len(cfg, bucket), R=sz["R"], G=sz["G"], dist=length_dist(cfg),
                    causal_skip=flash, dense_scores=not flash, packing=c.sequence_packing,
                    budget_bytes=c.memory_budget * hw.hbm_bytes,
                    kv_replicated="replicated" in (c.kv_pool, cfg.rollout.kv_pool),  # the run's pool, or a what-if
                    prompt_sharing=cfg.sharding.axis_types != "explicit",  # kernels: explicit keeps the plain pass
                    page_size=cfg.rollout.page_size,
-                   # the runtime pads responses to its length bucket unless shapes are fixed (pieces > 1)
-                   length_bucket=1 if cfg.pipeline.microbatches > 1 else RUNTIME_LENGTH_BUCKET)
+                   # the runtime pads prompts and responses to its length bucket unless shapes are
+                   # fixed (pieces > 1)
+                   length_bucket=bucket)
     return Context(cfg, hw, num_devices, st, base, processes)
 
 

@@ -108,6 +108,11 @@ def explain(ctx: Context, res: SearchResult) -> list[str]:
     for name in ("verl_like", "real_like"):
         if name not in res.baselines:
             out.append(f"{name}: no plan of that family fits (colocated, synchronous, batch divisible by its meshes)")
+    cap = ctx.cfg.data.max_prompt_len
+    if ctx.st.P != cap:
+        src = "costmodel.prompt_len" if ctx.cfg.costmodel.prompt_len is not None else "the data's longest prompt"
+        out.append(f"prompts priced at {ctx.st.P} columns ({src}, rounded up to the runtime's bucket), not "
+                   f"data.max_prompt_len={cap}; set costmodel.prompt_len for prompts longer than the data shows")
     if clock_of(ctx.hw) == "cpu":
         out.append("seconds are process CPU seconds (the profile was calibrated on the CPU clock, robust to "
                    "other processes' load); wall time on an idle machine is lower where cores run in parallel")

@@ -324,7 +324,8 @@ def generate_stage(st: Setting, ms: ModelShape, n_gen: int, t, slots, async_ks=(
     """Generation on `n_gen` devices as n_gen/t replicas with `slots` sequences each.
 
     Returns (seconds, parts, finished_at, async_seconds):
-      seconds: one synchronous batch; the slowest replica's Σ_bins steps · t_step plus prefill.
+      seconds: one synchronous batch; the slowest replica's Σ_bins steps · t_step plus prefill, plus
+        the sampler's host cost per sequence (B · gen_seq_s; fitted, 0 on the accelerator presets).
       finished_at(q): per candidate, when a fraction q of the batch has finished (streamed pieces).
       async_seconds[k]: steady-state seconds per step under staleness k ≥ 1, when admission is
         continuous (up to (k+1)·batch sequences in flight): throughput-bound, the tail hidden,
@@ -359,7 +360,9 @@ def generate_stage(st: Setting, ms: ModelShape, n_gen: int, t, slots, async_ks=(
             if recompute:
                 t_a = t_a + _prefill_time(st, ms, ti, n_gen, c, ctx)
             asy[k][idx] = t_a
-    total = total + st.hw.efficiency.dispatch_s
+    host = st.B * st.hw.efficiency.gen_seq_s  # the sampler's host work per sequence (admission, pages, results)
+    total = total + st.hw.efficiency.dispatch_s + host
+    asy = {k: v + host for k, v in asy.items()}
 
     def finished_at(q: float) -> np.ndarray:
         out = np.empty(len(t))

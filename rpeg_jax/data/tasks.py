@@ -39,7 +39,7 @@ from typing import Callable
 
 import numpy as np
 
-from rpeg_jax.config.data import DataConfig
+from rpeg_jax.config.data import DataConfig, builtin_prompt_chars
 
 SPLITS = {"train": 0, "eval": 1}  # independent streams from the same data.seed
 
@@ -89,7 +89,7 @@ class Task:
 
     def max_prompt_chars(self, max_digits: int) -> int:
         """Longest prompt in characters (the character tokenizer's token count, bos excluded)."""
-        return 2 * max_digits + 2 if self.name == "add" else max_digits + 2
+        return builtin_prompt_chars(self.name, max_digits)
 
 
 TASKS: dict[str, Task] = {
