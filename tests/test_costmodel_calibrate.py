@@ -242,3 +242,27 @@ def test_fit_steps_leaves_the_stage_factors_to_the_stage_points():
         if f.name not in moved:
             assert getattr(fitted.efficiency, f.name) == getattr(base.efficiency, f.name), f.name
     assert fitted.efficiency.host_step_s > 0.05  # the TP miss lands in the host costs instead
+
+
+def test_validation_measuring_order_spreads_each_kind_over_the_calibration_batches():
+    """bench/costmodel_validate.py measures both sets in one order, in batches of 7: every config
+    once, kind by kind, and each validation config in a batch with calibration configs of its kind
+    (zipped lists put session 6's generation configs in different batches: a 21% bias)."""
+    import os
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    sys.path.insert(0, bench)
+    try:
+        import costmodel_stages as CS
+        from costmodel_validate import interleave
+    finally:
+        sys.path.remove(bench)
+    order = interleave(CS.CALIBRATION, CS.VALIDATION)
+    assert sorted(order) == sorted(CS.CALIBRATION + CS.VALIDATION)
+    kinds = [c[0] for c in order]
+    assert kinds == sorted(kinds, key=["forward", "train", "generate"].index)
+    for i in range(0, len(order), 7):
+        batch = order[i:i + 7]
+        for v in (c for c in batch if c in CS.VALIDATION):
+            assert any(c in CS.CALIBRATION and c[0] == v[0] for c in batch), (i // 7, v)
