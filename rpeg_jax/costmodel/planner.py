@@ -111,7 +111,7 @@ def prompt_len(cfg: RunConfig, length_bucket: int) -> int:
     if length_bucket <= 1:
         return cap
     p = cfg.costmodel.prompt_len if cfg.costmodel.prompt_len is not None else cfg.data.longest_prompt()
-    return min(cap, -(-p // length_bucket) * length_bucket)
+    return min(cap, S.round_up(p, length_bucket))
 
 
 def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processes: int = 1) -> Context:

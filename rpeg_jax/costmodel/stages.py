@@ -34,6 +34,12 @@ from rpeg_jax.costmodel.shape import ModelShape
 REMAT_EXTRA_FWD = {"none": 0.0, "dots": 0.0, "full": 1.0}  # extra forwards of the layers in backward
 
 
+def round_up(n: int, multiple: int) -> int:
+    """n rounded up to a multiple of `multiple` (the runtime's length buckets; <= 1: n)."""
+    b = max(int(multiple), 1)
+    return -(-int(n) // b) * b
+
+
 @dataclass(frozen=True)
 class Setting:
     """What does not vary over candidate plans: hardware, batch sizes, lengths, kernels."""
@@ -59,8 +65,7 @@ class Setting:
     def R_train(self) -> int:
         """Response columns of the trainer's batch: R rounded up to the runtime's length bucket
         (max_new_tokens=12 trains on 16 columns, 6 on 8; the sampler still decodes R steps)."""
-        b = max(int(self.length_bucket), 1)
-        return -(-self.R // b) * b
+        return round_up(self.R, self.length_bucket)
 
     @property
     def seq_tokens(self) -> float:
