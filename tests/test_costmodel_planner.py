@@ -375,3 +375,61 @@ def test_price_reproduces_planner_predictions_and_streamed_pieces_cost_calls():
     np.testing.assert_allclose(d8["generate"], 8 * tab["t_gen_p8"], rtol=1e-9)
     np.testing.assert_allclose(sum(pieces["generate"]), d8["generate"], rtol=1e-9)
     assert (d8["generate"] > d1["generate"]).all()
+
+
+def test_layout_rules_shard_every_axis_the_planner_prices():
+    """The plan's rule preset per stage follows its mesh: `tensor` > 1 shards heads/MLP/vocab,
+    `fsdp` > 1 the weights; a user's own preset is kept."""
+    from rpeg_jax.graph.algorithms import build_graph
+    from rpeg_jax.graph.ir import StageKind
+    from rpeg_jax.graph.plan import layout_rules
+
+    cfg = load_config(None, [])
+    g = build_graph(cfg)
+    upd, gen = g.find(StageKind.ACTOR_UPDATE), g.find(StageKind.GENERATE)
+    m = lambda d=1, f=1, t=1: {"data": d, "fsdp": f, "tensor": t}  # noqa: E731
+    assert layout_rules(upd, cfg, m(f=2, t=2)) == "fsdp_tensor"
+    assert layout_rules(upd, cfg, m(t=2)) == "tensor"
+    assert layout_rules(upd, cfg, m(f=4)) == "fsdp"
+    assert layout_rules(upd, cfg, m(d=2)) == cfg.sharding.train_rules
+    assert layout_rules(gen, cfg, m(d=2, t=2)) == "tensor"
+    assert layout_rules(gen, cfg, m(d=4)) == cfg.sharding.generate_rules
+    own = load_config(None, ["sharding.train_rules=mine", "sharding.rules.mine=[[batch, [data, fsdp]]]"])
+    assert layout_rules(upd, own, m(f=2, t=2)) == "mine"
+
+
+def test_planned_stages_shard_their_parameters_over_every_mesh_axis():
+    """Every stage of every plan the search weighed splits its parameters over each of its mesh's
+    `fsdp` and `tensor` axes above 1 (the runtime's layouts, abstract meshes). Before the plan
+    carried layout_rules, a priced (fsdp 2, tensor 2) update ran under `fsdp` rules: the tensor
+    axis replicated the whole update (0.96 vs 0.52 CPU s per step measured)."""
+    from flax import nnx
+
+    from rpeg_jax.models import Transformer
+    from rpeg_jax.sharding import layout_for
+
+    cfg = load_config(None, [])
+    tree = nnx.state(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(params=0))), nnx.Param)
+    from rpeg_jax.costmodel.pricing import best_by_groups
+
+    seen = set()
+    for p in best_by_groups(cfg, 8, CPU, 1):
+        for sp in p.plan.stages:
+            if sp.rules == "host":
+                continue
+            role = "generate" if "generate" in sp.stage else "train"
+            lay = layout_for(sp.mesh, sp.rules, cfg.sharding, num_devices=p.plan.group(sp.group).size, role=role)
+            used = {a for spec in jax_leaves(lay.param_specs(tree)) for e in spec for a in
+                    ((e,) if isinstance(e, str) else (e or ()))}
+            for axis in ("fsdp", "tensor"):
+                if sp.mesh.get(axis, 1) > 1:
+                    seen.add((role, axis))
+                    assert axis in used, (p.label, sp.stage, sp.mesh, sp.rules)
+    assert ("train", "tensor") in seen and ("generate", "tensor") in seen  # the search weighed both
+
+
+def jax_leaves(tree):
+    import jax
+    from jax.sharding import PartitionSpec
+
+    return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))

@@ -40,7 +40,7 @@ from rpeg_jax.costmodel.space import allocations, divisible, families, sampler_i
 from rpeg_jax.graph.algorithms import build_graph
 from rpeg_jax.graph.ir import Graph, GraphError, Op, StageKind
 from rpeg_jax.graph.passes import apply_pipeline
-from rpeg_jax.graph.plan import DeviceGroup, Plan, StagePlan, knobs_of, rules_for
+from rpeg_jax.graph.plan import DeviceGroup, Plan, StagePlan, knobs_of, layout_rules
 
 KEEP_ROWS = 256  # rows per family and proxy kept for schedule simulation
 
@@ -416,7 +416,8 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
     for s in graph.stages():
         kinds = {p.kind for p in (s.parts or (s,))}
         part = lay["generate"] if kinds <= GEN_SIDE else lay["train"] if kinds & TRAIN_SIDE else lay["forward"]
-        entries.append(StagePlan(s.name, s.placement, _mesh(part), rules_for(s, ctx.cfg), s.microbatches))
+        mesh = _mesh(part)
+        entries.append(StagePlan(s.name, s.placement, mesh, layout_rules(s, ctx.cfg, mesh), s.microbatches))
     predicted = {"step_time_s": pred.step_time_s, "latency_s": pred.latency_s,
                  "memory_per_gpu_gb": pred.memory_per_gpu_gb, "utilization": pred.utilization,
                  "stage_s": pred.stage_times_s, "hardware": ctx.hw.name, "processes": ctx.processes,

@@ -238,6 +238,30 @@ def rules_for(stage: Stage, cfg: RunConfig) -> str:
     return cfg.sharding.generate_rules if Op.GENERATE in ops else cfg.sharding.train_rules
 
 
+# The rule presets of rpeg_jax/sharding/rules.py (no JAX import here) and what each shards.
+BUILTIN_RULES = ("replicated", "data", "fsdp", "tensor", "fsdp_tensor")
+
+
+def layout_rules(stage: Stage, cfg: RunConfig, mesh: dict[str, int]) -> str:
+    """The rule preset that runs `mesh` the way the cost model prices it (planner plans): the
+    `fsdp` axis shards parameters (ZeRO-3), the `tensor` axis heads, MLP and vocabulary, every
+    axis above 1 splits the batch or the weights, none replicates work. The config's preset
+    (`rules_for`) stands where it already does that; a user's own (non-built-in) preset is kept
+    as given. Before this, a priced (fsdp 2, tensor 2) training layout ran under the default
+    `fsdp` rules: the tensor axis replicated the whole update (2x the work, measured)."""
+    rules = rules_for(stage, cfg)
+    if rules == "host" or rules not in BUILTIN_RULES:
+        return rules
+    f, t = mesh.get("fsdp", 1) > 1, mesh.get("tensor", 1) > 1
+    if f and t:
+        return "fsdp_tensor"
+    if t:
+        return "fsdp_tensor" if rules == "fsdp_tensor" else "tensor"
+    if f:
+        return "fsdp" if rules in ("replicated", "data", "tensor") else rules
+    return "data" if rules == "replicated" and mesh.get("data", 1) > 1 else rules
+
+
 def graph_for_plan(cfg: RunConfig, plan: Plan | None = None) -> Graph:
     """The config's graph after the passes the plan's knobs (or the config's) ask for."""
     from rpeg_jax.graph.algorithms import build_graph
