@@ -391,9 +391,12 @@ def test_layout_rules_shard_every_axis_the_planner_prices():
     assert layout_rules(upd, cfg, m(f=2, t=2)) == "fsdp_tensor"
     assert layout_rules(upd, cfg, m(t=2)) == "tensor"
     assert layout_rules(upd, cfg, m(f=4)) == "fsdp"
-    assert layout_rules(upd, cfg, m(d=2)) == cfg.sharding.train_rules
+    assert layout_rules(upd, cfg, m(d=2)) == "fsdp"
     assert layout_rules(gen, cfg, m(d=2, t=2)) == "tensor"
-    assert layout_rules(gen, cfg, m(d=4)) == cfg.sharding.generate_rules
+    assert layout_rules(gen, cfg, m(d=4)) == "data"
+    assert layout_rules(gen, cfg, m(f=2)) == "data"  # generation keeps whole weights per replica
+    fixed = load_config(None, ["sharding.train_rules=data"])  # a built-in preset: lifted for a priced mesh
+    assert layout_rules(upd, fixed, m(t=2)) == "tensor" and layout_rules(upd, fixed, m(d=2)) == "data"
     own = load_config(None, ["sharding.train_rules=mine", "sharding.rules.mine=[[batch, [data, fsdp]]]"])
     assert layout_rules(upd, own, m(f=2, t=2)) == "mine"
 

@@ -23,8 +23,8 @@ def test_colocated_plan_puts_every_stage_on_all_devices():
     assert [s.stage for s in plan.stages] == graph.topo_order()
     for s in plan.stages:
         assert s.group == "all" and s.mesh == {"data": 4, "fsdp": 2, "tensor": 1}
-    assert plan.stage("generate").rules == cfg.sharding.generate_rules
-    assert plan.stage("actor_update").rules == cfg.sharding.train_rules
+    assert plan.stage("generate").rules == "data"  # `auto` on this mesh (whole weights per replica)
+    assert plan.stage("actor_update").rules == "fsdp"
     assert plan.stage("reward").rules == "host"
 
 
@@ -112,3 +112,28 @@ def test_pipeline_config_from_plan_knobs():
     cfg = cfg_of("pipeline.staleness=2", "pipeline.fuse=[forwards]")
     p = plan_from_config(cfg, 2).pipeline_config()
     assert p.staleness == 2 and p.fuse == ("forwards",)
+
+
+def test_auto_rules_put_every_mesh_axis_to_work_and_explicit_presets_stand():
+    """sharding.*_rules default `auto`: on a (data 2, fsdp 2, tensor 2) mesh training gets
+    fsdp_tensor and generation tensor (the old defaults fsdp / data replicated the update over
+    `tensor`); a preset the user names is kept as given."""
+    over = ["sharding.mesh={data: 2, fsdp: 2, tensor: 2}"]
+    plan = plan_from_config(load_config(None, over), 8)
+    rules = {s.stage: s.rules for s in plan.stages}
+    assert rules["actor_update"] == "fsdp_tensor" and rules["generate"] == "tensor" and rules["reward"] == "host"
+    plan = plan_from_config(load_config(None, ["sharding.mesh={data: 8}"]), 8)
+    assert {s.stage: s.rules for s in plan.stages}["actor_update"] == "fsdp"
+    own = plan_from_config(load_config(None, over + ["sharding.train_rules=fsdp"]), 8)
+    assert {s.stage: s.rules for s in own.stages}["actor_update"] == "fsdp"
+
+
+def test_auto_rules_resolve_in_layouts_built_from_the_config():
+    from rpeg_jax.sharding import stage_layout
+
+    cfg = load_config(None, ["sharding.mesh={fsdp: 2, tensor: 4}"]).sharding
+    assert stage_layout(cfg, "train", num_devices=8).rules.name == "fsdp_tensor"
+    assert stage_layout(cfg, "generate", num_devices=8).rules.name == "tensor"
+    cfg = load_config(None, ["sharding.mesh={data: -1}"]).sharding
+    assert stage_layout(cfg, "train", num_devices=8).rules.name == "fsdp"
+    assert stage_layout(cfg, "generate", num_devices=8).rules.name == "data"

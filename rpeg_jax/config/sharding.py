@@ -20,8 +20,8 @@ _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 class ShardingConfig:
     mesh: dict[str, int] = field(default_factory=lambda: {"data": -1, "fsdp": 1, "tensor": 1})  # axis -> size, -1 fills
     generate_mesh: dict[str, int] | None = None  # mesh of generation stages; None -> `mesh`
-    train_rules: str = "fsdp"  # rule preset for training stages (replicated|data|fsdp|tensor|fsdp_tensor|custom)
-    generate_rules: str = "data"  # rule preset for generation
+    train_rules: str = "auto"  # rule preset for training stages (auto|replicated|data|fsdp|tensor|fsdp_tensor|custom)
+    generate_rules: str = "auto"  # rule preset for generation; auto: see `rules_for_mesh`
     rules: dict[str, Any] = field(default_factory=dict)  # custom presets: name -> [[logical, mesh axes(, policy)], ...]
     overrides: tuple[tuple[str, str], ...] = ()  # (parameter-path regex, tactic or partition), first match wins
     plugins: tuple[str, ...] = ()  # importable modules that register tactics/rules
@@ -43,6 +43,33 @@ class ShardingConfig:
             check(bool(_MODULE.match(mod)), key(path, f"plugins[{i}]"), mod, "must be a dotted module name")
         if self.devices_per_node is not None:
             check(self.devices_per_node >= 1, key(path, "devices_per_node"), self.devices_per_node, "must be >= 1")
+
+
+BUILTIN_RULES = ("replicated", "data", "fsdp", "tensor", "fsdp_tensor")  # rpeg_jax/sharding/rules.py PRESETS
+AUTO_BASE = {"train": "fsdp", "generate": "data"}  # what `auto` is on a mesh of data replicas only
+
+
+def rules_for_mesh(rules: str, mesh: dict[str, int], role: str, *, priced: bool = False) -> str:
+    """The rule preset a stage runs with on `mesh` (sizes per axis; role "train" | "generate").
+
+    `auto` is the built-in preset that puts every mesh axis above 1 to work: `tensor` shards heads,
+    MLP and vocabulary, `fsdp` shards the training weights (ZeRO-3; generation keeps whole weights
+    per replica and splits only the batch over it), nothing is computed twice. With `priced` (the
+    planner's plans) a built-in preset is lifted the same way, since the cost model priced the
+    mesh as exactly that; without, an explicit preset stands as given. A user's own preset is
+    always kept. (Until 2026-12-01 the defaults were `fsdp` / `data` whatever the mesh: a
+    (fsdp 2, tensor 2) update ran replicated over `tensor`, 2x the work; measured 0.96 vs 0.52
+    CPU s per step.)"""
+    if rules == "auto":
+        rules, priced = AUTO_BASE[role], True
+    if not priced or rules not in BUILTIN_RULES:
+        return rules
+    d, f, t = (mesh.get(a, 1) > 1 for a in ("data", "fsdp", "tensor"))
+    if role == "train" and f:
+        return "fsdp_tensor" if t or rules == "fsdp_tensor" else "fsdp"
+    if t:
+        return "fsdp_tensor" if rules == "fsdp_tensor" else "tensor"
+    return "data" if rules == "replicated" and (d or f) else rules
 
 
 def _check_mesh(mesh: dict[str, int], path: str) -> None:

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from rpeg_jax.config.base import ConfigError
 from rpeg_jax.config.pipeline import PipelineConfig
 from rpeg_jax.config.run import RunConfig
-from rpeg_jax.config.sharding import MESH_AXES
+from rpeg_jax.config.sharding import MESH_AXES, rules_for_mesh
 from rpeg_jax.graph.ir import Graph, GraphError, Op, Stage
 
 KNOBS = ("staleness", "share_actor_critic", "fuse", "elide_old_forward", "microbatches", "placement",
@@ -231,35 +231,25 @@ def groups_for(cfg: RunConfig, num_devices: int) -> tuple[DeviceGroup, ...]:
     return (DeviceGroup("gen", tuple(range(gen))), DeviceGroup("train", tuple(range(gen, gen + train))))
 
 
+def _ops(stage: Stage) -> set:
+    return {p.workload.op for p in (stage.parts or (stage,))}
+
+
 def rules_for(stage: Stage, cfg: RunConfig) -> str:
-    ops = {p.workload.op for p in (stage.parts or (stage,))}
+    ops = _ops(stage)
     if ops == {Op.HOST}:
         return "host"
     return cfg.sharding.generate_rules if Op.GENERATE in ops else cfg.sharding.train_rules
 
 
-# The rule presets of rpeg_jax/sharding/rules.py (no JAX import here) and what each shards.
-BUILTIN_RULES = ("replicated", "data", "fsdp", "tensor", "fsdp_tensor")
-
-
 def layout_rules(stage: Stage, cfg: RunConfig, mesh: dict[str, int]) -> str:
-    """The rule preset that runs `mesh` the way the cost model prices it (planner plans): the
-    `fsdp` axis shards parameters (ZeRO-3), the `tensor` axis heads, MLP and vocabulary, every
-    axis above 1 splits the batch or the weights, none replicates work. The config's preset
-    (`rules_for`) stands where it already does that; a user's own (non-built-in) preset is kept
-    as given. Before this, a priced (fsdp 2, tensor 2) training layout ran under the default
-    `fsdp` rules: the tensor axis replicated the whole update (2x the work, measured)."""
+    """The rule preset a planner plan gives `stage` on `mesh`: the config's, lifted to shard every
+    mesh axis the cost model priced (config/sharding.rules_for_mesh, priced)."""
     rules = rules_for(stage, cfg)
-    if rules == "host" or rules not in BUILTIN_RULES:
+    if rules == "host":
         return rules
-    f, t = mesh.get("fsdp", 1) > 1, mesh.get("tensor", 1) > 1
-    if f and t:
-        return "fsdp_tensor"
-    if t:
-        return "fsdp_tensor" if rules == "fsdp_tensor" else "tensor"
-    if f:
-        return "fsdp" if rules in ("replicated", "data", "tensor") else rules
-    return "data" if rules == "replicated" and mesh.get("data", 1) > 1 else rules
+    role = "generate" if Op.GENERATE in _ops(stage) else "train"
+    return rules_for_mesh(rules, mesh, role, priced=True)
 
 
 def graph_for_plan(cfg: RunConfig, plan: Plan | None = None) -> Graph:
@@ -283,7 +273,10 @@ def plan_from_config(cfg: RunConfig, num_devices: int, graph: Graph | None = Non
         if st.placement not in groups:
             raise GraphError(st.name, f"placed on {st.placement!r} but the plan's groups are {list(groups)}")
         mesh = resolve_mesh(cfg.sharding.mesh, groups[st.placement].size, st.placement)
-        stages.append(StagePlan(st.name, st.placement, mesh, rules_for(st, cfg), st.microbatches))
+        rules = rules_for(st, cfg)
+        if rules != "host":  # `auto` resolved on the stage's mesh; an explicit preset as given
+            rules = rules_for_mesh(rules, mesh, "generate" if Op.GENERATE in _ops(st) else "train")
+        stages.append(StagePlan(st.name, st.placement, mesh, rules, st.microbatches))
     return Plan(num_devices=num_devices, groups=tuple(groups.values()), stages=tuple(stages),
                 knobs=knobs_of(cfg.pipeline), source="manual").check(graph)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from rpeg_jax.config.base import ConfigError
-from rpeg_jax.config.sharding import ShardingConfig
+from rpeg_jax.config.sharding import ShardingConfig, rules_for_mesh
 from rpeg_jax.sharding import axes as _axes
 from rpeg_jax.sharding.mesh import MeshError, abstract_mesh, canonical_spec, make_mesh, mesh_scope
 from rpeg_jax.sharding.params import param_shardings, param_specs, param_table
@@ -89,6 +89,8 @@ def layout_for(mesh_spec: dict[str, int], rules: str | Rules, cfg: ShardingConfi
     except MeshError as e:
         mesh_key = "sharding.generate_mesh" if role == "generate" and cfg.generate_mesh else "sharding.mesh"
         raise ConfigError(mesh_key, dict(mesh_spec), str(e)) from None
+    if rules == "auto":  # the built-in preset that puts every axis of this mesh to work
+        rules = rules_for_mesh(rules, dict(mesh.shape), role)
     return StageLayout(role, mesh, get_rules(rules, key), tuple(parse_overrides(cfg.overrides)))
 
 
