@@ -137,3 +137,8 @@ def test_auto_rules_resolve_in_layouts_built_from_the_config():
     cfg = load_config(None, ["sharding.mesh={data: -1}"]).sharding
     assert stage_layout(cfg, "train", num_devices=8).rules.name == "fsdp"
     assert stage_layout(cfg, "generate", num_devices=8).rules.name == "data"
+
+
+def test_a_custom_preset_may_not_be_called_auto():
+    with pytest.raises(ConfigError, match=r"sharding\.rules\.auto"):
+        load_config(None, ["sharding.rules.auto=[[batch, data]]"])

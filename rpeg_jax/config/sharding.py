@@ -33,6 +33,7 @@ class ShardingConfig:
             if mesh is not None:
                 _check_mesh(mesh, key(path, name))
         for name, data in self.rules.items():
+            check(name != "auto", key(path, f"rules.{name}"), name, "'auto' is reserved (the preset chosen by mesh)")
             _check_rules(data, key(path, f"rules.{name}"))
         for i, pair in enumerate(self.overrides):
             try:
