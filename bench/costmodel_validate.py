@@ -42,11 +42,11 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rpeg_jax.costmodel.devices import force_cpu_devices  # noqa: E402 (imports no JAX)
+
+force_cpu_devices(8)
 
 import numpy as np  # noqa: E402
 

@@ -32,16 +32,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from rpeg_jax.costmodel.devices import force_cpu_devices  # noqa: E402 (imports no JAX)
 
-
-def _host_cores_as_devices() -> None:
-    """Expose the host's cores as CPU devices (before JAX starts) unless XLA_FLAGS already says."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={os.cpu_count() or 1}".strip()
-
-
-_host_cores_as_devices()
+force_cpu_devices(os.cpu_count() or 1)  # the host's cores as CPU devices
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

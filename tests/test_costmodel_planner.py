@@ -382,36 +382,44 @@ def test_layout_rules_shard_every_axis_the_planner_prices():
     `fsdp` > 1 the weights; a user's own preset is kept."""
     from rpeg_jax.graph.algorithms import build_graph
     from rpeg_jax.graph.ir import StageKind
+    from rpeg_jax.config.sharding import BUILTIN_RULES
     from rpeg_jax.graph.plan import layout_rules
+    from rpeg_jax.sharding import rules as R
+
+    assert set(BUILTIN_RULES) == set(R._PRESET_DATA)  # the config's (JAX-free) copy of the preset names
 
     cfg = load_config(None, [])
     g = build_graph(cfg)
     upd, gen = g.find(StageKind.ACTOR_UPDATE), g.find(StageKind.GENERATE)
     m = lambda d=1, f=1, t=1: {"data": d, "fsdp": f, "tensor": t}  # noqa: E731
-    assert layout_rules(upd, cfg, m(f=2, t=2)) == "fsdp_tensor"
-    assert layout_rules(upd, cfg, m(t=2)) == "tensor"
-    assert layout_rules(upd, cfg, m(f=4)) == "fsdp"
-    assert layout_rules(upd, cfg, m(d=2)) == "fsdp"
-    assert layout_rules(gen, cfg, m(d=2, t=2)) == "tensor"
-    assert layout_rules(gen, cfg, m(d=4)) == "data"
-    assert layout_rules(gen, cfg, m(f=2)) == "data"  # generation keeps whole weights per replica
+    assert layout_rules(upd, cfg, m(f=2, t=2), priced=True) == "fsdp_tensor"
+    assert layout_rules(upd, cfg, m(t=2), priced=True) == "tensor"
+    assert layout_rules(upd, cfg, m(f=4), priced=True) == "fsdp"
+    assert layout_rules(upd, cfg, m(d=2), priced=True) == "fsdp"
+    assert layout_rules(gen, cfg, m(d=2, t=2), priced=True) == "tensor"
+    assert layout_rules(gen, cfg, m(d=4), priced=True) == "data"
+    assert layout_rules(gen, cfg, m(f=2), priced=True) == "data"  # generation keeps whole weights per replica
     fixed = load_config(None, ["sharding.train_rules=data"])  # a built-in preset: lifted for a priced mesh
-    assert layout_rules(upd, fixed, m(t=2)) == "tensor" and layout_rules(upd, fixed, m(d=2)) == "data"
+    assert layout_rules(upd, fixed, m(t=2), priced=True) == "tensor"
+    assert layout_rules(upd, fixed, m(d=2), priced=True) == "data"
+    assert layout_rules(upd, fixed, m(t=2), priced=False) == "data"  # a manual plan: as given
     own = load_config(None, ["sharding.train_rules=mine", "sharding.rules.mine=[[batch, [data, fsdp]]]"])
-    assert layout_rules(upd, own, m(f=2, t=2)) == "mine"
+    assert layout_rules(upd, own, m(f=2, t=2), priced=True) == "mine"
 
 
 def test_planned_stages_shard_their_parameters_over_every_mesh_axis():
     """Every stage of every plan the search weighed splits its parameters over each of its mesh's
     `fsdp` and `tensor` axes above 1 (the runtime's layouts, abstract meshes). Before the plan
     carried layout_rules, a priced (fsdp 2, tensor 2) update ran under `fsdp` rules: the tensor
-    axis replicated the whole update (0.96 vs 0.52 CPU s per step measured)."""
+    axis replicated the whole update (0.96 vs 0.52 CPU s per step measured). The config names
+    those old defaults explicitly: `auto` would resolve on any mesh by itself, and the planner must
+    lift a named built-in preset too."""
     from flax import nnx
 
     from rpeg_jax.models import Transformer
     from rpeg_jax.sharding import layout_for
 
-    cfg = load_config(None, [])
+    cfg = load_config(None, ["sharding.train_rules=fsdp", "sharding.generate_rules=data"])
     tree = nnx.state(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(params=0))), nnx.Param)
     from rpeg_jax.costmodel.pricing import best_by_groups
 

@@ -420,9 +420,9 @@ def fit_saved_points(prof: HardwareProfile, path: str, clock: str, alt: Hardware
 
 
 def run(args) -> int:
-    if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={args.devices}").strip()
+    from rpeg_jax.costmodel.devices import force_cpu_devices
+
+    force_cpu_devices(args.devices)
     import jax
 
     on_gpu = jax.default_backend() == "gpu"

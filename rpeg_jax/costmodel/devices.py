@@ -33,6 +33,14 @@ class LocalDevices:
     kind: str  # device_kind of device 0, e.g. "cpu", "NVIDIA H200"
 
 
+def force_cpu_devices(n: int) -> None:
+    """Before JAX starts: show the CPU backend `n` devices, unless XLA_FLAGS already says how many
+    (after JAX is imported the flag would have no effect, so it is left alone)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
 def local_devices() -> LocalDevices:
     """The devices JAX sees in this process (initialises the backend if it is not yet). On a
     fresh GPU process the memory preallocation is switched off first: we only count devices."""

@@ -417,7 +417,8 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
         kinds = {p.kind for p in (s.parts or (s,))}
         part = lay["generate"] if kinds <= GEN_SIDE else lay["train"] if kinds & TRAIN_SIDE else lay["forward"]
         mesh = _mesh(part)
-        entries.append(StagePlan(s.name, s.placement, mesh, layout_rules(s, ctx.cfg, mesh), s.microbatches))
+        rules = layout_rules(s, ctx.cfg, mesh, priced=True)
+        entries.append(StagePlan(s.name, s.placement, mesh, rules, s.microbatches))
     predicted = {"step_time_s": pred.step_time_s, "latency_s": pred.latency_s,
                  "memory_per_gpu_gb": pred.memory_per_gpu_gb, "utilization": pred.utilization,
                  "stage_s": pred.stage_times_s, "hardware": ctx.hw.name, "processes": ctx.processes,

@@ -242,14 +242,15 @@ def rules_for(stage: Stage, cfg: RunConfig) -> str:
     return cfg.sharding.generate_rules if Op.GENERATE in ops else cfg.sharding.train_rules
 
 
-def layout_rules(stage: Stage, cfg: RunConfig, mesh: dict[str, int]) -> str:
-    """The rule preset a planner plan gives `stage` on `mesh`: the config's, lifted to shard every
-    mesh axis the cost model priced (config/sharding.rules_for_mesh, priced)."""
+def layout_rules(stage: Stage, cfg: RunConfig, mesh: dict[str, int], priced: bool) -> str:
+    """The rule preset `stage` runs with on `mesh`: the config's with `auto` resolved on the mesh;
+    `priced` (planner plans) also lifts a built-in preset to shard every mesh axis the cost model
+    priced (config/sharding.rules_for_mesh)."""
     rules = rules_for(stage, cfg)
     if rules == "host":
         return rules
     role = "generate" if Op.GENERATE in _ops(stage) else "train"
-    return rules_for_mesh(rules, mesh, role, priced=True)
+    return rules_for_mesh(rules, mesh, role, priced=priced)
 
 
 def graph_for_plan(cfg: RunConfig, plan: Plan | None = None) -> Graph:
@@ -273,10 +274,9 @@ def plan_from_config(cfg: RunConfig, num_devices: int, graph: Graph | None = Non
         if st.placement not in groups:
             raise GraphError(st.name, f"placed on {st.placement!r} but the plan's groups are {list(groups)}")
         mesh = resolve_mesh(cfg.sharding.mesh, groups[st.placement].size, st.placement)
-        rules = rules_for(st, cfg)
-        if rules != "host":  # `auto` resolved on the stage's mesh; an explicit preset as given
-            rules = rules_for_mesh(rules, mesh, "generate" if Op.GENERATE in _ops(st) else "train")
-        stages.append(StagePlan(st.name, st.placement, mesh, rules, st.microbatches))
+        # `auto` resolved on the stage's mesh; an explicit preset as given
+        stages.append(StagePlan(st.name, st.placement, mesh, layout_rules(st, cfg, mesh, priced=False),
+                                st.microbatches))
     return Plan(num_devices=num_devices, groups=tuple(groups.values()), stages=tuple(stages),
                 knobs=knobs_of(cfg.pipeline), source="manual").check(graph)
 
