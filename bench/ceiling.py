@@ -1,0 +1,301 @@
+"""Ceilings: the highest `limit_fraction` G1 and R1 could reach on this machine if everything but
+the matrix products (and, for the bandwidth-bound S, the weight reads) cost nothing.
+
+    python bench/ceiling.py --json out.json [--reps 7] [--workloads G1-T-greedy,G1-T-grpo,G1-S-greedy,R1-a]
+
+Why: bench/generate.py and bench/rl_step.py report the fraction of the machine's limit a whole run
+reaches (issue 3's target: 75% on G1-T and G1-S; issue 5's: 0.67 on R1). A fraction is bounded by
+the products the run cannot avoid. This script times exactly those products, each alone, compiled
+by XLA as the runtime's programs are, and prints the fraction the run would reach if they were all
+it did. It measures the limits with the same definitions, in the same process:
+- G1 (`generate.measure_limits`): the 1536^3 float32 matmul rate and the best 1 GiB streaming read;
+- R1 (`rl_step.MatmulRate`): the best of 1024^3, 2048^3 and the model's own GEMM shapes.
+
+Floors (seconds; best of `--reps`):
+- G1-T (batch 64) / G1-T-grpo (batch 128): one decode step's weight products (fused q/k/v, o, fused
+  gate/up, down, LM head) in a `fori_loop` of 32 steps, on one device and on a data mesh of every
+  CPU device (each device its share of the batch, as bench/generate.py runs it; the better one
+  counts), plus the K/V bytes at the workload's mean context at the better of the 1 GiB read rate
+  and the read rate of an array of that size (which stays in the last-level cache).
+- G1-S (batch 8, one device): the 8-row products over all of S's weights but the embedding, in the
+  fastest of three forms XLA:CPU compiles (x @ W, x @ W^T as the sampler stores it, and multiply +
+  minor-axis reduce), plus K/V bytes at the read bandwidth.
+- R1-a: every dot_general of the R1-a update program (bench/update_ab.build, group-shared prompt;
+  collected from its jaxpr, each compiled and timed alone with its own shapes and dimension
+  numbers), plus 32 decode steps' weight products at batch 128. `ceiling` uses the program's own
+  products (padding included); `ceiling_useful` prices only the useful FLOPs (rollouts.step_flops)
+  at the measured rates of those products: the bound for an implementation with no padding either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+from functools import partial
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import generate as G  # noqa: E402  (forces one CPU device per core before JAX starts)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from rpeg_jax.config.model import model_preset  # noqa: E402
+from rpeg_jax.runtime import rollouts  # noqa: E402
+
+DECODE_STEPS = 32
+
+
+def best_of(fn, args, reps: int) -> float:
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def cached_read_bytes_s(nbytes: int, reps: int) -> float:
+    """The best read rate of a float32 array of `nbytes` (the K/V of one decode step: small enough to
+    stay in the last-level cache between steps, so it may be read faster than the 1 GiB probe)."""
+    x = jnp.ones((max(1, nbytes // 4),), jnp.float32)
+    return nbytes / best_of(jax.jit(jnp.sum), (x,), reps)
+
+
+def weight_shapes(cfg) -> list[tuple[int, int]]:
+    """[in, out] of every weight product of one decode step (q/k/v and gate/up fused, as the sampler runs them)."""
+    d, e, f = cfg.hidden_size, cfg.head_size, cfg.intermediate_size
+    h, k = cfg.num_heads, cfg.num_kv_heads
+    per_layer = [(d, (h + 2 * k) * e), (h * e, d), (d, 2 * f), (f, d)]
+    return per_layer * cfg.num_layers + [(d, cfg.vocab_size)]
+
+
+def decode_gemm_seconds(cfg, batch: int, devices: int, reps: int) -> float:
+    """Seconds per decode step of the weight products alone, batch split over `devices` (data mesh)."""
+    mesh = jax.make_mesh((devices,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=jax.devices()[:devices])
+    rng = np.random.default_rng(0)
+    shapes = weight_shapes(cfg)
+    ws = [jax.device_put((rng.standard_normal(s) * 0.02).astype(np.float32), NamedSharding(mesh, P()))
+          for s in shapes]
+    x = jax.device_put(rng.standard_normal((batch, cfg.hidden_size)).astype(np.float32),
+                       NamedSharding(mesh, P("data")))
+    f = cfg.intermediate_size
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"), check_vma=False)
+    def steps(ws, x):
+        def body(_, h):
+            for j in range(cfg.num_layers):
+                qkv, o, gu, dn = ws[4 * j:4 * j + 4]
+                a = (h @ qkv)[:, :o.shape[0]] @ o
+                m = (h @ gu)[:, :f] @ dn
+                h = h + 1e-3 * (a + m)
+            return h + 1e-3 * (h @ ws[-1])[:, :1]
+        return jax.lax.fori_loop(0, DECODE_STEPS, body, x)
+
+    return best_of(steps, (ws, x), reps) / DECODE_STEPS
+
+
+def gemv_seconds(cfg, rows: int, reps: int) -> tuple[float, str]:
+    """(seconds, form) of the fastest `rows`-row product over every weight of one decode step."""
+    rng = np.random.default_rng(0)
+    shapes = weight_shapes(cfg)
+    w_io = [jnp.asarray((rng.standard_normal(s) * 0.02).astype(np.float32)) for s in shapes]
+    x = jnp.asarray(rng.standard_normal((rows, max(i for i, _ in shapes))).astype(np.float32))
+    forms = {
+        "x@W": (w_io, lambda h, w: h[:, :w.shape[0]] @ w),
+        "x@W^T": (None, lambda h, w: jnp.einsum("bi,oi->bo", h[:, :w.shape[1]], w)),
+        "mul+reduce": (None, lambda h, w: (w[:, None, :] * h[None, :, :w.shape[1]]).sum(-1).T),
+    }
+    best = (float("inf"), "")
+    for name, (ws, prod) in forms.items():
+        if ws is None:  # [out, in], the sampler's transposed storage
+            ws = [jnp.asarray(np.ascontiguousarray(np.asarray(w).T)) for w in w_io]
+
+        def run(ws, x, prod=prod):
+            acc = x
+            for w in ws:
+                y = prod(acc, w)
+                acc = acc + 1e-9 * jnp.pad(y, ((0, 0), (0, max(0, acc.shape[1] - y.shape[1]))))[:, :acc.shape[1]]
+            return acc
+
+        t = best_of(jax.jit(run), (ws, x), reps)
+        best = min(best, (t, name))
+        del ws
+    return best
+
+
+def update_dots(cfg_overrides: list[str], reps: int) -> dict:
+    """Every dot_general of the R1-a update program, each timed alone: total seconds and FLOPs."""
+    import update_ab as U
+
+    from rpeg_jax.config import load_config
+
+    cfg = load_config(None, cfg_overrides)
+    fn, params, opt = U.build(cfg, U.G)
+    batch = U.r1_batch()
+    jaxpr = jax.make_jaxpr(fn)(params, opt, batch, jax.random.key(0))
+    found: Counter = Counter()
+    dims = {}
+
+    def walk(jp):
+        for eq in jp.eqns:
+            if eq.primitive.name == "dot_general":
+                key = (eq.invars[0].aval.shape, eq.invars[1].aval.shape, repr(eq.params["dimension_numbers"]))
+                found[key] += 1
+                dims[key] = eq.params["dimension_numbers"]
+            for p in eq.params.values():
+                for sub in p if isinstance(p, (list, tuple)) else [p]:
+                    if hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+                        walk(sub.jaxpr)
+                    elif hasattr(sub, "eqns"):
+                        walk(sub)
+
+    walk(jaxpr.jaxpr)
+    rng = np.random.default_rng(0)
+    seconds = flops = 0.0
+    for key, n in found.items():
+        a_shape, b_shape, _ = key
+        dn = dims[key]
+        a = jnp.asarray(rng.standard_normal(a_shape).astype(np.float32))
+        b = jnp.asarray(rng.standard_normal(b_shape).astype(np.float32))
+        f = jax.jit(lambda a, b, dn=dn: jax.lax.dot_general(a, b, dn))
+        out_shape = jax.eval_shape(f, a, b).shape
+        contracted = np.prod([a_shape[i] for i in dn[0][0]])
+        seconds += n * best_of(f, (a, b), reps)
+        flops += n * 2.0 * np.prod(out_shape) * contracted
+    stats = rollouts.token_stats({k: batch[k] for k in ("versions_BxR", "response_mask_BxR", "segment_ids_BxS")})
+    return {"cfg": cfg, "seconds": seconds, "flops": flops, "dots": sum(found.values()), "stats": stats}
+
+
+def kv_step_bytes(name: str) -> int:
+    """K/V bytes one decode step of G1 workload `name` reads at its mean context (float32)."""
+    preset, prompts, plen, n, new, _, _ = G.WORKLOADS[name]
+    cfg = model_preset(preset)
+    return int(prompts * n * (plen + (new + 1) / 2) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_size * 4)
+
+
+def floors(wanted: list[str], n_dev: int, reps: int, r1: dict | None) -> dict:
+    """One round of every floor (seconds), keyed by workload."""
+    out = {}
+    for name in ("G1-T-greedy", "G1-T-grpo"):
+        if name in wanted:
+            preset, prompts, _, n, _, _, _ = G.WORKLOADS[name]
+            cfg = model_preset(preset)
+            out[name] = {d: decode_gemm_seconds(cfg, prompts * n, d, reps) for d in sorted({1, n_dev})}
+            out[name + ":kv_read"] = cached_read_bytes_s(kv_step_bytes(name), reps)
+    if "G1-S-greedy" in wanted:
+        out["G1-S-greedy"] = gemv_seconds(model_preset("small"), 8, reps)
+    if r1 is not None:
+        out["R1-a"] = {d: decode_gemm_seconds(r1["cfg"].model, 128, d, reps) * DECODE_STEPS for d in sorted({1, n_dev})}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the records here")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=2, help="floors: the best of this many rounds; limits: the "
+                    "best of a probe before every round and one after the last")
+    ap.add_argument("--workloads", default="G1-T-greedy,G1-T-grpo,G1-S-greedy,R1-a")
+    args = ap.parse_args(argv)
+    wanted = args.workloads.split(",")
+    n_dev = jax.device_count()
+    r1 = None
+    if "R1-a" in wanted:
+        import rl_step as R
+
+        r1_probe = R.MatmulRate(reps=args.reps)
+        r1 = update_dots(R.R1 + R.WORKLOADS["R1-a"], args.reps)
+    probes, rounds = [], []
+    for i in range(args.rounds + 1):
+        lim = G.measure_limits(jnp.float32)
+        lim["r1_matmul_flops"] = r1_probe.measure() if r1 is not None else None
+        probes.append(lim)
+        print(f"probe {i}: G1 matmul {lim['matmul_flops'] / 1e9:.1f} GFLOP/s, read bandwidth "
+              f"{lim['bandwidth_bytes_s'] / 1e9:.1f} GB/s" + (f", R1 matmul {lim['r1_matmul_flops'] / 1e9:.1f}"
+                                                             if r1 is not None else ""), flush=True)
+        if i < args.rounds:
+            rounds.append(floors(wanted, n_dev, args.reps, r1))
+    mm = max(p["matmul_flops"] for p in probes)
+    bw = max(p["bandwidth_bytes_s"] for p in probes)
+    print(f"limits (best of {len(probes)}): matmul {mm / 1e9:.1f} GFLOP/s, read bandwidth {bw / 1e9:.1f} GB/s; "
+          f"{n_dev} CPU devices")
+    records = []
+    for name in ("G1-T-greedy", "G1-T-grpo"):
+        if name not in wanted:
+            continue
+        preset, prompts, plen, n, new, _, _ = G.WORKLOADS[name]
+        cfg, batch = model_preset(preset), prompts * n
+        mean_ctx = plen + (new + 1) / 2
+        flops_tok, _ = G.work_per_token(cfg, batch, mean_ctx, 4)
+        kv_bytes = kv_step_bytes(name)
+        kv_rate = max(bw, max(r[name + ":kv_read"] for r in rounds))  # from cache if faster than DRAM
+        t_gemm = {d: min(r[name][d] for r in rounds) for d in rounds[0][name]}
+        d_best = min(t_gemm, key=t_gemm.get)
+        limit_s = batch * flops_tok / mm
+        floor = t_gemm[d_best] + kv_bytes / kv_rate
+        rec = dict(workload=name, target=0.75, limit_kind="matmul", limit_step_s=limit_s,
+                   gemm_step_s={str(d): t for d, t in t_gemm.items()}, devices=d_best, kv_bytes=kv_bytes,
+                   kv_read_bytes_s=kv_rate, kv_read_s=kv_bytes / kv_rate, floor_step_s=floor,
+                   ceiling=limit_s / floor, ceiling_gemm_only=limit_s / t_gemm[d_best])
+        records.append(rec)
+        print(f"{name}: limit {limit_s * 1e3:.2f} ms/step; weight GEMMs "
+              + ", ".join(f"{d} dev {t * 1e3:.2f} ms" for d, t in t_gemm.items())
+              + f"; K/V at {mean_ctx:.0f} ctx {kv_bytes / 1e6:.1f} MB at {kv_rate / 1e9:.0f} GB/s = "
+              f"{kv_bytes / kv_rate * 1e3:.2f} ms"
+              f" -> ceiling {rec['ceiling']:.2f} (GEMMs only {rec['ceiling_gemm_only']:.2f}; target 0.75)")
+    if "G1-S-greedy" in wanted:
+        preset, prompts, plen, n, new, _, _ = G.WORKLOADS["G1-S-greedy"]
+        cfg, batch = model_preset(preset), prompts * n
+        _, bytes_step = G.work_per_token(cfg, batch, plen + (new + 1) / 2, 4)
+        weight_bytes = sum(i * o for i, o in weight_shapes(cfg)) * 4
+        t_w, form = min(r["G1-S-greedy"] for r in rounds)
+        limit_s = bytes_step / bw
+        floor = t_w + (bytes_step - weight_bytes) / bw
+        rec = dict(workload="G1-S-greedy", target=0.75, limit_kind="bandwidth", limit_step_s=limit_s,
+                   weight_product_s=t_w, weight_product_form=form, weight_read_gb_s=weight_bytes / t_w / 1e9,
+                   floor_step_s=floor, ceiling=limit_s / floor)
+        records.append(rec)
+        print(f"G1-S-greedy: limit {limit_s * 1e3:.1f} ms/step ({bytes_step / 1e6:.0f} MB); 8-row products over "
+              f"{weight_bytes / 1e6:.0f} MB of weights: {t_w * 1e3:.1f} ms ({form}, {weight_bytes / t_w / 1e9:.1f} GB/s)"
+              f" -> ceiling {rec['ceiling']:.2f} (target 0.75)")
+    if r1 is not None:
+        rate = max(p["r1_matmul_flops"] for p in probes)
+        cfg, stats = r1["cfg"], r1["stats"]
+        t_gen = {d: min(r["R1-a"][d] for r in rounds) for d in rounds[0]["R1-a"]}
+        gen_best = min(t_gen.values())
+        useful = rollouts.step_flops(cfg, stats)
+        gen_useful = rollouts.generation_flops(cfg, stats)
+        gen_rate = 128 * 2 * sum(i * o for i, o in weight_shapes(cfg.model)) * DECODE_STEPS / gen_best
+        upd_rate = r1["flops"] / r1["seconds"]
+        limit_s = useful / rate
+        floor = r1["seconds"] + gen_best
+        floor_useful = (useful - gen_useful) / upd_rate + gen_useful / gen_rate
+        rec = dict(workload="R1-a", target=0.67, limit_kind="matmul", matmul_flops_per_s=rate, useful_flops=useful,
+                   limit_step_s=limit_s, update_dots=r1["dots"], update_dot_flops=r1["flops"],
+                   update_dots_s=r1["seconds"], generation_gemm_s=gen_best,
+                   generation_gemm_s_by_devices={str(d): t for d, t in t_gen.items()},
+                   floor_step_s=floor, ceiling=limit_s / floor, floor_useful_s=floor_useful,
+                   ceiling_useful=limit_s / floor_useful)
+        records.append(rec)
+        print(f"R1-a: matmul {rate / 1e9:.1f} GFLOP/s; useful {useful / 1e9:.1f} GFLOP -> limit {limit_s:.3f} s; "
+              f"update: {r1['dots']} dots, {r1['flops'] / 1e9:.1f} GFLOP in {r1['seconds']:.3f} s "
+              f"({upd_rate / 1e9:.0f} GFLOP/s); generation GEMMs {gen_best:.3f} s ({gen_rate / 1e9:.0f} GFLOP/s) "
+              f"-> ceiling {rec['ceiling']:.2f}, useful-only {rec['ceiling_useful']:.2f} (target 0.67)")
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"probes": probes, "records": records}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
