@@ -29,7 +29,7 @@ def test_ceiling_prices_the_work_of_the_g1_limit(ceiling, name):
     G = ceiling.G
     preset, prompts, plen, n, new, _, _ = G.WORKLOADS[name]
     cfg = model_preset(preset)
-    ctx = plen + (new + 1) / 2
+    ctx = plen + new / 2  # the mean context of generate.py's limit
     flops_tok, bytes_step = G.work_per_token(cfg, prompts * n, ctx, 4)
     attn = cfg.num_layers * 4 * cfg.num_heads * cfg.head_size * ctx
     assert 2 * sum(i * o for i, o in ceiling.weight_shapes(cfg)) == pytest.approx(flops_tok - attn, rel=1e-12)
