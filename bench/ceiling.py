@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections import Counter
 from functools import partial
 
@@ -57,21 +56,11 @@ from rpeg_jax.runtime import rollouts  # noqa: E402
 DECODE_STEPS = 32
 
 
-def best_of(fn, args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def cached_read_bytes_s(nbytes: int, reps: int) -> float:
     """The best read rate of a float32 array of `nbytes` (the K/V of one decode step: small enough to
     stay in the last-level cache between steps, so it may be read faster than the 1 GiB probe)."""
     x = jnp.ones((max(1, nbytes // 4),), jnp.float32)
-    return nbytes / best_of(jax.jit(jnp.sum), (x,), reps)
+    return nbytes / G.best_time(jax.jit(jnp.sum), x, reps=reps)
 
 
 def weight_shapes(cfg) -> list[tuple[int, int]]:
@@ -106,7 +95,7 @@ def decode_gemm_seconds(cfg, batch: int, devices: int, reps: int) -> float:
             return h + 1e-3 * (h @ ws[-1])[:, :1]
         return jax.lax.fori_loop(0, DECODE_STEPS, body, x)
 
-    return best_of(steps, (ws, x), reps) / DECODE_STEPS
+    return G.best_time(steps, ws, x, reps=reps) / DECODE_STEPS
 
 
 def gemv_seconds(cfg, rows: int, reps: int) -> tuple[float, str]:
@@ -132,7 +121,7 @@ def gemv_seconds(cfg, rows: int, reps: int) -> tuple[float, str]:
                 acc = acc + 1e-9 * jnp.pad(y, ((0, 0), (0, max(0, acc.shape[1] - y.shape[1]))))[:, :acc.shape[1]]
             return acc
 
-        t = best_of(jax.jit(run), (ws, x), reps)
+        t = G.best_time(jax.jit(run), ws, x, reps=reps)
         best = min(best, (t, name))
         del ws
     return best
@@ -198,8 +187,8 @@ def update_dots(cfg_overrides: list[str], reps: int) -> dict:
         dn = dims[key]
         a = jnp.asarray(rng.standard_normal(a_shape).astype(np.float32))
         b = jnp.asarray(rng.standard_normal(b_shape).astype(np.float32))
-        own = best_of(jax.jit(lambda x, y, d=dn: jax.lax.dot_general(x, y, d)), (a, b), reps)
-        other = [best_of(jax.jit(lambda x, y, d=d: jax.lax.dot_general(x, y, d)), (aa, bb), reps)
+        own = G.best_time(jax.jit(lambda x, y, d=dn: jax.lax.dot_general(x, y, d)), a, b, reps=reps)
+        other = [G.best_time(jax.jit(lambda x, y, d=d: jax.lax.dot_general(x, y, d)), aa, bb, reps=reps)
                  for aa, bb, d in _matrix_layouts(a, b, dn)]
         out_shape = jax.eval_shape(lambda x, y: jax.lax.dot_general(x, y, dn), a, b).shape
         contracted = np.prod([a_shape[i] for i in dn[0][0]])

@@ -61,7 +61,7 @@ GPU_WORKLOADS = {"G1-Q05-greedy": ("qwen2-0.5b", 64, 32, 1, 128, 0.0, "bandwidth
 
 
 # ---- machine limits -----------------------------------------------------------------------------
-def _best_time(fn, *args, reps=5) -> float:
+def best_time(fn, *args, reps=5) -> float:
     jax.block_until_ready(fn(*args))
     best = float("inf")
     for _ in range(reps):
@@ -82,16 +82,16 @@ def measure_limits(dtype) -> dict:
     A copy (read + write) is recorded too but is not the limit of a read-only workload."""
     n_mm = 8192 if ON_GPU else 1536
     a = jnp.ones((n_mm, n_mm), dtype)
-    flops = 2 * n_mm ** 3 / _best_time(jax.jit(lambda x: x @ x), a)
+    flops = 2 * n_mm ** 3 / best_time(jax.jit(lambda x: x @ x), a)
     del a
     n_bw = 1 << 30 if ON_GPU else 1 << 28  # elements: 4 GiB / 1 GiB of float32
     x = jnp.ones((n_bw,), jnp.float32)
-    read = 4 * n_bw / _best_time(jax.jit(lambda x: jnp.sum(x)), x)
-    rows = 4 * n_bw / _best_time(jax.jit(lambda x: jnp.sum(x.reshape(-1, 4096), axis=1)), x)
-    copy = 8 * n_bw / _best_time(jax.jit(lambda x: x * 2.0), x)
+    read = 4 * n_bw / best_time(jax.jit(lambda x: jnp.sum(x)), x)
+    rows = 4 * n_bw / best_time(jax.jit(lambda x: jnp.sum(x.reshape(-1, 4096), axis=1)), x)
+    copy = 8 * n_bw / best_time(jax.jit(lambda x: x * 2.0), x)
     w_t = x.reshape(-1, 4096)  # [out, in] blocks read by an 8-row product
     v = jnp.ones((8, 4096), jnp.float32)
-    gemv = 4 * n_bw / _best_time(jax.jit(lambda w, v: jnp.einsum("oi,mi->mo", w, v)), w_t, v)
+    gemv = 4 * n_bw / best_time(jax.jit(lambda w, v: jnp.einsum("oi,mi->mo", w, v)), w_t, v)
     del x, w_t
     bw = max(read, rows, gemv)
     return {"matmul_flops": flops, "bandwidth_bytes_s": bw, "bw_read": read, "bw_rowsum": rows,
