@@ -127,12 +127,13 @@ def gemv_seconds(cfg, rows: int, reps: int) -> tuple[float, str]:
     return best
 
 
-def _matrix_layouts(a, b, dn):
+def _matrix_layouts(a, b, dn) -> tuple[list, int]:
     """For a 2-D product (no batch dims): the four ways to store its operands, [M, K] or [K, M] and
-    [K, N] or [N, K], each as (a', b', dimension numbers) computing the same [M, N] result."""
+    [K, N] or [N, K], each as (a', b', dimension numbers) computing the same [M, N] result, and the
+    index of the one the product came with. Any other product: only its own layout."""
     (lc, rc), (lb, _) = dn
     if lb or a.ndim != 2 or b.ndim != 2:
-        return [(a, b, dn)]
+        return [(a, b, dn)], 0
     a_mk = a if lc[0] == 1 else a.T
     b_kn = b if rc[0] == 0 else b.T
     out = []
@@ -141,7 +142,7 @@ def _matrix_layouts(a, b, dn):
             aa = jnp.asarray(np.ascontiguousarray(np.asarray(a_mk).T)) if a_t else a_mk
             bb = jnp.asarray(np.ascontiguousarray(np.asarray(b_kn).T)) if b_t else b_kn
             out.append((aa, bb, ((((0,) if a_t else (1,)), ((1,) if b_t else (0,))), ((), ()))))
-    return out
+    return out, 2 * (tuple(lc) == (0,)) + (tuple(rc) == (1,))
 
 
 def update_dots(cfg_overrides: list[str], reps: int) -> dict:
@@ -187,13 +188,13 @@ def update_dots(cfg_overrides: list[str], reps: int) -> dict:
         dn = dims[key]
         a = jnp.asarray(rng.standard_normal(a_shape).astype(np.float32))
         b = jnp.asarray(rng.standard_normal(b_shape).astype(np.float32))
-        own = G.best_time(jax.jit(lambda x, y, d=dn: jax.lax.dot_general(x, y, d)), a, b, reps=reps)
-        other = [G.best_time(jax.jit(lambda x, y, d=d: jax.lax.dot_general(x, y, d)), aa, bb, reps=reps)
-                 for aa, bb, d in _matrix_layouts(a, b, dn)]
+        layouts, own = _matrix_layouts(a, b, dn)
+        times = [G.best_time(jax.jit(lambda x, y, d=d: jax.lax.dot_general(x, y, d)), aa, bb, reps=reps)
+                 for aa, bb, d in layouts]
         out_shape = jax.eval_shape(lambda x, y: jax.lax.dot_general(x, y, dn), a, b).shape
         contracted = np.prod([a_shape[i] for i in dn[0][0]])
-        seconds += n * own
-        seconds_best += n * min([own] + other)
+        seconds += n * times[own]
+        seconds_best += n * min(times)
         flops += n * 2.0 * np.prod(out_shape) * contracted
     stats = rollouts.token_stats({k: batch[k] for k in ("versions_BxR", "response_mask_BxR", "segment_ids_BxS")})
     return {"cfg": cfg, "seconds": seconds, "seconds_best_layout": seconds_best, "flops": flops,
@@ -203,8 +204,7 @@ def update_dots(cfg_overrides: list[str], reps: int) -> dict:
 def kv_step_bytes(name: str) -> int:
     """K/V bytes one decode step of G1 workload `name` reads at its mean context (float32)."""
     preset, prompts, plen, n, new, _, _ = G.WORKLOADS[name]
-    cfg = model_preset(preset)
-    return int(prompts * n * (plen + new / 2) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_size * 4)
+    return int(prompts * n * (plen + new / 2) * G.kv_bytes_per_token(model_preset(preset), 4))
 
 
 def floors(wanted: list[str], n_dev: int, reps: int, r1: dict | None) -> dict:

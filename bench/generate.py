@@ -105,9 +105,13 @@ def work_per_token(cfg: ModelConfig, batch: int, mean_ctx: float, param_bytes: i
     matmul_params = layers * (d * h * e * 2 + d * k * e * 2 + 3 * d * f) + d * v
     attn = layers * 4 * h * e * mean_ctx  # q.k and p.v
     flops = 2 * matmul_params + attn
-    kv_bytes = layers * 2 * k * e * param_bytes
     weight_bytes = (cfg.num_params() - v * d * (0 if cfg.tie_embeddings else 1)) * param_bytes
-    return flops, weight_bytes + batch * mean_ctx * kv_bytes
+    return flops, weight_bytes + batch * mean_ctx * kv_bytes_per_token(cfg, param_bytes)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, param_bytes: int) -> int:
+    """K and V of one token over all layers: what a decode step reads per context position."""
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_size * param_bytes
 
 
 # ---- runs ---------------------------------------------------------------------------------------

@@ -34,4 +34,27 @@ def test_ceiling_prices_the_work_of_the_g1_limit(ceiling, name):
     attn = cfg.num_layers * 4 * cfg.num_heads * cfg.head_size * ctx
     assert 2 * sum(i * o for i, o in ceiling.weight_shapes(cfg)) == pytest.approx(flops_tok - attn, rel=1e-12)
     weights = (cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1)) * 4
-    assert ceiling.kv_step_bytes(name) == pytest.approx(bytes_step - weights, rel=1e-6)
+    kv = prompts * n * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_size * 4  # K and V, float32
+    assert ceiling.kv_step_bytes(name) == pytest.approx(kv, rel=1e-6)
+    assert bytes_step - weights == pytest.approx(kv, rel=1e-6)
+
+
+@pytest.mark.parametrize("lc,rc", [(1, 0), (0, 0), (1, 1), (0, 1)])
+def test_matrix_layouts_compute_the_same_product_and_name_the_original(ceiling, lc, rc):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    m, k, n = 5, 3, 4
+    a = jnp.asarray(rng.standard_normal((m, k) if lc == 1 else (k, m)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((k, n) if rc == 0 else (n, k)), jnp.float32)
+    dn = (((lc,), (rc,)), ((), ()))
+    ref = np.asarray(a, np.float64)
+    ref = (ref if lc == 1 else ref.T) @ (np.asarray(b, np.float64) if rc == 0 else np.asarray(b, np.float64).T)
+    layouts, own = ceiling._matrix_layouts(a, b, dn)
+    assert len(layouts) == 4
+    for aa, bb, d in layouts:
+        np.testing.assert_allclose(jax.lax.dot_general(aa, bb, d), ref, rtol=1e-5, atol=1e-5)
+    aa, bb, d = layouts[own]  # the product as the program stores it: the one timed as "its own"
+    assert d == dn and np.array_equal(aa, a) and np.array_equal(bb, b)
