@@ -25,7 +25,10 @@ Floors (seconds; best of `--reps`):
   numbers), plus 32 decode steps' weight products at batch 128. `ceiling` uses the program's own
   products (padding included); `ceiling_useful` prices only the useful FLOPs (rollouts.step_flops)
   at the measured rates of those products: the bound for an implementation with no padding either.
-  `*_best_layout`: each 2-D product in the fastest of its four operand layouts (transposes free).
+  `*_best_layout`: each 2-D product in the fastest of its four operand layouts (transposes free:
+  not a layout one program can have, an upper bound). `*_consistent`: the products as one program
+  could store them, every activation token-major (the model's layout) or every activation
+  feature-major, the weights and weight gradients either way (update_dots, consistent_layouts).
   The useful FLOPs come from update_ab's synthetic batch (90% of responses full length), ~4% more
   than a real R1-a rollout; `ceiling_useful*` is not affected (it prices the same useful FLOPs).
 
@@ -145,12 +148,61 @@ def _matrix_layouts(a, b, dn) -> tuple[list, int]:
     return out, 2 * (tuple(lc) == (0,)) + (tuple(rc) == (1,))
 
 
+def _stored(x_mk, transposed: bool):
+    return jnp.asarray(np.ascontiguousarray(np.asarray(x_mk).T)) if transposed else x_mk
+
+
+def consistent_layouts(a, b, dn, rows: int) -> dict:
+    """For a 2-D product (no batch dims) of the update: the ways to store it that a whole program
+    could use, per activation layout. Operands and results with a `rows` axis (the batch's tokens)
+    are activations, the rest weights. "token-major" stores every activation [rows, features] (the
+    model's layout), "feature-major" [features, rows]; a weight (small: its transpose is nearly
+    free) and a weight gradient may be stored either way. Returns {mode: [(lhs, rhs, dimension
+    numbers, result transposed)]}: each computes the product's [M, N] result, or its transpose [N, M]
+    (as rhs^T lhs^T) where the mode stores the result the other way. Any other product: {}."""
+    (lc, rc), (lb, _) = dn
+    if lb or a.ndim != 2 or b.ndim != 2:
+        return {}
+    a_mk = a if lc[0] == 1 else a.T
+    b_kn = b if rc[0] == 0 else b.T
+    (m, k), n = a_mk.shape, b_kn.shape[1]
+    stored = {}
+    out = {}
+    for mode, rows_first in (("token-major", True), ("feature-major", False)):
+        opts = []
+        for a_t in (False, True):  # a stored [M, K] or [K, M]
+            if rows in (m, k) and ((a_t and k == rows) or (not a_t and m == rows)) != rows_first:
+                continue
+            for b_t in (False, True):  # b stored [K, N] or [N, K]
+                if rows in (k, n) and ((not b_t and k == rows) or (b_t and n == rows)) != rows_first:
+                    continue
+                for o_t in (False, True):  # the result [M, N] or [N, M]
+                    if rows in (m, n) and ((not o_t and m == rows) or (o_t and n == rows)) != rows_first:
+                        continue
+                    if (a_t, False) not in stored:
+                        stored[a_t, False] = _stored(a_mk, a_t)
+                    if (b_t, True) not in stored:
+                        stored[b_t, True] = _stored(b_kn, b_t)
+                    aa, bb = stored[a_t, False], stored[b_t, True]
+                    ca, cb = (0 if a_t else 1), (1 if b_t else 0)
+                    opts.append((bb, aa, (((cb,), (ca,)), ((), ())), True) if o_t
+                                else (aa, bb, (((ca,), (cb,)), ((), ())), False))
+        out[mode] = opts
+    return out
+
+
 def update_dots(cfg_overrides: list[str], reps: int) -> dict:
     """Every dot_general the R1-a update program executes, each timed alone: total seconds in the
     layouts the program's jaxpr gives them (`seconds`) and in the fastest of the four operand
     layouts of each 2-D product (`seconds_best_layout`: the transposes free, as everything but the
     products is here; XLA:CPU's products contracting the 4096 token rows of both operands, the
-    weight gradients, run at ~150-210 GFLOP/s against ~230-290 in the standard layout), and FLOPs."""
+    weight gradients, run at ~150-210 GFLOP/s against ~230-290 in the standard layout), and FLOPs.
+    `seconds_by_layout`: the products as a whole program could store them (`consistent_layouts`:
+    every activation token-major, or every activation feature-major, each product at its fastest
+    choice of weight and result orientation); `seconds_consistent` is the faster of the two. The
+    fastest-layout total needs no such consistency: a weight gradient wants its token operands
+    feature-major while the forward that produced them stored them token-major, so the transposes
+    it counts as free are real copies of 4096-row activations."""
     import update_ab as U
 
     from rpeg_jax.config import load_config
@@ -181,23 +233,40 @@ def update_dots(cfg_overrides: list[str], reps: int) -> dict:
                         walk(sub, inner)
 
     walk(jaxpr.jaxpr, 1)
+    rows = int(np.prod(batch["response_mask_BxR"].shape))  # the update's token rows (B x R)
+    if not any(rows in k[0] or rows in k[1] for k in found):
+        raise ValueError(f"update_dots: no product has the batch's {rows} token rows: the activation test "
+                         "of consistent_layouts does not apply")
     rng = np.random.default_rng(0)
+    cache: dict = {}
+
+    def timed(aa, bb, d) -> float:  # same shapes and dimension numbers: the same product
+        key = (aa.shape, bb.shape, repr(d))
+        if key not in cache:
+            cache[key] = G.best_time(jax.jit(lambda x, y, d=d: jax.lax.dot_general(x, y, d)), aa, bb, reps=reps)
+        return cache[key]
+
     seconds = seconds_best = flops = 0.0
+    by_mode = {"token-major": 0.0, "feature-major": 0.0}
     for key, n in found.items():
         a_shape, b_shape, _ = key
         dn = dims[key]
         a = jnp.asarray(rng.standard_normal(a_shape).astype(np.float32))
         b = jnp.asarray(rng.standard_normal(b_shape).astype(np.float32))
         layouts, own = _matrix_layouts(a, b, dn)
-        times = [G.best_time(jax.jit(lambda x, y, d=d: jax.lax.dot_general(x, y, d)), aa, bb, reps=reps)
-                 for aa, bb, d in layouts]
+        times = [timed(aa, bb, d) for aa, bb, d in layouts]
+        modes = consistent_layouts(a, b, dn, rows)
+        for mode in by_mode:
+            by_mode[mode] += n * (min(timed(aa, bb, d) for aa, bb, d, _ in modes[mode]) if modes else times[own])
         out_shape = jax.eval_shape(lambda x, y: jax.lax.dot_general(x, y, dn), a, b).shape
         contracted = np.prod([a_shape[i] for i in dn[0][0]])
         seconds += n * times[own]
         seconds_best += n * min(times)
         flops += n * 2.0 * np.prod(out_shape) * contracted
     stats = rollouts.token_stats({k: batch[k] for k in ("versions_BxR", "response_mask_BxR", "segment_ids_BxS")})
+    mode = min(by_mode, key=by_mode.get)
     return {"cfg": cfg, "seconds": seconds, "seconds_best_layout": seconds_best, "flops": flops,
+            "seconds_by_layout": by_mode, "seconds_consistent": by_mode[mode], "consistent_layout": mode,
             "dots": sum(found.values()), "stats": stats}
 
 
@@ -306,6 +375,9 @@ def main(argv=None) -> int:
         floor_useful = (useful - gen_useful) / upd_rate + gen_useful / gen_rate
         floor_layout = r1["seconds_best_layout"] + gen_best
         floor_useful_layout = (useful - gen_useful) / (r1["flops"] / r1["seconds_best_layout"]) + gen_useful / gen_rate
+        floor_consistent = r1["seconds_consistent"] + gen_best
+        floor_useful_consistent = ((useful - gen_useful) / (r1["flops"] / r1["seconds_consistent"])
+                                   + gen_useful / gen_rate)
         rec = dict(workload="R1-a", target=0.67, limit_kind="matmul", matmul_flops_per_s=rate, useful_flops=useful,
                    limit_step_s=limit_s, update_dots=r1["dots"], update_dot_flops=r1["flops"],
                    update_dots_s=r1["seconds"], generation_gemm_s=gen_best,
@@ -313,14 +385,20 @@ def main(argv=None) -> int:
                    floor_step_s=floor, ceiling=limit_s / floor, floor_useful_s=floor_useful,
                    ceiling_useful=limit_s / floor_useful, update_dots_best_layout_s=r1["seconds_best_layout"],
                    floor_best_layout_s=floor_layout, ceiling_best_layout=limit_s / floor_layout,
-                   ceiling_useful_best_layout=limit_s / floor_useful_layout)
+                   ceiling_useful_best_layout=limit_s / floor_useful_layout,
+                   update_dots_by_layout_s=r1["seconds_by_layout"], consistent_layout=r1["consistent_layout"],
+                   floor_consistent_s=floor_consistent, ceiling_consistent=limit_s / floor_consistent,
+                   ceiling_useful_consistent=limit_s / floor_useful_consistent)
         records.append(rec)
         print(f"R1-a: matmul {rate / 1e9:.1f} GFLOP/s; useful {useful / 1e9:.1f} GFLOP -> limit {limit_s:.3f} s; "
               f"update: {r1['dots']} dots, {r1['flops'] / 1e9:.1f} GFLOP in {r1['seconds']:.3f} s "
               f"({upd_rate / 1e9:.0f} GFLOP/s); generation GEMMs {gen_best:.3f} s ({gen_rate / 1e9:.0f} GFLOP/s) "
               f"-> ceiling {rec['ceiling']:.2f}, useful-only {rec['ceiling_useful']:.2f}; every product in its "
               f"fastest layout: dots {r1['seconds_best_layout']:.3f} s -> ceiling {rec['ceiling_best_layout']:.2f}, "
-              f"useful-only {rec['ceiling_useful_best_layout']:.2f} (target 0.67)")
+              f"useful-only {rec['ceiling_useful_best_layout']:.2f}; consistent layouts (token-major "
+              f"{r1['seconds_by_layout']['token-major']:.3f} s, feature-major "
+              f"{r1['seconds_by_layout']['feature-major']:.3f} s) -> ceiling {rec['ceiling_consistent']:.2f}, "
+              f"useful-only {rec['ceiling_useful_consistent']:.2f} (target 0.67)")
     print(f"load average {os.getloadavg()[0]:.1f}")
     if args.json:
         with open(args.json, "w") as fh:

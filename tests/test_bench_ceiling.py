@@ -58,3 +58,37 @@ def test_matrix_layouts_compute_the_same_product_and_name_the_original(ceiling, 
         np.testing.assert_allclose(jax.lax.dot_general(aa, bb, d), ref, rtol=1e-5, atol=1e-5)
     aa, bb, d = layouts[own]  # the product as the program stores it: the one timed as "its own"
     assert d == dn and np.array_equal(aa, a) and np.array_equal(bb, b)
+
+
+@pytest.mark.parametrize("kind", ["forward", "input_grad", "weight_grad"])
+def test_consistent_layouts_store_activations_one_way_per_mode(ceiling, kind):
+    """Each option computes the product (or its transpose, when flagged), and in every option of a
+    mode each token-row operand and result is stored as the mode says: rows first (token-major) or
+    rows last (feature-major). Weights and weight gradients get both orientations."""
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    rows, i, o = 12, 5, 3
+    x, w, dy = (rng.standard_normal(s).astype(np.float32) for s in ((rows, i), (i, o), (rows, o)))
+    a, b, dn = {"forward": (x, w, (((1,), (0,)), ((), ()))),         # y = x W
+                "input_grad": (dy, w, (((1,), (1,)), ((), ()))),     # dx = dy W^T
+                "weight_grad": (x, dy, (((0,), (0,)), ((), ())))}[kind]  # dW = x^T dy
+    ref = np.asarray(jax.lax.dot_general(np.float64(a), np.float64(b), dn))
+    modes = ceiling.consistent_layouts(a, b, dn, rows)
+    assert set(modes) == {"token-major", "feature-major"}
+    for mode, opts in modes.items():
+        assert opts
+        rows_axis = 0 if mode == "token-major" else 1
+        for lhs, rhs, d, transposed in opts:
+            got = np.asarray(jax.lax.dot_general(lhs, rhs, d))
+            np.testing.assert_allclose(got.T if transposed else got, ref, rtol=1e-5, atol=1e-5)
+            for arr in (lhs, rhs, got):
+                if rows in arr.shape:
+                    assert arr.shape[rows_axis] == rows, (mode, kind, arr.shape)
+        weight_outputs = {t for *_, t in opts}
+        assert weight_outputs == ({False, True} if kind == "weight_grad" else {rows_axis == 1}), (mode, kind)
+    # the weight gradient contracts the rows of both operands token-major, their minor axes feature-major
+    if kind == "weight_grad":
+        assert all(d[0] == ((0,), (0,)) for *_, d, _ in modes["token-major"])
+        assert all(d[0] == ((1,), (1,)) for *_, d, _ in modes["feature-major"])
