@@ -18,11 +18,17 @@ its values, advantages and returns from the shared update's own forward);
 advantage fused (R1-c: values_from_critic_update too), on a split placement [1, 1] (one device
 generates, one trains) when the process has >= 2 devices, else colocated on one.
 
-Devices: every variant but async plans for ONE device (device 0; any others idle), so its numbers
-are the same whether or not the process has more. For the split async variant run with two host
-devices, e.g. `XLA_FLAGS=--xla_force_host_platform_device_count=2 python bench/rl_step.py`; both
-devices share this machine's cores, so "async" measures overlap of the two device programs on
-the same CPUs (the recorded `devices` field says which placement ran).
+Devices: on a CPU host every core is a JAX device (as in bench/generate.py; XLA_FLAGS with
+--xla_force_host_platform_device_count overrides). "baseline" plans for ONE device (device 0; the
+others idle). "optimized" and "shared" train on device 0 too, but GENERATE on a data mesh of every
+device (graph/plan.widen_generation: a plan whose generation group nests the training group; the stages still
+run one after the other): one device program's small decode GEMMs do not fill the cores, two side
+by side do (R1-a's generate call on 2 cores, interleaved, 10 calls each, 2026-12-01: 479 -> 322 ms
+median); the update stays on one device, whose products already use every core (on a data=2 mesh it
+was 1.35 s against 0.74 s, session 6). "async" runs on a split placement [1, 1] (one device
+generates, one trains, overlapping) when there are >= 2 devices, else colocated on one; both
+devices share this machine's cores, so it measures the overlap of two device programs on the same
+CPUs. The recorded `devices` field is the number of devices the plan uses.
 
 Method (the machine is shared and noisy): every (workload, variant) pipeline is built and compiled
 first and runs `--warmup` steps; then the measured steps are interleaved round by round
@@ -53,14 +59,16 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from rpeg_jax.costmodel.devices import force_cpu_devices  # noqa: E402 (imports no JAX)
 
+force_cpu_devices(os.cpu_count() or 1)  # the host's cores as CPU devices (generation uses them)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rpeg_jax.config import load_config  # noqa: E402
 from rpeg_jax.graph.compile import compile_graph  # noqa: E402
-from rpeg_jax.graph.plan import graph_for_plan, plan_for_config  # noqa: E402
+from rpeg_jax.graph.plan import graph_for_plan, plan_for_config, widen_generation  # noqa: E402
 from rpeg_jax.runtime import rollouts  # noqa: E402
 from rpeg_jax.runtime.executor import Executor  # noqa: E402
 from rpeg_jax.runtime.kernels import default_registry  # noqa: E402
@@ -87,6 +95,7 @@ ONLY = {"shared": {"R1-c"}}  # variants that apply to some workloads only
 # With a separate critic: V for GAE from the critic update's own forward (one optimizer step).
 EXTRA = {("R1-c", v): ["pipeline.values_from_critic_update=true"] for v in ("optimized", "shared", "async")}
 SPLIT = ["pipeline.placement=split", "pipeline.split_sizes=[1,1]"]
+WIDE_GEN = ("optimized", "shared")  # variants that generate on a data mesh of every device (widen_generation)
 
 
 # ---- the machine's limit -----------------------------------------------------------------------
@@ -140,6 +149,10 @@ class Pipeline:
         plan = plan_for_config(self.cfg, self.devices)  # pipeline.plan=manual: the knobs above
         plan = dataclasses.replace(plan, num_devices=jax.device_count())  # devices beyond the plan idle
         graph = graph_for_plan(self.cfg, plan)
+        if variant in WIDE_GEN and jax.device_count() > 1 and jax.default_backend() == "cpu":
+            plan = widen_generation(plan, graph, self.cfg, tuple(range(jax.device_count())))
+            self.devices = jax.device_count()
+        self.plan = plan
         self.ctx, self.store = build(self.cfg, graph, plan)
         self.executor = Executor(compile_graph(graph, plan, default_registry(), self.ctx), self.store)
         self.stages = [cs.name for cs in self.executor.program.stages]
@@ -178,7 +191,8 @@ def summarise(p: Pipeline, compile_s: float, rate_best: float, rates_paired: lis
                 gen_share=stages.get("gen", 0.0) / med, compile_step_s=compile_s,
                 tokens_per_step=statistics.median(r["tokens"] for r in steps), stages=p.stages,
                 overrides=[o for o in p.overrides if not o.startswith("train.run_dir")],
-                device=jax.devices()[0].device_kind, devices=p.devices, steps_measured=len(steps))
+                device=jax.devices()[0].device_kind, devices=p.devices, steps_measured=len(steps),
+                plan=p.plan.describe())
 
 
 def print_table(records: list[dict]) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from rpeg_jax.config import load_config
-from rpeg_jax.graph.plan import plan_from_config
+from rpeg_jax.graph.plan import graph_for_plan, plan_from_config, widen_generation
 from rpeg_jax.runtime.checkpoint import Checkpointer
 from rpeg_jax.runtime.metrics import read_metrics
 from rpeg_jax.runtime.trainer import train
@@ -84,6 +84,21 @@ def test_split_placement_equals_colocated(tmp_path):
     colocated = dataclasses.replace(colocated, num_devices=8)
     assert_same_run(run(tmp_path, "colocated", grpo, plan=colocated), run(tmp_path, "split", grpo, plan=split),
                     atol=0.0)
+
+
+def test_generation_on_a_wider_nested_group_equals_one_device(tmp_path):
+    """Generation on a data mesh of devices 0-1 (widen_generation: the sampler's slots and page
+    pool split over `data`) while training stays on device 0, the weights resharded into the wider
+    group every step = every stage on device 0: same metrics and parameters."""
+    grpo = TINY + ["pipeline.elide_old_forward=true", "pipeline.fuse=[forwards,advantage]"]
+    cfg = load_config(None, grpo)
+    one = dataclasses.replace(plan_from_config(cfg, 1), num_devices=2)
+    wide = widen_generation(one, graph_for_plan(cfg, one), cfg, (0, 1))
+    assert {g.name: g.devices for g in wide.groups} == {"all": (0,), "gen_wide": (0, 1)}
+    for sp in wide.stages:
+        want = ("gen_wide", {"data": 2, "fsdp": 1, "tensor": 1}) if sp.stage == "generate" else ("all", one.stage(sp.stage).mesh)
+        assert (sp.group, sp.mesh) == want, sp
+    assert_same_run(run(tmp_path, "one", grpo, plan=one, steps=2), run(tmp_path, "wide", grpo, plan=wide, steps=2))
 
 
 def test_explicit_axis_types_train_like_auto(tmp_path):

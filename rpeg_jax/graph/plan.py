@@ -281,6 +281,29 @@ def plan_from_config(cfg: RunConfig, num_devices: int, graph: Graph | None = Non
                 knobs=knobs_of(cfg.pipeline), source="manual").check(graph)
 
 
+def widen_generation(plan: Plan, graph: Graph, cfg: RunConfig, devices: tuple[int, ...],
+                     group: str = "gen_wide") -> Plan:
+    """`plan` with every generating stage (one whose ops include GENERATE, fused or not) on a data
+    mesh of `devices` (a new group `group`), every other stage where it was. The new group must
+    nest with the plan's groups (contain them or sit inside them; Plan.check); the stages still run
+    one after the other, and the weight handoff reshards the trained weights into the wider layout.
+
+    Why: on a CPU host whose cores are JAX devices, one device program's small decode GEMMs do not
+    fill the cores but one program per core does, while the update's products already use every
+    core from one device (bench/rl_step.py: R1 generates on every core, trains on device 0)."""
+    wide = DeviceGroup(group, tuple(devices))
+    mesh = {"data": wide.size, "fsdp": 1, "tensor": 1}
+    by_name = {st.name: st for st in graph.stages()}
+    stages = []
+    for sp in plan.stages:
+        st = by_name.get(sp.stage)
+        if st is not None and Op.GENERATE in _ops(st):
+            sp = dataclasses.replace(sp, group=group, mesh=mesh, rules=layout_rules(st, cfg, mesh, priced=False))
+        stages.append(sp)
+    return dataclasses.replace(plan, num_devices=max(plan.num_devices, max(devices) + 1),
+                               groups=plan.groups + (wide,), stages=tuple(stages)).check(graph)
+
+
 def plan_for_config(cfg: RunConfig, num_devices: int,
                     planner: Callable[[RunConfig, int], Plan] | None = None) -> Plan:
     """Honour `pipeline.plan`: manual (plan_from_config), auto (the cost model's `planner`, which
