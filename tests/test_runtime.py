@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from rpeg_jax.config import load_config
-from rpeg_jax.graph.plan import graph_for_plan, plan_from_config, widen_generation
+from rpeg_jax.graph.plan import graph_for_plan, plan_for_config, plan_from_config, widen_generation
 from rpeg_jax.runtime.checkpoint import Checkpointer
 from rpeg_jax.runtime.metrics import read_metrics
 from rpeg_jax.runtime.trainer import train
@@ -98,6 +98,9 @@ def test_generation_on_a_wider_nested_group_equals_one_device(tmp_path):
     for sp in wide.stages:
         want = ("gen_wide", {"data": 2, "fsdp": 1, "tensor": 1}) if sp.stage == "generate" else ("all", one.stage(sp.stage).mesh)
         assert (sp.group, sp.mesh) == want, sp
+    wide.save(str(tmp_path / "plan.json"))  # a nested plan reloads as a plan file
+    back = plan_for_config(load_config(None, grpo + [f"pipeline.plan={tmp_path / 'plan.json'}"]), 2)
+    assert (back.groups, back.stages) == (wide.groups, wide.stages)
     assert_same_run(run(tmp_path, "one", grpo, plan=one, steps=2), run(tmp_path, "wide", grpo, plan=wide, steps=2))
 
 
