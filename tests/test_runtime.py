@@ -96,7 +96,8 @@ def test_generation_on_a_wider_nested_group_equals_one_device(tmp_path):
     wide = widen_generation(one, graph_for_plan(cfg, one), cfg, (0, 1))
     assert {g.name: g.devices for g in wide.groups} == {"all": (0,), "gen_wide": (0, 1)}
     for sp in wide.stages:
-        want = ("gen_wide", {"data": 2, "fsdp": 1, "tensor": 1}) if sp.stage == "generate" else ("all", one.stage(sp.stage).mesh)
+        gen = sp.stage == "generate"
+        want = ("gen_wide", {"data": 2, "fsdp": 1, "tensor": 1}) if gen else ("all", one.stage(sp.stage).mesh)
         assert (sp.group, sp.mesh) == want, sp
     wide.save(str(tmp_path / "plan.json"))  # a nested plan reloads as a plan file
     back = plan_for_config(load_config(None, grpo + [f"pipeline.plan={tmp_path / 'plan.json'}"]), 2)
