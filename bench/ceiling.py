@@ -152,20 +152,28 @@ def _stored(x_mk, transposed: bool):
     return jnp.asarray(np.ascontiguousarray(np.asarray(x_mk).T)) if transposed else x_mk
 
 
-def consistent_layouts(a, b, dn, rows: int) -> dict:
+def consistent_layouts(a, b, dn, min_rows: int) -> dict:
     """For a 2-D product (no batch dims) of the update: the ways to store it that a whole program
-    could use, per activation layout. Operands and results with a `rows` axis (the batch's tokens)
-    are activations, the rest weights. "token-major" stores every activation [rows, features] (the
+    could use, per activation layout. An axis of at least `min_rows` is a token-row axis (the
+    caller passes one more than the largest weight dimension); operands and results with one are
+    activations, the rest weights. "token-major" stores every 2-D activation [rows, features] (the
     model's layout), "feature-major" [features, rows]; a weight (small: its transpose is nearly
-    free) and a weight gradient may be stored either way. Returns {mode: [(lhs, rhs, dimension
-    numbers, result transposed)]}: each computes the product's [M, N] result, or its transpose [N, M]
-    (as rhs^T lhs^T) where the mode stores the result the other way. Any other product: {}."""
+    free) and a weight gradient may be stored either way, chosen per product. Returns {mode:
+    [(lhs, rhs, dimension numbers, result transposed)]}: each computes the product's [M, N] result,
+    or its transpose [N, M] (as rhs^T lhs^T) where the mode stores the result the other way. Any
+    other product (batched, e.g. attention): {} (the caller prices it in its own layout in both
+    modes). An operand or result whose two axes both look like token rows is an error."""
     (lc, rc), (lb, _) = dn
     if lb or a.ndim != 2 or b.ndim != 2:
         return {}
     a_mk = a if lc[0] == 1 else a.T
     b_kn = b if rc[0] == 0 else b.T
     (m, k), n = a_mk.shape, b_kn.shape[1]
+    for x, y, what in ((m, k, "lhs"), (k, n, "rhs"), (m, n, "result")):
+        if x >= min_rows and y >= min_rows:
+            raise ValueError(f"consistent_layouts: the {what} [{x}, {y}] has two token-row-sized axes "
+                             f"(>= {min_rows}): which one is the tokens is ambiguous")
+    rows = next((x for x in (m, k, n) if x >= min_rows), -1)  # at most one size can be the tokens'
     stored = {}
     out = {}
     for mode, rows_first in (("token-major", True), ("feature-major", False)):
@@ -233,10 +241,13 @@ def update_dots(cfg_overrides: list[str], reps: int) -> dict:
                         walk(sub, inner)
 
     walk(jaxpr.jaxpr, 1)
-    rows = int(np.prod(batch["response_mask_BxR"].shape))  # the update's token rows (B x R)
-    if not any(rows in k[0] or rows in k[1] for k in found):
-        raise ValueError(f"update_dots: no product has the batch's {rows} token rows: the activation test "
-                         "of consistent_layouts does not apply")
+    # Token rows: any axis longer than every weight axis (the packed rows of the group-shared
+    # prompt and the B x R response rows of the LM head alike); consistent_layouts checks that no
+    # operand has two such axes.
+    min_rows = 1 + max(max(x.shape, default=0) for x in jax.tree.leaves(params))
+    if not any(max(k[0] + k[1]) >= min_rows for k in found):
+        raise ValueError(f"update_dots: no product has an axis of >= {min_rows} token rows: the activation "
+                         "test of consistent_layouts does not apply")
     rng = np.random.default_rng(0)
     cache: dict = {}
 
@@ -255,7 +266,7 @@ def update_dots(cfg_overrides: list[str], reps: int) -> dict:
         b = jnp.asarray(rng.standard_normal(b_shape).astype(np.float32))
         layouts, own = _matrix_layouts(a, b, dn)
         times = [timed(aa, bb, d) for aa, bb, d in layouts]
-        modes = consistent_layouts(a, b, dn, rows)
+        modes = consistent_layouts(a, b, dn, min_rows)
         for mode in by_mode:
             by_mode[mode] += n * (min(timed(aa, bb, d) for aa, bb, d, _ in modes[mode]) if modes else times[own])
         out_shape = jax.eval_shape(lambda x, y: jax.lax.dot_general(x, y, dn), a, b).shape

@@ -21,8 +21,8 @@ generates, one trains) when the process has >= 2 devices, else colocated on one.
 Devices: on a CPU host every core is a JAX device (as in bench/generate.py; XLA_FLAGS with
 --xla_force_host_platform_device_count overrides). "baseline" plans for ONE device (device 0; the
 others idle). "optimized" and "shared" train on device 0 too, but GENERATE on a data mesh of every
-device (graph/plan.widen_generation: a plan whose generation group nests the training group; the
-stages still run one after the other): one device program's small decode GEMMs do not fill the
+device (graph/plan.widen_generation: a plan whose generation group nests the training group; at
+staleness 0 the stages still run one after the other): one device program's small decode GEMMs do not fill the
 cores, two side by side do (R1-a's generate call on 2 cores, interleaved, 10 calls each,
 2026-12-01: 479 -> 322 ms median); the update stays on one device, whose products already use every
 core (on a data=2 mesh it was 1.35 s against 0.74 s, session 6). "async" runs on a split placement [1, 1] (one device

@@ -75,7 +75,7 @@ def test_consistent_layouts_store_activations_one_way_per_mode(ceiling, kind):
                 "input_grad": (dy, w, (((1,), (1,)), ((), ()))),     # dx = dy W^T
                 "weight_grad": (x, dy, (((0,), (0,)), ((), ())))}[kind]  # dW = x^T dy
     ref = np.asarray(jax.lax.dot_general(np.float64(a), np.float64(b), dn))
-    modes = ceiling.consistent_layouts(a, b, dn, rows)
+    modes = ceiling.consistent_layouts(a, b, dn, max(i, o) + 1)  # token rows: longer than any weight axis
     assert set(modes) == {"token-major", "feature-major"}
     for mode, opts in modes.items():
         assert opts
@@ -92,3 +92,11 @@ def test_consistent_layouts_store_activations_one_way_per_mode(ceiling, kind):
     if kind == "weight_grad":
         assert all(d[0] == ((0,), (0,)) for *_, d, _ in modes["token-major"])
         assert all(d[0] == ((1,), (1,)) for *_, d, _ in modes["feature-major"])
+
+
+def test_consistent_layouts_refuse_an_ambiguous_token_axis(ceiling):
+    import numpy as np
+
+    x = np.ones((12, 12), np.float32)  # both axes as long as the token rows: which is which?
+    with pytest.raises(ValueError, match="ambiguous"):
+        ceiling.consistent_layouts(x, np.ones((12, 3), np.float32), (((1,), (0,)), ((), ())), 6)

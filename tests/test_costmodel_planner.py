@@ -377,6 +377,23 @@ def test_price_reproduces_planner_predictions_and_streamed_pieces_cost_calls():
     assert (d8["generate"] > d1["generate"]).all()
 
 
+def test_price_refuses_a_plan_with_groups_it_does_not_model():
+    """A widened plan (generation on a nested group of its own) is not one of the model's
+    placements: pricing it as if generation ran on the training group would be silently wrong."""
+    import dataclasses
+
+    from rpeg_jax.costmodel.pricing import price
+    from rpeg_jax.graph.ir import GraphError
+    from rpeg_jax.graph.plan import graph_for_plan, plan_from_config, widen_generation
+
+    cfg = load_config(None, ["pipeline.plan=manual"])
+    one = dataclasses.replace(plan_from_config(cfg, 1), num_devices=2)
+    price(cfg, one, CPU, 1)  # the model's own placement prices
+    wide = widen_generation(one, graph_for_plan(cfg, one), cfg, (0, 1))
+    with pytest.raises(GraphError, match="gen_wide"):
+        price(cfg, wide, CPU, 1)
+
+
 def test_layout_rules_shard_every_axis_the_planner_prices():
     """The plan's rule preset per stage follows its mesh: `tensor` > 1 shards heads/MLP/vocab,
     `fsdp` > 1 the weights; a user's own preset is kept."""

@@ -88,6 +88,10 @@ def _layout_of(plan: Plan, pipe, cfg: RunConfig) -> dict:
     """A planner-format layout from a Plan's groups, stage meshes and settings."""
     from rpeg_jax.costmodel.planner import GEN_SIDE, TRAIN_SIDE
 
+    other = sorted({sp.group for sp in plan.stages} - {"all", "gen", "train"})
+    if other:  # e.g. graph.plan.widen_generation's nested group: the tables have no such option
+        raise GraphError(other[0], "the cost model prices the placements it plans (one group 'all', or "
+                                   "'gen' and 'train'); this plan's stages also run on other groups")
     graph = apply_pipeline(build_graph(cfg), pipe, cfg.rl)
     s = plan.predicted.get("settings", {})
     out = {"groups": {}, "generate": {}, "train": {"micro_batches": s.get("rl.micro_batches", 1),

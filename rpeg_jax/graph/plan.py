@@ -87,8 +87,8 @@ class Plan:
 
     # ---- checks --------------------------------------------------------------------------
     def check(self, graph: Graph | None = None) -> Plan:
-        """Devices in range, groups disjoint or identical, mesh products = group sizes, and
-        (given a graph) exactly one entry per stage. Errors name the stage or group."""
+        """Devices in range, groups disjoint or nested (one inside the other), mesh products =
+        group sizes, and (given a graph) exactly one entry per stage. Errors name the stage or group."""
         for gr in self.groups:
             if not gr.devices or len(set(gr.devices)) != gr.size:
                 raise GraphError(gr.name, f"device group must list distinct devices, got {list(gr.devices)}")
@@ -285,8 +285,11 @@ def widen_generation(plan: Plan, graph: Graph, cfg: RunConfig, devices: tuple[in
                      group: str = "gen_wide") -> Plan:
     """`plan` with every generating stage (one whose ops include GENERATE, fused or not) on a data
     mesh of `devices` (a new group `group`), every other stage where it was. The new group must
-    nest with the plan's groups (contain them or sit inside them; Plan.check); the stages still run
-    one after the other, and the weight handoff reshards the trained weights into the wider layout.
+    nest with the plan's groups (contain them or sit inside them; Plan.check). The weight handoff
+    reshards the trained weights into the wider layout. The executor runs each group in its own
+    thread: at staleness 0 the data dependencies order generation and training one after the other;
+    at k >= 1 they overlap on the devices the groups share. The cost model does not price such a
+    plan (costmodel.pricing refuses it).
 
     Why: on a CPU host whose cores are JAX devices, one device program's small decode GEMMs do not
     fill the cores but one program per core does, while the update's products already use every

@@ -5,8 +5,10 @@ waits for its producer in the same step (piece i only for piece i when the edge 
 a state read at offset o waits for the writer of version t+o. Under bounded asynchrony
 (`generate` reads rollout_weights at t-k) generation *leads* by k steps: slot t runs
 generate(t+k) next to the training stages of step t. Each device group runs its tasks of a
-slot in one thread, in an order that respects dependencies; disjoint groups (split placement)
-run concurrently, so generation of the next batch overlaps the update of this one.
+slot in one thread, in an order that respects dependencies, and the groups' threads run
+concurrently: with disjoint groups (split placement) generation of the next batch overlaps the
+update of this one; with nested groups (graph.plan.widen_generation) the overlapping stages share
+the inner group's devices, and at k = 0 the data dependencies order them one after the other.
 
 Bookkeeping is exact: every task records the versions of the state it read and the steps and
 pieces of the data it consumed (`Executor.consumed`), and state reads check the version they
