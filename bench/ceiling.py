@@ -130,26 +130,34 @@ def gemv_seconds(cfg, rows: int, reps: int) -> tuple[float, str]:
     return best
 
 
+def _as_mk_kn(a, b, dn):
+    """(a as [M, K], b as [K, N]) of a 2-D product with no batch dims; None for any other product."""
+    (lc, rc), (lb, _) = dn
+    if lb or a.ndim != 2 or b.ndim != 2:
+        return None
+    return (a if lc[0] == 1 else a.T), (b if rc[0] == 0 else b.T)
+
+
+def _stored(x, transposed: bool):
+    """`x`, or a row-major copy of its transpose (the operand stored the other way)."""
+    return jnp.asarray(np.ascontiguousarray(np.asarray(x).T)) if transposed else x
+
+
 def _matrix_layouts(a, b, dn) -> tuple[list, int]:
     """For a 2-D product (no batch dims): the four ways to store its operands, [M, K] or [K, M] and
     [K, N] or [N, K], each as (a', b', dimension numbers) computing the same [M, N] result, and the
     index of the one the product came with. Any other product: only its own layout."""
-    (lc, rc), (lb, _) = dn
-    if lb or a.ndim != 2 or b.ndim != 2:
+    mk_kn = _as_mk_kn(a, b, dn)
+    if mk_kn is None:
         return [(a, b, dn)], 0
-    a_mk = a if lc[0] == 1 else a.T
-    b_kn = b if rc[0] == 0 else b.T
+    a_mk, b_kn = mk_kn
     out = []
     for a_t in (False, True):
         for b_t in (False, True):
-            aa = jnp.asarray(np.ascontiguousarray(np.asarray(a_mk).T)) if a_t else a_mk
-            bb = jnp.asarray(np.ascontiguousarray(np.asarray(b_kn).T)) if b_t else b_kn
-            out.append((aa, bb, ((((0,) if a_t else (1,)), ((1,) if b_t else (0,))), ((), ()))))
+            out.append((_stored(a_mk, a_t), _stored(b_kn, b_t),
+                        ((((0,) if a_t else (1,)), ((1,) if b_t else (0,))), ((), ()))))
+    (lc, rc), _ = dn
     return out, 2 * (tuple(lc) == (0,)) + (tuple(rc) == (1,))
-
-
-def _stored(x_mk, transposed: bool):
-    return jnp.asarray(np.ascontiguousarray(np.asarray(x_mk).T)) if transposed else x_mk
 
 
 def consistent_layouts(a, b, dn, min_rows: int) -> dict:
@@ -163,18 +171,18 @@ def consistent_layouts(a, b, dn, min_rows: int) -> dict:
     or its transpose [N, M] (as rhs^T lhs^T) where the mode stores the result the other way. Any
     other product (batched, e.g. attention): {} (the caller prices it in its own layout in both
     modes). An operand or result whose two axes both look like token rows is an error."""
-    (lc, rc), (lb, _) = dn
-    if lb or a.ndim != 2 or b.ndim != 2:
+    mk_kn = _as_mk_kn(a, b, dn)
+    if mk_kn is None:
         return {}
-    a_mk = a if lc[0] == 1 else a.T
-    b_kn = b if rc[0] == 0 else b.T
+    a_mk, b_kn = mk_kn
     (m, k), n = a_mk.shape, b_kn.shape[1]
     for x, y, what in ((m, k, "lhs"), (k, n, "rhs"), (m, n, "result")):
         if x >= min_rows and y >= min_rows:
             raise ValueError(f"consistent_layouts: the {what} [{x}, {y}] has two token-row-sized axes "
                              f"(>= {min_rows}): which one is the tokens is ambiguous")
     rows = next((x for x in (m, k, n) if x >= min_rows), -1)  # at most one size can be the tokens'
-    stored = {}
+    a_st = {t: _stored(a_mk, t) for t in (False, True)}  # a [M, K] / [K, M]
+    b_st = {t: _stored(b_kn, t) for t in (False, True)}  # b [K, N] / [N, K]
     out = {}
     for mode, rows_first in (("token-major", True), ("feature-major", False)):
         opts = []
@@ -187,11 +195,7 @@ def consistent_layouts(a, b, dn, min_rows: int) -> dict:
                 for o_t in (False, True):  # the result [M, N] or [N, M]
                     if rows in (m, n) and ((not o_t and m == rows) or (o_t and n == rows)) != rows_first:
                         continue
-                    if (a_t, False) not in stored:
-                        stored[a_t, False] = _stored(a_mk, a_t)
-                    if (b_t, True) not in stored:
-                        stored[b_t, True] = _stored(b_kn, b_t)
-                    aa, bb = stored[a_t, False], stored[b_t, True]
+                    aa, bb = a_st[a_t], b_st[b_t]
                     ca, cb = (0 if a_t else 1), (1 if b_t else 0)
                     opts.append((bb, aa, (((cb,), (ca,)), ((), ())), True) if o_t
                                 else (aa, bb, (((ca,), (cb,)), ((), ())), False))
