@@ -74,6 +74,9 @@ from rpeg_jax.runtime.executor import Executor  # noqa: E402
 from rpeg_jax.runtime.kernels import default_registry  # noqa: E402
 from rpeg_jax.runtime.setup import build  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from generate import best_time  # noqa: E402  (its device-count setup is the same as this script's)
+
 R1 = ["data.task=add", "data.min_digits=2", "data.max_digits=2", "data.prompts_per_step=16", "rl.group_size=8",
       "rollout.max_new_tokens=32", "rollout.temperature=1.0", "optim.lr=1e-4", "optim.warmup_steps=0",
       "model.preset=tiny", "pipeline.plan=manual", "train.checkpoint_every=0", "train.progress=false",
@@ -99,16 +102,6 @@ WIDE_GEN = ("optimized", "shared")  # variants that generate on a data mesh of e
 
 
 # ---- the machine's limit -----------------------------------------------------------------------
-def _best_seconds(fn, args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 class MatmulRate:
     """float32 matmul FLOP/s through JAX: square 1024 and 2048, and the model's own GEMM shapes
     (5120 tokens x 256 x 768 and back); the best size's best time."""
@@ -124,7 +117,7 @@ class MatmulRate:
         self.samples: list[float] = []
 
     def measure(self) -> float:
-        rate = max(flops / _best_seconds(self.fn, (a, b), self.reps) for flops, a, b in self.cases)
+        rate = max(flops / best_time(self.fn, a, b, reps=self.reps) for flops, a, b in self.cases)
         self.samples.append(rate)
         return rate
 
