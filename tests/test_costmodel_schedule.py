@@ -14,7 +14,7 @@ CFG = load_config(None, ["rl.algorithm=grpo", "data.prompts_per_step=8"])
 
 
 def graph(**pipe):
-    return apply_pipeline(build_graph(CFG), PipelineConfig(**pipe), CFG.rl)
+    return apply_pipeline(build_graph(CFG), PipelineConfig(**pipe))
 
 
 def durs(g, gen=4.0, train=1.0, other=0.0):

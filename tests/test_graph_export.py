@@ -27,7 +27,7 @@ def graphs():
         cfg = load_config(None, [*SIZES, *over])
         base = build_graph(cfg)
         yield base
-        yield apply_pipeline(base, cfg.pipeline, cfg.rl)
+        yield apply_pipeline(base, cfg.pipeline)
 
 
 def test_json_round_trip_gives_an_equal_graph():
@@ -130,7 +130,7 @@ def test_dot_is_well_formed_and_matches_the_graph():
 
 def test_dot_shows_staleness_and_fused_parts():
     cfg = load_config(None, [*SIZES, *VARIANTS[1][:]])
-    g = apply_pipeline(build_graph(cfg), cfg.pipeline, cfg.rl)
+    g = apply_pipeline(build_graph(cfg), cfg.pipeline)
     _, nodes, edges = parse_dot(to_dot(g))
     assert ("rollout_weights", "generate", {"label": "t-2", "style": "dashed"}) in edges
     assert "= ref_forward + old_forward" in nodes["forwards"]["label"]

@@ -65,7 +65,7 @@ def price_layout(cfg: RunConfig, knobs: dict, layout: dict, num_devices: int, ha
     hw, n, procs = resolve(cfg, num_devices, hardware, processes)
     ctx = make_context(cfg, n, hw, procs)
     pipe = Plan(num_devices=n, groups=(), stages=(), knobs=knobs).pipeline_config(cfg.pipeline)
-    g = apply_pipeline(ctx.base, pipe, cfg.rl)
+    g = apply_pipeline(ctx.base, pipe)
     gr, tr, fw = layout["groups"], layout["train"], layout["forward"]
     ng, nt = gr.get("gen", gr.get("all")), gr.get("train", gr.get("all"))
     tab = _table(ctx, g, pipe.placement, {}, [(ng, nt)])
@@ -92,7 +92,7 @@ def _layout_of(plan: Plan, pipe, cfg: RunConfig) -> dict:
     if other:  # e.g. graph.plan.widen_generation's nested group: the tables have no such option
         raise GraphError(other[0], "the cost model prices the placements it plans (one group 'all', or "
                                    "'gen' and 'train'); this plan's stages also run on other groups")
-    graph = apply_pipeline(build_graph(cfg), pipe, cfg.rl)
+    graph = apply_pipeline(build_graph(cfg), pipe)
     s = plan.predicted.get("settings", {})
     out = {"groups": {}, "generate": {}, "train": {"micro_batches": s.get("rl.micro_batches", 1),
                                                     "remat": s.get("model.remat", "none")}, "forward": {}}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from rpeg_jax.config.model import ModelConfig
 from rpeg_jax.config.run import RunConfig
-from rpeg_jax.graph.ir import (DataNode, DataSpec, Graph, GraphError, ModelDims, Op, Stage, StageKind,
+from rpeg_jax.graph.ir import (DataNode, DataSpec, Graph, GraphError, ModelDims, Op, Stage, StageKind, StageOptions,
                                StateKind, StateNode, Workload)
 
 K = StageKind
@@ -70,10 +70,11 @@ class _Builder:
     def state(self, kind: StateKind, nbytes: int = 0, **kw) -> None:
         self.g.add(StateNode(kind.value, kind, bytes=nbytes, **kw))
 
-    def stage(self, kind: StageKind, work: Workload, reads=(), writes=(), ins=(), outs=(), **attrs):
+    def stage(self, kind: StageKind, work: Workload, reads=(), writes=(), ins=(), outs=(),
+              options: StageOptions = StageOptions()):
         """reads: (state, offset); writes: states (at t+1); ins/outs: data node names."""
         g = self.g
-        g.add(Stage(kind.value, kind, workload=work, attrs=dict(attrs)))
+        g.add(Stage(kind.value, kind, workload=work, options=options))
         for st, off in reads:
             g.connect(st, kind.value, offset=off)
         for st in writes:
@@ -135,8 +136,7 @@ def _common(cfg: RunConfig, algorithm: str, critic: bool) -> _Builder:
         adv_outs.append("returns")
         if rl.kl_in_reward and use_ref:
             adv_ins += ["old_logp", "ref_logp"]
-    b.stage(K.ADVANTAGE, b.work(Op.ELEMENTWISE), ins=adv_ins, outs=adv_outs,
-            estimator=rl.advantage_estimator)
+    b.stage(K.ADVANTAGE, b.work(Op.ELEMENTWISE), ins=adv_ins, outs=adv_outs)
     upd_ins = ["completions", "old_logp", "advantages"]
     if rl.tis_cap is not None:
         upd_ins.append("behav_logp")
@@ -146,11 +146,11 @@ def _common(cfg: RunConfig, algorithm: str, critic: bool) -> _Builder:
     train = dict(epochs=rl.ppo_epochs, minibatches=rl.minibatches)
     b.stage(K.ACTOR_UPDATE, b.work(Op.TRAIN, [actor], heads=heads, **train),
             reads=[("actor", 0), ("actor_opt", 0)], writes=["actor", "actor_opt"], ins=upd_ins,
-            grad_accum=rl.micro_batches, tis=rl.tis_cap is not None)
+            options=StageOptions(tis=rl.tis_cap is not None))
     if critic:
         b.stage(K.CRITIC_UPDATE, b.work(Op.TRAIN, [cdims], heads=("values",), **train),
                 reads=[("critic", 0), ("critic_opt", 0)], writes=["critic", "critic_opt"],
-                ins=["completions", "values", "returns"], grad_accum=rl.micro_batches)
+                ins=["completions", "values", "returns"])
     return b
 
 

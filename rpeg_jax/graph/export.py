@@ -8,14 +8,15 @@ the version offset (`t-1`, `t+1`), streamed data edges are bold and marked `stre
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any
 
 from rpeg_jax.graph.ir import (DataNode, DataSpec, Edge, Graph, GraphError, ModelDims, Op, Stage,
-                               StageKind, StateKind, StateNode, Workload)
+                               StageKind, StageOptions, StateKind, StateNode, Workload)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: typed stage options (StageOptions) instead of free attrs
 
 
 # ---- JSON -------------------------------------------------------------------------------------
@@ -51,13 +52,21 @@ def _work_from(d: dict | None) -> Workload | None:
 def _stage_to(s: Stage) -> dict:
     return {"type": "stage", "name": s.name, "kind": s.kind.value, "workload": _work_to(s.workload),
             "placement": s.placement, "microbatches": s.microbatches,
-            "parts": [_stage_to(p) for p in s.parts], "attrs": s.attrs}
+            "parts": [_stage_to(p) for p in s.parts], "options": dataclasses.asdict(s.options)}
 
 
 def _stage_from(d: dict) -> Stage:
     return Stage(d["name"], StageKind(d["kind"]), workload=_work_from(d["workload"]),
                  placement=d["placement"], microbatches=d["microbatches"],
-                 parts=tuple(_stage_from(p) for p in d["parts"]), attrs=dict(d["attrs"]))
+                 parts=tuple(_stage_from(p) for p in d["parts"]), options=_options_from(d["options"], d["name"]))
+
+
+def _options_from(d: dict, stage: str) -> StageOptions:
+    known = {f.name for f in dataclasses.fields(StageOptions)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise GraphError(stage, f"unknown stage options {unknown}; known: {sorted(known)}")
+    return StageOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
 def _node_to(n) -> dict:
@@ -66,7 +75,7 @@ def _node_to(n) -> dict:
     if isinstance(n, DataNode):
         return {"type": "data", "name": n.name, "spec": _spec_to(n.spec)}
     return {"type": "state", "name": n.name, "kind": n.kind.value, "bytes": n.bytes, "frozen": n.frozen,
-            "placement": n.placement, "attrs": n.attrs}
+            "placement": n.placement}
 
 
 def _node_from(d: dict):
@@ -77,7 +86,7 @@ def _node_from(d: dict):
         return DataNode(d["name"], _spec_from(d["spec"]))
     if kind == "state":
         return StateNode(d["name"], StateKind(d["kind"]), bytes=d["bytes"], frozen=d["frozen"],
-                         placement=d["placement"], attrs=dict(d["attrs"]))
+                         placement=d["placement"])
     raise GraphError(str(d.get("name")), f"unknown node type {kind!r} in JSON")
 
 
@@ -137,8 +146,8 @@ def _label(g: Graph, name: str) -> list[str]:
     if isinstance(n, DataNode):
         return [n.name, str(n.spec)]
     extra = ["frozen"] if n.frozen else []
-    if "max_staleness" in n.attrs:
-        extra.append(f"k={n.attrs['max_staleness']}")
+    if n.kind == StateKind.ROLLOUT_BUFFER:
+        extra.append(f"k={g.staleness}")
     return [n.name, _fmt_bytes(n.bytes)] + extra if n.bytes else [n.name] + extra
 
 

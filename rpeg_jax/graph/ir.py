@@ -7,7 +7,7 @@ runtime, traces and metrics name stages by `Stage.name` (= a `StageKind` value u
 Key API (what the cost model, planner, compiler and runtime use):
 
     g = build_graph(cfg)                      # graph/algorithms.py: GRPO or PPO from a RunConfig
-    g = apply_pipeline(g, cfg.pipeline, cfg.rl)   # graph/passes.py
+    g = apply_pipeline(g, cfg.pipeline)   # graph/passes.py
     g.validate()                              # GraphError(node, why) naming the node
     g.topo_order() -> list[str]               # stage names, dependencies first (one step)
     g.stage(name) -> Stage                    # .kind, .workload (op, models, tokens...), .parts
@@ -18,7 +18,7 @@ Key API (what the cost model, planner, compiler and runtime use):
 
     # graph/passes.py: bounded_async(g, k), share_actor_critic(g), elide_old_forward(g),
     #   fuse(g, [names], name=None), fuse_named(g, "forwards"|"advantage"), microbatch(g, stage, n),
-    #   place(g, "colocated"|"split"), apply_pipeline(g, cfg.pipeline, cfg.rl)
+    #   place(g, "colocated"|"split"), apply_pipeline(g, cfg.pipeline)
     # graph/plan.py: Plan (groups, per-stage group/mesh/rules/microbatches, knobs), plan_from_config,
     #   plan_for_config, graph_for_plan;  graph/export.py: to_json/from_json, to_dot, to_mermaid
 
@@ -38,8 +38,9 @@ as soon as the producer finished piece i (both stages have the same `microbatche
 Readers of a state version finish before it is overwritten in place: within a step that order
 already follows from data edges (old_forward's logprobs feed actor_update). Under bounded
 asynchrony the sampler serves θ_{t-k} while newer versions arrive; the runtime installs them
-between generation pieces (rollout.on_weight_update). The rollout buffer state node carries the
-bound (attrs max_staleness = k) and is checkpointed with the version counter, so a resumed run
+between generation pieces (rollout.on_weight_update). The bound k is the graph's own
+(`Graph.staleness`, set by bounded_async; the one place every reader takes it from); the rollout
+buffer state node is checkpointed with the version of every admitted rollout, so a resumed run
 admits rollouts under the same bound.
 """
 
@@ -184,13 +185,23 @@ class StateNode:
     bytes: int = 0
     frozen: bool = False  # never written (reference): one version for all steps
     placement: str = "all"  # device-group name ("all" | "gen" | "train")
-    attrs: dict[str, Any] = field(default_factory=dict)  # e.g. max_staleness (rollout_buffer)
 
 
 @dataclass(frozen=True)
 class DataNode:
     name: str
     spec: DataSpec
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """How a stage computes, as the passes set it and the kernels (runtime/kernels.py) read it."""
+
+    value_loss: bool = False  # share_actor_critic: the actor update also minimises c_v·L_v (value head)
+    proximal_from_update: bool = False  # π_old = stop_gradient(π_θ) of the update's own forward
+    values_from_update: bool = False  # fused advantage+update: the update's forward gives V(s_t) for GAE
+    tis: bool = False  # truncated importance sampling (rl.tis_cap): the update reads behav_logp at k = 0 too
+    internal: tuple[str, ...] = ()  # fused stage: data produced and consumed inside its one program
 
 
 @dataclass(frozen=True)
@@ -201,7 +212,12 @@ class Stage:
     placement: str = "all"
     microbatches: int = 1  # pieces the stage processes its batch in
     parts: tuple[Stage, ...] = ()  # FUSED: constituents, in execution order
-    attrs: dict[str, Any] = field(default_factory=dict)  # e.g. decoupled, value_loss, fused_internal
+    options: StageOptions = StageOptions()
+
+    def option(self, name: str) -> Any:
+        """An option set on the stage itself or, for a fused stage, on one of its parts."""
+        own = getattr(self.options, name)
+        return own or next((getattr(p.options, name) for p in self.parts if getattr(p.options, name)), own)
 
     @property
     def constituents(self) -> tuple[str, ...]:
@@ -282,6 +298,11 @@ class Graph:
         self.edges = [e for e in self.edges if name not in (e.src, e.dst)]
 
     # ---- queries ------------------------------------------------------------------------
+    @property
+    def staleness(self) -> int:
+        """k: generation at step t reads the actor of version t - k (0: synchronous on-policy)."""
+        return int(self.attrs.get("staleness", 0))
+
     def stages(self) -> list[Stage]:
         return [self.nodes[n] for n in self.topo_order()]
 

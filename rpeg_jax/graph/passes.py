@@ -21,8 +21,8 @@ import dataclasses
 import functools
 from typing import Callable, Sequence
 
-from rpeg_jax.graph.ir import (DataNode, Edge, Graph, GraphError, ModelDims, Stage, StageKind, StateKind,
-                               StateNode, replace)
+from rpeg_jax.graph.ir import (DataNode, Edge, Graph, GraphError, ModelDims, Stage, StageKind, StageOptions,
+                               StateKind, StateNode, replace)
 
 K = StageKind
 # Stages that work sequence by sequence, so they can consume finished pieces of generation.
@@ -89,14 +89,15 @@ def _rewire(g: Graph, old: str, new: str, *, src: bool) -> None:
 
 # ---- passes -----------------------------------------------------------------------------------
 @graph_pass
-def bounded_async(g: Graph, k: int, behav_weight_cap: float | None = None) -> Graph:
+def bounded_async(g: Graph, k: int) -> Graph:
     """Generate at step t reads the actor at version t-k (k = 0: synchronous on-policy RL).
 
-    The rollout buffer (checkpointed state) carries max_staleness=k: the runtime admits a new
-    rollout only while it will be consumed within k versions, and restores the version counter on
-    resume. For k >= 1 the actor update takes behaviour logprobs and applies the decoupled-PPO
-    correction: ratio to the proximal π_old (recomputed, or the update's own with
-    proximal_from_update), weighted by π_old/π_behav (capped)."""
+    k becomes the graph's `staleness` (the one value every reader of the bound uses). For k >= 1
+    a rollout buffer (checkpointed state) holds the rollouts made ahead of their update: the
+    runtime admits a rollout only while it will be consumed within k versions. The actor update
+    takes behaviour logprobs and applies the decoupled-PPO correction (rl/losses.py, whenever
+    behav_logp is in its batch): ratio to the proximal π_old (recomputed, or the update's own with
+    proximal_from_update), weighted by π_old/π_behav capped at rl.behav_weight_cap."""
     gen = _plain(g, K.GENERATE, "bounded_async")
     if gen is None or not g.has("rollout_weights"):
         raise GraphError("generate", "bounded_async needs a generate stage reading rollout_weights")
@@ -114,20 +115,14 @@ def bounded_async(g: Graph, k: int, behav_weight_cap: float | None = None) -> Gr
             g.add(StateNode("rollout_buffer", StateKind.ROLLOUT_BUFFER, placement=gen.placement))
             g.connect("rollout_buffer", gen.name)
             g.connect(gen.name, "rollout_buffer", offset=1)
-        buf = g.nodes["rollout_buffer"]
-        g.replace_node(replace(buf, attrs={**buf.attrs, "max_staleness": k}))
         if not has_behav:
             g.connect("behav_logp", holder.name, port="behav_logp", expect=g.nodes["behav_logp"].spec)
-        _update_part(g, K.ACTOR_UPDATE, attrs={**upd.attrs, "decoupled": True,
-                                               "behav_weight_cap": behav_weight_cap})
     else:
         if g.has("rollout_buffer"):
             g.remove("rollout_buffer")
-        if has_behav and not upd.attrs.get("tis"):
+        if has_behav and not upd.options.tis:
             g.edges = [e for e in g.edges if not (e.src == "behav_logp" and e.dst == holder.name
                                                   and e.port == "behav_logp")]
-        _update_part(g, K.ACTOR_UPDATE, attrs={a: v for a, v in upd.attrs.items()
-                                               if a not in ("decoupled", "behav_weight_cap")})
     g.attrs["staleness"] = k
     return g
 
@@ -165,8 +160,8 @@ def share_actor_critic(g: Graph) -> Graph:
             if st.name in (au.name, old.name if old else cf.name) and "values" not in heads:
                 heads = heads + ("values",)
             w = dataclasses.replace(st.workload, models=(shared,), heads=heads)
-            g.replace_node(replace(st, workload=w, attrs={**st.attrs, "value_loss": True}
-                                   if st.name == au.name else st.attrs))
+            opts = dataclasses.replace(st.options, value_loss=True) if st.name == au.name else st.options
+            g.replace_node(replace(st, workload=w, options=opts))
     for name, per_param in (("actor", None), ("actor_opt", 8), ("rollout_weights", None)):
         node = g.nodes[name]
         g.replace_node(replace(node, bytes=shared.param_bytes if per_param is None
@@ -220,7 +215,7 @@ def proximal_from_update(g: Graph) -> Graph:
     old_forward reads, so the ratio π_θ/π_prox (value 1, gradient ∇log π_θ), the clip, and under
     bounded asynchrony the behaviour weight π_prox/π_behav are the same numbers (decoupled PPO,
     AReaL eq. 5: π_prox is the current actor). Legal for any k, unlike elide_old_forward. The
-    update is marked attrs['proximal'] = 'update'; consumers other than the update are illegal.
+    update gets options.proximal_from_update; consumers other than the update are illegal.
     Metrics: actor/ppo_kl and actor/pg_clipfrac (KL and clipping between π_θ and π_old) are then
     exactly 0; with a recomputed old_forward they are 0 up to the rounding between two programs."""
     if g.attrs.get("proximal_from_update"):
@@ -241,7 +236,7 @@ def proximal_from_update(g: Graph) -> Graph:
                                     "proximal_from_update cannot serve it")
     g.remove(old.name)
     g.remove("old_logp")
-    g.replace_node(replace(upd, attrs={**upd.attrs, "proximal": "update"}))
+    g.replace_node(replace(upd, options=dataclasses.replace(upd.options, proximal_from_update=True)))
     g.attrs["proximal_from_update"] = True
     return g
 
@@ -277,8 +272,8 @@ def values_from_critic_update(g: Graph) -> Graph:
     g.remove("values")
     g = fuse.__wrapped__(g, [adv.name, upd.name])
     fused = g.stage(f"{adv.name}+{upd.name}")
-    internal = list(fused.attrs.get("internal", [])) + ["values"]
-    g.replace_node(replace(fused, attrs={**fused.attrs, "internal": internal, "values_from_update": True}))
+    opts = dataclasses.replace(fused.options, internal=fused.options.internal + ("values",), values_from_update=True)
+    g.replace_node(replace(fused, options=opts))
     g.attrs["values_from_critic_update"] = True
     return g
 
@@ -289,7 +284,7 @@ def fuse(g: Graph, stages: Sequence[str], name: str | None = None) -> Graph:
     critic_forward as one pass over the same tokens, or advantage folded into actor_update.
 
     The fused stage keeps its constituents in `parts` (traces and the cost model show both);
-    data produced and consumed only inside it become internal (attrs['internal'])."""
+    data produced and consumed only inside it become internal (options.internal)."""
     if _already_fused(g, stages) or (name and isinstance(g.nodes.get(name), Stage) and g.nodes[name].parts
                                      and set(g.nodes[name].constituents) == set(stages)):
         return g
@@ -302,9 +297,9 @@ def fuse(g: Graph, stages: Sequence[str], name: str | None = None) -> Graph:
             raise GraphError(m.name, f"cannot fuse with {first.name!r}: placement/microbatches differ "
                                      f"({m.placement}/{m.microbatches} vs {first.placement}/{first.microbatches})")
     _check_no_path_outside(g, [m.name for m in members])
-    internal = list(first.attrs.get("internal", [])) if first.parts else []
+    internal = list(first.options.internal) if first.parts else []
     for m in members[1:]:
-        internal += m.attrs.get("internal", [])
+        internal += m.options.internal
     names = {m.name for m in members}
     fused = Stage(fname, K.FUSED, placement=first.placement, microbatches=first.microbatches, parts=parts)
     if fname in g.nodes:
@@ -324,7 +319,7 @@ def fuse(g: Graph, stages: Sequence[str], name: str | None = None) -> Graph:
             internal.append(d)
             g.remove(d)
     if internal:
-        g.replace_node(replace(g.nodes[fname], attrs={"internal": internal}))
+        g.replace_node(replace(g.nodes[fname], options=StageOptions(internal=tuple(internal))))
     return g
 
 
@@ -427,13 +422,13 @@ def fuse_named(g: Graph, fusion: str) -> Graph:
         adv, upd = g.find(K.ADVANTAGE), g.find(K.ACTOR_UPDATE)
         if adv is None or upd is None:
             raise GraphError("advantage", "fuse=advantage needs advantage and actor_update stages")
-        if adv.attrs.get("values_from_update"):  # GAE runs inside the critic update's program already
+        if adv.options.values_from_update:  # GAE runs inside the critic update's program already
             return g
         return g if adv is upd else fuse(g, [adv.name, upd.name])
     raise GraphError("pipeline.fuse", f"unknown fusion {fusion!r} (forwards | advantage)")
 
 
-def apply_pipeline(g: Graph, pipeline, rl=None) -> Graph:
+def apply_pipeline(g: Graph, pipeline) -> Graph:
     """Apply the passes a PipelineConfig asks for, in the legal order (see module docstring)."""
     if pipeline.elide_old_forward:
         g = elide_old_forward(g)
@@ -444,7 +439,7 @@ def apply_pipeline(g: Graph, pipeline, rl=None) -> Graph:
     if pipeline.values_from_critic_update:
         g = values_from_critic_update(g)
     if pipeline.staleness:
-        g = bounded_async(g, pipeline.staleness, rl.behav_weight_cap if rl is not None else None)
+        g = bounded_async(g, pipeline.staleness)
     for fusion in pipeline.fuse:
         g = fuse_named(g, fusion)
     if pipeline.microbatches > 1:

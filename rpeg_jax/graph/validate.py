@@ -87,8 +87,10 @@ def _check_stages(g: Graph) -> None:
 
 
 def _check_staleness(g: Graph) -> None:
-    """The staleness bound k must agree between the generate edge and the rollout buffer."""
-    k = g.attrs.get("staleness", 0)
+    """The generate edge reads rollout_weights at t - k, and a rollout buffer exists iff k >= 1."""
+    k = g.staleness
+    if g.has("rollout_buffer") != (k > 0):
+        raise GraphError("rollout_buffer", f"staleness k={k} needs a rollout buffer exactly when k >= 1")
     gen = g.find(StageKind.GENERATE)
     if gen is None:
         return
@@ -96,6 +98,3 @@ def _check_staleness(g: Graph) -> None:
         node = g.nodes[e.src]
         if isinstance(node, StateNode) and node.kind == StateKind.ROLLOUT_WEIGHTS and e.offset != -k:
             raise GraphError(gen.name, f"reads {e.src}@t{e.offset:+d} but staleness k={k} needs t-{k}")
-        if isinstance(node, StateNode) and node.kind == StateKind.ROLLOUT_BUFFER:
-            if node.attrs.get("max_staleness") != k:
-                raise GraphError(node.name, f"max_staleness={node.attrs.get('max_staleness')} != k={k}")

@@ -17,9 +17,9 @@ Forward passes (scoring and updates) run each group's shared prompt once when th
 (`shared_prompt_groups`: rows in whole groups of rl.group_size, whole groups on every device, no
 explicit mesh axes on the batch); the update then shuffles and splits whole groups. Same values to float32 rounding.
 
-One-step rewrites (graph/passes.py): an actor update marked proximal='update' takes π_old from its
-own forward; a fused advantage+critic_update (or advantage+actor_update on a shared backbone)
-marked values_from_update is one dedicated program: the update's forward gives the values, GAE
+One-step rewrites (graph/passes.py): an actor update with options.proximal_from_update takes π_old
+from its own forward; a fused advantage+critic_update (or advantage+actor_update on a shared
+backbone) with options.values_from_update is one dedicated program: the update's forward gives the values, GAE
 runs inside it, and the advantage stage's outputs and metrics come from those values.
 
 Called by: graph/compile.py via runtime/trainer.py.
@@ -197,15 +197,10 @@ def _grouped_update(make, graphdef, optimizer, ctx, accum_dtype, devices, make_k
     return update
 
 
-def _attr(env: StageEnv, name: str):
-    """A stage attribute set on the stage or (fused) on one of its parts."""
-    return env.stage.attrs.get(name) or next((p.attrs[name] for p in env.stage.parts if p.attrs.get(name)), None)
-
-
 def actor_update(env: StageEnv) -> Kernel:
     ctx = env.context
-    shared = _attr(env, "value_loss")
-    proximal = _attr(env, "proximal") == "update"  # graph pass proximal_from_update: π_old = sg(own logp)
+    shared = env.stage.option("value_loss")
+    proximal = env.stage.option("proximal_from_update")  # graph pass proximal_from_update: π_old = sg(own logp)
     rl = ctx.cfg.rl
     make = make_actor_critic_update if shared else make_actor_update
     update = _grouped_update(make, ctx.graphdefs["actor"], ctx.optimizers["actor"], ctx, grad_dtype(ctx.cfg.optim),
@@ -247,7 +242,7 @@ def critic_values_update(env: StageEnv) -> Kernel | None:
     forward gives V_old = sg(V) (its one optimizer step runs at φ_t, where critic_forward ran), the
     value loss uses GAE returns from them, and the advantages (GAE, whitened if asked, exactly as
     the advantage stage) go to the actor update. None (compose the parts) for a plain fusion."""
-    if not env.stage.attrs.get("values_from_update"):
+    if not env.stage.options.values_from_update:
         return None
     ctx = env.context
     update = _critic_updater(make_critic_values_update, env)
@@ -267,10 +262,10 @@ def shared_values_update(env: StageEnv) -> Kernel | None:
     update's forward gives the values, its loss computes the advantages and returns from them
     (rl.update.make_actor_critic_update(values_from_update=True)); the advantage stage's metrics
     come from the values it returns. None (compose the parts) for the plain fuse=advantage."""
-    if not env.stage.attrs.get("values_from_update"):
+    if not env.stage.options.values_from_update:
         return None
     ctx = env.context
-    kw = {"proximal_from_update": _attr(env, "proximal") == "update", "values_from_update": True}
+    kw = {"proximal_from_update": env.stage.option("proximal_from_update"), "values_from_update": True}
     update = _grouped_update(make_actor_critic_update, ctx.graphdefs["actor"], ctx.optimizers["actor"], ctx,
                              grad_dtype(ctx.cfg.optim), _devices(env), make_kw=kw, logp=True,
                              entropy=ctx.cfg.rl.entropy_coef > 0, values=True)
@@ -321,7 +316,7 @@ def weight_sync(env: StageEnv) -> Kernel:
     ctx = env.context
 
     def fn(i):
-        return {"rollout_weights": ctx.to_rollout(i["actor"])}
+        return {"rollout_weights": ctx.placement.to_rollout(i["actor"])}
 
     return Kernel(fn, jittable=False)
 
