@@ -293,12 +293,11 @@ def _gpu_dump(path, data) -> None:
 def run_plan(plan_path: str, out: str, steps: int, warmup: int, clock: str, overrides=()) -> None:
     """(Child process) train the default config (+ overrides) under a saved plan; write per-step seconds."""
     from rpeg_jax.config import load_config
-    from rpeg_jax.costmodel.planner import apply_plan_settings
-    from rpeg_jax.graph.plan import Plan
+    from rpeg_jax.graph.plan import Plan, config_for_plan
     from rpeg_jax.runtime import train
 
     plan = Plan.load(plan_path)
-    cfg = apply_plan_settings(load_config(None, list(overrides)), plan)
+    cfg, _ = config_for_plan(load_config(None, list(overrides)), plan)
     marks = []
     clk = time.process_time if clock == "cpu" else time.perf_counter
     probe = [matmul_rate(clk)]

@@ -188,10 +188,16 @@ def test_256_gpu_search_is_fast():
     assert res.evaluations / res.search_seconds >= 1e3
 
 
-def test_apply_plan_settings():
+def test_config_for_plan_applies_the_planner_settings():
+    from rpeg_jax.graph.plan import config_for_plan
+
     cfg = cfg_of(model="qwen2-7b")
     res = P.search(cfg, 16, GH)
-    out = P.apply_plan_settings(cfg, res.chosen.plan)
+    out, changed = config_for_plan(cfg, res.chosen.plan)
+    assert changed, "the chosen plan should differ from the defaults somewhere"
+    for dotted, (old, new) in changed.items():
+        section, name = dotted.split(".")
+        assert getattr(getattr(cfg, section), name) == old and getattr(getattr(out, section), name) == new
     lay = res.chosen.layout
     assert out.rl.micro_batches == lay["train"]["micro_batches"]
     assert out.model.remat == lay["train"]["remat"]
@@ -209,9 +215,9 @@ def test_useful_flops_counts_fused_parts_and_sharing():
     cfg = cfg_of("rl.algorithm=ppo", "rl.kl_coef=0.05")
     ctx = P.make_context(cfg, 8, GH)
     plain = P.useful_flops(ctx.st, ctx.base)
-    fused = apply_pipeline(build_graph(cfg), PipelineConfig(fuse=("forwards", "advantage")), cfg.rl)
+    fused = apply_pipeline(build_graph(cfg), PipelineConfig(fuse=("forwards", "advantage")))
     assert P.useful_flops(ctx.st, fused) == pytest.approx(plain)
-    shared = apply_pipeline(build_graph(cfg), PipelineConfig(share_actor_critic=True), cfg.rl)
+    shared = apply_pipeline(build_graph(cfg), PipelineConfig(share_actor_critic=True))
     # Sharing removes the critic's forward and update: 4 forward-equivalents of the model.
     ms = P.roles_of(ctx, ctx.base).actor
     lens = ctx.st.dist.lengths(ctx.st.B).astype(float)

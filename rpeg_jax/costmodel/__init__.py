@@ -1,14 +1,13 @@
 """rpeg_jax.costmodel: the analytical performance model and the planner (no JAX, no devices).
 
-    from rpeg_jax.costmodel.planner import choose_plan, search, predicted_stage_times, compare
+    from rpeg_jax.costmodel.planner import choose_plan, search, predicted_stage_times
     plan = choose_plan(cfg, num_devices, hardware, processes)  # graph.plan.Plan; plan.predicted has
                                                      # step_time_s, memory_per_gpu_gb, utilization, stage_s, settings
-    cfg = apply_plan_settings(cfg, plan)             # rl.micro_batches, model.remat, rollout.max_slots, pipeline
+    cfg, changed = graph.plan.config_for_plan(cfg, plan)   # pipeline knobs + rl.micro_batches, model.remat, ...
     res = search(cfg, n, hardware, processes)        # chosen, runners_up, baselines (verl_like, real_like)
     from rpeg_jax.costmodel.pricing import best_by_groups, price
     alts = best_by_groups(cfg, n, hardware, processes)   # the best plan of every device-group option
     pred = price(cfg, plan, hardware, processes)         # the model's prediction for a given Plan
-    metrics = compare(plan, measured_s)              # predicted_s/<stage>, pred_error/<stage> (graph stage names)
 
 Unset arguments come from the config (costmodel.hardware: auto, costmodel.num_devices) and else
 from the devices JAX sees (costmodel/devices.py): the runtime calls choose_plan(cfg, n) and gets

@@ -250,7 +250,7 @@ def _graphs(ctx: Context, opts: list[PipelineConfig]) -> list[tuple[PipelineConf
     out = []
     for o in opts:
         try:
-            out.append((o, apply_pipeline(ctx.base, o, ctx.cfg.rl)))
+            out.append((o, apply_pipeline(ctx.base, o)))
         except GraphError:  # an illegal combination for this algorithm (e.g. nothing to fuse)
             continue
     return out
@@ -346,7 +346,7 @@ def baseline(ctx: Context, name: str, cache: dict) -> Prediction | None:
         ctx = dataclasses.replace(ctx, st=dataclasses.replace(ctx.st, kv_replicated=False))
         cache = cache.setdefault("baselines", {})
     pipe = PipelineConfig(placement="colocated")
-    g = apply_pipeline(ctx.base, pipe, ctx.cfg.rl)
+    g = apply_pipeline(ctx.base, pipe)
     tab = _table(ctx, g, "colocated", cache)
     if not tab:
         return None
@@ -444,37 +444,6 @@ def choose_plan(cfg: RunConfig, num_devices: int | None = None, hardware=None, p
     return search(cfg, num_devices, hardware, processes).chosen.plan
 
 
-def apply_plan_settings(cfg: RunConfig, plan: Plan) -> RunConfig:
-    """`cfg` with the plan's knobs (pipeline section) and the per-stage settings the planner chose
-    that live in other sections: rl.micro_batches, model.remat, rollout.max_slots (validated)."""
-    s = plan.predicted.get("settings", {})
-    rl = dataclasses.replace(cfg.rl, micro_batches=int(s.get("rl.micro_batches", cfg.rl.micro_batches)))
-    model = dataclasses.replace(cfg.model, remat=s.get("model.remat", cfg.model.remat))
-    rollout = dataclasses.replace(cfg.rollout, max_slots=s.get("rollout.max_slots", cfg.rollout.max_slots))
-    pipeline = plan.pipeline_config(cfg.pipeline)
-    out = dataclasses.replace(cfg, rl=rl, model=model, rollout=rollout, pipeline=pipeline)
-    for name in ("rl", "model", "rollout", "pipeline"):
-        getattr(out, name).validate(name)
-    out.validate()
-    return out
-
-
 def predicted_stage_times(plan: Plan) -> dict[str, float]:
     """Per-stage predicted seconds of a planner Plan (empty for manual plans)."""
     return dict(plan.predicted.get("stage_s", {}))
-
-
-def compare(plan: Plan, measured_s: dict[str, float]) -> dict[str, float]:
-    """Metrics for logging predicted vs measured time per stage each step:
-    `predicted_s/<stage>` and `pred_error/<stage>` = (predicted - measured) / measured, plus the
-    step (`step` key in `measured_s`, compared with the steady-state step time)."""
-    pred = predicted_stage_times(plan)
-    if "step" in measured_s and "step_time_s" in plan.predicted:
-        pred = {**pred, "step": float(plan.predicted["step_time_s"])}
-    out = {}
-    for name, p in pred.items():
-        out[f"predicted_s/{name}"] = p
-        m = measured_s.get(name)
-        if m is not None and m > 0:
-            out[f"pred_error/{name}"] = (p - m) / m
-    return out

@@ -1,7 +1,7 @@
 """The stage compiler: a planned RPEG -> one program per (fused) stage.
 
     registry = KernelRegistry()                       # the runtime fills it (rl, sampling kernels)
-    program = compile_graph(graph, plan, registry, context)
+    program = compile_graph(graph, plan, registry, runtime)   # runtime: a StageRuntime
     for cs in program.stages:                         # topological order within a step
         outputs = cs(inputs)                          # {port: value} -> {port: value}
 
@@ -14,8 +14,12 @@ the kernels: users register their own kernels for existing or new stage kinds.
 
 A jittable stage becomes ONE `jax.jit` program: a fused stage without a dedicated kernel runs
 its parts' kernels in order inside that one program (the parts exchange data in a namespace;
-internal data never leaves the device program), compiled with the context's `compiler_options`
-if it has any (the runtime's per-program XLA options, runtime/xla_flags.py). Inputs the kernel
+internal data never leaves the device program), compiled with the runtime's `compiler_options`
+(per-program XLA options, runtime/xla_flags.py). The program is jitted without in/out shardings:
+before each call the runtime's `place_inputs` moves the inputs into the stage's layout (explicit,
+cached reshards), tracing runs under its `stage_scope` (the layout's activation sharding rules),
+and outputs keep the shardings XLA propagates. `StageRuntime` is that whole contract; kernels get
+the same object as `StageEnv.context`. Inputs the kernel
 donates (e.g. the actor's params and optimizer state in an update) are donated to XLA. Keys
 starting with `host_` inside a data value are host-side metadata (prompt texts, answers) and are
 not passed into jitted programs. Host stages (the sampler's generate loop, reward verifiers) run as plain Python.
@@ -25,8 +29,9 @@ Called by: runtime/trainer.py.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ContextManager, Mapping, Protocol
 
 import jax
 
@@ -52,9 +57,36 @@ class Kernel:
     donate: tuple[str, ...] = ()  # input ports whose buffers the program may reuse
 
 
+class StageRuntime(Protocol):
+    """What a compiled stage asks of the runtime that runs it (runtime/setup.RuntimeContext)."""
+
+    compiler_options: Mapping[str, str]  # XLA options of every jitted stage program
+
+    def place_inputs(self, stage: CompiledStage, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The inputs moved into the stage's layout."""
+        ...
+
+    def stage_scope(self, stage: CompiledStage) -> ContextManager:
+        """A context active while the stage's program traces and runs (e.g. sharding rules)."""
+        ...
+
+
+class PlainRuntime:
+    """A StageRuntime that leaves inputs where they are: for graphs run without a plan's layouts."""
+
+    compiler_options: Mapping[str, str] = {}
+
+    def place_inputs(self, stage: CompiledStage, inputs: dict[str, Any]) -> dict[str, Any]:
+        return inputs
+
+    def stage_scope(self, stage: CompiledStage) -> ContextManager:
+        return contextlib.nullcontext()
+
+
 @dataclass(frozen=True)
 class StageEnv:
-    """What a kernel factory sees: its stage, its plan entry, its ports and the runtime context."""
+    """What a kernel factory sees: its stage, its plan entry, its ports and the runtime (as
+    `context`: the runtime's own object, e.g. runtime/setup.RuntimeContext)."""
 
     stage: Stage
     plan: StagePlan
@@ -149,23 +181,17 @@ class CompiledStage:
     def pieces(self) -> int:
         return self.stage.microbatches
 
-    context: Any = field(default=None, repr=False)
+    runtime: StageRuntime = field(default_factory=PlainRuntime, repr=False)
 
     def __call__(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        """Run the stage. A context may provide `place_inputs(stage, inputs)` (move inputs into
-        the stage's layout) and `stage_scope(stage)` (a context manager active while tracing,
-        e.g. the layout's activation sharding rules)."""
+        """Run the stage: host kernels as they are; device programs on inputs placed in the
+        stage's layout, under the runtime's stage scope."""
         if not self.kernel.jittable:
             return self.kernel.fn(inputs)
-        place = getattr(self.context, "place_inputs", None)
-        if place is not None:
-            inputs = place(self, inputs)
+        inputs = self.runtime.place_inputs(self, dict(inputs))
         donated = {k: device_view(v) for k, v in inputs.items() if k in self.kernel.donate}
         kept = {k: device_view(v) for k, v in inputs.items() if k not in self.kernel.donate}
-        scope = getattr(self.context, "stage_scope", None)
-        if scope is None:
-            return self._jitted(donated, kept)
-        with scope(self):
+        with self.runtime.stage_scope(self):
             return self._jitted(donated, kept)
 
 
@@ -182,18 +208,20 @@ class Program:
         raise GraphError(name, "not in the compiled program")
 
 
-def compile_graph(graph: Graph, plan: Plan, registry: KernelRegistry, context: Any) -> Program:
+def compile_graph(graph: Graph, plan: Plan, registry: KernelRegistry,
+                  runtime: StageRuntime | None = None) -> Program:
     """Bind every stage of `graph` (checked against `plan`) to its program, in topological order."""
     plan.check(graph)
+    runtime = runtime if runtime is not None else PlainRuntime()
     stages = []
     for st in graph.stages():
         reads, writes = stage_ports(graph, st.name)
-        env = StageEnv(st, plan.stage(st.name), reads, writes, graph, context)
+        env = StageEnv(st, plan.stage(st.name), reads, writes, graph, runtime)
         kernel = registry.kernel(env)
-        cs = CompiledStage(st, env.plan, reads, writes, kernel, context=context)
+        cs = CompiledStage(st, env.plan, reads, writes, kernel, runtime=runtime)
         if kernel.jittable:
             fn = kernel.fn
             cs._jitted = jax.jit(lambda donated, kept, fn=fn: fn({**donated, **kept}), donate_argnums=(0,),
-                                 compiler_options=getattr(context, "compiler_options", None) or None)
+                                 compiler_options=dict(runtime.compiler_options) or None)
         stages.append(cs)
     return Program(graph, plan, stages)

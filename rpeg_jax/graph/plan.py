@@ -8,6 +8,7 @@ Nothing downstream of the planner re-decides placement.
     plan = plan_from_config(cfg, num_devices)         # manual: from cfg.pipeline + cfg.sharding
     plan = plan_for_config(cfg, n, planner=costmodel_planner)   # honours pipeline.plan
     plan.save("plan.json"); Plan.load("plan.json"); print(plan.describe())
+    cfg, changed = config_for_plan(cfg, plan)         # the config the plan implies (what runs)
     graph = graph_for_plan(cfg, plan)                 # the graph the plan's knobs describe
 
 weight_sync runs on its own group (training) and writes into generate's group and mesh: the
@@ -29,8 +30,11 @@ from rpeg_jax.config.run import RunConfig
 from rpeg_jax.config.sharding import MESH_AXES, rules_for_mesh
 from rpeg_jax.graph.ir import Graph, GraphError, Op, Stage
 
+# The plan's structure: pipeline knobs (shape the graph) and, for planner plans, settings it chose
+# in other sections (dotted config keys in plan.predicted["settings"]).
 KNOBS = ("staleness", "share_actor_critic", "fuse", "elide_old_forward", "microbatches", "placement",
          "split_sizes", "proximal_from_update", "values_from_critic_update")
+PLAN_SETTINGS = ("rl.micro_batches", "model.remat", "rollout.max_slots")
 PLAN_VERSION = 1
 
 
@@ -253,13 +257,41 @@ def layout_rules(stage: Stage, cfg: RunConfig, mesh: dict[str, int], priced: boo
     return rules_for_mesh(rules, mesh, role, priced=priced)
 
 
+def config_for_plan(cfg: RunConfig, plan: Plan) -> tuple[RunConfig, dict[str, tuple[Any, Any]]]:
+    """`cfg` with the plan's structure, whatever the plan's source (manual, the planner, a file):
+    the pipeline knobs and the planner's settings in other sections (PLAN_SETTINGS). Returns the
+    validated config and {dotted key: (config's value, plan's value)} for every value the plan
+    changed, so the caller can report them. The runtime reads the structure from this config and
+    the graph built from it, never from the config it was given."""
+    changed: dict[str, tuple[Any, Any]] = {}
+    pipeline = plan.pipeline_config(cfg.pipeline)
+    for k in KNOBS:
+        old, new = getattr(cfg.pipeline, k), getattr(pipeline, k)
+        if old != new:
+            changed[f"pipeline.{k}"] = (old, new)
+    sections = {"pipeline": pipeline}
+    for dotted, value in plan.predicted.get("settings", {}).items():
+        if dotted not in PLAN_SETTINGS:
+            raise GraphError("plan", f"setting {dotted!r} is not one a plan may carry ({', '.join(PLAN_SETTINGS)})")
+        section, name = dotted.split(".")
+        current = sections.get(section, getattr(cfg, section))
+        if getattr(current, name) != value:
+            changed[dotted] = (getattr(current, name), value)
+            sections[section] = dataclasses.replace(current, **{name: value})
+    out = dataclasses.replace(cfg, **sections)
+    for name, section in sections.items():
+        section.validate(name)
+    out.validate()
+    return out, changed
+
+
 def graph_for_plan(cfg: RunConfig, plan: Plan | None = None) -> Graph:
     """The config's graph after the passes the plan's knobs (or the config's) ask for."""
     from rpeg_jax.graph.algorithms import build_graph
     from rpeg_jax.graph.passes import apply_pipeline
 
     pipeline = plan.pipeline_config(cfg.pipeline) if plan is not None else cfg.pipeline
-    return apply_pipeline(build_graph(cfg), pipeline, cfg.rl)
+    return apply_pipeline(build_graph(cfg), pipeline)
 
 
 def plan_from_config(cfg: RunConfig, num_devices: int, graph: Graph | None = None) -> Plan:
