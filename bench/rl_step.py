@@ -123,10 +123,9 @@ class MatmulRate:
 
 
 # ---- one pipeline ------------------------------------------------------------------------------
-def step_flops(cfg, stats: dict, workload: str) -> float:
+def step_flops(cfg, stats: dict, staleness: int) -> float:
     """The workload's useful FLOPs for this step's rollouts (rollouts.step_flops; see the module docstring)."""
-    del workload  # the config says what the workload needs (β, PPO)
-    return rollouts.step_flops(cfg, stats)
+    return rollouts.step_flops(cfg, stats, staleness)
 
 
 class Pipeline:
@@ -162,7 +161,7 @@ class Pipeline:
         self.t += 1
         timing = {k.split("/", 1)[1]: float(v) for k, v in m.items() if k.startswith("timing_s/")}
         rec = {"wall_s": wall, "step_s": timing.pop("step", wall), "stages_s": timing,
-               "flops": step_flops(self.cfg, stats, self.workload), "tokens": stats["seq"],
+               "flops": step_flops(self.cfg, stats, self.executor.graph.staleness), "tokens": stats["seq"],
                "response_tokens": stats["resp"], "reward": float(np.asarray(m.get("reward/mean", np.nan)))}
         return rec
 

@@ -55,7 +55,7 @@ def test_step_flops_match_a_per_matrix_count(overrides, actor, critic):
     prompt, resp = 5, 3
     stats = {"resp": resp, "prompt": prompt, "seq": prompt + resp, "resp_ctx": resp * (prompt + resp / 2),
              "prompt_sq": prompt * prompt / 2}
-    got = step_flops(cfg, stats)
+    got = step_flops(cfg, stats, cfg.pipeline.staleness)
     # a group's prompt counts once per group (G = 2 here): generation and every pass
     want = expected(cfg, prompt, resp, actor, critic) - prompt_share(cfg, prompt, actor, critic)
     assert got == pytest.approx(want, rel=2e-3)  # norm weights counted as matmul weights: < 0.2%

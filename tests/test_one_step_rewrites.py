@@ -36,7 +36,7 @@ def test_proximal_from_update_drops_old_forward_also_under_staleness():
     g = bounded_async(proximal_from_update(graph("rl.kl_coef=0.1")), 1)
     assert "old_forward" not in g.stage_names() and "old_logp" not in g.nodes
     upd = g.stage("actor_update")
-    assert upd.attrs["proximal"] == "update" and upd.attrs["decoupled"]
+    assert upd.options.proximal_from_update and g.staleness == 1
     assert {e.port for e in g.inputs("actor_update")} >= {"behav_logp", "ref_logp", "advantages"}
     assert "old_logp" not in {e.port for e in g.inputs("actor_update")}
     assert proximal_from_update(g).nodes == g.nodes  # idempotent
@@ -47,8 +47,9 @@ def test_proximal_from_update_drops_old_forward_also_under_staleness():
     v = values_from_critic_update(s)
     assert "critic_forward" not in v.stage_names() and "values" not in v.nodes
     st = v.stage("advantage+actor_update")
-    assert st.attrs["values_from_update"] and set(st.attrs["internal"]) == {"advantages", "returns", "values"}
-    assert st.parts[1].attrs["proximal"] == "update" and st.parts[1].attrs["value_loss"]
+    assert st.options.values_from_update and set(st.options.internal) == {"advantages", "returns", "values"}
+    assert st.parts[1].options.proximal_from_update and st.parts[1].options.value_loss
+    assert st.option("value_loss") and st.option("proximal_from_update")  # found on the fused stage's part
 
 
 def test_values_from_critic_update_fuses_gae_into_the_critic_update():
@@ -57,7 +58,7 @@ def test_values_from_critic_update_fuses_gae_into_the_critic_update():
     assert "critic_forward" not in g.stage_names() and "values" not in g.nodes
     st = g.stage("advantage+critic_update")
     assert [p.kind for p in st.parts] == [StageKind.ADVANTAGE, StageKind.CRITIC_UPDATE]
-    assert st.attrs["values_from_update"] and set(st.attrs["internal"]) == {"returns", "values"}
+    assert st.options.values_from_update and set(st.options.internal) == {"returns", "values"}
     assert g.producer("advantages") == st.name and "actor_update" in g.consumers("advantages")
     assert sorted(kinds(g) + ["critic_forward"]) == kinds(plain)
     assert fuse_named(g, "advantage").nodes == g.nodes  # GAE already inside the critic's program
@@ -97,7 +98,7 @@ def test_useful_flops_never_count_a_pass_one_step_makes_redundant():
     two = load_config(None, [*SIZES, "rl.algorithm=ppo", "pipeline.staleness=1", "rl.minibatches=2"])
     on = load_config(None, [*SIZES, "rl.algorithm=ppo", "pipeline.staleness=1", "pipeline.proximal_from_update=true",
                             "pipeline.values_from_critic_update=true"])
-    assert step_flops(one, stats) == step_flops(on, stats) < step_flops(two, stats)
+    assert step_flops(one, stats, 1) == step_flops(on, stats, 1) < step_flops(two, stats, 1)
 
 
 def test_planner_plans_drop_the_passes_one_step_makes_redundant():

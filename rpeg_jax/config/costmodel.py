@@ -15,8 +15,6 @@ class CostModelConfig:
     hardware: str = "auto"  # profile name in configs/hardware/, a YAML path, or auto (the devices the run sees)
     num_devices: int | None = None  # None -> the devices JAX sees
     memory_budget: float = 0.9  # fraction of device memory plans may use
-    max_plans: int = 200000  # search budget (candidate layouts scored per placement)
-    log_predictions: bool = True  # log predicted vs measured time per stage each step
     # Workload assumptions.
     prompt_len: int | None = None  # tokens per prompt (bos included) the model prices; None -> the data's
     #   longest prompt (a built-in task's; data.max_prompt_len for JSONL or another tokenizer). The runtime
@@ -46,7 +44,6 @@ class CostModelConfig:
         check(0.0 < self.memory_budget <= 1.0, key(path, "memory_budget"), self.memory_budget, "must be in (0, 1]")
         if self.prompt_len is not None:
             check(self.prompt_len >= 1, key(path, "prompt_len"), self.prompt_len, "must be >= 1")
-        check(self.max_plans >= 1, key(path, "max_plans"), self.max_plans, "must be >= 1")
         if self.num_devices is not None:
             check(self.num_devices >= 1, key(path, "num_devices"), self.num_devices, "must be >= 1")
         if self.response_len_median is not None:

@@ -16,15 +16,13 @@ class TrainConfig:
     resume: Literal["auto", "never"] = "auto"
     checkpoint_every: int = 50  # steps; 0 disables periodic checkpoints (a final one is still written)
     keep_checkpoints: int = 2  # retention: newest N kept
-    log_every: int = 1
+    log_every: int = 1  # steps between console/TensorBoard records (metrics.jsonl keeps every step)
     progress: bool = True  # progress bar with ETA on process 0
     tensorboard: bool = True
-    warm_start_steps: int = 0  # optional supervised warm start before RL (its own stage)
 
     def validate(self, path: str) -> None:
         check(self.steps >= 0, key(path, "steps"), self.steps, "must be >= 0")
         check(self.checkpoint_every >= 0, key(path, "checkpoint_every"), self.checkpoint_every, "must be >= 0")
         check(self.keep_checkpoints >= 1, key(path, "keep_checkpoints"), self.keep_checkpoints, "must be >= 1")
         check(self.log_every >= 1, key(path, "log_every"), self.log_every, "must be >= 1")
-        check(self.warm_start_steps >= 0, key(path, "warm_start_steps"), self.warm_start_steps, "must be >= 0")
         check(bool(self.run_dir), key(path, "run_dir"), self.run_dir, "must not be empty")

@@ -3,8 +3,8 @@
 A task is (stage, step, piece). Dependencies come from the graph (`Graph.deps`): a data input
 waits for its producer in the same step (piece i only for piece i when the edge is streamed);
 a state read at offset o waits for the writer of version t+o. Under bounded asynchrony
-(`generate` reads rollout_weights at t-k) generation *leads* by k steps: slot t runs
-generate(t+k) next to the training stages of step t. Each device group runs its tasks of a
+(`generate` reads rollout_weights at t-k, k = the graph's staleness) generation runs k steps
+*ahead*: slot t runs generate(t+k) next to the training stages of step t. Each device group runs its tasks of a
 slot in one thread, in an order that respects dependencies, and the groups' threads run
 concurrently: with disjoint groups (split placement) generation of the next batch overlaps the
 update of this one; with nested groups (graph.plan.widen_generation) the overlapping stages share
@@ -118,17 +118,21 @@ class Executor:
         g = program.graph
         self.graph = g
         self.order = {cs.name: i for i, cs in enumerate(program.stages)}
-        self.lead = {cs.name: self._lead(cs) for cs in program.stages}
+        self.ahead = {cs.name: self._ahead(cs) for cs in program.stages}  # steps a stage runs ahead
+        self.staleness = g.staleness
+        if max(self.ahead.values(), default=0) != self.staleness:
+            raise ExecutionError(f"stages run {max(self.ahead.values())} steps ahead but the graph's "
+                                 f"staleness is k={self.staleness}")
         self.done: set[tuple[str, int, int]] = set()
         self.events: dict[tuple[str, int, int], threading.Event] = defaultdict(threading.Event)
         self.metrics: dict[int, dict[str, float]] = defaultdict(dict)
         self.stage_seconds: dict[int, dict[str, float]] = defaultdict(dict)  # by graph stage name
         self.consumed: dict[tuple[str, int, int], dict[str, Any]] = {}
-        self.next_lead_step: dict[str, int] = {n: 0 for n, k in self.lead.items() if k > 0}
+        self.next_ahead_step: dict[str, int] = {n: 0 for n, k in self.ahead.items() if k > 0}
         self._errors: list[BaseException] = []
         self.start = 0  # steps before this were run by an earlier process (restored from a checkpoint)
 
-    def _lead(self, cs: CompiledStage) -> int:
+    def _ahead(self, cs: CompiledStage) -> int:
         """How many steps ahead a stage may run: k for generation reading weights at t-k."""
         offs = [p.offset for p in cs.reads if p.state and not isinstance(self.graph.nodes[p.node], DataNode)
                 and not self.graph.nodes[p.node].frozen]
@@ -136,13 +140,13 @@ class Executor:
 
     # ---- one slot ---------------------------------------------------------------------
     def run_slot(self, t: int) -> dict[int, dict[str, float]]:
-        """Run the tasks of slot t: lead stages for steps up to t+k, the rest for step t."""
+        """Run the tasks of slot t: stages running k ahead for steps up to t+k, the rest for step t."""
         tasks = []
         for cs in self.program.stages:
-            k = self.lead[cs.name]
-            steps = [t] if k == 0 else list(range(max(self.next_lead_step[cs.name], t), t + k + 1))
+            k = self.ahead[cs.name]
+            steps = [t] if k == 0 else list(range(max(self.next_ahead_step[cs.name], t), t + k + 1))
             if k:
-                self.next_lead_step[cs.name] = t + k + 1
+                self.next_ahead_step[cs.name] = t + k + 1
             for s in steps:
                 tasks += [Task(cs, s, i) for i in range(cs.pieces)]
         by_group: dict[str, list[Task]] = defaultdict(list)
@@ -172,7 +176,7 @@ class Executor:
                 piece = task.piece
             else:  # after every piece of anything it may wait for within the step
                 piece = most if any(d.step_offset == 0 for d in self.graph.deps(cs.name)) else 0
-            return (task.step - self.lead[cs.name], piece, self.order[cs.name])
+            return (task.step - self.ahead[cs.name], piece, self.order[cs.name])
 
         most = max(cs.pieces for cs in self.program.stages)
         return sorted(tasks, key=key)
@@ -259,6 +263,23 @@ class Executor:
             self.tracer.add(cs.name, cs.plan.group, start, end, t)
         self.done.add(task.key)
         self.events[task.key].set()
+
+    # ---- checkpoints -----------------------------------------------------------------
+    def pending_metrics(self, steps) -> dict[str, dict[str, float]]:
+        """Metrics already recorded for `steps` (those of stages that ran ahead), as floats."""
+        return {str(s): {k: float(np.asarray(v)) for k, v in self.metrics.get(s, {}).items()} for s in steps}
+
+    def resume_at(self, step: int, buffered: list[int], pending: dict[str, dict[str, float]],
+                  next_ahead_step: dict[str, int]) -> None:
+        """Continue from a checkpoint taken after `step` steps: the stages that run ahead have run
+        already for the `buffered` steps (their outputs are back in the store)."""
+        self.start = step
+        for s in buffered:
+            for stage, k in self.ahead.items():
+                if k:
+                    self.done.update((stage, s, i) for i in range(self.program.stage(stage).pieces))
+            self.metrics[s].update(pending.get(str(s), {}))
+        self.next_ahead_step.update({k: int(v) for k, v in next_ahead_step.items()})
 
     def forget_before(self, step: int) -> None:
         """Drop finished bookkeeping and data of steps < step (memory stays bounded)."""

@@ -3,7 +3,8 @@
 Only process 0 writes (`enabled=False` elsewhere). Each record is one step: the step number,
 verl-compatible names (`timing_s/gen`, `actor/pg_loss`, `perf/mfu`, ...) and our own
 (`predicted_s/<stage>`). Values are plain floats/ints; non-finite values are kept (as JSON
-null) so a NaN is visible rather than dropped.
+null) so a NaN is visible rather than dropped. metrics.jsonl gets every step; TensorBoard and
+the progress bar every `log_every` steps (and the last).
 
 Called by: runtime/trainer.py.
 """
@@ -29,8 +30,8 @@ def _plain(v: Any):
 
 class MetricsWriter:
     def __init__(self, run_dir: str, *, enabled: bool = True, tensorboard: bool = True,
-                 progress: bool = True, total_steps: int = 0, start_step: int = 0):
-        self.enabled = enabled
+                 progress: bool = True, total_steps: int = 0, start_step: int = 0, log_every: int = 1):
+        self.enabled, self.log_every = enabled, log_every
         self._jsonl = None
         self._tb = None
         self._bar = None
@@ -45,12 +46,16 @@ class MetricsWriter:
         if progress and total_steps > start_step:
             self._bar = _Progress(total_steps, start_step)
 
-    def write(self, step: int, metrics: dict[str, Any]) -> None:
+    def write(self, step: int, metrics: dict[str, Any], last: bool = False) -> None:
+        """Record step `step`: always to metrics.jsonl; to TensorBoard and the bar when `step` is a
+        multiple of log_every or `last`."""
         if not self.enabled:
             return
         # '+' joins fused stage names; TensorBoard tags do not allow it, so keys use '_' throughout
         record = {"step": step, **{k.replace("+", "_"): _plain(v) for k, v in sorted(metrics.items())}}
         self._jsonl.write(json.dumps(record) + "\n")
+        if step % self.log_every and not last:
+            return
         if self._tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -88,6 +93,22 @@ class _Progress:
 
     def close(self) -> None:
         self._p.stop()
+
+
+def prediction_metrics(predicted: dict[str, Any], measured_s: dict[str, float]) -> dict[str, float]:
+    """The cost model's prediction next to what was measured, per (graph) stage and for the step:
+    `predicted_s/<stage>` and `pred_error/<stage>` = (predicted - measured) / measured. Empty for a
+    plan without a prediction (manual plans); the step is compared with the steady-state step time."""
+    pred = dict(predicted.get("stage_s", {}))
+    if pred and "step" in measured_s and "step_time_s" in predicted:
+        pred["step"] = float(predicted["step_time_s"])
+    out = {}
+    for name, p in pred.items():
+        out[f"predicted_s/{name}"] = p
+        m = measured_s.get(name)
+        if m is not None and m > 0:
+            out[f"pred_error/{name}"] = (p - m) / m
+    return out
 
 
 def read_metrics(path: str) -> list[dict]:

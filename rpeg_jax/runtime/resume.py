@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from rpeg_jax.config.base import ConfigError
 from rpeg_jax.runtime.checkpoint import Checkpointer
 from rpeg_jax.runtime.executor import Executor, Store
 from rpeg_jax.runtime.rollouts import host_fields
@@ -27,13 +28,20 @@ TRAIN_STATES = ("actor", "actor_opt", "critic", "critic_opt")
 BUFFERED = ("completions", "behav_logp")
 
 
-def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, lead: int) -> None:
+def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int) -> None:
+    """Checkpoint the run after `step` completed steps (call only between steps: every state is
+    then at version `step`, and under staleness k the rollouts of steps step..step+k-1 are buffered)."""
+    k = ex.staleness
     train = {name: store.latest(name)[1] for name in TRAIN_STATES if name in store.state}
+    versions = {n: store.latest(n)[0] for n in TRAIN_STATES if n in store.state}
+    if any(v != step for v in versions.values()):
+        raise RuntimeError(f"checkpoint of step {step} would hold state versions {versions}: not a step boundary")
     prompts = store.latest("data_iterator")[1]
-    meta = {"step": step, "versions": {n: store.latest(n)[0] for n in TRAIN_STATES if n in store.state},
-            "data_iterator": prompts.state_before(step) if lead else prompts.state(),
-            "next_lead_step": dict(ex.next_lead_step), "buffer_steps": list(range(step, step + lead)),
-            "buffer_specs": {}, "pending_metrics": {}}
+    buffered = list(range(step, step + k))
+    meta = {"step": step, "versions": versions, "staleness": k,
+            "data_iterator": prompts.state_before(step) if k else prompts.state(),
+            "next_ahead_step": dict(ex.next_ahead_step), "buffer_steps": buffered,
+            "buffer_specs": {}, "pending_metrics": ex.pending_metrics(buffered)}
     if "rollout_buffer" in store.state:
         meta["admitted"] = {str(s): v for s, v in store.latest("rollout_buffer")[1].admitted.items()}
     buffer = {}
@@ -45,7 +53,6 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, lead: int) -
                     name = f"{s}/{node}/{key}"
                     buffer[name] = arr
                     meta["buffer_specs"][name] = [list(arr.shape), str(arr.dtype)]
-        meta["pending_metrics"][str(s)] = {k: float(np.asarray(v)) for k, v in ex.metrics.get(s, {}).items()}
     ckpt.save(step, train, meta, buffer=buffer)
 
 
@@ -60,31 +67,30 @@ def restore(ckpt: Checkpointer, store: Store, ex: Executor, ctx) -> int:
     buffer_target = {name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype),
                                                 sharding=ctx.placement.batch_sharding(layout, tuple(shape)))
                      for name, (shape, dtype) in meta_only.get("buffer_specs", {}).items()}
+    if meta_only.get("staleness", ex.staleness) != ex.staleness:
+        raise ConfigError("pipeline.staleness", ex.staleness,
+                          f"the newest checkpoint (step {step}) was written at staleness k={meta_only['staleness']}; "
+                          f"resume with that plan or start a new train.run_dir")
     train, meta, buffer = ckpt.restore(step, target, buffer_target or None)
     for name, value in train.items():
         store.put_state(name, meta["versions"][name], value)
     version, actor = store.latest("actor")
-    store.put_state("rollout_weights", version, ctx.to_rollout(actor))
-    lead = len(meta["buffer_steps"])
+    store.put_state("rollout_weights", version, ctx.placement.to_rollout(actor))
+    buffered = list(meta["buffer_steps"])
     prompts = store.latest("data_iterator")[1]
     prompts.pipeline.set_state(meta["data_iterator"])
-    for s in meta["buffer_steps"]:  # draw the buffered steps' prompts again (host fields)
+    for s in buffered:  # draw the buffered steps' prompts again (host fields)
         batch = prompts.get(s)
         arrays = {k.split("/", 2)[2]: v for k, v in buffer.items() if k.startswith(f"{s}/completions/")}
         comps = dict(arrays)
-        comps.update(host_fields(ctx, batch, 0, len(batch.prompt_tokens), ctx.host_rows(arrays["tokens_BxS"]),
-                                 ctx.host_rows(arrays["response_mask_BxR"])))
+        comps.update(host_fields(ctx, batch, 0, len(batch.prompt_tokens), ctx.placement.host_rows(arrays["tokens_BxS"]),
+                                 ctx.placement.host_rows(arrays["response_mask_BxR"])))
         store.put_data("completions", s, comps)
         store.put_data("behav_logp", s, buffer[f"{s}/behav_logp/"])
-        for stage, k in ex.lead.items():
-            if k:
-                ex.done.update((stage, s, i) for i in range(ex.program.stage(stage).pieces))
-        ex.metrics[s].update(meta["pending_metrics"].get(str(s), {}))
-    store.put_state("data_iterator", step + lead, prompts)
+    store.put_state("data_iterator", step + len(buffered), prompts)
     if "admitted" in meta and "rollout_buffer" in store.state:
         buf = store.latest("rollout_buffer")[1]
         buf.admitted = {int(s): int(v) for s, v in meta["admitted"].items()}
-        store.put_state("rollout_buffer", step + lead, buf)
-    ex.start = step
-    ex.next_lead_step.update({k: int(v) for k, v in meta["next_lead_step"].items()})
+        store.put_state("rollout_buffer", step + len(buffered), buf)
+    ex.resume_at(step, buffered, meta["pending_metrics"], meta["next_ahead_step"])
     return step

@@ -68,17 +68,18 @@ class StepPrompts:
 @dataclass
 class RolloutBuffer:
     """Rollouts admitted ahead of their update (bounded asynchrony): admission refuses a rollout
-    for step t made with weights older than t - k. Survives resume through `admitted`."""
+    for step t made with weights older than t - k (k = the graph's staleness). Survives resume
+    through `admitted`."""
 
-    max_staleness: int
+    staleness: int
     admitted: dict[int, int] = field(default_factory=dict)  # step -> weights version
 
     def admit(self, step: int, version: int) -> None:
-        if step - version > self.max_staleness:
+        if step - version > self.staleness:
             raise StalenessError(f"rollout for step {step} with weights version {version} exceeds the "
-                                 f"staleness bound k={self.max_staleness}")
+                                 f"staleness bound k={self.staleness}")
         self.admitted[step] = version
-        for s in [s for s in self.admitted if s < step - self.max_staleness - 1]:
+        for s in [s for s in self.admitted if s < step - self.staleness - 1]:
             del self.admitted[s]
 
 
@@ -125,13 +126,13 @@ def generate_piece(ctx, params, version: int, batch, step: int, piece: int, piec
     gid = np.repeat(np.arange(lo, hi, dtype=np.int32) + ctx.prompt_offset, G)
     comps = {"tokens_BxS": tokens, "positions_BxS": positions, "segment_ids_BxS": segments,
              "response_mask_BxR": mask, "versions_BxR": versions, "group_ids_B": gid}
-    comps = {k: ctx.put_batch(v) for k, v in comps.items()}
+    comps = {k: ctx.placement.put_batch(v) for k, v in comps.items()}
     comps.update(host_fields(ctx, batch, lo, hi, tokens, mask))
     new_tokens = int(mask.sum())
     metrics = {"perf/gen_tokens_per_s": new_tokens / gen_s if gen_s > 0 else 0.0,
                "rollout/preemptions": float(sum(c.num_preemptions for _, c in rows)),
                "rollout/weights_version": float(version)}
-    return comps, ctx.put_batch(behav), metrics
+    return comps, ctx.placement.put_batch(behav), metrics
 
 
 def host_fields(ctx, batch, lo: int, hi: int, tokens: np.ndarray, mask: np.ndarray) -> dict:
@@ -162,7 +163,7 @@ def score(ctx, comps: dict) -> tuple[Any, dict]:
                               answer=comps["host_answer"][b], record=comps["host_record"][b]))
     t0 = time.perf_counter()
     rewards, errors = score_samples(samples, ctx.reward_fn, ctx.cfg.data.reward_on_error, ctx.reward_name)
-    return ctx.put_batch(rewards), {"reward/errors": float(errors),
+    return ctx.placement.put_batch(rewards), {"reward/errors": float(errors),
                                     "timing_s/reward_fn": time.perf_counter() - t0}
 
 
@@ -221,7 +222,7 @@ def pass_flops(m, stats: dict, group_size: int, *, logits: bool = True) -> float
     return 2.0 * body * tokens + (2.0 * head * stats["resp"] if logits else 0.0) + attn * pairs
 
 
-def step_flops(cfg, stats: dict) -> float:
+def step_flops(cfg, stats: dict, staleness: int) -> float:
     """The step's useful matmul FLOPs, whatever rewrites ran: generation, the actor update
     (forward + backward = 3 passes), a reference forward when β > 0, for PPO the critic's value
     forward and update (4 passes of the critic, no LM head) unless the backbone is shared (then
@@ -231,12 +232,14 @@ def step_flops(cfg, stats: dict) -> float:
     With one optimizer step per batch (rl.ppo_epochs = rl.minibatches = 1) the update's own forward
     runs at the scoring pass's parameters, so neither the proximal forward nor the critic's values
     forward is needed (graph passes proximal_from_update / values_from_critic_update), whether or
-    not the run applies those rewrites: every variant of a workload has the same useful FLOPs."""
+    not the run applies those rewrites: every variant of a workload has the same useful FLOPs.
+    `staleness` is the run's bound k (the graph's), which decides whether a proximal forward is
+    needed at all."""
     rl = cfg.rl
     one_step = rl.ppo_epochs * rl.minibatches == 1
     actor = pass_flops(cfg.model, stats, rl.group_size)
     flops = generation_flops(cfg, stats) + 3 * rl.ppo_epochs * actor
-    flops += actor * (int(rl.kl_coef > 0) + int(cfg.pipeline.staleness > 0 and not one_step))
+    flops += actor * (int(rl.kl_coef > 0) + int(staleness > 0 and not one_step))
     if rl.algorithm == "ppo" and not cfg.pipeline.share_actor_critic:
         values = int(not one_step)
         flops += (values + 3 * rl.ppo_epochs) * pass_flops(cfg.critic_model, stats, rl.group_size, logits=False)

@@ -35,8 +35,9 @@ from rpeg_jax.sharding import shard_model
 
 @dataclass
 class RuntimeContext:
-    """What kernels may use: the config, model graphdefs, optimizers, sampler, tokenizer, reward,
-    and the placement of arrays (runtime/placement.py)."""
+    """What kernels may use (`StageEnv.context`): the config, model graphdefs, optimizers, sampler,
+    tokenizer, reward, and the placement of arrays (runtime/placement.py). It is also the
+    compiler's StageRuntime (graph/compile.py): `place_inputs`, `stage_scope`, `compiler_options`."""
 
     cfg: RunConfig
     graphdefs: dict[str, Any]
@@ -49,21 +50,11 @@ class RuntimeContext:
     update_key: jax.Array
     fixed_shapes: bool
     placement: Placement
-    prompt_offset: int = 0
-    extras: dict[str, Any] = field(default_factory=dict)
+    prompt_offset: int = 0  # this process's first prompt index within a step's batch
+    data_skipped: dict[str, int] = field(default_factory=dict)  # bad JSONL lines skipped at start-up, by reason
     compiler_options: dict[str, str] = field(default_factory=dict)  # stage programs' XLA options (xla_flags)
 
-    def put_batch(self, x):
-        """This process's rollout rows -> device arrays of the training stages."""
-        return self.placement.put_batch(x)
-
-    def to_rollout(self, params):
-        """Weights in the training layout -> the sampler's layout (explicit, cached resharding)."""
-        return self.placement.to_rollout(params)
-
-    def host_rows(self, x):
-        return self.placement.host_rows(x)
-
+    # ---- graph.compile.StageRuntime ----------------------------------------------------------------
     def place_inputs(self, cs, inputs):
         return self.placement.place_inputs(cs, inputs)
 
@@ -120,8 +111,8 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
         update_key=jax.random.key(cfg.train.seed + 12345),
         fixed_shapes=cfg.pipeline.microbatches > 1, placement=placement,
         prompt_offset=jax.process_index() * (cfg.data.prompts_per_step // jax.process_count()),
-        extras={"data_skipped": dict(pipeline.skipped)}, compiler_options=xla_flags.train_compiler_options())
-    store = Store(keep_versions=cfg.pipeline.staleness + 2)
+        data_skipped=dict(pipeline.skipped), compiler_options=xla_flags.train_compiler_options())
+    store = Store(keep_versions=graph.staleness + 2)  # generation reads t - k while training writes t + 1
     store.put_state("actor", 0, split["actor"][1])
     store.put_state("actor_opt", 0, placement.init_opt_state(optimizers["actor"], split["actor"][1]))
     store.put_state("rollout_weights", 0, rollout_params)
@@ -132,6 +123,5 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
         store.put_state("critic", 0, split["critic"][1])
         store.put_state("critic_opt", 0, placement.init_opt_state(optimizers["critic"], split["critic"][1]))
     if graph.has(StateKind.ROLLOUT_BUFFER.value):
-        k = graph.nodes["rollout_buffer"].attrs.get("max_staleness", cfg.pipeline.staleness)
-        store.put_state("rollout_buffer", 0, RolloutBuffer(max_staleness=k))
+        store.put_state("rollout_buffer", 0, RolloutBuffer(staleness=graph.staleness))
     return ctx, store

@@ -2,33 +2,48 @@
 
     summary = train(cfg)          # what `make run`, `rpeg train` and launch/multihost.py call
 
-Reads top to bottom: choose the plan (manual, a file, or the cost model when
-pipeline.plan=auto), rebuild the graph the plan describes, build models/sampler/data
-(runtime/setup.py), compile every stage (graph/compile.py with runtime/kernels.py), resume
-from the newest checkpoint when train.resume=auto, then run one executor slot per step and
-write metrics (JSONL, TensorBoard), checkpoints (orbax, atomic, async) and the stage timeline.
-Ctrl-C writes a final checkpoint and returns; a non-finite loss stops the run when
-rl.on_nan=stop; non-finite parameters never reach a checkpoint.
+Reads top to bottom: choose the plan (manual, a file, or the cost model when pipeline.plan=auto)
+and take the run's structure from it (graph/plan.config_for_plan: whatever the plan's source, its
+knobs and settings are what runs, and config.yaml / plan.json record them), build the graph the
+plan describes, build models/sampler/data (runtime/setup.py), compile every stage
+(graph/compile.py with runtime/kernels.py), resume from the newest checkpoint when
+train.resume=auto, then run one executor slot per step and write metrics (JSONL every step;
+console and TensorBoard every train.log_every steps), checkpoints (orbax, atomic, async) and the
+stage timeline.
+
+Stopping: SIGINT (Ctrl-C) and SIGTERM (what SLURM sends before it kills a job) only set a flag.
+The step in flight finishes, every process agrees on the same last step, and the final checkpoint
+is of that step boundary, so it always resumes exactly; a second Ctrl-C stops at once and leaves
+the newest checkpoint already committed. A non-finite loss stops the run when rl.on_nan=stop;
+non-finite parameters never reach a checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from rpeg_jax.config.run import RunConfig, dump_yaml
+from rpeg_jax.costmodel import devices as cost_devices
+from rpeg_jax.costmodel.planner import choose_plan as cost_model_planner
+from rpeg_jax.data.rewards import RewardError
 from rpeg_jax.graph.compile import compile_graph
-from rpeg_jax.graph.plan import Plan, graph_for_plan, plan_for_config
+from rpeg_jax.graph.ir import Graph
+from rpeg_jax.graph.plan import Plan, config_for_plan, graph_for_plan, plan_for_config
 from rpeg_jax.runtime import resume, rollouts
-from rpeg_jax.runtime.checkpoint import Checkpointer
-from rpeg_jax.runtime.resume import TRAIN_STATES
+from rpeg_jax.runtime.checkpoint import Checkpointer, NonFiniteError
 from rpeg_jax.runtime.executor import Executor, Store
 from rpeg_jax.runtime.kernels import default_registry
-from rpeg_jax.runtime.metrics import MetricsWriter
+from rpeg_jax.runtime.metrics import MetricsWriter, prediction_metrics
+from rpeg_jax.runtime.resume import TRAIN_STATES
+from rpeg_jax.runtime.rollouts import StalenessError
 from rpeg_jax.runtime.setup import RuntimeContext, build
 from rpeg_jax.runtime.trace import Tracer
 
@@ -41,22 +56,19 @@ class TrainingStopped(RuntimeError):
 
 def expected_failures() -> tuple[type[BaseException], ...]:
     """Failures that end a run with one clear line (exit 1) rather than a traceback."""
-    from rpeg_jax.data.rewards import RewardError
-    from rpeg_jax.runtime.checkpoint import NonFiniteError
-    from rpeg_jax.runtime.rollouts import StalenessError
-
     return (TrainingStopped, RewardError, NonFiniteError, StalenessError)
 
 
-def choose_plan(cfg: RunConfig) -> tuple[RunConfig, Plan]:
-    """The plan for this run (pipeline.plan: manual | auto | a file) and the config it implies
-    (the planner also chooses settings outside the pipeline section, e.g. rl.micro_batches)."""
-    if cfg.pipeline.plan != "auto":
-        return cfg, plan_for_config(cfg, jax.device_count())
-    from rpeg_jax.costmodel.planner import apply_plan_settings, choose_plan as planner  # the cost-model layer
-
-    plan = plan_for_config(cfg, jax.device_count(), planner=planner)
-    return apply_plan_settings(cfg, plan), plan
+def choose_plan(cfg: RunConfig, plan: Plan | None = None) -> tuple[RunConfig, Plan]:
+    """The plan for this run (`plan`, else pipeline.plan: manual | auto | a file) and the config it
+    implies: the plan's structural knobs and settings replace the config's (each change logged)."""
+    if plan is None:
+        planner = cost_model_planner if cfg.pipeline.plan == "auto" else None
+        plan = plan_for_config(cfg, jax.device_count(), planner=planner)
+    cfg, changed = config_for_plan(cfg, plan)
+    for key, (given, chosen) in changed.items():
+        log.info("the plan (%s) sets %s=%s (the config had %s)", plan.source, key, chosen, given)
+    return cfg, plan
 
 
 def train(cfg: RunConfig, *, plan: Plan | None = None, registry=None, on_step=None,
@@ -64,79 +76,129 @@ def train(cfg: RunConfig, *, plan: Plan | None = None, registry=None, on_step=No
     """Run cfg.train.steps RL steps (resuming when allowed). `on_step(step, metrics)` is called
     after each step's metrics are written (and its checkpoint, if any, is committed); with
     `keep_state` the summary holds the final state values under "state"."""
-    if plan is None:
-        cfg, plan = choose_plan(cfg)
-    graph = graph_for_plan(cfg, plan)
-    ctx, store = build(cfg, graph, plan)
-    program = compile_graph(graph, plan, registry or default_registry(), ctx)
-    lead = cfg.pipeline.staleness if graph.has("rollout_buffer") else 0
-    chief = jax.process_index() == 0
-    os.makedirs(cfg.train.run_dir, exist_ok=True)
-    if chief:
-        _write_run_files(cfg, plan, graph)
-    ckpt = Checkpointer(os.path.join(cfg.train.run_dir, "checkpoints"), keep=cfg.train.keep_checkpoints)
-    tracer = Tracer()
-    executor = Executor(program, store, tracer=tracer)
-    start = resume.restore(ckpt, store, executor, ctx) if cfg.train.resume == "auto" else 0
-    writer = MetricsWriter(cfg.train.run_dir, enabled=chief, tensorboard=cfg.train.tensorboard,
-                           progress=cfg.train.progress, total_steps=cfg.train.steps, start_step=start)
-    last, interrupted = start, False
-    try:
-        for t in range(start, cfg.train.steps):
-            executor.run_slot(t)
-            metrics = _step_metrics(cfg, ctx, executor, store, plan, t, lead)
-            writer.write(t + 1, metrics)
-            last = t + 1
-            if metrics.get("actor/nan_stop", 0) or metrics.get("critic/nan_stop", 0):
-                raise TrainingStopped(f"step {t + 1}: non-finite loss or gradient and rl.on_nan=stop")
-            if cfg.train.checkpoint_every and last % cfg.train.checkpoint_every == 0 and last < cfg.train.steps:
-                resume.save(ckpt, store, executor, last, lead)
-            executor.forget_before(t)
-            if on_step is not None:
-                ckpt.wait()
-                on_step(last, metrics)
-    except KeyboardInterrupt:
-        interrupted = True
-        log.warning("interrupted: writing a final checkpoint at step %d", last)
-    finally:
-        writer.close()
-    if last > start or interrupted:
-        resume.save(ckpt, store, executor, last, lead)
-    ckpt.close()
-    if chief:
-        _write_trace(cfg, tracer, plan, last)
-    out = {"steps": last, "interrupted": interrupted, "run_dir": cfg.train.run_dir}
+    with StopSignals() as stop:
+        cfg, plan = choose_plan(cfg, plan)
+        graph = graph_for_plan(cfg, plan)
+        ctx, store = build(cfg, graph, plan)
+        program = compile_graph(graph, plan, registry or default_registry(), ctx)
+        chief = jax.process_index() == 0
+        os.makedirs(cfg.train.run_dir, exist_ok=True)
+        if chief:
+            _write_run_files(cfg, plan, graph)
+        ckpt = Checkpointer(os.path.join(cfg.train.run_dir, "checkpoints"), keep=cfg.train.keep_checkpoints)
+        tracer = Tracer()
+        executor = Executor(program, store, tracer=tracer)
+        start = resume.restore(ckpt, store, executor, ctx) if cfg.train.resume == "auto" else 0
+        writer = MetricsWriter(cfg.train.run_dir, enabled=chief, tensorboard=cfg.train.tensorboard,
+                               progress=cfg.train.progress, total_steps=cfg.train.steps, start_step=start,
+                               log_every=cfg.train.log_every)
+        peak = _peak_flops(cfg)
+        last = start
+        try:
+            for t in range(start, cfg.train.steps):
+                if stop.agreed():
+                    break
+                executor.run_slot(t)
+                metrics = _step_metrics(cfg, ctx, executor, store, plan, t, peak)
+                writer.write(t + 1, metrics, last=t + 1 == cfg.train.steps)
+                last = t + 1
+                if metrics.get("actor/nan_stop", 0) or metrics.get("critic/nan_stop", 0):
+                    raise TrainingStopped(f"step {t + 1}: non-finite loss or gradient and rl.on_nan=stop")
+                if cfg.train.checkpoint_every and last % cfg.train.checkpoint_every == 0 and last < cfg.train.steps:
+                    resume.save(ckpt, store, executor, last)
+                executor.forget_before(t)
+                if on_step is not None:
+                    ckpt.wait()
+                    on_step(last, metrics)
+        finally:
+            writer.close()
+        if last > start:
+            resume.save(ckpt, store, executor, last)
+        ckpt.close()
+        if chief:
+            _write_trace(cfg, tracer, plan, last)
+        if stop.signal_name:
+            log.warning("stopped by %s after step %d: %s; run the same command to resume", stop.signal_name, last,
+                        f"checkpoint of step {last} in {ckpt.directory}" if last > start
+                        else "no step ran, nothing new to save")
+    out = {"steps": last, "interrupted": stop.signal_name is not None, "run_dir": cfg.train.run_dir}
     if keep_state:
         out["state"] = {n: store.latest(n)[1] for n in TRAIN_STATES if n in store.state}
         out["consumed"] = dict(executor.consumed)  # (stage, step, piece) -> {port: version | (step, piece)}
     return out
 
 
+# ---- stopping ----------------------------------------------------------------------------------
+class StopSignals:
+    """SIGINT and SIGTERM -> a request to stop at the next step boundary (installed only in the main
+    thread; a second SIGINT raises KeyboardInterrupt at once). `agreed()` is the request as every
+    process sees it: with several processes the flag is all-gathered, so all stop after the same step."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+        log.warning("%s: stopping after the step in flight (Ctrl-C again stops at once, without a checkpoint)",
+                    self.signal_name)
+
+    def agreed(self) -> bool:
+        requested = self.signal_name is not None
+        if jax.process_count() > 1:
+            requested = bool(np.max(multihost_utils.process_allgather(np.int32(requested))))
+            if requested and self.signal_name is None:
+                self.signal_name = "a peer's signal"
+        return requested
+
+
 # ---- metrics -----------------------------------------------------------------------------------
-def _step_metrics(cfg, ctx: RuntimeContext, ex: Executor, store: Store, plan: Plan, t: int, lead: int) -> dict:
+def _peak_flops(cfg: RunConfig) -> float | None:
+    """The run's peak FLOP/s for perf/mfu: the hardware profile of costmodel.hardware (auto: the
+    devices' own) at the model's compute dtype, times the devices (once for a shared CPU host)."""
+    try:
+        hw, n, _ = cost_devices.resolve(cfg, jax.device_count(), None, jax.process_count())
+    except (OSError, ValueError) as e:
+        log.warning("perf/mfu is not logged: no hardware profile (%s)", e)
+        return None
+    return hw.peak(cfg.model.dtype) * (1 if hw.shared_host else n)
+
+
+def _step_metrics(cfg, ctx: RuntimeContext, ex: Executor, store: Store, plan: Plan, t: int,
+                  peak: float | None) -> dict:
     m = {k: v for k, v in jax.device_get(ex.metrics.pop(t, {})).items()}
     stats = rollouts.token_stats(store.get_data("completions", t))
-    rollouts.assert_staleness(stats, t, lead)
+    rollouts.assert_staleness(stats, t, ex.staleness)
     step_s = m.get("timing_s/step", float("nan"))
     m["perf/tokens_per_s"] = stats["seq"] / step_s
-    flops = rollouts.step_flops(cfg, stats)  # useful work only: a rewrite that saves a pass saves time
+    flops = rollouts.step_flops(cfg, stats, ex.staleness)  # useful work only: a rewrite that saves a pass saves time
     m["perf/flops"] = flops
     m["perf/tflops_per_device"] = flops / step_s / jax.device_count() / 1e12
-    peak = ctx.extras.get("peak_flops_per_device")
     if peak:
-        m["perf/mfu"] = flops / step_s / (peak * jax.device_count())
-    if plan.predicted.get("stage_s"):  # the cost model's prediction next to what was measured
-        from rpeg_jax.costmodel.planner import compare
-
-        m.update(compare(plan, ex.stage_seconds.pop(t, {})))
+        m["perf/mfu"] = flops / step_s / peak
+    m.update(prediction_metrics(plan.predicted, ex.stage_seconds.pop(t, {})))
     m["actor/version"] = float(store.latest("actor")[0])
-    for reason, count in ctx.extras.get("data_skipped", {}).items():  # bad JSONL lines skipped at start-up
+    for reason, count in ctx.data_skipped.items():  # bad JSONL lines skipped at start-up
         m[f"data/skipped_{reason}"] = float(count)
     return {k: (float(np.asarray(v)) if np.ndim(v) == 0 else v) for k, v in m.items()}
 
 
 # ---- outputs -----------------------------------------------------------------------------------
-def _write_run_files(cfg: RunConfig, plan: Plan, graph) -> None:
+def _write_run_files(cfg: RunConfig, plan: Plan, graph: Graph) -> None:
+    """The config and plan that run (the plan's structure already in the config), and the graph."""
     d = cfg.train.run_dir
     with open(os.path.join(d, "config.yaml"), "w") as f:
         f.write(dump_yaml(cfg))
@@ -152,4 +214,3 @@ def _write_trace(cfg: RunConfig, tracer: Tracer, plan: Plan, last: int) -> None:
         steps = sorted({s.step for s in tracer.spans})
         show = steps[-1] if steps else last - 1
         tracer.plot_step(show, os.path.join(d, "timeline.png"), plan.predicted.get("stage_s"))
-
