@@ -29,7 +29,7 @@ from rpeg_jax.config.model import model_preset
 from rpeg_jax.costmodel.shape import ModelShape
 from rpeg_jax.graph.algorithms import model_dims
 
-# Model shapes small enough to time on a 2-core CPU (T is WORKLOADS.md's tiny model).
+# Model shapes small enough to time on a 2-core CPU (T is bench/WORKLOADS.md's tiny model).
 MODELS = {
     "T": dict(preset="tiny"),
     "M": dict(preset="tiny", vocab_size=1024, hidden_size=384, num_layers=4, num_heads=6, num_kv_heads=2,

@@ -1,4 +1,4 @@
-"""G1 generation throughput (../shared/WORKLOADS.md): rpeg_jax's paged sampler against the naive
+"""G1 generation throughput (bench/WORKLOADS.md): rpeg_jax's paged sampler against the naive
 baseline (bench/naive_generate.py), with the fraction of this machine's limit measured in the same run.
 
     python bench/generate.py --json out.json [--workloads G1-T-greedy,G1-S-greedy] [--reps 3] [--no-naive]

@@ -1,4 +1,4 @@
-"""P1 of ../shared/WORKLOADS.md: planning at scale (model only; no device is touched).
+"""P1 of bench/WORKLOADS.md: planning at scale (model only; no device is touched).
 
     python bench/plan_scale.py --json out.json [--quick]
 

@@ -1,4 +1,4 @@
-"""R1 of ../shared/WORKLOADS.md: seconds per RL step (generate, reward, logprobs, advantages,
+"""R1 of bench/WORKLOADS.md: seconds per RL step (generate, reward, logprobs, advantages,
 update, weight handoff), the synchronous unfused baseline against the rewritten pipeline, and the
 step's FLOPs over this machine's matmul rate measured in the same run.
 

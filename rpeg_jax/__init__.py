@@ -2,7 +2,7 @@
 
 The RL step is a data-centric graph (the RLM Pipeline Execution Graph, RPEG), rewritten by
 structural passes, planned by an analytical cost model, compiled stage by stage with explicit
-shardings, and run by a small runtime. See ../shared/DESIGN.md and README.md.
+shardings, and run by a small runtime. See README.md and docs/design.md.
 """
 
 __version__ = "0.1.0"

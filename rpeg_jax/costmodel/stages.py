@@ -3,7 +3,7 @@
 A layout is arrays over candidates: a training/forward stage runs on `n` devices as
 data d × fsdp f × tensor t (tensor innermost), with `micro` micro-batches per optimizer step
 and a remat mode; generation runs n/t replicas of t-way tensor parallelism with `slots`
-concurrent sequences each. Times are rooflines with the profile's efficiencies (§3.6):
+concurrent sequences each. Times are rooflines with the profile's efficiencies:
 
     t_core   = max(FLOPs / (peak · eff_mm(matmul size)), bytes / (bw · eff_mem(bytes)))
                (shared host: the sum of the two, see `roofline`)
