@@ -165,8 +165,9 @@ class ModelShape:
         a training step holds the gathered whole model when f > 1 (with f = 1 its slices are not
         extra: measured with XLA's memory analysis on CPU, bench/NOTES.md "Cost model"). A training
         step that loops over micro-batches or recomputes layers (`looped`) holds one more whole
-        gathered copy when f > 1 (session B's points: the worst case, unrolled T on fsdp 8 with 2
-        micro-batches, -30% -> within the rest; validation memory MAPE 9.96% -> 7.8%)."""
+        gathered copy when f > 1 (on the CPU points of 2026-11-30, bench/NOTES.md "Cost model", it
+        brought the worst case, unrolled T on fsdp 8 with 2 micro-batches, from -30% to within the
+        rest, and validation memory MAPE from 9.96% to 7.8%)."""
         f, t = np.asarray(f, np.float64), np.asarray(t, np.float64)
         w = self.weight_bytes(self.param_bytes_per)
         if not self.scanned:

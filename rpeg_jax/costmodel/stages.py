@@ -137,9 +137,10 @@ def roofline(hw: HardwareProfile, flops, nbytes, mm_size, rate, bw, busy=1.0):
     """max(compute, memory) on an accelerator. On a shared host (one CPU's cores run every
     device's kernels) the two ADD, as in the decode step: a CPU GEMM of a few dozen rows does not
     hide streaming its weights behind its FLOPs, and with 8 replicas of the weights (data-parallel
-    meshes) the stream leaves the last-level cache. Fitted on session B's points (bench/NOTES.md,
-    cost model, session 3): forward validation MAPE 18.9% -> 15.1%, train 13.3% -> 11.5%, and the
-    2-fold check (fit on validation, predict calibration) improved the same way."""
+    meshes) the stream leaves the last-level cache. On the CPU calibration points of 2026-11-30
+    (bench/NOTES.md, "Cost model") the sum instead of the max took forward validation MAPE from
+    18.9% to 15.1% and train from 13.3% to 11.5%, and the 2-fold check (fit on validation, predict
+    calibration) improved the same way."""
     t_c = flops / (rate * mm_eff(hw, mm_size))
     t_m = mem_time(hw, nbytes, bw, busy)
     return t_c + t_m if hw.shared_host else np.maximum(t_c, t_m)
