@@ -62,10 +62,6 @@ class LengthDist:
     def mean(self, n: int = 1024) -> float:
         return float(self.lengths(n).mean())
 
-    def batch_max(self, n: int) -> int:
-        """Expected longest response in a batch of n (the padded response length)."""
-        return int(self.lengths(max(n, 1)).max())
-
 
 @dataclass(frozen=True)
 class DecodeProfile:

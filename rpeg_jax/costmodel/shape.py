@@ -130,10 +130,6 @@ class ModelShape:
         acc = np.where(np.asarray(micro) > 1, 4.0 * self.num_params, 0.0)
         return (1.0 + UPDATE_COPIES) * self.num_params * self.param_bytes_per + acc
 
-    def train_state_bytes(self) -> float:
-        """params + grads + Adam m, v (the ZeRO paper's 16 bytes per parameter in float32)."""
-        return 4.0 * self.num_params * self.param_bytes_per
-
     def act_bytes_per_token_layer(self, t, remat: str, dense_scores_ctx=0.0, score_arrays: int = 2):
         """Activation bytes a layer saves for backward per token (Korthikanti-style count for
         SwiGLU/GQA without dropout; tensor parallelism splits the head and mlp parts).
