@@ -342,7 +342,6 @@ def generate_stage(st: Setting, ms: ModelShape, n_gen: int, t, slots, async_ks=(
     slots = np.atleast_1d(np.asarray(slots, np.int64))
     t, slots = np.broadcast_arrays(t, slots)
     reps = np.maximum(n_gen // t, 1)
-    n_rep = -(-st.B // reps)
     total, decode, prefill = np.zeros(t.shape), np.zeros(t.shape), np.zeros(t.shape)
     asy = {k: np.zeros(t.shape) for k in async_ks}
     curves: list = [None] * len(t)

@@ -42,7 +42,6 @@ def gqa_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS) -> jax.Array:
     Scores accumulate in float32; the output has q's dtype. Masked entries get NEG_INF.
     """
     b, t, h, e = q_BxTxHxE.shape
-    kv = k_BxSxKxE.shape[2]
     q = _group_heads(q_BxTxHxE, k_BxSxKxE)
     scores = jnp.einsum("btkge,bske->bkgts", q, k_BxSxKxE, preferred_element_type=jnp.float32)
     scores = scores * (e ** -0.5)
