@@ -4,7 +4,7 @@ the matrix products (and, for the bandwidth-bound S, the weight reads) cost noth
     python bench/ceiling.py --json out.json [--reps 7] [--workloads G1-T-greedy,G1-T-grpo,G1-S-greedy,R1-a]
 
 Why: bench/generate.py and bench/rl_step.py report the fraction of the machine's limit a whole run
-reaches (issue 3's target: 75% on G1-T and G1-S; issue 5's: 0.67 on R1). A fraction is bounded by
+reaches (the targets this project aims at: 75% on G1-T and G1-S, 0.67 on R1). A fraction is bounded by
 the products the run cannot avoid. This script times exactly those products, each alone, compiled
 by XLA as the runtime's programs are, and prints the fraction the run would reach if they were all
 it did. It measures the limits with the same definitions, in the same process:

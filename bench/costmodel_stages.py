@@ -12,7 +12,7 @@ Timing: `measure_set` compiles a batch of configurations, then runs them round-r
 configuration once per round, `repeats` rounds) so that a change of machine load hits all of
 them alike, and keeps the median per configuration. The clock is wall or process CPU seconds.
 Run it from a snapshot of the committed tree (`git archive HEAD`) when others edit the working
-tree: the measured code must not change during a session.
+tree: the measured code must not change during a measurement.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from rpeg_jax.config.model import model_preset
 from rpeg_jax.costmodel.shape import ModelShape
 from rpeg_jax.graph.algorithms import model_dims
 
-# Model shapes small enough to time on a 2-core CPU (T is WORKLOADS.md's tiny model).
+# Model shapes small enough to time on a 2-core CPU (T is bench/WORKLOADS.md's tiny model).
 MODELS = {
     "T": dict(preset="tiny"),
     "M": dict(preset="tiny", vocab_size=1024, hidden_size=384, num_layers=4, num_heads=6, num_kv_heads=2,
@@ -95,8 +95,8 @@ CALIBRATION = [
     ("train", "M", 32, 16, 32, (1, 8, 1), 1, "none"),
     ("train", "T", 64, 16, 32, (8, 1, 1), 2, "none"),
     ("generate", "M", 64, 16, 32, (8, 1, 1), 8, "-"),
-    # Session 3: tensor meshes with data > 1, 8 data replicas of the large model, and more
-    # generation shapes (7 generation points had left its factors loose: validation 18.6%).
+    # Tensor meshes with data > 1, 8 data replicas of the large model, and more generation shapes
+    # (with only the 7 generation points above its factors were loose: validation 18.6%, 2026-11-30).
     ("forward", "T", 32, 16, 32, (2, 1, 2), 1, "none"),
     ("forward", "W", 8, 16, 32, (4, 1, 2), 1, "none"),
     ("train", "M", 16, 16, 32, (2, 1, 2), 1, "none"),
@@ -104,7 +104,7 @@ CALIBRATION = [
     ("generate", "M", 32, 16, 32, (2, 1, 1), 8, "-"),
     ("generate", "W", 16, 16, 48, (2, 1, 2), 4, "-"),
     ("generate", "T", 32, 16, 48, (1, 1, 1), 4, "-"),
-    # Session 4: generation at the batch sizes and lengths of whole RL steps (many slots, few
+    # Generation at the batch sizes and lengths of whole RL steps (many slots, few
     # tokens: B 64-256, R 4-12; the configs of --calibrate-steps, not the default's B=128, R=8),
     # tensor 1 and 2: the points above (B <= 64, R >= 32) left the sampler's tensor-parallel
     # cost at large batch unpinned (T B192 R6: tensor 1 259 ms, tensor 2 391 ms of CPU time).
@@ -117,7 +117,7 @@ CALIBRATION = [
     ("generate", "T", 256, 16, 4, (1, 1, 1), 8, "-"),
     ("generate", "T", 64, 16, 12, (2, 1, 2), 8, "-"),
     ("generate", "T", 64, 16, 12, (1, 1, 1), 8, "-"),
-    # Session 6: the small model on 8 data replicas (only model M had been calibrated there)
+    # The small model on 8 data replicas (otherwise only model M is calibrated there)
     ("generate", "T", 32, 16, 32, (8, 1, 1), 8, "-"),
 ]
 assert not set(VALIDATION) & set(CALIBRATION), "calibration and validation configurations must be disjoint"
@@ -154,7 +154,7 @@ GPU_DRY_VALIDATION = [("forward", "T", 16, 16, 16, (1, 1, 1), 1, "none"), ("trai
 assert not set(GPU_VALIDATION) & set(GPU_CALIBRATION), "GPU calibration and validation must be disjoint"
 
 
-# Generation memory (issue 6): the sampler's compiled programs (prefill, page fork, decode chunk) per
+# Generation memory: the sampler's compiled programs (prefill, page fork, decode chunk) per
 # device against stages.generate_memory. (model, slots B, prompt P, response R, tensor t, group G,
 # page size); meshes of `tensor` devices only (data = 1: the page pool's layout over `data` is the
 # sampler's, in flux). The formula was chosen looking at GEN_MEMORY_CAL; GEN_MEMORY_VAL is held out.

@@ -11,7 +11,7 @@ Stage level: the VALIDATION configurations of bench/costmodel_stages.py (>= 20: 
 batch sizes, lengths, meshes data x fsdp x tensor of 1-8 devices; forward, train, generate),
 measured round-robin with medians, against the predictions of the saved `cpu` profile. That
 profile is fitted on the disjoint CALIBRATION configurations only (`--calibrate` measures both
-sets in one interleaved session so that both see the same machine load, writes the calibration
+sets in one interleaved run so that both see the same machine load, writes the calibration
 points next to the profile and fits them as `rpeg calibrate` does), never on these.
 
 Step level (`--step-level`): candidate plans of the default config (configs/default.yaml) on
@@ -74,10 +74,10 @@ def interleave(cal: list, val: list) -> list:
     """One measuring order for both sets: kind by kind, the validation configurations spread evenly
     among the calibration ones (by fractional position), so that every batch of
     costmodel_stages.measure_set holds both sets' configurations of the same kind and they see the
-    same machine phase. (Until session 6 the two lists were zipped: the generation configurations,
-    last in both lists and 20 against 6, fell into different batches, and in session 6's run the
-    calibration ones measured ~30% faster than in session 5 while the validation ones measured the
-    same: the fit then under-predicted every validation generation point by ~21%.)"""
+    same machine phase. (Why not zip the two lists: the generation configurations, last in both
+    lists and 20 against 6, fall into different batches. Measured zipped on 2026-12-01 (bench/NOTES.md
+    session 6), the calibration ones ran ~30% faster than the night before while the validation
+    ones ran the same, and the fit under-predicted every validation generation point by ~21%.)"""
     out = []
     for kind in dict.fromkeys(c[0] for c in cal + val):
         c_k, v_k = [c for c in cal if c[0] == kind], [c for c in val if c[0] == kind]
@@ -89,7 +89,7 @@ def interleave(cal: list, val: list) -> list:
 
 
 def calibrate(args) -> int:
-    """Measure CALIBRATION and VALIDATION in one session (interleaved, so both see the same machine
+    """Measure CALIBRATION and VALIDATION in one run (interleaved, so both see the same machine
     load), fit the profile on the CALIBRATION points only, save the profile, the calibration points
     (<profile>.points.json, what `rpeg calibrate` refits) and the validation measurements
     (<profile>.validation.json, for `--reuse`; never fitted)."""

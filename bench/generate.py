@@ -1,4 +1,4 @@
-"""G1 generation throughput (../shared/WORKLOADS.md): rpeg_jax's paged sampler against the naive
+"""G1 generation throughput (bench/WORKLOADS.md): rpeg_jax's paged sampler against the naive
 baseline (bench/naive_generate.py), with the fraction of this machine's limit measured in the same run.
 
     python bench/generate.py --json out.json [--workloads G1-T-greedy,G1-S-greedy] [--reps 3] [--no-naive]
@@ -18,7 +18,7 @@ On a GPU the S model runs in bfloat16 and a ~0.5B Qwen2-shaped model is added (G
 Devices (`--data N`, default: every core of a CPU host as a device, one device on a GPU): the
 sampler of a matmul-bound workload runs its sequences over a `data` mesh of N devices (each device
 decodes B/N slots; on a CPU host the N device programs run side by side on the cores, which one
-program's small decode GEMMs do not fill: G1-T greedy 7.8k -> 10.6k tok/s on 2 cores, session 6).
+program's small decode GEMMs do not fill: G1-T greedy 7.8k -> 10.6k tok/s on 2 cores, 2026-12-01).
 Bandwidth-bound workloads stay on one device: every data replica streams its own copy of the
 weights (G1-S 157 -> 127 tok/s on 2). The naive baseline and the limits use one device; on a CPU
 host the limit's matmul already uses every core (XLA's intra-op thread pool). Each record has

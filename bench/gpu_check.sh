@@ -1,33 +1,39 @@
 #!/usr/bin/env bash
-# Every GPU number the open issues ask for, in ONE command on a lent H200 (bench/NOTES.md, "GPU check").
+# The GPU checks of rpeg_jax in ONE command on one NVIDIA H200: bf16 correctness tests, G1 generation
+# throughput on S and a ~0.5B Qwen2 shape, an h200 cost-model calibration, the cost model's error on
+# real GPU stages, and R1-a (bench/NOTES.md, "GPU check", says how to read the results).
 #
-#   device tool:  run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=540)
-#   here (CPU):   flock /tmp/cpu.lock bash bench/gpu_check.sh --dry-run     (same plumbing, tiny sizes)
+#   bash bench/gpu_check.sh              # on the H200 machine, from anywhere (it cd's to the repo root)
+#   bash bench/gpu_check.sh --dry-run    # on a CPU: the same parts with tiny sizes (plumbing, not numbers)
 #
 # Parts, most important first, each under `timeout` (caps in seconds below; the whole run <= ~8 min):
 #   1 env       nvidia-smi, python, package versions, jax backend/devices
-#   2 tests     pytest -m gpu tests/test_gpu.py (bf16 checks vs independent references; issue 3)
-#   3 generate  bench/generate.py G1-S-greedy + G1-Q05-greedy, bf16: tok/s, fraction of HBM bandwidth (issue 3)
-#   4 calibrate python -m rpeg_jax.cli calibrate --profile h200 --quick (micro-benchmarks + synthetic fit; issue 6)
+#   2 tests     pytest -m gpu tests/test_gpu.py (bf16 checks vs independent references)
+#   3 generate  bench/generate.py G1-S-greedy + G1-Q05-greedy, bf16: tok/s, fraction of HBM bandwidth
+#   4 calibrate python -m rpeg_jax.cli calibrate --profile h200 --quick (micro-benchmarks + synthetic fit)
 #   5 stages    bench/costmodel_validate.py --gpu: real 0.5B/1.5B bf16 stages on 1 GPU, fit on the
-#               calibration half, MAPE on the validation half (issue 6)
+#               calibration half, MAPE on the validation half
 #   6 r1        bench/rl_step.py R1-a (only if time is left and grain imports)
-# Files under $OUT (<= 8, the device tool's limit): gpu_check.log, summary.json, generate.json, h200.yaml,
-# gpu_stages.json, h200_stages.yaml, h200_stages.points.json, rl_step.json. The last lines printed are
-# the summary (the tool's output_tail shows them).
+# Files under $OUT (default /tmp/rpeg_gpu_check, /tmp/rpeg_gpu_check_dry for --dry-run): gpu_check.log,
+# summary.json, generate.json, h200.yaml (calibrated profile), gpu_stages.json, h200_stages.yaml and
+# h200_stages.points.json (the stage-fitted profile and its points, reusable with `rpeg calibrate
+# --points`), rl_step.json. The last lines printed are the summary. The exit status is 0 when every
+# part that ran returned 0. Calibrated profiles go to a temporary RPEG_CACHE, never ~/.cache/rpeg_jax.
 #
-# Python packages: the H200 image's python3 has jax/jaxlib 0.11 (cuda13), flax, optax, orbax-checkpoint,
-# chex, numpy, scipy, pytest, hypothesis, safetensors, tokenizers, pyyaml, rich (KINDS.md), but not grain
-# (and its array_record, portpicker), which only the R1 part needs (rpeg_jax.data). Carry them as wheels,
-# prepared once here in the repo root (.whl is ignored through .git/info/exclude):
+# Python: .venv/bin/python when it exists, else python3, with rpeg_jax's dependencies and test extras
+# (`pip install -e '.[test]'`), JAX for CUDA (`pip install -U "jax[cuda12]"`, or the CUDA 13 build
+# matching the driver) and scipy (the calibration fits). grain (with array_record and portpicker) is
+# needed only by part 6 (rpeg_jax.data). If Python lacks it and the machine has no network access,
+# download the wheels elsewhere into .whl/ in the repo root and copy that folder over; this script
+# installs them into /tmp/site when `import grain` fails:
 #   mkdir -p .git/info; grep -qx '/.whl/' .git/info/exclude || echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
 #     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
 #     grain==0.2.18 array_record==0.8.6 portpicker==1.6.0
-# and name ".whl" in `carry`; this script installs them into /tmp/site when `import grain` fails.
-# Without them parts 1-5 still run and part 6 is skipped. Env: GPU_CHECK_NAIVE=0 skips the naive
-# generation baseline; GPU_CHECK_DEADLINE (s, default 470; dry run 170) bounds the whole run.
+# Without grain parts 1-5 still run and part 6 is skipped. Env: OUT (the output folder),
+# GPU_CHECK_NAIVE=0 skips the naive generation baseline; GPU_CHECK_DEADLINE (s, default 470; dry run
+# 170) bounds the whole run.
 
 set -u -o pipefail
 DRY=${GPU_CHECK_DRY:-0}

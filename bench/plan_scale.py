@@ -1,4 +1,4 @@
-"""P1 of ../shared/WORKLOADS.md: planning at scale (model only; no device is touched).
+"""P1 of bench/WORKLOADS.md: planning at scale (model only; no device is touched).
 
     python bench/plan_scale.py --json out.json [--quick]
 
@@ -9,7 +9,7 @@ time, memory per GPU and utilization; the verl-like and ReaL-like baselines (eac
 its family on the same hardware) and their ratios; and the search time on one core.
 The main columns model our runtime as it is: each step's batch is one generate call (tail
 included) and the sampler's KV page pool is split per replica over the generation group's data
-axis (since session 4; costmodel.kv_pool=replicated prices the older replicated pool).
+axis (costmodel.kv_pool=replicated prices a pool replicated on every device instead).
 The baselines are priced with their own engines (one KV pool per replica). "next s" is our
 chosen plan once the sampler also admits the next steps' prompts while a step's tail finishes
 (costmodel.continuous_admission=true, not built yet).

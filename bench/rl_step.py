@@ -1,4 +1,4 @@
-"""R1 of ../shared/WORKLOADS.md: seconds per RL step (generate, reward, logprobs, advantages,
+"""R1 of bench/WORKLOADS.md: seconds per RL step (generate, reward, logprobs, advantages,
 update, weight handoff), the synchronous unfused baseline against the rewritten pipeline, and the
 step's FLOPs over this machine's matmul rate measured in the same run.
 
@@ -25,7 +25,7 @@ device (graph/plan.widen_generation: a plan whose generation group nests the tra
 staleness 0 the stages still run one after the other): one device program's small decode GEMMs do not fill the
 cores, two side by side do (R1-a's generate call on 2 cores, interleaved, 10 calls each,
 2026-12-01: 479 -> 322 ms median); the update stays on one device, whose products already use every
-core (on a data=2 mesh it was 1.35 s against 0.74 s, session 6). "async" runs on a split placement [1, 1] (one device
+core (on a data=2 mesh it was 1.35 s against 0.74 s, 2026-12-01). "async" runs on a split placement [1, 1] (one device
 generates, one trains, overlapping) when there are >= 2 devices, else colocated on one; both
 devices share this machine's cores, so it measures the overlap of two device programs on the same
 CPUs. The recorded `devices` field is the number of devices the plan uses.

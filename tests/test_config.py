@@ -38,7 +38,7 @@ def test_default_is_the_tiny_model_on_a_builtin_task():
     cfg = load_config()
     m = cfg.model
     assert (m.vocab_size, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.intermediate_size,
-            m.max_position_embeddings) == (128, 4, 256, 4, 2, 768, 512)  # model T of WORKLOADS.md
+            m.max_position_embeddings) == (128, 4, 256, 4, 2, 768, 512)  # model T of bench/WORKLOADS.md
     assert cfg.data.task in ("add", "copy", "reverse", "sort") and cfg.data.tokenizer is None
     assert load_config(None, ["rl.group_size=4", "optim.lr=3e-4"]).rl.group_size == 4
 

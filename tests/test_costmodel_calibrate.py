@@ -214,8 +214,8 @@ def test_fit_steps_recovers_the_runtime_host_costs():
 def test_fit_steps_leaves_the_stage_factors_to_the_stage_points():
     # Steps that generate on tensor 2 whose 'measured' times carry a 3x larger sampler TP cost
     # than the stage fit's: the step fit moves only the host costs (piece_s, host_seq_s,
-    # host_step_s), never decode_tp_factor or another stage factor (session 5: a step refit took
-    # it from 12.7 to 109.8 and priced every tensor-parallel generation stage 5-9x too slow).
+    # host_step_s), never decode_tp_factor or another stage factor (before commit 1d2b422 a step
+    # refit took it from 12.7 to 109.8 and priced every tensor-parallel generation stage 5-9x too slow).
     import dataclasses
 
     from rpeg_jax.config import load_config  # noqa: F401  (predict_step loads the overrides)
@@ -247,7 +247,8 @@ def test_fit_steps_leaves_the_stage_factors_to_the_stage_points():
 def test_validation_measuring_order_spreads_each_kind_over_the_calibration_batches():
     """bench/costmodel_validate.py measures both sets in one order, in batches of 7: every config
     once, kind by kind, and each validation config in a batch with calibration configs of its kind
-    (zipped lists put session 6's generation configs in different batches: a 21% bias)."""
+    (zipped lists put the generation configs in different batches: a 21% bias in the run of
+    2026-12-01, bench/NOTES.md session 6)."""
     import os
     import sys
 

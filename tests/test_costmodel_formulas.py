@@ -53,7 +53,8 @@ def test_qwen_flops_against_parameter_count():
 
 
 def test_kv_bytes_per_token_table():
-    # Reference §3.5 table (bf16): Qwen2.5-7B 56 KiB, Qwen2.5-32B 256 KiB, Llama-3-70B 320 KiB.
+    # 2 (K, V) · L · kv_heads · head_dim · 2 bytes (bf16): Qwen2.5-7B 28·4·128 -> 56 KiB,
+    # Qwen2.5-32B 64·8·128 -> 256 KiB, Llama-3-70B 80·8·128 -> 320 KiB.
     for preset, kib in (("qwen2-7b", 56), ("qwen2-32b", 256), ("llama3-70b", 320)):
         ms = shape(preset, dtype="bfloat16")
         assert ms.kv_bytes_per_token == kib * 1024
@@ -102,7 +103,8 @@ def test_decode_memory_bound_small_batch_compute_bound_large():
     times = np.array([float(S.decode_step_time(st, ms, 1, 1, b, 1)) for b in (1, 8, 64, 2048, 4096)])
     assert times[1] / times[0] < 1.2  # memory-bound: 8x the batch costs almost nothing
     assert times[4] / times[3] == pytest.approx(2.0, rel=0.15)  # compute-bound: linear in batch
-    # The crossover sits near peak/bandwidth (~250 tokens per step on GH200, reference §3.6).
+    # The crossover sits near peak/bandwidth: bf16 decode does 2 FLOPs per parameter per token and
+    # reads 2 bytes per parameter per step, so ~989e12 / 4e12 ≈ 250 tokens per step on GH200.
     b = np.arange(16, 2048, 16)
     flops = ms.decode_flops(b, 1) / (hw.peak("bfloat16") * 0.78)
     cross = b[np.argmax(flops > ms.weight_bytes() / (hw.device.memory_bw * 0.85))]

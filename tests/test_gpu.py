@@ -6,7 +6,8 @@ skip) runs them on a CPU: gpu_check.sh --dry-run uses it to test the plumbing, n
 `RPEG_GPU_TEST_REPORT=path.jsonl` appends each test's measured errors (for bench/NOTES.md).
 
 References and tolerances (bfloat16 has an 8-bit significand: one rounding is <= 2^-9 ~ 2e-3
-relative; METHOD.md: bf16 operands land between 1e-3 and 1e-2 in ||out - ref|| / ||ref||):
+relative; results computed from bf16 operands with float32 accumulation typically land between
+1e-3 and 1e-2 in ||out - ref|| / ||ref||):
 - paged attention (gather, blocked) in bf16 vs float64 causal GQA attention on the same
   bf16-rounded q/k/v, NaN in every unused page: scores and softmax are float32, the
   probabilities and the output are rounded to bf16 (two roundings of <= 2^-9 on values |v| <= ~4),

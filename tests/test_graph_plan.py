@@ -116,7 +116,7 @@ def test_pipeline_config_from_plan_knobs():
 
 def test_auto_rules_put_every_mesh_axis_to_work_and_explicit_presets_stand():
     """sharding.*_rules default `auto`: on a (data 2, fsdp 2, tensor 2) mesh training gets
-    fsdp_tensor and generation tensor (the old defaults fsdp / data replicated the update over
+    fsdp_tensor and generation tensor (fixed fsdp / data presets would replicate the update over
     `tensor`); a preset the user names is kept as given."""
     over = ["sharding.mesh={data: 2, fsdp: 2, tensor: 2}"]
     plan = plan_from_config(load_config(None, over), 8)

@@ -61,7 +61,7 @@ def _metrics(path):
             for r in rows]
 
 
-@pytest.mark.multihost  # two training runs: ~1.5 min of CPU; in the default run (issue: "under a few minutes")
+@pytest.mark.multihost  # two training runs: ~1.5 min of CPU; in the default run (`make test`)
 def test_two_local_processes_match_one_process(tmp_path):
     """A few steps of the default config: 2 processes x 4 CPU devices give the metrics of 1 x 8."""
     common = ["--config", os.path.join(ROOT, "configs", "default.yaml"), "train.steps=2", "train.progress=false",

@@ -28,7 +28,7 @@ CASES = [
     ("sort", "0112", "0121", 2 / 4),
     ("copy", "907", "9o7", 2 / 3),
     ("add", "46", "46", 1.0),
-    ("add", "46", "467", 1.0),  # "starts with the sum" (WORKLOADS.md R1)
+    ("add", "46", "467", 1.0),  # "starts with the sum" (bench/WORKLOADS.md R1)
     ("add", "46", "4", 0.0),
     ("add", "46", " 46", 0.0),
     ("add", "100", "10", 0.0),

@@ -150,7 +150,7 @@ def reference():
     return model, graphdef, params, tokens, loss, grads
 
 
-# Every preset and the mesh shapes (data, fsdp, tensor) of the issue in the default run; more in `slow`.
+# Every preset on a mesh (data, fsdp, tensor) that uses its axes, in the default run; more in `slow`.
 CASES = [("replicated", (8, 1, 1)), ("data", (2, 4, 1)), ("fsdp", (1, 8, 1)), ("tensor", (2, 2, 2)),
          ("fsdp_tensor", (1, 4, 2))]
 SLOW_CASES = [("data", (8, 1, 1)), ("fsdp", (2, 4, 1)), ("tensor", (4, 1, 2)), ("fsdp_tensor", (2, 2, 2)),

@@ -77,10 +77,10 @@ def test_rank_mismatch_and_bad_rule_data():
     assert [x.mesh for x in r.rules] == [("data", "tensor"), (), ()]
 
 
-# ---- presets against the model contract (written out by hand) ----
+# ---- presets against the models' parameter layout (written out by hand) ----
 
 L, V, D, H, K, E, F = 2, 64, 32, 8, 2, 4, 48
-PARAMS = {  # name: (shape, logical axes) — from the model contract in the team brief
+PARAMS = {  # name: (shape, logical axes) — as models/llama.py declares them (nnx.Param `axes`)
     "embed": ((V, D), ("vocab", "embed")),
     "layers.attn_norm": ((L, D), ("layers", "embed")),
     "layers.wq": ((L, D, H, E), ("layers", "embed", "heads", "head_dim")),

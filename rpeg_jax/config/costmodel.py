@@ -25,10 +25,12 @@ class CostModelConfig:
     attention: Literal["auto", "dense", "flash"] = "auto"  # auto: dense on cpu, flash on accelerators
     sequence_packing: bool = False  # trainer packs sequences (no padding to max_new_tokens)
     kv_pool: Literal["replicated", "sharded"] = "sharded"  # sampler KV pages over the generation data
-    #   axis: one pool per replica (the sampler since session 4: sampling/sharding.py) or replicated (every device
+    #   axis: one pool per replica (what the sampler does: sampling/sharding.py) or replicated (every device
     #   holds all replicas' pages); a run with rollout.kv_pool=replicated is priced replicated either way
-    continuous_admission: bool = False  # under staleness k the sampler admits later steps' prompts while a
-    #   step's tail finishes (partial rollouts), so generation is throughput-bound; False = one batch per call
+    continuous_admission: bool = False  # True prices a sampler capability that is NOT built yet, with an
+    #   idealized formula: under staleness k the sampler would admit later steps' prompts while a step's
+    #   tail finishes (partial rollouts), so generation is throughput-bound. False (what the runtime does):
+    #   each step's batch is one generate call, tail included
     # Search space (structural knobs the planner may change).
     max_staleness: int = 1  # k the planner may choose, 0..max_staleness (0: synchronous only)
     search_share_actor_critic: bool = True  # PPO: may share one backbone between actor and critic

@@ -1,6 +1,6 @@
 """Model section of the run config: the Llama/Qwen2-family decoder's shape and numerics.
 
-Presets (`model.preset`) name the shapes of ../shared/WORKLOADS.md and the Qwen2/Llama sizes the
+Presets (`model.preset`) name the shapes of bench/WORKLOADS.md and the Qwen2/Llama sizes the
 planner is asked about; any field given next to a preset overrides it. `model.path` points at a
 local Hugging Face checkpoint directory whose config.json then defines the shape.
 """
@@ -112,7 +112,7 @@ class ModelConfig:
             self.rope_scaling.validate(key(path, "rope_scaling"))
 
 
-# Shapes from ../shared/WORKLOADS.md (T, S) and Qwen2/Llama public configs (for the planner and GPU).
+# Shapes from bench/WORKLOADS.md (T, S) and Qwen2/Llama public configs (for the planner and GPU).
 PRESETS: dict[str, dict] = {
     "tiny": dict(vocab_size=128, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
                  intermediate_size=768, max_position_embeddings=512),

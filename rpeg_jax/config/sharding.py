@@ -58,9 +58,9 @@ def rules_for_mesh(rules: str, mesh: dict[str, int], role: str, *, priced: bool 
     per replica and splits only the batch over it), nothing is computed twice. With `priced` (the
     planner's plans) a built-in preset is lifted the same way, since the cost model priced the
     mesh as exactly that; without, an explicit preset stands as given. A user's own preset is
-    always kept. (Until 2026-12-01 the defaults were `fsdp` / `data` whatever the mesh: a
-    (fsdp 2, tensor 2) update ran replicated over `tensor`, 2x the work; measured 0.96 vs 0.52
-    CPU s per step.)"""
+    always kept. Why lifted: with `fsdp` / `data` whatever the mesh, a (fsdp 2, tensor 2) update
+    runs replicated over `tensor`, 2x the work (measured on 2026-12-01, bench/NOTES.md session 7:
+    0.96 vs 0.52 CPU s per step)."""
     if rules == "auto":
         rules, priced = AUTO_BASE[role], True
     if not priced or rules not in BUILTIN_RULES:

@@ -6,7 +6,8 @@ fsdp f × tensor t, gradient micro-batches, remat) and the forward layout (its o
 micro-batches). Its columns are the base durations of every stage kind and the peak memory per
 device; rows that do not fit the memory budget are dropped before anything is simulated.
 
-Memory per device (reference §3.3-3.5), colocated (everything shares the devices):
+Memory per device (the buffers each model holds, counted as in ZeRO), colocated (everything
+shares the devices):
     resident = actor (+ critic) params + Adam moments / (f·t) + reference weights / (f'·t')
                + rollout weights / t_g
     peak     = max(resident + KV pages + gen working set,

@@ -2,7 +2,8 @@
 
 A mesh axis of `size` devices with `stride` (devices between neighbours; the mesh is laid out
 row-major with `tensor` innermost) has k members inside each node and spans m = size / k nodes,
-possibly several network groups. Collectives compose hierarchically (reference §3.2.2):
+possibly several network groups. Collectives compose hierarchically (reduce-scatter in the
+node, the cross-node part on each GPU's own NIC, all-gather in the node):
 
     all-reduce  m = 1: ring in the node     2(k-1)/k · S / B_node(k)
                 m > 1: RS in node + AR across nodes on S/k per rail + AG in node
@@ -12,10 +13,11 @@ possibly several network groups. Collectives compose hierarchically (reference �
     p2p         S / B_level
 
 Every bandwidth is the line rate times an efficiency looked up by message size in the profile's
-busbw table (interpolated in log-log; a single α-β line is 16-68% off at 1-8 MB, §3.2.4), and
-each step pays the level's latency α. All functions take numpy arrays (broadcasting).
+busbw table (interpolated in log-log: NCCL switches protocol and channel count with the
+size, so one α-β line fitted to the large messages of the Alps nccl-tests data is 16-68% off at
+1-8 MB), and each step pays the level's latency α. All functions take numpy arrays (broadcasting).
 
-Callers: costmodel/stages.py, costmodel/planner.py, tests.
+Callers: costmodel/stages.py, costmodel/candidates.py, tests.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def reshard_time(hw: HardwareProfile, param_bytes, src_shards, dst_shards, group
 
 def transfer_time(hw: HardwareProfile, param_bytes, n_src, n_dst, dst_shards):
     """Weights from a training group of `n_src` devices to a disjoint generation group of `n_dst`
-    devices holding `dst_shards`-way shards (split placement, §3.6): every receiver takes
+    devices holding `dst_shards`-way shards (split placement): every receiver takes
     param_bytes/dst_shards over its own NIC, senders stripe the whole model over their NICs,
     and receivers relay to later replicas (a pipelined broadcast) so the time is the larger of
     the two plus a log-depth latency."""

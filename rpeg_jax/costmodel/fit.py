@@ -215,14 +215,14 @@ def fit_points(hw: HardwareProfile, points: list[dict], multistart: bool = True)
 
 
 # ---- whole steps (the runtime's host costs) ----------------------------------------------------
-STEP_FACTORS = (("piece_s", 1e-3), ("host_seq_s", 1e-5), ("host_step_s", 1e-3))  # (name, unit the fit works in)
-STEP_TP = ("decode_tp_factor", 1.0)  # refitted on whole steps too when they include tensor-parallel generation
-# Off (session 5): a stage factor refitted on whole steps absorbs every other tensor-parallel miss of
-# the steps. In session 5's locked run the B=64 calibration plans generated on tensor 2 AND trained on
-# tensor 2 (the runtime's grouped-prompt update costs more on tensor meshes than the stage model
-# prices), and the step fit moved decode_tp_factor from the stage fit's 12.7 to 109.8, pricing
-# every tensor-parallel generation stage 5-9x too slow. Stage factors are the stage points' to fit.
-STEP_TP_FIT = False
+# (name, unit the fit works in). Host costs only: a stage factor refitted on whole steps absorbs
+# every other miss of the steps. When decode_tp_factor was refitted here too (until commit 1d2b422,
+# 2026-12-01), calibration plans with B=64 that generated on tensor 2 AND trained on tensor 2 (the
+# runtime's grouped-prompt update costs more on tensor meshes than the stage model prices) moved it
+# from the stage fit's 12.7 to 109.8, pricing every tensor-parallel generation stage 5-9x too slow.
+# Stage factors are fitted to the stage points alone.
+STEP_FACTORS = (("piece_s", 1e-3), ("host_seq_s", 1e-5), ("host_step_s", 1e-3))
+
 
 def predict_step(hw: HardwareProfile, sp: dict) -> float:
     """Predicted steady-state seconds of a measured step point: {"overrides": [config overrides],
@@ -237,15 +237,12 @@ def predict_step(hw: HardwareProfile, sp: dict) -> float:
 def fit_steps(hw: HardwareProfile, steps: list[dict]) -> tuple[HardwareProfile, dict]:
     """The runtime's per-piece, per-sequence and per-step host costs (piece_s, host_seq_s,
     host_step_s) fitted to whole steps of *calibration* configs (two batch sizes, so that the
-    per-sequence and per-step costs separate), the stage factors fixed (least squares on log time).
-    With `STEP_TP_FIT` (off since session 5, see there) decode_tp_factor was refitted with them
-    when the steps include tensor-parallel generation (session 4: the stage points' compromise
-    between few and many slots under-priced the sampler's tensor-parallel cost at step batch sizes)."""
+    per-sequence and per-step costs separate), the stage factors fixed (least squares on log time;
+    STEP_FACTORS says why no stage factor is refitted here)."""
     from scipy.optimize import least_squares
 
     meas = np.log([sp["seconds"] for sp in steps])
-    tp = any(sp["layout"]["generate"]["tensor"] > 1 for sp in steps) and STEP_TP_FIT
-    factors = STEP_FACTORS + ((STEP_TP,) if tp else ())
+    factors = STEP_FACTORS
     # Linear in units (both start near 0, where a log parameter would have no gradient), >= 0.
     x0 = np.array([getattr(hw.efficiency, n) / unit for n, unit in factors])
     lo = np.array([LOWER.get(n, 0.0) / unit for n, unit in factors])

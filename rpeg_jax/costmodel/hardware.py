@@ -3,7 +3,7 @@
 Profiles live in configs/hardware/<name>.yaml (gh200, h100, h200, cpu); `rpeg calibrate` writes a
 fitted copy to ~/.cache/rpeg_jax/hardware/<name>.yaml (or $RPEG_CACHE), which `load_hardware`
 prefers when it exists. Every number has a unit in its comment; efficiencies are fractions of
-the peak and are looked up by size (Calculon's form, ../shared/reference/costmodel.md §1.2):
+the peak and are looked up by size (the form of Calculon, github.com/calculon-ai/calculon):
 
     time = work / (peak * eff(size)),  eff interpolated linearly in log(eff) over log(size)
 
@@ -200,7 +200,8 @@ class HardwareProfile:
 
     def node_bw(self, k) -> np.ndarray:
         """Ring busbw ceiling of k devices of one node, bytes/s. On a pairwise mesh, k-1 disjoint
-        rings can run at once (3 × 150 GB/s on a 4-GPU GH200 node, reference §3.2.1)."""
+        rings can run at once (a 4-GPU GH200 node, fully connected,
+        holds 3 edge-disjoint directed rings: 3 × 150 GB/s)."""
         k = np.asarray(k, dtype=np.float64)
         if self.node.topology == "mesh":
             return self.node.link_bw * np.maximum(k - 1.0, 1.0)

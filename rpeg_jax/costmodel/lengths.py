@@ -1,6 +1,6 @@
 """Response-length distributions and the decode schedule they imply (batch shrinking over time).
 
-Generation time is set by the length distribution, not the mean (reference §1.2 lesson 5): the
+Generation time is set by the length distribution, not the mean: the
 active batch b(τ) shrinks as sequences finish and the longest sequence sets the stage's end. A
 `LengthDist` is a shifted lognormal clipped to [min_len, max_len] (a long tail), or an empirical
 sample (the previous iteration's realised lengths). `decode_profile` runs continuous batching
@@ -8,7 +8,7 @@ with `slots` concurrent sequences (refill on finish) and compresses the step axi
 
     T_gen = Σ_bins steps_i · t_step(b_i, c_i)      (b_i active sequences, c_i their mean context)
 
-Callers: costmodel/stages.py, costmodel/planner.py, bench/, tests. Pure numpy.
+Callers: costmodel/stages.py, planner.py, fit.py, calibrate.py, tests. Pure numpy.
 """
 
 from __future__ import annotations
@@ -61,10 +61,6 @@ class LengthDist:
 
     def mean(self, n: int = 1024) -> float:
         return float(self.lengths(n).mean())
-
-    def batch_max(self, n: int) -> int:
-        """Expected longest response in a batch of n (the padded response length)."""
-        return int(self.lengths(max(n, 1)).max())
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,19 @@
-"""FLOPs, bytes and memory of one decoder model, from its shape alone (the formulas of §3).
+"""FLOPs, bytes and memory of one decoder model, from its shape alone.
 
 Letters (as in models/): L layers, D hidden, H query heads, K kv heads, E head_dim, F mlp width,
 V vocab; t = tensor-parallel degree; a = bytes per element of the compute dtype, p = of the
 parameter dtype. Every method takes numpy arrays or scalars, so the planner evaluates thousands
-of layouts at once. Equations (../shared/reference/costmodel.md):
+of layouts at once. Equations (counted from the matmul shapes of a GQA/SwiGLU decoder, as in
+Narayanan et al. 2021 for GPT; activations after Korthikanti et al. 2022):
 
-    matmul FLOPs per token per layer, forward = 2 (D·HE + 2·D·KE + HE·D + 3·D·F)       (§3.1)
+    matmul FLOPs per token per layer, forward = 2 (D·HE + 2·D·KE + HE·D + 3·D·F)
     attention FLOPs per sequence of length s  = 4·L·HE·s² (dense) or 2·L·HE·s² (causal skip)
     LM head FLOPs per scored token            = 2·D·V
-    KV bytes per token                        = 2·L·K·E·a                                 (§3.5)
-    saved activations per token per layer     = a (4D + (2HE + 2KE + 3F)/t) [+ scores]     (§3.4)
+    KV bytes per token                        = 2·L·K·E·a  (K and V)
+    saved activations per token per layer     = a (4D + (2HE + 2KE + 3F)/t) [+ scores]
 
-Callers: costmodel/stages.py (stage times), costmodel/memory.py, tests.
+Callers: costmodel/stages.py (stage times), candidates.py (memory), planner.py, fit.py,
+calibrate.py, bench/costmodel_stages.py, tests.
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ class ModelShape:
         return 2 * self.L * self.K * self.E * self.act_bytes_per
 
     def kv_shards(self, t):
-        """KV heads split over min(t, K) devices; beyond K they are replicated (§3.5)."""
+        """KV heads split over min(t, K) devices; beyond K they are replicated."""
         return np.minimum(np.asarray(t, np.float64), self.K)
 
     def weight_bytes(self, dtype_bytes: int | None = None) -> float:
@@ -127,10 +129,6 @@ class ModelShape:
         happen in place); a float32 accumulator with micro-batches > 1."""
         acc = np.where(np.asarray(micro) > 1, 4.0 * self.num_params, 0.0)
         return (1.0 + UPDATE_COPIES) * self.num_params * self.param_bytes_per + acc
-
-    def train_state_bytes(self) -> float:
-        """params + grads + Adam m, v (the ZeRO paper's 16 bytes per parameter in float32)."""
-        return 4.0 * self.num_params * self.param_bytes_per
 
     def act_bytes_per_token_layer(self, t, remat: str, dense_scores_ctx=0.0, score_arrays: int = 2):
         """Activation bytes a layer saves for backward per token (Korthikanti-style count for
@@ -163,8 +161,9 @@ class ModelShape:
         a training step holds the gathered whole model when f > 1 (with f = 1 its slices are not
         extra: measured with XLA's memory analysis on CPU, bench/NOTES.md "Cost model"). A training
         step that loops over micro-batches or recomputes layers (`looped`) holds one more whole
-        gathered copy when f > 1 (session B's points: the worst case, unrolled T on fsdp 8 with 2
-        micro-batches, -30% -> within the rest; validation memory MAPE 9.96% -> 7.8%)."""
+        gathered copy when f > 1 (on the CPU points of 2026-11-30, bench/NOTES.md "Cost model", it
+        brought the worst case, unrolled T on fsdp 8 with 2 micro-batches, from -30% to within the
+        rest, and validation memory MAPE from 9.96% to 7.8%)."""
         f, t = np.asarray(f, np.float64), np.asarray(t, np.float64)
         w = self.weight_bytes(self.param_bytes_per)
         if not self.scanned:

@@ -3,7 +3,7 @@
 A layout is arrays over candidates: a training/forward stage runs on `n` devices as
 data d × fsdp f × tensor t (tensor innermost), with `micro` micro-batches per optimizer step
 and a remat mode; generation runs n/t replicas of t-way tensor parallelism with `slots`
-concurrent sequences each. Times are rooflines with the profile's efficiencies (§3.6):
+concurrent sequences each. Times are rooflines with the profile's efficiencies:
 
     t_core   = max(FLOPs / (peak · eff_mm(matmul size)), bytes / (bw · eff_mem(bytes)))
                (shared host: the sum of the two, see `roofline`)
@@ -137,9 +137,10 @@ def roofline(hw: HardwareProfile, flops, nbytes, mm_size, rate, bw, busy=1.0):
     """max(compute, memory) on an accelerator. On a shared host (one CPU's cores run every
     device's kernels) the two ADD, as in the decode step: a CPU GEMM of a few dozen rows does not
     hide streaming its weights behind its FLOPs, and with 8 replicas of the weights (data-parallel
-    meshes) the stream leaves the last-level cache. Fitted on session B's points (bench/NOTES.md,
-    cost model, session 3): forward validation MAPE 18.9% -> 15.1%, train 13.3% -> 11.5%, and the
-    2-fold check (fit on validation, predict calibration) improved the same way."""
+    meshes) the stream leaves the last-level cache. On the CPU calibration points of 2026-11-30
+    (bench/NOTES.md, "Cost model") the sum instead of the max took forward validation MAPE from
+    18.9% to 15.1% and train from 13.3% to 11.5%, and the 2-fold check (fit on validation, predict
+    calibration) improved the same way."""
     t_c = flops / (rate * mm_eff(hw, mm_size))
     t_m = mem_time(hw, nbytes, bw, busy)
     return t_c + t_m if hw.shared_host else np.maximum(t_c, t_m)
@@ -341,7 +342,6 @@ def generate_stage(st: Setting, ms: ModelShape, n_gen: int, t, slots, async_ks=(
     slots = np.atleast_1d(np.asarray(slots, np.int64))
     t, slots = np.broadcast_arrays(t, slots)
     reps = np.maximum(n_gen // t, 1)
-    n_rep = -(-st.B // reps)
     total, decode, prefill = np.zeros(t.shape), np.zeros(t.shape), np.zeros(t.shape)
     asy = {k: np.zeros(t.shape) for k in async_ks}
     curves: list = [None] * len(t)

@@ -3,7 +3,7 @@
 A record is a plain dict: {"id", "prompt", "answer", "task", ...task fields}. Each task also
 scores a completion (the text before the first eos) against the record's answer, in [0, 1].
 
-- add     (WORKLOADS.md R1): "a+b=" with operands of min_digits..max_digits digits (R1 uses 2);
+- add     (bench/WORKLOADS.md R1): "a+b=" with operands of min_digits..max_digits digits (R1 uses 2);
           reward 1.0 when the completion starts with the decimal sum, else 0.
 - copy    "c<digits>="  -> the same digits.
 - reverse "r<digits>="  -> the digits reversed (the default task).
@@ -53,7 +53,7 @@ def digit_credit(completion: str, target: str) -> float:
 
 
 def starts_with_credit(completion: str, target: str) -> float:
-    """1.0 when the completion starts with the target (WORKLOADS.md R1), else 0.0."""
+    """1.0 when the completion starts with the target (bench/WORKLOADS.md R1), else 0.0."""
     return 1.0 if target and completion.startswith(target) else 0.0
 
 

@@ -43,7 +43,7 @@ class Tokenizer(Protocol):
 
 
 class CharTokenizer:
-    """One id per character, as model T of WORKLOADS.md expects: vocab 128, pad 0, bos 1, eos 2.
+    """One id per character, as model T of bench/WORKLOADS.md expects: vocab 128, pad 0, bos 1, eos 2.
 
     Printable ASCII (32..126), tab and newline map to their code points, which never collide
     with the special ids. Any other id decodes to U+FFFD, so a random model's junk tokens can

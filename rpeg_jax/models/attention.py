@@ -11,7 +11,6 @@ q and k arrive with RoPE applied. `layer` is the traced layer index inside the l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -19,11 +18,6 @@ import jax.numpy as jnp
 from rpeg_jax.sharding.axes import explicit_spec
 
 NEG_INF = -1e30  # finite: fully masked rows (padding queries) stay finite instead of NaN
-
-
-class AttentionFn(Protocol):
-    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, layer: jax.Array, cache: Any
-                 ) -> tuple[jax.Array, Any]: ...
 
 
 def _group_heads(q_BxTxHxE, k_BxSxKxE):
@@ -48,7 +42,6 @@ def gqa_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS) -> jax.Array:
     Scores accumulate in float32; the output has q's dtype. Masked entries get NEG_INF.
     """
     b, t, h, e = q_BxTxHxE.shape
-    kv = k_BxSxKxE.shape[2]
     q = _group_heads(q_BxTxHxE, k_BxSxKxE)
     scores = jnp.einsum("btkge,bske->bkgts", q, k_BxSxKxE, preferred_element_type=jnp.float32)
     scores = scores * (e ** -0.5)

@@ -1,16 +1,21 @@
 """Checkpoints of everything a resume needs, with orbax: written atomically and asynchronously.
 
-A checkpoint at step t holds three items:
-  - "train":  device arrays (actor/critic params, optimizer states, the PRNG key), restored
-              into the shardings of an abstract target, so a resume lands on the same layout;
-  - "buffer": the rollout buffer (host numpy arrays of rollouts generated ahead under bounded
-              asynchrony, with their policy versions), omitted when empty;
-  - "meta":   JSON: step, data-iterator state, versions, and a config fingerprint.
+A checkpoint at step t holds three items (what goes in each is chosen by runtime/resume.py):
+  - "train":  device arrays: actor and critic params and their optimizer states (resume.py
+              TRAIN_STATES), restored into the shardings of an abstract target, so a resume lands
+              on the same layout; no PRNG key is saved: every stream is a function of (seed, step);
+  - "buffer": the rollouts generated ahead under bounded asynchrony for steps t..t+k-1 (their
+              completions arrays and behaviour logprobs, as global device arrays: each process
+              writes its shards), omitted when empty;
+  - "meta":   JSON: step, the version of each train state, the data-iterator state, the
+              executor's next lead step per stage, the buffered steps with each buffer array's
+              shape and dtype, their pending generate-side metrics, and the weights version
+              each buffered step was admitted with.
 orbax writes into a temporary directory and renames it when complete, so a process killed
 mid-save leaves the previous checkpoint intact. Non-finite parameters are refused: a NaN never
 reaches a checkpoint. Retention keeps the newest `keep` checkpoints.
 
-Called by: runtime/trainer.py.
+Called by: runtime/trainer.py (creates the Checkpointer), runtime/resume.py (save, restore).
 """
 
 from __future__ import annotations

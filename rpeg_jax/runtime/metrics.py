@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from typing import Any
 
 
@@ -83,7 +82,6 @@ class _Progress:
                            TextColumn("{task.fields[info]}"), transient=False)
         self._task = self._p.add_task("train", total=total, completed=start, info="")
         self._p.start()
-        self._t = time.time()
 
     def update(self, step: int, record: dict) -> None:
         info = " ".join(f"{label}={record[k]:.3g}" for k, label in (("reward/mean", "reward"),

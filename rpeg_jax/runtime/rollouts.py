@@ -1,12 +1,18 @@
 """Rollouts: sampler outputs -> the rollout batch layout; reward scoring; the prompt cache and
 the rollout buffer that enforces the staleness bound.
 
-Rollout layout (see the team contract): B = prompts x G sequences, prompts LEFT-padded to P,
-responses RIGHT-padded to R, S = P + R. P and R are bucketed up to a multiple of
-`LENGTH_BUCKET` (fewer padded tokens, few distinct compiled shapes) unless the run streams
-micro-batches, where every piece must have the configured shape so pieces concatenate.
+Rollout layout: B = prompts x G sequences (a prompt's G rows adjacent), prompts LEFT-padded to
+P, responses RIGHT-padded to R, S = P + R. `completions` holds global arrays sharded over `data`
+(tokens_BxS, positions_BxS, segment_ids_BxS: 1 on real tokens, 0 on padding; response_mask_BxR,
+versions_BxR: the policy version of each sampled token; group_ids_B) plus host-only `host_*`
+fields (tokens, mask, prompt, answer, record) for the reward; the behaviour logprobs are a
+separate [B, R] array. P and R are bucketed up to a multiple of `LENGTH_BUCKET` (fewer padded
+tokens, few distinct compiled shapes) unless the run streams micro-batches, where every piece
+must have the configured shape so pieces concatenate.
 
-Called by: runtime/kernels.py (generate, reward), runtime/trainer.py (checkpoint state).
+Called by: runtime/kernels.py (generate, reward), runtime/setup.py (RolloutBuffer, StepPrompts),
+runtime/trainer.py (token statistics, the staleness check, step FLOPs), runtime/resume.py
+(host_fields).
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ Called by: runtime/trainer.py.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import threading
@@ -31,14 +30,6 @@ class Tracer:
         self.spans: list[Span] = []
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
-
-    @contextlib.contextmanager
-    def span(self, name: str, group: str, step: int):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(name, group, start, time.perf_counter(), step)
 
     def add(self, name: str, group: str, start: float, end: float, step: int) -> None:
         with self._lock:

@@ -8,7 +8,7 @@ programs' GEMMs ([4096, 256] x [256, 768] and their gradients) at ~150 GFLOP/s a
 Eigen's, but the sampler's decode GEMVs are much faster with them (G1-T-greedy 9.4-11.6k tok/s with
 YNNPACK, 6.4-8.5k with it off process-wide). So YNNPACK can be turned off per program, for the
 stage programs graph/compile.py jits (updates, logprob / value / reference passes), while the
-sampler keeps XLA's defaults. Measured (bench/NOTES.md, R1, Session 3), 5 interleaved pairs:
+sampler keeps XLA's defaults. Measured on 2026-11-30 (bench/NOTES.md, R1), 5 interleaved pairs:
 the reference pass faster in 5 of 5 (0.20 -> 0.16 s), R1-b in 4 of 5 (median 1.18 -> 1.12 s),
 R1-a in 3 of 5 (0.97 -> 0.96 s); the update program alone in 6 of 7 pairs (one process). Not a
 win in every pair, so it is opt-in, not a default:

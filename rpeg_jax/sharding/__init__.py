@@ -1,6 +1,6 @@
 """rpeg_jax.sharding: meshes, logical-axis rules, the user extension point, resharding, multi-host.
 
-Public API (what the runtime, the compiler and users call):
+Public API (what the runtime, `rpeg shardings` and users call):
   meshes       make_mesh, abstract_mesh, sub_meshes, canonical_spec, mesh_scope (mesh.py)
   rules        Rule, Rules, resolve, PRESETS, register_rules, get_rules,
                activation_resolver, ShardingError                           (rules.py)

@@ -1,5 +1,5 @@
-"""One stage's layout (mesh + rules + overrides) built from the config: what the runtime and the
-compiler call.
+"""One stage's layout (mesh + rules + overrides) built from the config: what the runtime calls
+(runtime/placement.py builds one per planned stage).
 
     from rpeg_jax.sharding import stage_layout
     train = stage_layout(cfg.sharding, "train")                  # all global devices
@@ -11,7 +11,7 @@ compiler call.
 
 `layout_for(mesh_spec, rules_name, cfg.sharding, devices)` does the same for a planner's stage
 (graph Plan: StagePlan.mesh, StagePlan.rules). With `num_devices` instead of devices the mesh is
-abstract (no devices; `rpeg shardings`, the cost model).
+abstract (no devices; `rpeg shardings`).
 """
 
 from __future__ import annotations

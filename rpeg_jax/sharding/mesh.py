@@ -1,7 +1,7 @@
 """Device meshes: from a spec like `{data: -1, fsdp: 4, tensor: 1}` over the global devices.
 
-Callers: the runtime and the compiler (one mesh per stage placement), `rpeg shardings` (abstract
-meshes, no devices), tests.
+Callers: layouts.py (`layout_for`: one mesh per stage layout for runtime/placement.py, abstract
+meshes without devices for `rpeg shardings`), runtime/placement.py (`mesh_scope`), tests.
 
 Layout. Axes are laid out in the order given, the LAST axis changing fastest. Devices are taken
 in (process index, device id) order, which is the order in which processes sit on nodes under

@@ -1,8 +1,9 @@
 """Parameter layouts: logical axes (nnx.Param metadata `axes`) + rules + overrides -> shardings.
 
-Callers: the runtime and compiler (`param_shardings` for jit in/out shardings, `shard_model` for
-a sharded init that never materialises the model on one device), `rpeg shardings` (`param_table`
-on an abstract model and an abstract mesh), tests.
+Callers: layouts.py (`StageLayout.params`: the shardings runtime/placement.py moves state and
+stage inputs into), runtime/setup.py (`shard_model` for a sharded init that never materialises
+the model on one device), `rpeg shardings` (`param_table` on an abstract model and an abstract
+mesh), bench/costmodel_stages.py, tests.
 
 A tree is anything `jax.tree` walks: an nnx.Module, an nnx.State from `nnx.split`, or a plain
 dict whose leaves are nnx.Variable (with `axes` metadata) or arrays / ShapeDtypeStructs (no axes:

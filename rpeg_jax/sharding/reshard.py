@@ -1,12 +1,16 @@
 """Resharding a tree between layouts and meshes (training <-> generation, between sub-meshes).
 
-Callers: the runtime's weight_sync stage (`Resharder()(params, dst_shardings)`), the compiler
-and the cost model (`Resharder.plan(...).bytes_moved`, `reshard_bytes`).
+Callers: runtime/placement.py's Placement, through one `Resharder()` called as
+`resharder(tree, dst_shardings)`: `put_params` (state into the layout of the stage that writes
+it), `place_inputs` (a stage's parameter inputs into that stage's layout), `to_rollout` (the
+trained weights into the sampler's generation layout: the weight_sync stage). `plan(...)`
+(its methods and `bytes_moved`), `reshard_bytes` and `reshard_bytes_abstract` are called by
+tests only (tests/test_reshard.py, tests/test_multihost.py); the cost model prices resharding with
+its own formula (costmodel/comm.py `reshard_time`), not with these.
 
 A plan is built once per (tree structure, shapes, dtypes, source shardings, destination
 shardings) and cached; it records per leaf the method and the bytes each destination device
-must receive (its block minus what the same device already holds), which is what the cost
-model charges.
+must receive (its block minus what the same device already holds).
 
 Methods:
   keep        source and destination layouts are equal: nothing moves.
@@ -132,7 +136,7 @@ def _blocks(shape: tuple[int, ...], spec: Any, sizes: dict[str, int]) -> list[tu
 
 def reshard_bytes_abstract(shape: tuple[int, ...], itemsize: int, src_spec: Any, src_sizes: dict[str, int],
                            dst_spec: Any, dst_sizes: dict[str, int], shared_devices: bool) -> int:
-    """`bytes_received` without devices (the cost model plans clusters it cannot see): the two
+    """`bytes_received` without devices (for meshes larger than the machine): the two
     meshes are either over the same devices in the same order (`shared_devices`, a colocated
     layout change) or over disjoint devices (a split placement)."""
     shape = tuple(shape)
@@ -225,7 +229,7 @@ class Resharder:
 
         rs = Resharder()
         gen_params = rs(train_params, gen_shardings)     # training -> generation
-        rs.plan(train_params, gen_shardings).bytes_moved  # for the cost model
+        rs.plan(train_params, gen_shardings).bytes_moved  # bytes the destination devices receive
 
     `method`: "auto" (device_put where it works, else collective), or force one (tests)."""
 

@@ -2,7 +2,8 @@
 
 A rule maps one logical axis name (`embed`, `heads`, ... see axes.py) to a tuple of mesh axes
 (empty = replicated). `Rules` is an ordered list of them. Callers: params.py (parameters),
-`activation_resolver` (activations, through `axes.use_resolver`), the compiler, `rpeg shardings`.
+`activation_resolver` (activations, through `axes.use_resolver`; layouts.py's
+`StageLayout.activations`, which the runtime enters while a stage's program traces), `rpeg shardings`.
 
 Semantics of `resolve(axes, shape, mesh, rules, name)`, one array at a time:
 
