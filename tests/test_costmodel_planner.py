@@ -29,7 +29,7 @@ def cfg_of(*extra, model="qwen2-1.5b"):
 
 
 def test_planning_path_imports_no_jax():
-    code = ("import sys, rpeg_jax.costmodel.planner, rpeg_jax.costmodel.cli, rpeg_jax.costmodel.calibrate; "
+    code = ("import sys, rpeg_jax.costmodel.planner, rpeg_jax.cli.plan, rpeg_jax.cli.calibrate; "
             "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib', 'flax'))]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
