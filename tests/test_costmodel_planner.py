@@ -29,6 +29,8 @@ def cfg_of(*extra, model="qwen2-1.5b"):
 
 
 def test_planning_path_imports_no_jax():
+    """Transitively, at import time (which package may import which, function-level imports
+    included: tests/test_layers.py)."""
     code = ("import sys, rpeg_jax.costmodel.planner, rpeg_jax.cli.plan, rpeg_jax.cli.calibrate; "
             "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib', 'flax'))]; "
             "assert not bad, bad")

@@ -216,6 +216,8 @@ def test_edges_default_ports_to_the_node_names():
 
 
 def test_graph_package_imports_no_jax():
+    """What importing the graph and `rpeg graph` pulls in, transitively (which package may import
+    which, function-level imports included: tests/test_layers.py)."""
     import subprocess
     import sys
 
