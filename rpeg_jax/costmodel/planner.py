@@ -37,7 +37,7 @@ from rpeg_jax.costmodel.report import explain
 from rpeg_jax.costmodel.schedule import simulate, stage_spans, unroll
 from rpeg_jax.costmodel.shape import ModelShape
 from rpeg_jax.costmodel.space import allocations, divisible, families, sampler_is_trainer, structural_options  # noqa: F401
-from rpeg_jax.costmodel.types import Context, Prediction, SearchResult, clock_of  # noqa: F401  (planner's API)
+from rpeg_jax.costmodel.types import Context, Prediction, SearchResult, clock_of
 from rpeg_jax.graph.algorithms import build_graph
 from rpeg_jax.graph.ir import Graph, GraphError, Op, StageKind
 from rpeg_jax.graph.passes import apply_pipeline
