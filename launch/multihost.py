@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from rpeg_jax.cli import train as train_command  # noqa: E402  (--config, --result-json, overrides; train)
 from rpeg_jax.config import ConfigError, load_config  # noqa: E402
 from rpeg_jax.sharding import distributed as dist  # noqa: E402
 
@@ -32,14 +32,12 @@ EXIT_CONFIG, EXIT_INIT = 2, 3
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="launch/multihost.py", description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=None, help="YAML preset (default: configs/default.yaml)")
+    train_command.add_arguments(p)
     p.add_argument("--coordinator", default=None, help="host:port of process 0 (overrides distributed.coordinator)")
     p.add_argument("--num-processes", type=int, default=None)
     p.add_argument("--process-id", type=int, default=None)
     p.add_argument("--local-processes", type=int, default=0, help="start N processes on this machine (CPU, gloo)")
     p.add_argument("--local-devices", type=int, default=4, help="CPU devices per local process")
-    p.add_argument("--result-json", default=None, help="process 0 writes training's returned dict here")
-    p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     return p.parse_args(argv)
 
 
@@ -69,48 +67,6 @@ def child_command(argv: list[str]) -> list[str]:
     return [sys.executable, os.path.abspath(__file__)] + out
 
 
-def training_entry():
-    """rpeg_jax.runtime.train, or None while the runtime is not built."""
-    try:
-        import rpeg_jax.runtime as runtime
-        from rpeg_jax.runtime import trainer  # noqa: F401  (the module train() defers to)
-    except ModuleNotFoundError as e:
-        if e.name and e.name.startswith("rpeg_jax.runtime"):
-            return None
-        raise
-    return getattr(runtime, "train", None)
-
-
-def run(cfg, spec, args) -> int:
-    train = training_entry()
-    if train is None:
-        if spec.process_id == 0:
-            print(f"rpeg launch: training is not built yet (rpeg_jax.runtime.train is missing); the config is "
-                  f"valid and {spec.num_processes} process(es) initialised", file=sys.stderr)
-        return 0
-    from rpeg_jax.runtime.trainer import expected_failures
-
-    try:
-        result = train(cfg)
-    except expected_failures() as e:
-        print(f"rpeg: process {spec.process_id}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    if args.result_json and spec.process_id == 0:
-        with open(args.result_json, "w") as f:
-            json.dump(_plain(result), f, indent=1, sort_keys=True)
-    return 0
-
-
-def _plain(x):
-    if isinstance(x, dict):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:
-        return x.item()
-    return x if isinstance(x, (int, float, str, bool, type(None))) else repr(x)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
@@ -134,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     watchdog = dist.Watchdog(spec.process_id, spec.num_processes, d.heartbeat_timeout_s).start() \
         if spec.multi and d.watchdog else None
     try:
-        rc = run(cfg, spec, args)
+        rc, _ = train_command.train(cfg, args.result_json, spec.process_id, who=f"rpeg: process {spec.process_id}")
     except ConfigError as e:
         print(str(e), file=sys.stderr)
         rc = EXIT_CONFIG

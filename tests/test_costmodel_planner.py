@@ -29,7 +29,9 @@ def cfg_of(*extra, model="qwen2-1.5b"):
 
 
 def test_planning_path_imports_no_jax():
-    code = ("import sys, rpeg_jax.costmodel.planner, rpeg_jax.costmodel.cli, rpeg_jax.costmodel.calibrate; "
+    """Transitively, at import time (which package may import which, function-level imports
+    included: tests/test_layers.py)."""
+    code = ("import sys, rpeg_jax.costmodel.planner, rpeg_jax.cli.plan, rpeg_jax.cli.calibrate; "
             "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib', 'flax'))]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -120,13 +122,13 @@ def test_search_finds_the_optimum_of_its_space_and_baselines_are_family_best(alg
     cache = {}
     best = np.inf
     for placement, share in P.families(ctx):  # brute force: every option x every row, no pruning
-        for pipe, g in P._graphs(ctx, P.structural_options(ctx, placement, share)):
-            tab = P._table(ctx, g, placement, cache)
+        for pipe, g in P.option_graphs(ctx, P.structural_options(ctx, placement, share)):
+            tab = P.family_table(ctx, g, placement, cache)
             best = min(best, float(np.min(_all_periods(ctx, placement, share, g, tab))))
     assert res.chosen.step_time_s == pytest.approx(best, rel=1e-9)
     # Baselines: best over their own family (colocated, synchronous, unfused).
-    base = P._graphs(ctx, [P.PipelineConfig(placement="colocated")])[0][1]
-    tab = P._table(ctx, base, "colocated", cache)
+    base = P.option_graphs(ctx, [P.PipelineConfig(placement="colocated")])[0][1]
+    tab = P.family_table(ctx, base, "colocated", cache)
     per = _all_periods(ctx, "colocated", False, base, tab)
     verl = (tab["d"] == tab["fd"]) & (tab["f"] == tab["ff"]) & (tab["t"] == tab["ft"])
     assert res.baselines["real_like"].step_time_s == pytest.approx(per.min(), rel=1e-9)
@@ -269,8 +271,8 @@ def test_shared_host_groups_do_not_overlap_but_gpus_do():
     for hw, overlap in ((CPU, False), (GH, True)):
         ctx = P.make_context(cfg, 8, hw)
         opts = [o for o in P.structural_options(ctx, "split", False) if o.staleness == 1 and o.microbatches == 1]
-        pipe, g = P._graphs(ctx, opts[:1])[0]
-        tab = P._table(ctx, g, "split", {})
+        pipe, g = P.option_graphs(ctx, opts[:1])[0]
+        tab = P.family_table(ctx, g, "split", {})
         period, _ = P.periods(ctx, g, tab)
         dur, _ = P.durations(ctx, g, tab)
         device = sum(v for k, v in dur.items() if k != "reward")
@@ -299,8 +301,8 @@ def test_elide_old_forward_is_searched_and_priced():
     opts = P.structural_options(ctx, "colocated", False)
     assert {o.elide_old_forward for o in opts} == {False, True}
     assert all(o.staleness == 0 for o in opts if o.elide_old_forward)
-    pairs = dict((o.elide_old_forward, g) for o, g in P._graphs(ctx, [o for o in opts if not o.fuse]))
-    tab = P._table(ctx, pairs[False], "colocated", {})
+    pairs = dict((o.elide_old_forward, g) for o, g in P.option_graphs(ctx, [o for o in opts if not o.fuse]))
+    tab = P.family_table(ctx, pairs[False], "colocated", {})
     full, _ = P.periods(ctx, pairs[False], tab)
     elided, _ = P.periods(ctx, pairs[True], tab)
     dur, _ = P.durations(ctx, pairs[False], tab)
@@ -374,8 +376,8 @@ def test_price_reproduces_planner_predictions_and_streamed_pieces_cost_calls():
     ctx = P.make_context(cfg, 8, CPU)
     opts = [o for o in P.structural_options(ctx, "split", False) if o.staleness == 0 and not o.fuse
             and not o.elide_old_forward and o.microbatches in (1, 8)]
-    (o1, g1), (o8, g8) = sorted(P._graphs(ctx, opts), key=lambda x: x[0].microbatches)
-    tab = P._table(ctx, g1, "split", {})
+    (o1, g1), (o8, g8) = sorted(P.option_graphs(ctx, opts), key=lambda x: x[0].microbatches)
+    tab = P.family_table(ctx, g1, "split", {})
     d1, _ = P.durations(ctx, g1, tab)
     d8, pieces = P.durations(ctx, g8, tab)
     np.testing.assert_allclose(d8["generate"], 8 * tab["t_gen_p8"], rtol=1e-9)

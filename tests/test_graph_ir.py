@@ -216,9 +216,11 @@ def test_edges_default_ports_to_the_node_names():
 
 
 def test_graph_package_imports_no_jax():
+    """What importing the graph and `rpeg graph` pulls in, transitively (which package may import
+    which, function-level imports included: tests/test_layers.py)."""
     import subprocess
     import sys
 
-    code = "import sys, rpeg_jax.graph, rpeg_jax.graph.cli; print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'numpy')))"
+    code = "import sys, rpeg_jax.graph, rpeg_jax.cli.graph; print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'numpy')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"

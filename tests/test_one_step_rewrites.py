@@ -111,7 +111,7 @@ def test_planner_plans_drop_the_passes_one_step_makes_redundant():
         opts = P.structural_options(ctx, "colocated", share)
         assert all(o.proximal_from_update != o.elide_old_forward for o in opts)
         assert all(o.values_from_critic_update for o in opts)
-        for _, g in P._graphs(ctx, opts):
+        for _, g in P.option_graphs(ctx, opts):
             assert not {"old_forward", "critic_forward"} & set(g.stage_names())
     res = P.search(load_config(None, ["rl.algorithm=ppo", "costmodel.search_share_actor_critic=false"]), 4, hw)
     assert res.chosen.knobs["values_from_critic_update"] and "advantage+critic_update" in res.chosen.stage_times_s

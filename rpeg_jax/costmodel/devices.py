@@ -11,7 +11,7 @@ CPU, 8 under --xla_force_host_platform_device_count=8). The planner asks JAX onl
 did not say (a named profile, a device count and a process count given explicitly never touch
 JAX); in the runtime JAX is imported already. The rest of the cost model stays device-free.
 
-Callers: costmodel/planner.py (choose_plan, search), costmodel/cli.py (`rpeg plan`).
+Callers: costmodel/planner.py (choose_plan, search), rpeg_jax/cli/plan.py (`rpeg plan`).
 """
 
 from __future__ import annotations

@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,62 +33,17 @@ from rpeg_jax.costmodel import stages as S
 from rpeg_jax.costmodel.devices import resolve
 from rpeg_jax.costmodel.hardware import GB, HardwareProfile
 from rpeg_jax.costmodel.lengths import LengthDist
+from rpeg_jax.costmodel.report import explain
 from rpeg_jax.costmodel.schedule import simulate, stage_spans, unroll
 from rpeg_jax.costmodel.shape import ModelShape
 from rpeg_jax.costmodel.space import allocations, divisible, families, sampler_is_trainer, structural_options  # noqa: F401
+from rpeg_jax.costmodel.types import Context, Prediction, SearchResult, clock_of
 from rpeg_jax.graph.algorithms import build_graph
 from rpeg_jax.graph.ir import Graph, GraphError, Op, StageKind
 from rpeg_jax.graph.passes import apply_pipeline
 from rpeg_jax.graph.plan import DeviceGroup, Plan, StagePlan, knobs_of, layout_rules
 
 KEEP_ROWS = 256  # rows per family and proxy kept for schedule simulation
-
-
-@dataclass
-class Context:
-    """Everything fixed for one planning problem."""
-
-    cfg: RunConfig
-    hw: HardwareProfile
-    N: int
-    st: S.Setting
-    base: Graph  # synchronous unfused graph of the config
-    processes: int = 1  # JAX processes the N devices belong to (N / processes each, in order)
-
-
-@dataclass
-class Prediction:
-    """One fully specified plan and what the model predicts for it."""
-
-    label: str
-    step_time_s: float  # steady-state seconds per RL step
-    latency_s: float  # makespan of one step from a cold start
-    memory_per_gpu_gb: float  # predicted peak
-    utilization: float  # useful FLOPs / (step time × devices × peak)
-    stage_times_s: dict[str, float]  # duration of each graph stage
-    spans: dict[str, tuple[float, float]]  # (start, end) of each stage within a steady step
-    knobs: dict[str, Any]
-    layout: dict[str, Any]  # groups, meshes and settings of the row
-    plan: Plan | None = None
-
-    def summary(self) -> dict[str, Any]:
-        return {"step_time_s": self.step_time_s, "latency_s": self.latency_s,
-                "memory_per_gpu_gb": self.memory_per_gpu_gb, "utilization": self.utilization,
-                "stage_times_s": self.stage_times_s, "knobs": self.knobs, "layout": self.layout}
-
-
-@dataclass
-class SearchResult:
-    chosen: Prediction
-    runners_up: list[Prediction]
-    baselines: dict[str, Prediction]
-    search_seconds: float
-    evaluations: int  # complete plans scored: table rows + (row × structural option) simulations
-    plans_considered: int  # every (layouts × micro-batch × remat) combination priced, before pruning
-    hardware: str
-    num_devices: int
-    processes: int = 1
-    notes: list[str] = field(default_factory=list)
 
 
 # ---- context -------------------------------------------------------------------------------
@@ -220,7 +174,8 @@ def durations(ctx: Context, graph: Graph, tab: dict) -> tuple[dict, dict]:
     return dur, pieces
 
 
-def _take(tab: dict, idx) -> dict:
+def take_rows(tab: dict, idx) -> dict:
+    """The rows `idx` of a candidate table (every column indexed alike)."""
     return {k: v[idx] for k, v in tab.items()}
 
 
@@ -246,7 +201,8 @@ class _Scored:
     tab: dict
 
 
-def _graphs(ctx: Context, opts: list[PipelineConfig]) -> list[tuple[PipelineConfig, Graph]]:
+def option_graphs(ctx: Context, opts: list[PipelineConfig]) -> list[tuple[PipelineConfig, Graph]]:
+    """(option, the config's graph after that option's passes) for every legal structural option."""
     out = []
     for o in opts:
         try:
@@ -256,7 +212,7 @@ def _graphs(ctx: Context, opts: list[PipelineConfig]) -> list[tuple[PipelineConf
     return out
 
 
-def _table(ctx: Context, graph: Graph, placement: str, cache: dict, allocs=None) -> dict:
+def family_table(ctx: Context, graph: Graph, placement: str, cache: dict, allocs=None) -> dict:
     """The candidate table of a placement family (cached), over `allocs` (default: every
     device-group option of the family)."""
     allocs = allocations(ctx, placement) if allocs is None else allocs
@@ -290,15 +246,15 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
     scored: list[_Scored] = []
     evaluations = considered = 0
     for placement, share in families(ctx):
-        pairs = _graphs(ctx, structural_options(ctx, placement, share))
+        pairs = option_graphs(ctx, structural_options(ctx, placement, share))
         if not pairs:
             continue
-        tab = _table(ctx, pairs[0][1], placement, cache)
+        tab = family_table(ctx, pairs[0][1], placement, cache)
         if not tab:
             continue
         evaluations += len(tab["n_gen"])
         considered += int(tab["considered"][0])
-        sub = _take(tab, _prune(tab, ctx, pairs[0][1], KEEP_ROWS))
+        sub = take_rows(tab, _prune(tab, ctx, pairs[0][1], KEEP_ROWS))
         for pipe, g in pairs:
             rows = sub
             period, latency = periods(ctx, g, rows)
@@ -306,8 +262,8 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
                 ok = np.nonzero(divisible(ctx, g, tab))[0]
                 if not len(ok):
                     continue
-                part = _take(tab, ok)
-                rows = _take(part, _prune(part, ctx, g, KEEP_ROWS))
+                part = take_rows(tab, ok)
+                rows = take_rows(part, _prune(part, ctx, g, KEEP_ROWS))
                 period, latency = periods(ctx, g, rows)
             evaluations += len(period)
             scored.append(_Scored(period, latency, g, pipe, rows))
@@ -332,8 +288,6 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
     res = SearchResult(chosen=best[0], runners_up=best[1:], baselines=baselines,
                        search_seconds=time.perf_counter() - t0, evaluations=evaluations,
                        plans_considered=considered, hardware=hw.name, num_devices=n, processes=procs)
-    from rpeg_jax.costmodel.report import explain  # report imports this module
-
     res.notes = explain(ctx, res)
     return res
 
@@ -347,7 +301,7 @@ def baseline(ctx: Context, name: str, cache: dict) -> Prediction | None:
         cache = cache.setdefault("baselines", {})
     pipe = PipelineConfig(placement="colocated")
     g = apply_pipeline(ctx.base, pipe)
-    tab = _table(ctx, g, "colocated", cache)
+    tab = family_table(ctx, g, "colocated", cache)
     if not tab:
         return None
     mask = np.ones(len(tab["n_gen"]), bool)
@@ -355,7 +309,7 @@ def baseline(ctx: Context, name: str, cache: dict) -> Prediction | None:
         mask = (tab["d"] == tab["fd"]) & (tab["f"] == tab["ff"]) & (tab["t"] == tab["ft"])
     if not mask.any():
         return None
-    sub = _take(tab, np.nonzero(mask)[0])
+    sub = take_rows(tab, np.nonzero(mask)[0])
     period, _ = periods(ctx, g, sub)
     if not np.isfinite(period).any():
         return None
@@ -364,7 +318,7 @@ def baseline(ctx: Context, name: str, cache: dict) -> Prediction | None:
 
 def predict(ctx: Context, graph: Graph, pipe: PipelineConfig, tab: dict, i: int, label: str) -> Prediction:
     """Simulate one row of a table in detail and wrap it as a Prediction with its Plan."""
-    row = _take(tab, np.array([i]))
+    row = take_rows(tab, np.array([i]))
     dur, pieces = durations(ctx, graph, row)
     prog = unroll(graph, shared_resource=ctx.hw.shared_host)
     period, latency, starts, ends = simulate(prog, dur, pieces, record=True)
@@ -429,12 +383,6 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
                               "forward_micro_batches": lay["forward"]["micro_batches"]}}
     return Plan(num_devices=ctx.N, groups=groups, stages=tuple(entries), knobs=knobs_of(pipe),
                 source="planner", predicted=predicted).check(graph)
-
-
-def clock_of(hw: HardwareProfile) -> str:
-    """What the profile's seconds are: "cpu" (process CPU seconds, calibrated with --clock cpu on a
-    shared machine) or "wall"."""
-    return "cpu" if hw.calibrated.get("clock_cpu") else "wall"
 
 
 def choose_plan(cfg: RunConfig, num_devices: int | None = None, hardware=None, processes: int | None = None) -> Plan:

@@ -15,8 +15,10 @@ import numpy as np
 from rpeg_jax.config.run import RunConfig
 from rpeg_jax.costmodel.candidates import REMATS
 from rpeg_jax.costmodel.devices import resolve
-from rpeg_jax.costmodel.planner import (Prediction, _graphs, _table, _take, families, make_context, periods,
-                                        predict, structural_options)
+from rpeg_jax.costmodel.planner import (GEN_SIDE, TRAIN_SIDE, family_table, make_context, option_graphs, periods,
+                                        predict, take_rows)
+from rpeg_jax.costmodel.space import families, structural_options
+from rpeg_jax.costmodel.types import Prediction
 from rpeg_jax.graph.algorithms import build_graph
 from rpeg_jax.graph.ir import GraphError
 from rpeg_jax.graph.passes import apply_pipeline
@@ -32,8 +34,8 @@ def best_by_groups(cfg: RunConfig, num_devices: int | None = None, hardware=None
     cache: dict = {}
     best: dict[tuple, tuple] = {}
     for placement, share in families(ctx):
-        pairs = _graphs(ctx, structural_options(ctx, placement, share))
-        tab = _table(ctx, pairs[0][1], placement, cache) if pairs else {}
+        pairs = option_graphs(ctx, structural_options(ctx, placement, share))
+        tab = family_table(ctx, pairs[0][1], placement, cache) if pairs else {}
         if not tab:
             continue
         groups = np.stack([tab["n_gen"], tab["n_train"]], axis=1)
@@ -68,7 +70,7 @@ def price_layout(cfg: RunConfig, knobs: dict, layout: dict, num_devices: int, ha
     g = apply_pipeline(ctx.base, pipe)
     gr, tr, fw = layout["groups"], layout["train"], layout["forward"]
     ng, nt = gr.get("gen", gr.get("all")), gr.get("train", gr.get("all"))
-    tab = _table(ctx, g, pipe.placement, {}, [(ng, nt)])
+    tab = family_table(ctx, g, pipe.placement, {}, [(ng, nt)])
     want = {"n_gen": ng, "n_train": nt,
             "t_g": layout["generate"]["tensor"], "d": tr["data"], "f": tr["fsdp"], "t": tr["tensor"],
             "fd": fw["data"], "ff": fw["fsdp"], "ft": fw["tensor"]}
@@ -79,15 +81,13 @@ def price_layout(cfg: RunConfig, knobs: dict, layout: dict, num_devices: int, ha
     idx = np.nonzero(exact if exact.any() else sel)[0]
     if not len(idx):
         raise GraphError("plan", f"no candidate of the model matches the layout {want}")
-    sub = _take(tab, idx)
+    sub = take_rows(tab, idx)
     period, _ = periods(ctx, g, sub)
     return predict(ctx, g, pipe, sub, int(np.argmin(period)), f"priced {pipe.placement}")
 
 
 def _layout_of(plan: Plan, pipe, cfg: RunConfig) -> dict:
     """A planner-format layout from a Plan's groups, stage meshes and settings."""
-    from rpeg_jax.costmodel.planner import GEN_SIDE, TRAIN_SIDE
-
     other = sorted({sp.group for sp in plan.stages} - {"all", "gen", "train"})
     if other:  # e.g. graph.plan.widen_generation's nested group: the tables have no such option
         raise GraphError(other[0], "the cost model prices the placements it plans (one group 'all', or "

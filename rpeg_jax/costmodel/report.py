@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from rpeg_jax.costmodel.hardware import GB
-from rpeg_jax.costmodel.planner import Context, Prediction, SearchResult, clock_of
+from rpeg_jax.costmodel.types import Context, Prediction, SearchResult, clock_of
 
 BASELINES = ("verl_like", "real_like")  # null in the JSON when no plan of that family fits
 

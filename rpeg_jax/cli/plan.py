@@ -16,6 +16,9 @@ import os
 import sys
 
 from rpeg_jax.config.run import load_config
+from rpeg_jax.costmodel.devices import resolve
+from rpeg_jax.costmodel.planner import search
+from rpeg_jax.costmodel.report import render_text, to_json_dict
 from rpeg_jax.graph.ir import GraphError
 
 
@@ -35,10 +38,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from rpeg_jax.costmodel.devices import resolve
-    from rpeg_jax.costmodel.planner import search
-    from rpeg_jax.costmodel.report import render_text, to_json_dict
-
     overrides = list(args.overrides)
     if args.model:
         overrides.insert(0, f"model.preset={args.model}")

@@ -2,8 +2,8 @@
 shape, logical axes and partition per stage (train, generate), with bytes per device.
 
 Runs on abstract meshes (no device is touched, `--devices N` picks the device count, default:
-this machine's). The model is built abstractly with `nnx.eval_shape`; this is the CLI layer, so
-it imports rpeg_jax.models inside `run` (the sharding library itself never does).
+this machine's). The model is built abstractly with `nnx.eval_shape` (the CLI may import models;
+the sharding library never does).
 """
 
 from __future__ import annotations
@@ -11,7 +11,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax
+from flax import nnx
+
+from rpeg_jax.config.base import ConfigError
 from rpeg_jax.config.run import load_config
+from rpeg_jax.models import Transformer
 from rpeg_jax.sharding.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, SEQ, VOCAB
 from rpeg_jax.sharding.layouts import ROLES, StageLayout, stage_layout
 from rpeg_jax.sharding.params import bytes_per_device, param_infos, shard_shape
@@ -78,11 +83,6 @@ def print_stage(layout: StageLayout, trees: dict[str, Any], cfg, itemsize: int) 
 
 
 def run(args) -> int:
-    import jax
-    from flax import nnx
-
-    from rpeg_jax.models import Transformer  # CLI layer: builds the model abstractly
-
     cfg = load_config(args.config, args.overrides)
     n = args.devices or jax.device_count()
     trees = {"actor": nnx.state(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)}
@@ -98,7 +98,5 @@ def run(args) -> int:
         names = [i.name for t in trees.values() for i in param_infos(t)]
         for o in layouts.overrides:
             if not any(o.regex.fullmatch(x) for x in names):
-                from rpeg_jax.config.base import ConfigError
-
                 raise ConfigError(o.key, o.pattern, "pattern matches no parameter")
     return 0

@@ -1,0 +1,62 @@
+"""`rpeg train --config X [key=value ...]`: train on one process, the devices JAX sees.
+
+The training command's arguments and its run, shared with launch/multihost.py (which adds the
+multi-process flags and initialises the distributed runtime before calling `train`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from rpeg_jax.config.run import load_config
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", default=None, help="YAML preset (default: configs/default.yaml)")
+    p.add_argument("--result-json", default=None, help="process 0 writes training's returned dict here")
+    p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
+
+
+EXIT_FAILED, EXIT_STOPPED_AT_ONCE = 1, 130  # 130 = 128 + SIGINT, as a shell reports Ctrl-C
+
+
+def train(cfg, result_json: str | None = None, process_id: int = 0, who: str = "rpeg train") -> tuple[int, dict | None]:
+    """Run training: (exit code, the returned dict as plain JSON values, also written to
+    `result_json` by process 0). An expected failure, or a second Ctrl-C (the first one stops at
+    the next step boundary, runtime/trainer.py), is reported in one line on stderr."""
+    from rpeg_jax.runtime.trainer import expected_failures, train as run_training
+
+    try:
+        result = plain(run_training(cfg))
+    except expected_failures() as e:
+        print(f"{who}: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_FAILED, None
+    except KeyboardInterrupt:
+        print(f"{who}: stopped at once by a second Ctrl-C; the newest committed checkpoint is kept", file=sys.stderr)
+        return EXIT_STOPPED_AT_ONCE, None
+    if result_json and process_id == 0:
+        with open(result_json, "w") as f:
+            json.dump(result, f, indent=1, sort_keys=True)
+    return 0, result
+
+
+def plain(x):
+    """`x` with JSON values only (scalar arrays as numbers, anything else as its repr)."""
+    if isinstance(x, dict):
+        return {str(k): plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain(v) for v in x]
+    if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:
+        return x.item()
+    return x if isinstance(x, (int, float, str, bool, type(None))) else repr(x)
+
+
+def run(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    rc, result = train(cfg, args.result_json)
+    if result is not None:
+        print(json.dumps(result))
+    return rc

@@ -1,0 +1,70 @@
+"""The planner's values: the planning problem (Context), one priced plan (Prediction), a search's
+result (SearchResult) and what a profile's seconds are (clock_of).
+
+Shared by the planner (costmodel/planner.py, which builds them), the report (costmodel/report.py,
+which renders them) and pricing (costmodel/pricing.py); none of those import each other for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rpeg_jax.config.run import RunConfig
+from rpeg_jax.costmodel import stages as S
+from rpeg_jax.costmodel.hardware import HardwareProfile
+from rpeg_jax.graph.ir import Graph
+from rpeg_jax.graph.plan import Plan
+
+
+@dataclass
+class Context:
+    """Everything fixed for one planning problem."""
+
+    cfg: RunConfig
+    hw: HardwareProfile
+    N: int
+    st: S.Setting
+    base: Graph  # synchronous unfused graph of the config
+    processes: int = 1  # JAX processes the N devices belong to (N / processes each, in order)
+
+
+@dataclass
+class Prediction:
+    """One fully specified plan and what the model predicts for it."""
+
+    label: str
+    step_time_s: float  # steady-state seconds per RL step
+    latency_s: float  # makespan of one step from a cold start
+    memory_per_gpu_gb: float  # predicted peak
+    utilization: float  # useful FLOPs / (step time × devices × peak)
+    stage_times_s: dict[str, float]  # duration of each graph stage
+    spans: dict[str, tuple[float, float]]  # (start, end) of each stage within a steady step
+    knobs: dict[str, Any]
+    layout: dict[str, Any]  # groups, meshes and settings of the row
+    plan: Plan | None = None
+
+    def summary(self) -> dict[str, Any]:
+        return {"step_time_s": self.step_time_s, "latency_s": self.latency_s,
+                "memory_per_gpu_gb": self.memory_per_gpu_gb, "utilization": self.utilization,
+                "stage_times_s": self.stage_times_s, "knobs": self.knobs, "layout": self.layout}
+
+
+@dataclass
+class SearchResult:
+    chosen: Prediction
+    runners_up: list[Prediction]
+    baselines: dict[str, Prediction]
+    search_seconds: float
+    evaluations: int  # complete plans scored: table rows + (row × structural option) simulations
+    plans_considered: int  # every (layouts × micro-batch × remat) combination priced, before pruning
+    hardware: str
+    num_devices: int
+    processes: int = 1
+    notes: list[str] = field(default_factory=list)
+
+
+def clock_of(hw: HardwareProfile) -> str:
+    """What the profile's seconds are: "cpu" (process CPU seconds, calibrated with --clock cpu on a
+    shared machine) or "wall"."""
+    return "cpu" if hw.calibrated.get("clock_cpu") else "wall"
