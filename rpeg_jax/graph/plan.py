@@ -272,7 +272,8 @@ def config_for_plan(cfg: RunConfig, plan: Plan) -> tuple[RunConfig, dict[str, tu
     sections = {"pipeline": pipeline}
     for dotted, value in plan.predicted.get("settings", {}).items():
         if dotted not in PLAN_SETTINGS:
-            raise GraphError("plan", f"setting {dotted!r} is not one a plan may carry ({', '.join(PLAN_SETTINGS)})")
+            raise ConfigError("pipeline.plan", plan.source,
+                              f"sets {dotted!r}, not one of the settings a plan may carry ({', '.join(PLAN_SETTINGS)})")
         section, name = dotted.split(".")
         current = sections.get(section, getattr(cfg, section))
         if getattr(current, name) != value:

@@ -88,33 +88,13 @@ def train(cfg: RunConfig, *, plan: Plan | None = None, registry=None, on_step=No
         ckpt = Checkpointer(os.path.join(cfg.train.run_dir, "checkpoints"), keep=cfg.train.keep_checkpoints)
         tracer = Tracer()
         executor = Executor(program, store, tracer=tracer)
-        start = resume.restore(ckpt, store, executor, ctx) if cfg.train.resume == "auto" else 0
-        writer = MetricsWriter(cfg.train.run_dir, enabled=chief, tensorboard=cfg.train.tensorboard,
-                               progress=cfg.train.progress, total_steps=cfg.train.steps, start_step=start,
-                               log_every=cfg.train.log_every)
-        peak = _peak_flops(cfg)
-        last = start
-        try:
-            for t in range(start, cfg.train.steps):
-                if stop.agreed():
-                    break
-                executor.run_slot(t)
-                metrics = _step_metrics(cfg, ctx, executor, store, plan, t, peak)
-                writer.write(t + 1, metrics, last=t + 1 == cfg.train.steps)
-                last = t + 1
-                if metrics.get("actor/nan_stop", 0) or metrics.get("critic/nan_stop", 0):
-                    raise TrainingStopped(f"step {t + 1}: non-finite loss or gradient and rl.on_nan=stop")
-                if cfg.train.checkpoint_every and last % cfg.train.checkpoint_every == 0 and last < cfg.train.steps:
-                    resume.save(ckpt, store, executor, last)
-                executor.forget_before(t)
-                if on_step is not None:
-                    ckpt.wait()
-                    on_step(last, metrics)
+        try:  # the checkpointer is closed (its saves in flight committed) on every way out
+            start = resume.restore(ckpt, store, executor, ctx) if cfg.train.resume == "auto" else 0
+            last = _loop(cfg, ctx, executor, store, plan, ckpt, stop, start, chief, on_step)
+            if last > start:
+                resume.save(ckpt, store, executor, last)
         finally:
-            writer.close()
-        if last > start:
-            resume.save(ckpt, store, executor, last)
-        ckpt.close()
+            ckpt.close()
         if chief:
             _write_trace(cfg, tracer, plan, last)
         if stop.signal_name:
@@ -126,6 +106,36 @@ def train(cfg: RunConfig, *, plan: Plan | None = None, registry=None, on_step=No
         out["state"] = {n: store.latest(n)[1] for n in TRAIN_STATES if n in store.state}
         out["consumed"] = dict(executor.consumed)  # (stage, step, piece) -> {port: version | (step, piece)}
     return out
+
+
+def _loop(cfg: RunConfig, ctx: RuntimeContext, executor: Executor, store: Store, plan: Plan, ckpt: Checkpointer,
+          stop: StopSignals, start: int, chief: bool, on_step) -> int:
+    """Steps start..train.steps-1, one executor slot each, until a stop is agreed; returns the
+    number of whole steps done."""
+    writer = MetricsWriter(cfg.train.run_dir, enabled=chief, tensorboard=cfg.train.tensorboard,
+                           progress=cfg.train.progress, total_steps=cfg.train.steps, start_step=start,
+                           log_every=cfg.train.log_every)
+    peak = _peak_flops(cfg)
+    last = start
+    try:
+        for t in range(start, cfg.train.steps):
+            if stop.agreed():
+                break
+            executor.run_slot(t)
+            metrics = _step_metrics(cfg, ctx, executor, store, plan, t, peak)
+            writer.write(t + 1, metrics, last=t + 1 == cfg.train.steps)
+            last = t + 1
+            if metrics.get("actor/nan_stop", 0) or metrics.get("critic/nan_stop", 0):
+                raise TrainingStopped(f"step {t + 1}: non-finite loss or gradient and rl.on_nan=stop")
+            if cfg.train.checkpoint_every and last % cfg.train.checkpoint_every == 0 and last < cfg.train.steps:
+                resume.save(ckpt, store, executor, last)
+            executor.forget_before(t)
+            if on_step is not None:
+                ckpt.wait()
+                on_step(last, metrics)
+    finally:
+        writer.close()
+    return last
 
 
 # ---- stopping ----------------------------------------------------------------------------------
