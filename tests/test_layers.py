@@ -203,7 +203,11 @@ def test_the_scan_sees_the_tree_and_function_level_imports():
     assert {"rpeg_jax.cli", "rpeg_jax.graph.ir", "rpeg_jax.costmodel.planner", "launch.multihost"} <= set(sources)
     found = {(i.target, i.top) for i in imports("rpeg_jax.runtime.trainer", sources["rpeg_jax.runtime.trainer"],
                                                sources)}
-    assert ("rpeg_jax.costmodel.planner", False) in found  # imported inside a function
+    assert ("rpeg_jax.costmodel.planner", True) in found  # a module-level import
+    graph_ir = {(i.target, i.top) for i in imports("rpeg_jax.graph.ir", sources["rpeg_jax.graph.ir"], sources)}
+    passes = {(i.target, i.top) for i in imports("rpeg_jax.graph.plan", sources["rpeg_jax.graph.plan"], sources)}
+    assert ("rpeg_jax.graph.ir", True) in passes and ("rpeg_jax.graph.passes", False) in passes  # inside a function
+    assert not any(t.startswith("rpeg_jax.graph.plan") for t, _ in graph_ir)
     assert {package_of(m) for m in sources} <= set(ALLOWED)
 
 

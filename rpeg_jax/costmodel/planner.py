@@ -378,9 +378,11 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
                  "stage_s": pred.stage_times_s, "hardware": ctx.hw.name, "processes": ctx.processes,
                  "clock": clock_of(ctx.hw),
                  # The sampler's max_slots is per process over its replicas (slots per replica x replicas).
+                 # Config values the run takes from the plan (graph/plan.config_for_plan).
                  "settings": {"rl.micro_batches": lay["train"]["micro_batches"], "model.remat": lay["train"]["remat"],
-                              "rollout.max_slots": lay["generate"]["slots"] * lay["generate"]["replicas"] // ctx.processes,
-                              "forward_micro_batches": lay["forward"]["micro_batches"]}}
+                              "rollout.max_slots": lay["generate"]["slots"] * lay["generate"]["replicas"] // ctx.processes},
+                 # Priced, not applied: the runtime's scoring forwards run the batch in one piece.
+                 "forward_micro_batches": lay["forward"]["micro_batches"]}
     return Plan(num_devices=ctx.N, groups=groups, stages=tuple(entries), knobs=knobs_of(pipe),
                 source="planner", predicted=predicted).check(graph)
 
