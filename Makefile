@@ -8,7 +8,7 @@ CONFIG ?= configs/default.yaml
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: env run test test-all bench plan clean
+.PHONY: env run test test-all lint format bench plan clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,8 +21,16 @@ env: $(STAMP)
 run: $(STAMP)  ## train with the built-in default config (GRPO on the tiny model, CPU-sized)
 	$(PY) launch/multihost.py --config $(CONFIG) $(ARGS)
 
-test: $(STAMP)  ## the default test run (what CI runs): everything but `slow` and `gpu`
+test: lint  ## the default test run (what CI runs): ruff, then everything but `slow` and `gpu`
 	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
+
+lint: $(STAMP)  ## ruff: lint and format check (configured in pyproject.toml)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP)  ## apply ruff's fixes and formatting
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
