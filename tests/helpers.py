@@ -3,9 +3,12 @@
 - runtime runs on a tiny model: `run`, `assert_same_run`, and `program` / `assert_rewritten`,
   the positive control of every "rewritten run == plain run" test: the rewrite must first have
   changed the stages the executor ran, or an ignored knob would pass the equality trivially;
-- the toy policy of the update tests: `policy_fn`, `value_fn`, `make_case`.
+- the toy policy of the update tests: `policy_fn`, `value_fn`, `make_case`;
+- paged attention cases: `E`, `ref_attention`, `build_case`;
+- sampler cases: `HF`, `prompts_of`, `rollout_batch`, `sampler_trainer_gap`, `perturbed`,
+  `model_with`, `shard`.
 
-Heavy imports (the trainer) happen inside the functions that need them.
+Heavy imports (the trainer, the sampler) happen inside the functions that need them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+HF = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 
 # ---- runtime runs ---------------------------------------------------------------------------------
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
@@ -157,3 +162,126 @@ def make_case(seed=0, *, critic=False, behav_noise=0.0):
         batch["values_BxR"] = params["v"] + jnp.asarray(rng.normal(size=(B, R)) * 0.3, jnp.float32)
         batch["returns_BxR"] = jnp.asarray(rng.normal(size=(B, R)), jnp.float32)
     return params, batch
+
+
+# ---- paged attention cases -----------------------------------------------------------------------
+E = 16
+
+
+def ref_attention(q_TxHxE, k_CxKxE, v_CxKxE, q_pos_T):
+    """float64 causal GQA attention; head h reads kv head h // (H // K)."""
+    t, h, e = q_TxHxE.shape
+    g = h // k_CxKxE.shape[1]
+    out = np.zeros((t, h, e))
+    for i in range(t):
+        n = q_pos_T[i] + 1
+        for hh in range(h):
+            kk = k_CxKxE[:n, hh // g].astype(np.float64)
+            s = kk @ q_TxHxE[i, hh].astype(np.float64) / np.sqrt(e)
+            p = np.exp(s - s.max())
+            out[i, hh] = (p / p.sum()) @ v_CxKxE[:n, hh // g].astype(np.float64)
+    return out
+
+
+def build_case(page_size, kv_heads, lengths, shared, seed=0, num_layers=2, layer=1):
+    """Random contiguous K/V per sequence; sequence 1 shares sequence 0's first `shared` tokens (a page
+    multiple) through the same pages. Pages are a random permutation; everything unused is NaN."""
+    rng = np.random.default_rng(seed)
+    b, lmax = len(lengths), max(lengths)
+    k = rng.standard_normal((b, lmax, kv_heads, E)).astype(np.float32)
+    v = rng.standard_normal((b, lmax, kv_heads, E)).astype(np.float32)
+    k[1, :shared], v[1, :shared] = k[0, :shared], v[0, :shared]
+    npages = [-(-n // page_size) for n in lengths]
+    total = sum(npages) + 5
+    perm = rng.permutation(np.arange(1, total + 1))  # page 0 stays the null page
+    w = 1 << max(0, max(npages) + 1).bit_length()  # wider than needed: trailing null entries
+    table = np.zeros((b, w), np.int32)
+    pool_k = np.full((num_layers, kv_heads, total + 1, page_size, E), np.nan, np.float32)  # [L, K, P, S, E]
+    pool_v = pool_k.copy()
+    nxt = 0
+    for i, n in enumerate(lengths):
+        for j in range(npages[i]):
+            if i == 1 and (j + 1) * page_size <= shared:
+                table[i, j] = table[0, j]  # shared prefix page
+                continue
+            table[i, j] = perm[nxt]
+            nxt += 1
+            lo, hi = j * page_size, min(n, (j + 1) * page_size)
+            pool_k[layer, :, table[i, j], :hi - lo] = k[i, lo:hi].transpose(1, 0, 2)
+            pool_v[layer, :, table[i, j], :hi - lo] = v[i, lo:hi].transpose(1, 0, 2)
+    return k, v, table, pool_k, pool_v
+
+
+# ---- sampler cases -------------------------------------------------------------------------------
+def prompts_of(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 128, size=n).tolist() for n in lengths]
+
+
+def rollout_batch(outs):
+    """The runtime's layout: prompts left-padded to P, responses right-padded to R."""
+    rows = [(o.prompt_tokens, c) for o in outs for c in o.completions]
+    P = max(len(p) for p, _ in rows)
+    R = max(len(c.tokens) for _, c in rows)
+    tok = np.zeros((len(rows), P + R), np.int32)
+    pos, seg = np.zeros_like(tok), np.zeros_like(tok)
+    mask, behav = np.zeros((len(rows), R), np.float32), np.zeros((len(rows), R), np.float32)
+    for i, (p, c) in enumerate(rows):
+        n = len(c.tokens)
+        tok[i, P - len(p):P], tok[i, P:P + n] = p, c.tokens
+        pos[i, P - len(p):P + n] = np.arange(len(p) + n)
+        seg[i, P - len(p):P + n] = 1
+        mask[i, :n], behav[i, :n] = 1, c.logprobs
+    return tok, pos, seg, mask, behav, P, R
+
+
+def sampler_trainer_gap(model, cfg, temp):
+    """(|sampler logprob - trainer logprob| masked [B, R], mask [B, R]) for 3 prompts x 3 samples of
+    12 tokens at temperature `temp`: the trainer's `token_logprobs` (float32) of the sampled tokens."""
+    from rpeg_jax.models import token_logprobs
+    from rpeg_jax.sampling import Sampler, SamplingParams
+
+    prompts = prompts_of([6, 3, 10])
+    outs = Sampler(model, cfg).generate(prompts, SamplingParams(n=3, temperature=temp, max_new_tokens=12, seed=4))
+    tok, pos, seg, mask, behav, P, R = rollout_batch(outs)
+    targets = np.concatenate([tok[:, 1:], np.zeros((len(tok), 1), np.int32)], axis=1)
+    logp, _ = token_logprobs(model, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(targets),
+                             start=P - 1, length=R, temperature=temp)
+    assert logp.dtype == jnp.float32
+    return np.abs(np.asarray(logp) - behav) * mask, mask
+
+
+def perturbed(model, scale=0.05, seed=9):
+    """Weights B: the same tree/shapes/dtypes/shardings with different values."""
+    from flax import nnx
+    _, params = nnx.split(model, nnx.Param)
+
+    @jax.jit  # one compile instead of one per eager op
+    def shift(params):
+        leaves, treedef = jax.tree.flatten(params)
+        keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+        return jax.tree.unflatten(treedef, [x + scale * jax.random.normal(k, x.shape, x.dtype)
+                                            for x, k in zip(leaves, keys)])
+    return shift(params)
+
+
+def model_with(model, params):
+    from flax import nnx
+    graphdef, _ = nnx.split(model, nnx.Param)
+    return nnx.merge(graphdef, params)
+
+
+TENSOR = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor"}
+
+
+def shard(model, mesh):
+    """The model's parameters placed on `mesh` with heads / kv heads / MLP over `tensor`."""
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    graphdef, state = nnx.split(model, nnx.Param)
+
+    def place(v):
+        spec = P(*[TENSOR.get(a) for a in v.get_metadata()["axes"]])
+        return v.replace(jax.device_put(v.get_value(), NamedSharding(mesh, spec)))
+    return nnx.merge(graphdef, jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
