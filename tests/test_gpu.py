@@ -48,9 +48,7 @@ from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
 from rpeg_jax.sampling.paged_attention import attend_blocked, attend_pages, dense_attention
 from rpeg_jax.sampling.sampler import _COMPILES
 
-from test_paged_attention import E, build_case, ref_attention  # noqa: E402
-from test_sampler import prompts_of, sampler_trainer_gap  # noqa: E402
-from test_sampler_api import model_with, perturbed  # noqa: E402
+from helpers import E, build_case, model_with, perturbed, prompts_of, ref_attention, sampler_trainer_gap
 
 ON_GPU = jax.default_backend() == "gpu"
 pytestmark = [pytest.mark.gpu,

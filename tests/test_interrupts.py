@@ -17,17 +17,15 @@ import textwrap
 
 import pytest
 
+from helpers import SKIP
+from helpers import TINY as BASE
 from rpeg_jax.config import load_config
 from rpeg_jax.runtime.checkpoint import Checkpointer
 from rpeg_jax.runtime.metrics import read_metrics
 from rpeg_jax.runtime.trainer import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
-        "model.intermediate_size=128", "data.prompts_per_step=4", "rl.group_size=4", "rollout.max_new_tokens=6",
-        "data.max_prompt_len=12", "train.checkpoint_every=0", "train.tensorboard=false", "train.progress=false",
-        "optim.lr=1e-3", "optim.warmup_steps=0", "pipeline.plan=manual", "train.steps=4"]
-SKIP = ("timing_s/", "perf/", "predicted_s/", "pred_error/")
+TINY = BASE + ["train.steps=4"]
 
 # The patch: wraps the executor's task runner and step-end hook, then runs the launcher as a user would.
 _DRIVER = textwrap.dedent("""

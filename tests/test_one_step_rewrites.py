@@ -17,8 +17,7 @@ from rpeg_jax.graph.passes import (apply_pipeline, bounded_async, fuse_named, pr
                                    share_actor_critic, values_from_critic_update)
 from rpeg_jax.runtime.rollouts import step_flops
 
-from test_rl_update import make_case, policy_fn, value_fn
-from test_runtime import TINY, assert_same_run, run
+from helpers import TINY, assert_rewritten, assert_same_run, make_case, policy_fn, run, value_fn
 
 SIZES = ["data.prompts_per_step=4", "rl.group_size=2", "data.max_prompt_len=5", "rollout.max_new_tokens=7"]
 
@@ -195,36 +194,52 @@ def test_actor_proximal_from_update_equals_a_separate_proximal_pass(decoupled):
 
 
 # ---- end to end: the same numbers as the plain pipeline ------------------------------------------
+# Each test first checks that the rewrite changed what ran (assert_rewritten), then the numbers.
 def test_proximal_from_update_equals_recomputed_proximal_under_staleness(tmp_path):
     """GRPO, k = 1 (decoupled PPO: behaviour weights π_prox/π_behav), with a KL term and entropy."""
     grpo = TINY + ["rl.kl_coef=0.04", "rl.entropy_coef=0.01", "pipeline.staleness=1"]
-    assert_same_run(run(tmp_path, "recomputed", grpo, steps=2),
-                    run(tmp_path, "rewritten", grpo + ["pipeline.proximal_from_update=true"], steps=2))
+    plain = run(tmp_path, "recomputed", grpo, steps=2)
+    rewritten = run(tmp_path, "rewritten", grpo + ["pipeline.proximal_from_update=true"], steps=2)
+    assert_rewritten(rewritten, plain, absent={"old_forward"}, unread={"actor_update": {"old_logp"}})
+    assert_same_run(plain, rewritten)
+
+
+ONE_STEP = ["pipeline.values_from_critic_update=true", "pipeline.proximal_from_update=true"]
+# PPO with a critic: critic_forward's values and the separate GAE move into the critic update;
+# the actor update computes π_old itself.
+CRITIC_ONE_STEP = dict(present={"advantage+critic_update"},
+                       absent={"old_forward", "critic_forward", "advantage", "critic_update"},
+                       unread={"actor_update": {"old_logp"}})
 
 
 def test_ppo_one_step_rewrites_equal_the_plain_pipeline(tmp_path):
     """PPO with a critic, synchronous: values from the critic update (GAE in its program) and π_old
-    from the actor update; also the same with micro-batches (the values come back in row order)."""
+    from the actor update."""
     ppo = TINY + ["rl.algorithm=ppo", "rl.kl_coef=0.04"]
     plain = run(tmp_path, "plain", ppo, steps=2)
-    assert_same_run(plain, run(tmp_path, "rewritten", ppo + ["pipeline.values_from_critic_update=true",
-                                                             "pipeline.proximal_from_update=true"], steps=2))
+    rewritten = run(tmp_path, "rewritten", ppo + ONE_STEP, steps=2)
+    assert_rewritten(rewritten, plain, **CRITIC_ONE_STEP)
+    assert_same_run(plain, rewritten)
 
 
 @pytest.mark.slow
 def test_ppo_one_step_rewrites_under_staleness_and_micro_batches(tmp_path):
+    """Also at k = 1 with micro-batches (the values come back in row order); fuse=[forwards,advantage]
+    then has nothing left to fuse (ref_forward is alone, GAE is in the critic update)."""
     ppo = TINY + ["rl.algorithm=ppo", "rl.kl_coef=0.04", "pipeline.staleness=1", "rl.micro_batches=2",
                   "rl.whiten_advantages=true"]
-    assert_same_run(run(tmp_path, "plain", ppo, steps=2),
-                    run(tmp_path, "rewritten", ppo + ["pipeline.values_from_critic_update=true",
-                                                      "pipeline.proximal_from_update=true",
-                                                      "pipeline.fuse=[forwards,advantage]"], steps=2))
+    plain = run(tmp_path, "plain", ppo, steps=2)
+    rewritten = run(tmp_path, "rewritten", ppo + ONE_STEP + ["pipeline.fuse=[forwards,advantage]"], steps=2)
+    assert_rewritten(rewritten, plain, **CRITIC_ONE_STEP)
+    assert_same_run(plain, rewritten)
 
 
 @pytest.mark.slow
 def test_shared_backbone_one_step_rewrites_equal_the_plain_pipeline(tmp_path):
     """One backbone: values and π_old from the shared update's own forward = old_forward giving both."""
     ppo = TINY + ["rl.algorithm=ppo", "rl.kl_coef=0.04", "pipeline.share_actor_critic=true"]
-    assert_same_run(run(tmp_path, "plain", ppo, steps=2),
-                    run(tmp_path, "rewritten", ppo + ["pipeline.values_from_critic_update=true",
-                                                      "pipeline.proximal_from_update=true"], steps=2))
+    plain = run(tmp_path, "plain", ppo, steps=2)
+    rewritten = run(tmp_path, "rewritten", ppo + ONE_STEP, steps=2)
+    assert_rewritten(rewritten, plain, present={"advantage+actor_update"},
+                     absent={"old_forward", "advantage", "actor_update"})
+    assert_same_run(plain, rewritten)

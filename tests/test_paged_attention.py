@@ -12,51 +12,8 @@ import jax.numpy as jnp
 from rpeg_jax.sampling.paged_attention import (PagedAttention, attend_blocked, attend_pages, copy_pages,
                                                dense_attention, write_pages, write_targets)
 
-E = 16
+from helpers import E, build_case, ref_attention
 
-
-def ref_attention(q_TxHxE, k_CxKxE, v_CxKxE, q_pos_T):
-    """float64 causal GQA attention; head h reads kv head h // (H // K)."""
-    t, h, e = q_TxHxE.shape
-    g = h // k_CxKxE.shape[1]
-    out = np.zeros((t, h, e))
-    for i in range(t):
-        n = q_pos_T[i] + 1
-        for hh in range(h):
-            kk = k_CxKxE[:n, hh // g].astype(np.float64)
-            s = kk @ q_TxHxE[i, hh].astype(np.float64) / np.sqrt(e)
-            p = np.exp(s - s.max())
-            out[i, hh] = (p / p.sum()) @ v_CxKxE[:n, hh // g].astype(np.float64)
-    return out
-
-
-def build_case(page_size, kv_heads, lengths, shared, seed=0, num_layers=2, layer=1):
-    """Random contiguous K/V per sequence; sequence 1 shares sequence 0's first `shared` tokens (a page
-    multiple) through the same pages. Pages are a random permutation; everything unused is NaN."""
-    rng = np.random.default_rng(seed)
-    b, lmax = len(lengths), max(lengths)
-    k = rng.standard_normal((b, lmax, kv_heads, E)).astype(np.float32)
-    v = rng.standard_normal((b, lmax, kv_heads, E)).astype(np.float32)
-    k[1, :shared], v[1, :shared] = k[0, :shared], v[0, :shared]
-    npages = [-(-n // page_size) for n in lengths]
-    total = sum(npages) + 5
-    perm = rng.permutation(np.arange(1, total + 1))  # page 0 stays the null page
-    w = 1 << max(0, max(npages) + 1).bit_length()  # wider than needed: trailing null entries
-    table = np.zeros((b, w), np.int32)
-    pool_k = np.full((num_layers, kv_heads, total + 1, page_size, E), np.nan, np.float32)  # [L, K, P, S, E]
-    pool_v = pool_k.copy()
-    nxt = 0
-    for i, n in enumerate(lengths):
-        for j in range(npages[i]):
-            if i == 1 and (j + 1) * page_size <= shared:
-                table[i, j] = table[0, j]  # shared prefix page
-                continue
-            table[i, j] = perm[nxt]
-            nxt += 1
-            lo, hi = j * page_size, min(n, (j + 1) * page_size)
-            pool_k[layer, :, table[i, j], :hi - lo] = k[i, lo:hi].transpose(1, 0, 2)
-            pool_v[layer, :, table[i, j], :hi - lo] = v[i, lo:hi].transpose(1, 0, 2)
-    return k, v, table, pool_k, pool_v
 
 
 @pytest.mark.parametrize("page_size,kv_heads", [(1, 2), (3, 2), (3, 1), (3, 4), (16, 2), (64, 2)])

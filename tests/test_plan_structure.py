@@ -8,15 +8,13 @@ import jax
 import pytest
 import yaml
 
+from helpers import TINY as HELPER_TINY
 from rpeg_jax.config import ConfigError, load_config
 from rpeg_jax.graph.plan import config_for_plan, graph_for_plan, plan_for_config, plan_from_config
 from rpeg_jax.runtime.metrics import read_metrics
 from rpeg_jax.runtime.trainer import choose_plan, train
 
-TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
-        "model.intermediate_size=128", "data.prompts_per_step=4", "rl.group_size=4", "rollout.max_new_tokens=6",
-        "data.max_prompt_len=12", "train.checkpoint_every=0", "train.tensorboard=false", "train.progress=false",
-        "optim.warmup_steps=0"]
+TINY = [o for o in HELPER_TINY if not o.startswith("pipeline.plan=")]  # each test says where its plan comes from
 
 
 def test_a_saved_k1_plan_runs_at_k1_under_the_default_config(tmp_path):

@@ -20,49 +20,8 @@ import pytest
 from rpeg_jax import rl
 from rpeg_jax.config import ConfigError, OptimConfig, RLConfig, build
 
-B, R, V = 8, 5, 6
+from helpers import B, R, make_case, policy_fn, value_fn
 
-
-def rows(table, idx):
-    """table[idx]; under explicit sharding the gathered rows follow the (sharded) index."""
-    spec = jax.typeof(idx).sharding.spec
-    if all(x is None for x in spec):
-        return table[idx]
-    return table.at[idx].get(out_sharding=jax.P(spec[0]))
-
-
-def policy_fn(params, b):
-    lp = jax.nn.log_softmax(rows(params["table"], b["row_B"]))
-    logp = jnp.take_along_axis(lp, b["targets_BxR"][..., None], -1)[..., 0]
-    out = {"logp": logp, "entropy": -jnp.sum(jnp.exp(lp) * lp, -1)}
-    if "v" in params:
-        out["values"] = rows(params["v"], b["row_B"])
-    return out
-
-
-def value_fn(params, b):
-    return {"values": rows(params["v"], b["row_B"])}
-
-
-def make_case(seed=0, *, critic=False, behav_noise=0.0):
-    rng = np.random.default_rng(seed)
-    params = {"table": jnp.asarray(rng.normal(size=(B, R, V)), jnp.float32)}
-    if critic:
-        params["v"] = jnp.asarray(rng.normal(size=(B, R)), jnp.float32)
-    lens = rng.integers(1, R + 1, B)
-    lens[2] = 0  # an empty response
-    mask = (np.arange(R)[None] < lens[:, None]).astype(np.float32)
-    batch = {"row_B": jnp.arange(B, dtype=jnp.int32), "targets_BxR": jnp.asarray(rng.integers(0, V, (B, R)), jnp.int32),
-             "response_mask_BxR": jnp.asarray(mask)}
-    logp = policy_fn(params, batch)["logp"]
-    batch["old_logp_BxR"] = logp + jnp.asarray(rng.normal(size=(B, R)) * 0.1, jnp.float32)
-    batch["behav_logp_BxR"] = batch["old_logp_BxR"] + jnp.asarray(rng.normal(size=(B, R)) * behav_noise, jnp.float32)
-    batch["ref_logp_BxR"] = logp + jnp.asarray(rng.normal(size=(B, R)) * 0.2, jnp.float32)
-    batch["advantages_BxR"] = jnp.asarray(rng.normal(size=(B, R)) * mask, jnp.float32)
-    if critic:
-        batch["values_BxR"] = params["v"] + jnp.asarray(rng.normal(size=(B, R)) * 0.3, jnp.float32)
-        batch["returns_BxR"] = jnp.asarray(rng.normal(size=(B, R)), jnp.float32)
-    return params, batch
 
 
 def compiled(kind="actor", tx="sgd", **cfg_kw):

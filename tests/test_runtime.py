@@ -18,34 +18,7 @@ from rpeg_jax.runtime.checkpoint import Checkpointer
 from rpeg_jax.runtime.metrics import read_metrics
 from rpeg_jax.runtime.trainer import train
 
-TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
-        "model.intermediate_size=128", "data.prompts_per_step=4", "rl.group_size=4", "rollout.max_new_tokens=6",
-        "data.max_prompt_len=12", "train.checkpoint_every=0", "train.tensorboard=false", "train.progress=false",
-        "optim.lr=1e-3", "optim.warmup_steps=0", "pipeline.plan=manual"]
-PPO = TINY + ["rl.algorithm=ppo", "rl.kl_coef=0.04"]
-SKIP = ("timing_s/", "perf/", "predicted_s/", "pred_error/")
-ATOL = 2e-5  # float32: the same math in a different program/shape
-
-
-def run(tmp_path, name, overrides, steps=3, **kw):
-    cfg = load_config(None, overrides + [f"train.steps={steps}", f"train.run_dir={tmp_path / name}",
-                                         "train.resume=never"])
-    out = train(cfg, keep_state=True, **kw)
-    return read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")), out["state"]
-
-
-def assert_same_run(a, b, *, atol=ATOL):
-    (ma, sa), (mb, sb) = a, b
-    assert [r["step"] for r in ma] == [r["step"] for r in mb]
-    for ra, rb in zip(ma, mb):
-        keys = sorted(k for k in ra if not k.startswith(SKIP) and k in rb)
-        assert len(keys) > 10
-        for k in keys:
-            if isinstance(ra[k], float):
-                assert rb[k] == pytest.approx(ra[k], abs=atol, rel=1e-4 if atol else 0), f"step {ra['step']} {k}"
-    for name in sa:
-        for x, y in zip(jax.tree.leaves(sa[name]), jax.tree.leaves(sb[name])):
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=1e-4 if atol else 0, err_msg=name)
+from helpers import PPO, SKIP, TINY, assert_rewritten, assert_same_run, run
 
 
 @pytest.fixture(scope="module")
@@ -53,20 +26,29 @@ def ppo_reference(tmp_path_factory):
     return run(tmp_path_factory.mktemp("ppo"), "plain", PPO)
 
 
-@pytest.mark.parametrize("rewrite", [
-    ["pipeline.fuse=[forwards,advantage]"],
-    ["pipeline.microbatches=2"],
-    ["pipeline.microbatches=2", "pipeline.fuse=[forwards]"],
+FORWARDS = ("ref_forward", "old_forward", "critic_forward")
+STREAMED = ("generate", "reward")  # a micro-batched generate streams its pieces to its consumers
+
+
+@pytest.mark.parametrize("rewrite,changes", [
+    (["pipeline.fuse=[forwards,advantage]"],
+     dict(present={"forwards", "advantage+actor_update"}, absent={*FORWARDS, "advantage", "actor_update"})),
+    (["pipeline.microbatches=2"], dict(pieces=dict.fromkeys(STREAMED + FORWARDS, 2))),
+    (["pipeline.microbatches=2", "pipeline.fuse=[forwards]"],
+     dict(present={"forwards"}, absent=set(FORWARDS), pieces=dict.fromkeys(STREAMED + ("forwards",), 2))),
 ])
-def test_rewrites_equal_the_plain_graph(tmp_path, ppo_reference, rewrite):
-    assert_same_run(ppo_reference, run(tmp_path, "rewritten", PPO + rewrite))
+def test_rewrites_equal_the_plain_graph(tmp_path, ppo_reference, rewrite, changes):
+    rewritten = run(tmp_path, "rewritten", PPO + rewrite)
+    assert_rewritten(rewritten, ppo_reference, **changes)  # first: the knob changed what ran
+    assert_same_run(ppo_reference, rewritten)
 
 
 def test_elide_old_forward_equals_recomputed_old_logprobs(tmp_path):
     """The sampler's logprobs serve as π_old: same metrics and parameters as recomputing them."""
     grpo = TINY + ["rl.kl_coef=0.04"]
-    assert_same_run(run(tmp_path, "recomputed", grpo), run(tmp_path, "elided", grpo + ["pipeline.elide_old_forward=true"]),
-                    atol=1e-4)
+    recomputed, elided = run(tmp_path, "recomputed", grpo), run(tmp_path, "elided", grpo + ["pipeline.elide_old_forward=true"])
+    assert_rewritten(elided, recomputed, absent={"old_forward"})
+    assert_same_run(recomputed, elided, atol=1e-4)
 
 
 def test_split_placement_equals_colocated(tmp_path):
@@ -132,7 +114,7 @@ def test_staleness_one_consumes_rollouts_exactly_one_version_behind(tmp_path):
 
 
 def test_staleness_zero_is_synchronous(tmp_path):
-    metrics, _ = run(tmp_path, "k0", TINY, steps=2)
+    metrics = run(tmp_path, "k0", TINY, steps=2).metrics
     assert all(r["staleness/max"] == 0.0 and r["rollout/weights_version"] == r["step"] - 1 for r in metrics)
 
 

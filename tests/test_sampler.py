@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rpeg_jax.models import load_hf, token_logprobs
+from rpeg_jax.models import load_hf
 from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
 from rpeg_jax.sampling.sampler import _COMPILES
+
+from helpers import prompts_of, sampler_trainer_gap
 
 HF = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 # One bucket of each kind per engine shape (prefill rows/length, page-table width): one compile each.
@@ -36,11 +38,6 @@ TRAINER_MAX, TRAINER_MEAN = 2e-5, 2e-6
 @pytest.fixture(scope="module")
 def llama():
     return load_hf(os.path.join(HF, "llama_tiny"))
-
-
-def prompts_of(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 128, size=n).tolist() for n in lengths]
 
 
 def greedy_reference(model, prompts, max_new):
@@ -93,36 +90,6 @@ def test_greedy_equals_plain_forward_argmax_on_hf_fixtures(name, forward, attent
         ls = jax.nn.log_softmax(logits[len(p) - 1:len(p) + 15], axis=-1)
         np.testing.assert_allclose(c.logprobs, np.take_along_axis(np.asarray(ls), np.asarray(r)[:, None], 1)[:, 0],
                                    atol=LP_TOL)
-
-
-def rollout_batch(outs):
-    """The runtime's layout: prompts left-padded to P, responses right-padded to R."""
-    rows = [(o.prompt_tokens, c) for o in outs for c in o.completions]
-    P = max(len(p) for p, _ in rows)
-    R = max(len(c.tokens) for _, c in rows)
-    tok = np.zeros((len(rows), P + R), np.int32)
-    pos, seg = np.zeros_like(tok), np.zeros_like(tok)
-    mask, behav = np.zeros((len(rows), R), np.float32), np.zeros((len(rows), R), np.float32)
-    for i, (p, c) in enumerate(rows):
-        n = len(c.tokens)
-        tok[i, P - len(p):P], tok[i, P:P + n] = p, c.tokens
-        pos[i, P - len(p):P + n] = np.arange(len(p) + n)
-        seg[i, P - len(p):P + n] = 1
-        mask[i, :n], behav[i, :n] = 1, c.logprobs
-    return tok, pos, seg, mask, behav, P, R
-
-
-def sampler_trainer_gap(model, cfg, temp):
-    """(|sampler logprob - trainer logprob| masked [B, R], mask [B, R]) for 3 prompts x 3 samples of
-    12 tokens at temperature `temp`: the trainer's `token_logprobs` (float32) of the sampled tokens."""
-    prompts = prompts_of([6, 3, 10])
-    outs = Sampler(model, cfg).generate(prompts, SamplingParams(n=3, temperature=temp, max_new_tokens=12, seed=4))
-    tok, pos, seg, mask, behav, P, R = rollout_batch(outs)
-    targets = np.concatenate([tok[:, 1:], np.zeros((len(tok), 1), np.int32)], axis=1)
-    logp, _ = token_logprobs(model, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(targets),
-                             start=P - 1, length=R, temperature=temp)
-    assert logp.dtype == jnp.float32
-    return np.abs(np.asarray(logp) - behav) * mask, mask
 
 
 def test_logprobs_equal_trainer_forward(llama):

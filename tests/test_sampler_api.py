@@ -14,6 +14,8 @@ from rpeg_jax.models import load_hf
 from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
 from rpeg_jax.sampling.sampler import _COMPILES
 
+from helpers import model_with, perturbed, prompts_of
+
 HF = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 FIXED = dict(max_seq_len=32, min_prefill_len=32, min_prefill_rows=8, min_table_width=16)
 BASE = SamplerConfig(page_size=4, max_slots=8, chunk_steps=8, **FIXED)  # same shape as test_sampler.py
@@ -22,31 +24,6 @@ BASE = SamplerConfig(page_size=4, max_slots=8, chunk_steps=8, **FIXED)  # same s
 @pytest.fixture(scope="module")
 def llama():
     return load_hf(os.path.join(HF, "llama_tiny"))
-
-
-def prompts_of(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 128, size=n).tolist() for n in lengths]
-
-
-def perturbed(model, scale=0.05, seed=9):
-    """Weights B: the same tree/shapes/dtypes/shardings with different values."""
-    from flax import nnx
-    _, params = nnx.split(model, nnx.Param)
-
-    @jax.jit  # one compile instead of one per eager op
-    def shift(params):
-        leaves, treedef = jax.tree.flatten(params)
-        keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-        return jax.tree.unflatten(treedef, [x + scale * jax.random.normal(k, x.shape, x.dtype)
-                                            for x, k in zip(leaves, keys)])
-    return shift(params)
-
-
-def model_with(model, params):
-    from flax import nnx
-    graphdef, _ = nnx.split(model, nnx.Param)
-    return nnx.merge(graphdef, params)
 
 
 def test_stop_ids_sequences_strings_length_and_ignore_eos(llama):

@@ -9,27 +9,17 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType
 
 from rpeg_jax.models import load_hf
 from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
 from rpeg_jax.sampling.sampler import _COMPILES
 
+from helpers import shard
+
 HF = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 FIXED = dict(max_seq_len=32, min_prefill_len=32, min_prefill_rows=8, min_table_width=16)
 BASE = SamplerConfig(page_size=4, max_slots=8, chunk_steps=8, **FIXED)
-TENSOR = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor"}
-
-
-def shard(model, mesh):
-    graphdef, state = nnx.split(model, nnx.Param)
-
-    def place(v):
-        spec = P(*[TENSOR.get(a) for a in v.get_metadata()["axes"]])
-        return v.replace(jax.device_put(v.get_value(), NamedSharding(mesh, spec)))
-    return nnx.merge(graphdef, jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
-
-
 def test_sharded_sampler_equals_single_device():
     model = load_hf(os.path.join(HF, "llama_tiny"))
     rng = np.random.default_rng(0)

@@ -23,7 +23,8 @@ from rpeg_jax.models import load_hf
 from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams, engine
 from rpeg_jax.sampling.allocator import NULL_PAGE, ShardedPages
 from rpeg_jax.sampling.scheduler import Scheduler, Sequence
-from test_sampler_mesh import shard
+
+from helpers import shard
 
 HF = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 FIXED = dict(max_seq_len=32, min_prefill_len=32, min_prefill_rows=8, min_table_width=16)
