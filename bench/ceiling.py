@@ -76,14 +76,13 @@ def weight_shapes(cfg) -> list[tuple[int, int]]:
 
 def decode_gemm_seconds(cfg, batch: int, devices: int, reps: int) -> float:
     """Seconds per decode step of the weight products alone, batch split over `devices` (data mesh)."""
-    mesh = jax.make_mesh((devices,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,),
-                         devices=jax.devices()[:devices])
+    mesh = jax.make_mesh(
+        (devices,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:devices]
+    )
     rng = np.random.default_rng(0)
     shapes = weight_shapes(cfg)
-    ws = [jax.device_put((rng.standard_normal(s) * 0.02).astype(np.float32), NamedSharding(mesh, P()))
-          for s in shapes]
-    x = jax.device_put(rng.standard_normal((batch, cfg.hidden_size)).astype(np.float32),
-                       NamedSharding(mesh, P("data")))
+    ws = [jax.device_put((rng.standard_normal(s) * 0.02).astype(np.float32), NamedSharding(mesh, P())) for s in shapes]
+    x = jax.device_put(rng.standard_normal((batch, cfg.hidden_size)).astype(np.float32), NamedSharding(mesh, P("data")))
     f = cfg.intermediate_size
 
     @jax.jit
@@ -91,11 +90,12 @@ def decode_gemm_seconds(cfg, batch: int, devices: int, reps: int) -> float:
     def steps(ws, x):
         def body(_, h):
             for j in range(cfg.num_layers):
-                qkv, o, gu, dn = ws[4 * j:4 * j + 4]
-                a = (h @ qkv)[:, :o.shape[0]] @ o
+                qkv, o, gu, dn = ws[4 * j : 4 * j + 4]
+                a = (h @ qkv)[:, : o.shape[0]] @ o
                 m = (h @ gu)[:, :f] @ dn
                 h = h + 1e-3 * (a + m)
             return h + 1e-3 * (h @ ws[-1])[:, :1]
+
         return jax.lax.fori_loop(0, DECODE_STEPS, body, x)
 
     return G.best_time(steps, ws, x, reps=reps) / DECODE_STEPS
@@ -108,9 +108,9 @@ def gemv_seconds(cfg, rows: int, reps: int) -> tuple[float, str]:
     w_io = [jnp.asarray((rng.standard_normal(s) * 0.02).astype(np.float32)) for s in shapes]
     x = jnp.asarray(rng.standard_normal((rows, max(i for i, _ in shapes))).astype(np.float32))
     forms = {
-        "x@W": (w_io, lambda h, w: h[:, :w.shape[0]] @ w),
-        "x@W^T": (None, lambda h, w: jnp.einsum("bi,oi->bo", h[:, :w.shape[1]], w)),
-        "mul+reduce": (None, lambda h, w: (w[:, None, :] * h[None, :, :w.shape[1]]).sum(-1).T),
+        "x@W": (w_io, lambda h, w: h[:, : w.shape[0]] @ w),
+        "x@W^T": (None, lambda h, w: jnp.einsum("bi,oi->bo", h[:, : w.shape[1]], w)),
+        "mul+reduce": (None, lambda h, w: (w[:, None, :] * h[None, :, : w.shape[1]]).sum(-1).T),
     }
     best = (float("inf"), "")
     for name, (ws, prod) in forms.items():
@@ -121,7 +121,7 @@ def gemv_seconds(cfg, rows: int, reps: int) -> tuple[float, str]:
             acc = x
             for w in ws:
                 y = prod(acc, w)
-                acc = acc + 1e-9 * jnp.pad(y, ((0, 0), (0, max(0, acc.shape[1] - y.shape[1]))))[:, :acc.shape[1]]
+                acc = acc + 1e-9 * jnp.pad(y, ((0, 0), (0, max(0, acc.shape[1] - y.shape[1]))))[:, : acc.shape[1]]
             return acc
 
         t = G.best_time(jax.jit(run), ws, x, reps=reps)
@@ -154,8 +154,9 @@ def _matrix_layouts(a, b, dn) -> tuple[list, int]:
     out = []
     for a_t in (False, True):
         for b_t in (False, True):
-            out.append((_stored(a_mk, a_t), _stored(b_kn, b_t),
-                        ((((0,) if a_t else (1,)), ((1,) if b_t else (0,))), ((), ()))))
+            out.append(
+                (_stored(a_mk, a_t), _stored(b_kn, b_t), ((((0,) if a_t else (1,)), ((1,) if b_t else (0,))), ((), ())))
+            )
     (lc, rc), _ = dn
     return out, 2 * (tuple(lc) == (0,)) + (tuple(rc) == (1,))
 
@@ -178,8 +179,10 @@ def consistent_layouts(a, b, dn, min_rows: int) -> dict:
     (m, k), n = a_mk.shape, b_kn.shape[1]
     for x, y, what in ((m, k, "lhs"), (k, n, "rhs"), (m, n, "result")):
         if x >= min_rows and y >= min_rows:
-            raise ValueError(f"consistent_layouts: the {what} [{x}, {y}] has two token-row-sized axes "
-                             f"(>= {min_rows}): which one is the tokens is ambiguous")
+            raise ValueError(
+                f"consistent_layouts: the {what} [{x}, {y}] has two token-row-sized axes "
+                f"(>= {min_rows}): which one is the tokens is ambiguous"
+            )
     rows = next((x for x in (m, k, n) if x >= min_rows), -1)  # at most one size can be the tokens'
     a_st = {t: _stored(a_mk, t) for t in (False, True)}  # a [M, K] / [K, M]
     b_st = {t: _stored(b_kn, t) for t in (False, True)}  # b [K, N] / [N, K]
@@ -197,8 +200,11 @@ def consistent_layouts(a, b, dn, min_rows: int) -> dict:
                         continue
                     aa, bb = a_st[a_t], b_st[b_t]
                     ca, cb = (0 if a_t else 1), (1 if b_t else 0)
-                    opts.append((bb, aa, (((cb,), (ca,)), ((), ())), True) if o_t
-                                else (aa, bb, (((ca,), (cb,)), ((), ())), False))
+                    opts.append(
+                        (bb, aa, (((cb,), (ca,)), ((), ())), True)
+                        if o_t
+                        else (aa, bb, (((ca,), (cb,)), ((), ())), False)
+                    )
         out[mode] = opts
     return out
 
@@ -234,8 +240,10 @@ def update_dots(cfg_overrides: list[str], reps: int) -> dict:
                 found[key] += times
                 dims[key] = eq.params["dimension_numbers"]
             if name in ("while", "cond"):
-                raise NotImplementedError(f"update_dots: a {name} in the update program (its trip count "
-                                          "is not static): count its products by hand")
+                raise NotImplementedError(
+                    f"update_dots: a {name} in the update program (its trip count "
+                    "is not static): count its products by hand"
+                )
             inner = times * (eq.params["length"] if name == "scan" else 1)
             for p in eq.params.values():
                 for sub in p if isinstance(p, (list, tuple)) else [p]:
@@ -250,8 +258,10 @@ def update_dots(cfg_overrides: list[str], reps: int) -> dict:
     # operand has two such axes.
     min_rows = 1 + max(max(x.shape, default=0) for x in jax.tree.leaves(params))
     if not any(max(k[0] + k[1]) >= min_rows for k in found):
-        raise ValueError(f"update_dots: no product has an axis of >= {min_rows} token rows: the activation "
-                         "test of consistent_layouts does not apply")
+        raise ValueError(
+            f"update_dots: no product has an axis of >= {min_rows} token rows: the activation "
+            "test of consistent_layouts does not apply"
+        )
     rng = np.random.default_rng(0)
     cache: dict = {}
 
@@ -280,9 +290,17 @@ def update_dots(cfg_overrides: list[str], reps: int) -> dict:
         flops += n * 2.0 * np.prod(out_shape) * contracted
     stats = rollouts.token_stats({k: batch[k] for k in ("versions_BxR", "response_mask_BxR", "segment_ids_BxS")})
     mode = min(by_mode, key=by_mode.get)
-    return {"cfg": cfg, "seconds": seconds, "seconds_best_layout": seconds_best, "flops": flops,
-            "seconds_by_layout": by_mode, "seconds_consistent": by_mode[mode], "consistent_layout": mode,
-            "dots": sum(found.values()), "stats": stats}
+    return {
+        "cfg": cfg,
+        "seconds": seconds,
+        "seconds_best_layout": seconds_best,
+        "flops": flops,
+        "seconds_by_layout": by_mode,
+        "seconds_consistent": by_mode[mode],
+        "consistent_layout": mode,
+        "dots": sum(found.values()),
+        "stats": stats,
+    }
 
 
 def kv_step_bytes(name: str) -> int:
@@ -311,8 +329,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--rounds", type=int, default=2, help="floors: the best of this many rounds; limits: the "
-                    "best of a probe before every round and one after the last")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="floors: the best of this many rounds; limits: the "
+        "best of a probe before every round and one after the last",
+    )
     ap.add_argument("--workloads", default="G1-T-greedy,G1-T-grpo,G1-S-greedy,R1-a")
     args = ap.parse_args(argv)
     wanted = args.workloads.split(",")
@@ -328,15 +351,20 @@ def main(argv=None) -> int:
         lim = G.measure_limits(jnp.float32)
         lim["r1_matmul_flops"] = r1_probe.measure() if r1 is not None else None
         probes.append(lim)
-        print(f"probe {i}: G1 matmul {lim['matmul_flops'] / 1e9:.1f} GFLOP/s, read bandwidth "
-              f"{lim['bandwidth_bytes_s'] / 1e9:.1f} GB/s" + (f", R1 matmul {lim['r1_matmul_flops'] / 1e9:.1f}"
-                                                             if r1 is not None else ""), flush=True)
+        print(
+            f"probe {i}: G1 matmul {lim['matmul_flops'] / 1e9:.1f} GFLOP/s, read bandwidth "
+            f"{lim['bandwidth_bytes_s'] / 1e9:.1f} GB/s"
+            + (f", R1 matmul {lim['r1_matmul_flops'] / 1e9:.1f}" if r1 is not None else ""),
+            flush=True,
+        )
         if i < args.rounds:
             rounds.append(floors(wanted, n_dev, args.reps, r1))
     mm = max(p["matmul_flops"] for p in probes)
     bw = max(p["bandwidth_bytes_s"] for p in probes)
-    print(f"limits (best of {len(probes)}): matmul {mm / 1e9:.1f} GFLOP/s, read bandwidth {bw / 1e9:.1f} GB/s; "
-          f"{n_dev} CPU devices")
+    print(
+        f"limits (best of {len(probes)}): matmul {mm / 1e9:.1f} GFLOP/s, read bandwidth {bw / 1e9:.1f} GB/s; "
+        f"{n_dev} CPU devices"
+    )
     records = []
     for name in ("G1-T-greedy", "G1-T-grpo"):
         if name not in wanted:
@@ -351,16 +379,28 @@ def main(argv=None) -> int:
         d_best = min(t_gemm, key=t_gemm.get)
         limit_s = batch * flops_tok / mm
         floor = t_gemm[d_best] + kv_bytes / kv_rate
-        rec = dict(workload=name, target=0.75, limit_kind="matmul", limit_step_s=limit_s,
-                   gemm_step_s={str(d): t for d, t in t_gemm.items()}, devices=d_best, kv_bytes=kv_bytes,
-                   kv_read_bytes_s=kv_rate, kv_read_s=kv_bytes / kv_rate, floor_step_s=floor,
-                   ceiling=limit_s / floor, ceiling_gemm_only=limit_s / t_gemm[d_best])
+        rec = dict(
+            workload=name,
+            target=0.75,
+            limit_kind="matmul",
+            limit_step_s=limit_s,
+            gemm_step_s={str(d): t for d, t in t_gemm.items()},
+            devices=d_best,
+            kv_bytes=kv_bytes,
+            kv_read_bytes_s=kv_rate,
+            kv_read_s=kv_bytes / kv_rate,
+            floor_step_s=floor,
+            ceiling=limit_s / floor,
+            ceiling_gemm_only=limit_s / t_gemm[d_best],
+        )
         records.append(rec)
-        print(f"{name}: limit {limit_s * 1e3:.2f} ms/step; weight GEMMs "
-              + ", ".join(f"{d} dev {t * 1e3:.2f} ms" for d, t in t_gemm.items())
-              + f"; K/V at {mean_ctx:.0f} ctx {kv_bytes / 1e6:.1f} MB at {kv_rate / 1e9:.0f} GB/s = "
-              f"{kv_bytes / kv_rate * 1e3:.2f} ms"
-              f" -> ceiling {rec['ceiling']:.2f} (GEMMs only {rec['ceiling_gemm_only']:.2f}; target 0.75)")
+        print(
+            f"{name}: limit {limit_s * 1e3:.2f} ms/step; weight GEMMs "
+            + ", ".join(f"{d} dev {t * 1e3:.2f} ms" for d, t in t_gemm.items())
+            + f"; K/V at {mean_ctx:.0f} ctx {kv_bytes / 1e6:.1f} MB at {kv_rate / 1e9:.0f} GB/s = "
+            f"{kv_bytes / kv_rate * 1e3:.2f} ms"
+            f" -> ceiling {rec['ceiling']:.2f} (GEMMs only {rec['ceiling_gemm_only']:.2f}; target 0.75)"
+        )
     if "G1-S-greedy" in wanted:
         preset, prompts, plen, n, new, _, _ = G.WORKLOADS["G1-S-greedy"]
         cfg, batch = model_preset(preset), prompts * n
@@ -369,13 +409,23 @@ def main(argv=None) -> int:
         t_w, form = min(r["G1-S-greedy"] for r in rounds)
         limit_s = bytes_step / bw
         floor = t_w + (bytes_step - weight_bytes) / bw
-        rec = dict(workload="G1-S-greedy", target=0.75, limit_kind="bandwidth", limit_step_s=limit_s,
-                   weight_product_s=t_w, weight_product_form=form, weight_read_gb_s=weight_bytes / t_w / 1e9,
-                   floor_step_s=floor, ceiling=limit_s / floor)
+        rec = dict(
+            workload="G1-S-greedy",
+            target=0.75,
+            limit_kind="bandwidth",
+            limit_step_s=limit_s,
+            weight_product_s=t_w,
+            weight_product_form=form,
+            weight_read_gb_s=weight_bytes / t_w / 1e9,
+            floor_step_s=floor,
+            ceiling=limit_s / floor,
+        )
         records.append(rec)
-        print(f"G1-S-greedy: limit {limit_s * 1e3:.1f} ms/step ({bytes_step / 1e6:.0f} MB); 8-row products over "
-              f"{weight_bytes / 1e6:.0f} MB of weights: {t_w * 1e3:.1f} ms ({form}, {weight_bytes / t_w / 1e9:.1f} GB/s)"
-              f" -> ceiling {rec['ceiling']:.2f} (target 0.75)")
+        print(
+            f"G1-S-greedy: limit {limit_s * 1e3:.1f} ms/step ({bytes_step / 1e6:.0f} MB); 8-row products over "
+            f"{weight_bytes / 1e6:.0f} MB of weights: {t_w * 1e3:.1f} ms ({form}, {weight_bytes / t_w / 1e9:.1f} GB/s)"
+            f" -> ceiling {rec['ceiling']:.2f} (target 0.75)"
+        )
     if r1 is not None:
         rate = max(p["r1_matmul_flops"] for p in probes)
         cfg, stats = r1["cfg"], r1["stats"]
@@ -391,29 +441,47 @@ def main(argv=None) -> int:
         floor_layout = r1["seconds_best_layout"] + gen_best
         floor_useful_layout = (useful - gen_useful) / (r1["flops"] / r1["seconds_best_layout"]) + gen_useful / gen_rate
         floor_consistent = r1["seconds_consistent"] + gen_best
-        floor_useful_consistent = ((useful - gen_useful) / (r1["flops"] / r1["seconds_consistent"])
-                                   + gen_useful / gen_rate)
-        rec = dict(workload="R1-a", target=0.67, limit_kind="matmul", matmul_flops_per_s=rate, useful_flops=useful,
-                   limit_step_s=limit_s, update_dots=r1["dots"], update_dot_flops=r1["flops"],
-                   update_dots_s=r1["seconds"], generation_gemm_s=gen_best,
-                   generation_gemm_s_by_devices={str(d): t for d, t in t_gen.items()},
-                   floor_step_s=floor, ceiling=limit_s / floor, floor_useful_s=floor_useful,
-                   ceiling_useful=limit_s / floor_useful, update_dots_best_layout_s=r1["seconds_best_layout"],
-                   floor_best_layout_s=floor_layout, ceiling_best_layout=limit_s / floor_layout,
-                   ceiling_useful_best_layout=limit_s / floor_useful_layout,
-                   update_dots_by_layout_s=r1["seconds_by_layout"], consistent_layout=r1["consistent_layout"],
-                   floor_consistent_s=floor_consistent, ceiling_consistent=limit_s / floor_consistent,
-                   ceiling_useful_consistent=limit_s / floor_useful_consistent)
+        floor_useful_consistent = (useful - gen_useful) / (
+            r1["flops"] / r1["seconds_consistent"]
+        ) + gen_useful / gen_rate
+        rec = dict(
+            workload="R1-a",
+            target=0.67,
+            limit_kind="matmul",
+            matmul_flops_per_s=rate,
+            useful_flops=useful,
+            limit_step_s=limit_s,
+            update_dots=r1["dots"],
+            update_dot_flops=r1["flops"],
+            update_dots_s=r1["seconds"],
+            generation_gemm_s=gen_best,
+            generation_gemm_s_by_devices={str(d): t for d, t in t_gen.items()},
+            floor_step_s=floor,
+            ceiling=limit_s / floor,
+            floor_useful_s=floor_useful,
+            ceiling_useful=limit_s / floor_useful,
+            update_dots_best_layout_s=r1["seconds_best_layout"],
+            floor_best_layout_s=floor_layout,
+            ceiling_best_layout=limit_s / floor_layout,
+            ceiling_useful_best_layout=limit_s / floor_useful_layout,
+            update_dots_by_layout_s=r1["seconds_by_layout"],
+            consistent_layout=r1["consistent_layout"],
+            floor_consistent_s=floor_consistent,
+            ceiling_consistent=limit_s / floor_consistent,
+            ceiling_useful_consistent=limit_s / floor_useful_consistent,
+        )
         records.append(rec)
-        print(f"R1-a: matmul {rate / 1e9:.1f} GFLOP/s; useful {useful / 1e9:.1f} GFLOP -> limit {limit_s:.3f} s; "
-              f"update: {r1['dots']} dots, {r1['flops'] / 1e9:.1f} GFLOP in {r1['seconds']:.3f} s "
-              f"({upd_rate / 1e9:.0f} GFLOP/s); generation GEMMs {gen_best:.3f} s ({gen_rate / 1e9:.0f} GFLOP/s) "
-              f"-> ceiling {rec['ceiling']:.2f}, useful-only {rec['ceiling_useful']:.2f}; every product in its "
-              f"fastest layout: dots {r1['seconds_best_layout']:.3f} s -> ceiling {rec['ceiling_best_layout']:.2f}, "
-              f"useful-only {rec['ceiling_useful_best_layout']:.2f}; consistent layouts (token-major "
-              f"{r1['seconds_by_layout']['token-major']:.3f} s, feature-major "
-              f"{r1['seconds_by_layout']['feature-major']:.3f} s) -> ceiling {rec['ceiling_consistent']:.2f}, "
-              f"useful-only {rec['ceiling_useful_consistent']:.2f} (target 0.67)")
+        print(
+            f"R1-a: matmul {rate / 1e9:.1f} GFLOP/s; useful {useful / 1e9:.1f} GFLOP -> limit {limit_s:.3f} s; "
+            f"update: {r1['dots']} dots, {r1['flops'] / 1e9:.1f} GFLOP in {r1['seconds']:.3f} s "
+            f"({upd_rate / 1e9:.0f} GFLOP/s); generation GEMMs {gen_best:.3f} s ({gen_rate / 1e9:.0f} GFLOP/s) "
+            f"-> ceiling {rec['ceiling']:.2f}, useful-only {rec['ceiling_useful']:.2f}; every product in its "
+            f"fastest layout: dots {r1['seconds_best_layout']:.3f} s -> ceiling {rec['ceiling_best_layout']:.2f}, "
+            f"useful-only {rec['ceiling_useful_best_layout']:.2f}; consistent layouts (token-major "
+            f"{r1['seconds_by_layout']['token-major']:.3f} s, feature-major "
+            f"{r1['seconds_by_layout']['feature-major']:.3f} s) -> ceiling {rec['ceiling_consistent']:.2f}, "
+            f"useful-only {rec['ceiling_useful_consistent']:.2f} (target 0.67)"
+        )
     print(f"load average {os.getloadavg()[0]:.1f}")
     if args.json:
         with open(args.json, "w") as fh:

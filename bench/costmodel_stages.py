@@ -32,10 +32,24 @@ from rpeg_jax.graph.algorithms import model_dims
 # Model shapes small enough to time on a 2-core CPU (T is bench/WORKLOADS.md's tiny model).
 MODELS = {
     "T": dict(preset="tiny"),
-    "M": dict(preset="tiny", vocab_size=1024, hidden_size=384, num_layers=4, num_heads=6, num_kv_heads=2,
-              intermediate_size=1024),
-    "W": dict(preset="tiny", vocab_size=2048, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
-              intermediate_size=1536),
+    "M": dict(
+        preset="tiny",
+        vocab_size=1024,
+        hidden_size=384,
+        num_layers=4,
+        num_heads=6,
+        num_kv_heads=2,
+        intermediate_size=1024,
+    ),
+    "W": dict(
+        preset="tiny",
+        vocab_size=2048,
+        hidden_size=512,
+        num_layers=6,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=1536,
+    ),
 }
 
 VALIDATION = [
@@ -147,10 +161,16 @@ GPU_VALIDATION = [
     ("train", "Q15", 16, 64, 192, (1, 1, 1), 1, "none"),
     ("generate", "Q15", 16, 32, 256, (1, 1, 1), 4, "-"),
 ]
-GPU_DRY_CALIBRATION = [("forward", "T", 8, 16, 16, (1, 1, 1), 1, "none"), ("train", "T", 8, 16, 16, (1, 1, 1), 1, "none"),
-                       ("generate", "T", 8, 16, 16, (1, 1, 1), 4, "-")]
-GPU_DRY_VALIDATION = [("forward", "T", 16, 16, 16, (1, 1, 1), 1, "none"), ("train", "T", 4, 16, 16, (1, 1, 1), 1, "none"),
-                      ("generate", "T", 16, 16, 16, (1, 1, 1), 8, "-")]
+GPU_DRY_CALIBRATION = [
+    ("forward", "T", 8, 16, 16, (1, 1, 1), 1, "none"),
+    ("train", "T", 8, 16, 16, (1, 1, 1), 1, "none"),
+    ("generate", "T", 8, 16, 16, (1, 1, 1), 4, "-"),
+]
+GPU_DRY_VALIDATION = [
+    ("forward", "T", 16, 16, 16, (1, 1, 1), 1, "none"),
+    ("train", "T", 4, 16, 16, (1, 1, 1), 1, "none"),
+    ("generate", "T", 16, 16, 16, (1, 1, 1), 8, "-"),
+]
 assert not set(GPU_VALIDATION) & set(GPU_CALIBRATION), "GPU calibration and validation must be disjoint"
 
 
@@ -187,9 +207,15 @@ def point(c: tuple, seconds: float, memory: float | None) -> dict:
     """A measured configuration as a cost-model point (rpeg_jax/costmodel/fit.py)."""
     kind, mname, B, P, R, mesh, micro, remat = c
     ms = ModelShape.of(model_dims(model_cfg(mname, remat if kind != "generate" else "none"), "actor"))
-    return {**dict(zip(KEYS, c)), "mesh": list(mesh), "dims": dataclasses.asdict(ms),
-            "G": micro if kind == "generate" else 1, "micro": micro if kind != "generate" else 1,
-            "seconds": seconds, "memory": memory}
+    return {
+        **dict(zip(KEYS, c)),
+        "mesh": list(mesh),
+        "dims": dataclasses.asdict(ms),
+        "G": micro if kind == "generate" else 1,
+        "micro": micro if kind != "generate" else 1,
+        "seconds": seconds,
+        "memory": memory,
+    }
 
 
 def layout(state, mesh):
@@ -205,8 +231,9 @@ def _mesh(shape):
     import jax
 
     n = int(np.prod(shape))
-    return jax.make_mesh(shape, ("data", "fsdp", "tensor"), devices=jax.devices()[:n],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    return jax.make_mesh(
+        shape, ("data", "fsdp", "tensor"), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,) * 3
+    )
 
 
 class Stage:
@@ -223,8 +250,9 @@ class Stage:
             self.compiled = fn.lower(*args).compile()
         ma = self.compiled.memory_analysis()
         if ma is not None:
-            self.peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-                         - ma.alias_size_in_bytes)
+            self.peak = (
+                ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes
+            )
 
     def run(self):
         import jax
@@ -284,14 +312,22 @@ def build(kind, mname, B, P, R, mesh_shape, micro, remat) -> Stage:
     opt_state = jax.jit(tx.init)(params)
 
     def policy_fn(p, batch):
-        return {"logp": logp(p, batch["tokens"], batch["positions"], batch["seg"], batch["targets"]),
-                "entropy": None, "values": None}
+        return {
+            "logp": logp(p, batch["tokens"], batch["positions"], batch["seg"], batch["targets"]),
+            "entropy": None,
+            "values": None,
+        }
 
     update = make_actor_update(policy_fn, tx, RLConfig(algorithm="grpo", group_size=2, micro_batches=micro))
-    batch = {"tokens": tokens, "positions": positions, "seg": seg, "targets": targets,
-             "response_mask_BxR": put(jnp.ones((B, R), jnp.float32)),
-             "advantages_BxR": put(jnp.asarray(rng.normal(size=(B, R)), jnp.float32)),
-             "old_logp_BxR": put(jnp.full((B, R), -5.0, jnp.float32))}
+    batch = {
+        "tokens": tokens,
+        "positions": positions,
+        "seg": seg,
+        "targets": targets,
+        "response_mask_BxR": put(jnp.ones((B, R), jnp.float32)),
+        "advantages_BxR": put(jnp.asarray(rng.normal(size=(B, R)), jnp.float32)),
+        "old_logp_BxR": put(jnp.full((B, R), -5.0, jnp.float32)),
+    }
     return Stage(kind, jax.jit(update, donate_argnums=(0, 1)), (params, opt_state, batch), resolver)
 
 
@@ -318,9 +354,18 @@ def sampler_programs():
             key = (name, tuple(sig(x) for x in leaves), tuple(sorted((k, kw[k]) for k in kw if k in STATIC_KW)))
             if key not in peaks:
                 ma = fn.lower(*args, **kw).compile().memory_analysis()
-                peaks[key] = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-                              - ma.alias_size_in_bytes) if ma is not None else None
+                peaks[key] = (
+                    (
+                        ma.argument_size_in_bytes
+                        + ma.output_size_in_bytes
+                        + ma.temp_size_in_bytes
+                        - ma.alias_size_in_bytes
+                    )
+                    if ma is not None
+                    else None
+                )
             return fn(*args, **kw)
+
         return call
 
     import jax
@@ -338,9 +383,8 @@ def sampler_programs():
 def generation_memory(c: tuple) -> dict:
     """A GEN_MEMORY configuration: build the sampler on a (1, 1, tensor) mesh, generate once, and
     return a point (kind "generate", memory = the largest per-device peak of its programs)."""
-    from flax import nnx
-
     import jax
+    from flax import nnx
 
     from rpeg_jax.models import init_model
     from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
@@ -367,7 +411,7 @@ def measure_set(configs, repeats: int, clock, batch: int = 7, log=print) -> list
     out = []
     for i in range(0, len(configs), batch):
         group, stages = [], []
-        for c in configs[i:i + batch]:  # a configuration that fails to build or run is reported, not fatal
+        for c in configs[i : i + batch]:  # a configuration that fails to build or run is reported, not fatal
             try:
                 s = build(*c)
                 s.run()
@@ -386,8 +430,10 @@ def measure_set(configs, repeats: int, clock, batch: int = 7, log=print) -> list
             p = point(c, statistics.median(ts), s.peak)
             p["runs_s"] = ts
             out.append(p)
-            log(f"  measured {c[0]:<8} {c[1]} B{c[2]:<3} S{c[3] + c[4]:<4} mesh {tuple(c[5])} mb{c[6]} {c[7]:<4} "
-                f"{1e3 * p['seconds']:9.2f} ms  (runs {', '.join(f'{1e3 * x:.0f}' for x in ts)})")
+            log(
+                f"  measured {c[0]:<8} {c[1]} B{c[2]:<3} S{c[3] + c[4]:<4} mesh {tuple(c[5])} mb{c[6]} {c[7]:<4} "
+                f"{1e3 * p['seconds']:9.2f} ms  (runs {', '.join(f'{1e3 * x:.0f}' for x in ts)})"
+            )
         del stages
         gc.collect()
     return out

@@ -109,8 +109,17 @@ def calibrate(args) -> int:
         with open(points) as f:
             old = json.load(f)
     with open(points, "w") as f:  # whole-step calibration points (--calibrate-steps) are kept
-        json.dump({"clock": args.clock, "points": cal, "steps": old.get("steps", []),  # kept: steps, gen memory
-                   "gen_memory": old.get("gen_memory", []), "load": LOADS}, f, indent=1)
+        json.dump(
+            {
+                "clock": args.clock,
+                "points": cal,
+                "steps": old.get("steps", []),  # kept: steps, gen memory
+                "gen_memory": old.get("gen_memory", []),
+                "load": LOADS,
+            },
+            f,
+            indent=1,
+        )
     with open(os.path.splitext(path)[0] + ".validation.json", "w") as f:
         json.dump({"clock": args.clock, "stages": [{"point": p} for p in val], "load": LOADS}, f, indent=1)
     preset = load_hardware(args.hardware, calibrated=False)
@@ -156,24 +165,38 @@ def stage_rows(args, hw) -> list[dict]:
     for p in pts:
         sec, mem = predict_point(hw, p)
         m = p.get("memory")
-        rows.append({**{k: p[k] for k in CS.KEYS}, "measured_s": p["seconds"], "predicted_s": sec,
-                     "error": (sec - p["seconds"]) / p["seconds"], "memory_measured": m, "memory_predicted": mem,
-                     "memory_error": (mem - m) / m if m else None, "point": p})
+        rows.append(
+            {
+                **{k: p[k] for k in CS.KEYS},
+                "measured_s": p["seconds"],
+                "predicted_s": sec,
+                "error": (sec - p["seconds"]) / p["seconds"],
+                "memory_measured": m,
+                "memory_predicted": mem,
+                "memory_error": (mem - m) / m if m else None,
+                "point": p,
+            }
+        )
         r = rows[-1]
-        print(f"{r['kind']:<8} {r['model']} B{r['B']:<3} S{r['P'] + r['R']:<4} mesh {tuple(r['mesh'])} mb{r['micro']} "
-              f"{r['remat']:<4} measured {1e3 * r['measured_s']:8.2f} ms  predicted {1e3 * sec:8.2f} ms "
-              f"({100 * r['error']:+6.1f}%)  mem {m or 0:>11.0f} vs {mem:>11.0f}", flush=True)
+        print(
+            f"{r['kind']:<8} {r['model']} B{r['B']:<3} S{r['P'] + r['R']:<4} mesh {tuple(r['mesh'])} mb{r['micro']} "
+            f"{r['remat']:<4} measured {1e3 * r['measured_s']:8.2f} ms  predicted {1e3 * sec:8.2f} ms "
+            f"({100 * r['error']:+6.1f}%)  mem {m or 0:>11.0f} vs {mem:>11.0f}",
+            flush=True,
+        )
     return rows
 
 
 def stage_summary(rows: list[dict]) -> dict:
     kinds = sorted({r["kind"] for r in rows})
     mem = [abs(r["memory_error"]) for r in rows if r["memory_error"] is not None]
-    return {"mape_stage": {k: float(np.mean([abs(r["error"]) for r in rows if r["kind"] == k])) for k in kinds},
-            "mape_stage_all": float(np.mean([abs(r["error"]) for r in rows])),
-            "memory_error": float(np.mean(mem)) if mem else None,
-            "memory_error_max": float(np.max(mem)) if mem else None,
-            "spearman_stage": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])}
+    return {
+        "mape_stage": {k: float(np.mean([abs(r["error"]) for r in rows if r["kind"] == k])) for k in kinds},
+        "mape_stage_all": float(np.mean([abs(r["error"]) for r in rows])),
+        "memory_error": float(np.mean(mem)) if mem else None,
+        "memory_error_max": float(np.max(mem)) if mem else None,
+        "spearman_stage": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
+    }
 
 
 # ---- generation memory -------------------------------------------------------------------------
@@ -190,25 +213,40 @@ def gen_memory(args, hw) -> dict:
         with open(path) as f:
             pts = json.load(f)
     else:
-        pts = [dict(CS.generation_memory(c), set=name) for name, cs in (("cal", CS.GEN_MEMORY_CAL),
-                                                                         ("val", CS.GEN_MEMORY_VAL)) for c in cs]
+        pts = [
+            dict(CS.generation_memory(c), set=name)
+            for name, cs in (("cal", CS.GEN_MEMORY_CAL), ("val", CS.GEN_MEMORY_VAL))
+            for c in cs
+        ]
         if path:
             with open(path, "w") as f:
                 json.dump(pts, f, indent=1)
     rows = []
     for p in pts:
         mem = predict_point(hw, p)[1]
-        rows.append({"set": p["set"], **{k: p[k] for k in ("model", "B", "P", "R", "mesh", "G", "page_size")},
-                     "memory_measured": p["memory"], "memory_predicted": mem,
-                     "memory_error": (mem - p["memory"]) / p["memory"], "programs": p["programs"]})
+        rows.append(
+            {
+                "set": p["set"],
+                **{k: p[k] for k in ("model", "B", "P", "R", "mesh", "G", "page_size")},
+                "memory_measured": p["memory"],
+                "memory_predicted": mem,
+                "memory_error": (mem - p["memory"]) / p["memory"],
+                "programs": p["programs"],
+            }
+        )
         r = rows[-1]
-        print(f"gen memory {r['set']} {r['model']} B{r['B']:<3} S{r['P'] + r['R']:<4} t{r['mesh'][2]} page {r['page_size']:<3}"
-              f" measured {r['memory_measured'] / 1e6:8.2f} MB  predicted {mem / 1e6:8.2f} MB ({100 * r['memory_error']:+.1f}%)")
+        print(
+            f"gen memory {r['set']} {r['model']} B{r['B']:<3} S{r['P'] + r['R']:<4} t{r['mesh'][2]} "
+            f"page {r['page_size']:<3} measured {r['memory_measured'] / 1e6:8.2f} MB  "
+            f"predicted {mem / 1e6:8.2f} MB ({100 * r['memory_error']:+.1f}%)"
+        )
     err = {s: [abs(r["memory_error"]) for r in rows if r["set"] == s] for s in ("cal", "val")}
-    return {"memory_error_generate": float(np.mean(err["val"])) if err["val"] else None,
-            "memory_error_generate_max": float(np.max(err["val"])) if err["val"] else None,
-            "memory_error_generate_cal": float(np.mean(err["cal"])) if err["cal"] else None,
-            "gen_memory": rows}
+    return {
+        "memory_error_generate": float(np.mean(err["val"])) if err["val"] else None,
+        "memory_error_generate_max": float(np.max(err["val"])) if err["val"] else None,
+        "memory_error_generate_cal": float(np.mean(err["cal"])) if err["cal"] else None,
+        "gen_memory": rows,
+    }
 
 
 # ---- one GPU (bench/gpu_check.sh) -------------------------------------------------------------
@@ -225,8 +263,9 @@ def gpu_validate(args) -> int:
 
     import costmodel_stages as CS
 
-    cal_set, val_set = ((CS.GPU_DRY_CALIBRATION, CS.GPU_DRY_VALIDATION) if args.dry_run
-                        else (CS.GPU_CALIBRATION, CS.GPU_VALIDATION))
+    cal_set, val_set = (
+        (CS.GPU_DRY_CALIBRATION, CS.GPU_DRY_VALIDATION) if args.dry_run else (CS.GPU_CALIBRATION, CS.GPU_VALIDATION)
+    )
     mixed = [c for pair in itertools.zip_longest(cal_set, val_set) for c in pair if c is not None]
     preset = load_hardware(args.hardware, calibrated=False)
     start = load_hardware(args.start) if args.start else preset
@@ -243,9 +282,16 @@ def gpu_validate(args) -> int:
         _gpu_dump(args.json, {"partial": True, "points": [p for _, p in done], "skipped": [list(x) for x in skipped]})
     cal = [p for c, p in done if c in cal_set]
     val = [p for c, p in done if c in val_set]
-    res = {"hardware": args.hardware, "start": args.start, "dry_run": args.dry_run, "clock": "wall",
-           "measure_seconds": time.perf_counter() - t0, "skipped": [list(x) for x in skipped],
-           "calibration_points": len(cal), "validation_points": len(val)}
+    res = {
+        "hardware": args.hardware,
+        "start": args.start,
+        "dry_run": args.dry_run,
+        "clock": "wall",
+        "measure_seconds": time.perf_counter() - t0,
+        "skipped": [list(x) for x in skipped],
+        "calibration_points": len(cal),
+        "validation_points": len(val),
+    }
     profiles = {"preset": preset, "start": start}
     if cal:
         os.makedirs(os.path.dirname(os.path.abspath(points_path)), exist_ok=True)
@@ -261,16 +307,21 @@ def gpu_validate(args) -> int:
         res[f"calibration_fit_{name}"] = stage_summary([_gpu_row(hw, p) for p in cal]) if cal else None
     best = res.get("fitted") or res.get("start")
     for r in (best or {}).get("stages", []):
-        print(f"validation {r['kind']:<8} {r['model']} B{r['B']:<3} S{r['P'] + r['R']:<4} mb{r['micro']} {r['remat']:<4} "
-              f"measured {1e3 * r['measured_s']:9.2f} ms  predicted {1e3 * r['predicted_s']:9.2f} ms "
-              f"({100 * r['error']:+6.1f}%)", flush=True)
+        print(
+            f"validation {r['kind']:<8} {r['model']} B{r['B']:<3} S{r['P'] + r['R']:<4} mb{r['micro']} {r['remat']:<4} "
+            f"measured {1e3 * r['measured_s']:9.2f} ms  predicted {1e3 * r['predicted_s']:9.2f} ms "
+            f"({100 * r['error']:+6.1f}%)",
+            flush=True,
+        )
     for name in profiles:
         if res.get(name):
-            print(f"GPU stage MAPE on the validation half ({name} profile): "
-                  + ", ".join(f"{k} {100 * v:.1f}%" for k, v in res[name]["mape_stage"].items())
-                  + f"; all {100 * res[name]['mape_stage_all']:.1f}%; memory error "
-                  + (f"{100 * res[name]['memory_error']:.1f}%" if res[name]["memory_error"] is not None else "n/a"),
-                  flush=True)
+            print(
+                f"GPU stage MAPE on the validation half ({name} profile): "
+                + ", ".join(f"{k} {100 * v:.1f}%" for k, v in res[name]["mape_stage"].items())
+                + f"; all {100 * res[name]['mape_stage_all']:.1f}%; memory error "
+                + (f"{100 * res[name]['memory_error']:.1f}%" if res[name]["memory_error"] is not None else "n/a"),
+                flush=True,
+            )
     _gpu_dump(args.json, res)
     return 0 if val and cal else 1
 
@@ -278,9 +329,16 @@ def gpu_validate(args) -> int:
 def _gpu_row(hw, p: dict) -> dict:
     sec, mem = predict_point(hw, p)
     m = p.get("memory")
-    return {**{k: p[k] for k in ("kind", "model", "B", "P", "R", "mesh", "micro", "remat")}, "measured_s": p["seconds"],
-            "predicted_s": sec, "error": (sec - p["seconds"]) / p["seconds"], "memory_measured": m,
-            "memory_predicted": mem, "memory_error": (mem - m) / m if m else None, "point": p}
+    return {
+        **{k: p[k] for k in ("kind", "model", "B", "P", "R", "mesh", "micro", "remat")},
+        "measured_s": p["seconds"],
+        "predicted_s": sec,
+        "error": (sec - p["seconds"]) / p["seconds"],
+        "memory_measured": m,
+        "memory_predicted": mem,
+        "memory_error": (mem - m) / m if m else None,
+        "point": p,
+    }
 
 
 def _gpu_dump(path, data) -> None:
@@ -302,8 +360,15 @@ def run_plan(plan_path: str, out: str, steps: int, warmup: int, clock: str, over
     clk = time.process_time if clock == "cpu" else time.perf_counter
     probe = [matmul_rate(clk)]
     with tempfile.TemporaryDirectory() as d:
-        tr = dataclasses.replace(cfg.train, steps=warmup + steps, run_dir=d, checkpoint_every=0,
-                                 tensorboard=False, progress=False, resume="never")
+        tr = dataclasses.replace(
+            cfg.train,
+            steps=warmup + steps,
+            run_dir=d,
+            checkpoint_every=0,
+            tensorboard=False,
+            progress=False,
+            resume="never",
+        )
         marks.append(clk())
         train(dataclasses.replace(cfg, train=tr), plan=plan, on_step=lambda s, m: marks.append(clk()))
     probe.append(matmul_rate(clk))
@@ -329,7 +394,7 @@ def matmul_rate(clk, n: int = 384, reps: int = 8) -> float:
         t = clk()
         jax.block_until_ready(chain(a, a))
         times.append(clk() - t)
-    return 4 * 2.0 * n ** 3 / max(float(np.median(times)), 1e-9)
+    return 4 * 2.0 * n**3 / max(float(np.median(times)), 1e-9)
 
 
 def step_candidates(hw, n: int, cap: int = 12) -> list:
@@ -362,8 +427,9 @@ def reprice(args, hw) -> dict:
         old = [p for p in json.load(f)["plans"] if p["measured_s"]]
     cfg = load_config(None, [])
     pred = [price_layout(cfg, p["knobs"], p["layout"], 8, hw, 1).step_time_s for p in old]
-    out = summarise(old, pred, [p["measured_s"] for p in old], [p["runs_s"] for p in old],
-                    [p.get("probe_flops") for p in old])
+    out = summarise(
+        old, pred, [p["measured_s"] for p in old], [p["runs_s"] for p in old], [p.get("probe_flops") for p in old]
+    )
     # The plan today's profile would choose: one of the measured plans, or none of them.
     from rpeg_jax.costmodel import planner as P
 
@@ -371,8 +437,11 @@ def reprice(args, hw) -> dict:
     now = P.search(cfg, 8, hw, 1).chosen
     hit = [i for i, p in enumerate(old) if key(p["knobs"], p["layout"]) == key(now.knobs, now.layout)]
     meas = [p["measured_s"] for p in old]
-    out["chosen_now"] = {"predicted_s": now.step_time_s, "measured_plan": old[hit[0]]["label"] if hit else None,
-                         "chosen_vs_best": meas[hit[0]] / min(meas) - 1.0 if hit else None}
+    out["chosen_now"] = {
+        "predicted_s": now.step_time_s,
+        "measured_plan": old[hit[0]]["label"] if hit else None,
+        "chosen_vs_best": meas[hit[0]] / min(meas) - 1.0 if hit else None,
+    }
     print(f"chosen by today's profile: {out['chosen_now']}")
     return out
 
@@ -388,16 +457,26 @@ def summarise(plans, pred, meas, runs, probes=None) -> dict:
     for p, q, m in zip(plans, pred, meas):
         print(f"plan {label(p):<16} predicted {q:8.3f} s  measured {m:8.3f} s  ({100 * (q - m) / m:+.1f}%)")
     chosen = label(plans[0]) == "chosen"
-    out = {**_rank_stats(pred, meas, chosen, ""),
-           "plans": [{"label": label(p), "predicted_s": q, "measured_s": m, "runs_s": r,
-                      "knobs": p.knobs if hasattr(p, "knobs") else p["knobs"],
-                      "layout": p.layout if hasattr(p, "layout") else p["layout"]}
-                     for p, q, m, r in zip(plans, pred, meas, runs)]}
+    out = {
+        **_rank_stats(pred, meas, chosen, ""),
+        "plans": [
+            {
+                "label": label(p),
+                "predicted_s": q,
+                "measured_s": m,
+                "runs_s": r,
+                "knobs": p.knobs if hasattr(p, "knobs") else p["knobs"],
+                "layout": p.layout if hasattr(p, "layout") else p["layout"],
+            }
+            for p, q, m, r in zip(plans, pred, meas, runs)
+        ],
+    }
     if probes and all(probes) and len(probes) == len(plans):
         ref = float(np.median([r for pr in probes for r in pr]))
         per = [len(r) // len(pr) for r, pr in zip(runs, probes)]  # steps per process
-        norm = [float(np.median([x * pr[k // n] / ref for k, x in enumerate(r)]))
-                for r, pr, n in zip(runs, probes, per)]
+        norm = [
+            float(np.median([x * pr[k // n] / ref for k, x in enumerate(r)])) for r, pr, n in zip(runs, probes, per)
+        ]
         out.update(_rank_stats(pred, norm, chosen, "_norm"), probe_ref_flops=ref)
         for row, pr, m in zip(out["plans"], probes, norm):
             row.update(probe_flops=pr, measured_norm_s=m)
@@ -406,9 +485,12 @@ def summarise(plans, pred, meas, runs, probes=None) -> dict:
 
 def _rank_stats(pred, meas, chosen: bool, suffix: str) -> dict:
     err = [abs(q - m) / m for q, m in zip(pred, meas)]
-    return {f"mape_step{suffix}": err[0] if chosen else None, f"mape_step_all{suffix}": float(np.mean(err)),
-            f"spearman{suffix}": spearman(pred, meas) if len(meas) > 2 else None,
-            f"chosen_vs_best{suffix}": meas[0] / min(meas) - 1.0 if chosen else None}
+    return {
+        f"mape_step{suffix}": err[0] if chosen else None,
+        f"mape_step_all{suffix}": float(np.mean(err)),
+        f"spearman{suffix}": spearman(pred, meas) if len(meas) > 2 else None,
+        f"chosen_vs_best{suffix}": meas[0] / min(meas) - 1.0 if chosen else None,
+    }
 
 
 def measure_plans(plans: list, args, overrides=()) -> list[list[float]]:
@@ -422,11 +504,28 @@ def measure_plans(plans: list, args, overrides=()) -> list[list[float]]:
                 path, out = os.path.join(d, f"plan{i}.json"), os.path.join(d, f"res{i}_{r}.json")
                 p.plan.save(path)
                 note_load()
-                cmd = [sys.executable, __file__, "--run-plan", path, "--out", out, "--steps", str(args.steps),
-                       "--clock", args.clock, *(["--overrides", *overrides] if overrides else [])]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--run-plan",
+                    path,
+                    "--out",
+                    out,
+                    "--steps",
+                    str(args.steps),
+                    "--clock",
+                    args.clock,
+                    *(["--overrides", *overrides] if overrides else []),
+                ]
                 try:
-                    rc = subprocess.run(cmd, env=env, cwd=ROOT, timeout=args.plan_timeout,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+                    rc = subprocess.run(
+                        cmd,
+                        env=env,
+                        cwd=ROOT,
+                        timeout=args.plan_timeout,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    ).returncode
                 except subprocess.TimeoutExpired:
                     rc = "timeout"
                 if rc == 0:
@@ -434,8 +533,11 @@ def measure_plans(plans: list, args, overrides=()) -> list[list[float]]:
                         res = json.load(f)
                     runs[i] += res["seconds"]
                     probes[i].append(res["probe_flops"])
-                print(f"  round {r} {p.label:<16} rc={rc} steps {['%.2f' % x for x in runs[i]]} "
-                      f"probe {['%.0f' % (x / 1e9) for x in probes[i]]} GFLOP/s", flush=True)
+                print(
+                    f"  round {r} {p.label:<16} rc={rc} steps {['%.2f' % x for x in runs[i]]} "
+                    f"probe {['%.0f' % (x / 1e9) for x in probes[i]]} GFLOP/s",
+                    flush=True,
+                )
     return runs, probes
 
 
@@ -444,16 +546,23 @@ def step_level(args, hw) -> dict:
     print(f"step level: {len(plans)} candidate plans of the default config", flush=True)
     runs, probes = measure_plans(plans, args)
     ok = [i for i, x in enumerate(runs) if x]
-    out = summarise([plans[i] for i in ok], [plans[i].step_time_s for i in ok],
-                    [float(np.median(runs[i])) for i in ok], [runs[i] for i in ok], [probes[i] for i in ok])
+    out = summarise(
+        [plans[i] for i in ok],
+        [plans[i].step_time_s for i in ok],
+        [float(np.median(runs[i])) for i in ok],
+        [runs[i] for i in ok],
+        [probes[i] for i in ok],
+    )
     out["failed"] = [plans[i].label for i in range(len(plans)) if not runs[i]]
     return out
 
 
 # Not the default config (B=128, R=8): B=64, R=12 and B=192, R=6, so that the runtime's
 # per-sequence and per-step host costs separate.
-STEP_CALIBRATIONS = (["data.prompts_per_step=8", "rollout.max_new_tokens=12"],
-                     ["data.prompts_per_step=24", "rollout.max_new_tokens=6"])
+STEP_CALIBRATIONS = (
+    ["data.prompts_per_step=8", "rollout.max_new_tokens=12"],
+    ["data.prompts_per_step=24", "rollout.max_new_tokens=6"],
+)
 
 
 def calibrate_steps(args) -> int:
@@ -497,9 +606,21 @@ def measure_steps(args, overrides: list[str]) -> list[dict]:
             plans.append(p)
     runs, probes = measure_plans(plans, args, STEP_CALIBRATION)
     note_load()
-    return [{"overrides": STEP_CALIBRATION, "knobs": p.knobs, "layout": p.layout, "num_devices": 8,
-             "label": p.label, "seconds": float(np.median(r)), "runs_s": r, "probe_flops": pr, "load": LOADS[-1]}
-            for p, r, pr in zip(plans, runs, probes) if r]
+    return [
+        {
+            "overrides": STEP_CALIBRATION,
+            "knobs": p.knobs,
+            "layout": p.layout,
+            "num_devices": 8,
+            "label": p.label,
+            "seconds": float(np.median(r)),
+            "runs_s": r,
+            "probe_flops": pr,
+            "load": LOADS[-1],
+        }
+        for p, r, pr in zip(plans, runs, probes)
+        if r
+    ]
 
 
 def main() -> int:
@@ -518,22 +639,46 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4, help="measured steps per plan and round (after 2 warm-up)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--plan-timeout", type=int, default=900)
-    ap.add_argument("--reprice", default=None, help="re-predict the measured plans of an earlier --step-level "
-                                                   "--json with the current profile (after a recalibration)")
-    ap.add_argument("--calibrate-steps", action="store_true", help="measure whole steps of a calibration config "
-                                                                  "(not the default), fit the runtime's host costs")
-    ap.add_argument("--refit", action="store_true", help="refit the profile to the saved calibration points "
-                                                       "(no measuring; after a change of the formulas)")
-    ap.add_argument("--step-config", type=int, default=None, help="--calibrate-steps: only this calibration config "
-                                                                 "(index into STEP_CALIBRATIONS)")
-    ap.add_argument("--gpu", action="store_true", help="one GPU: measure GPU_CALIBRATION + GPU_VALIDATION (1 device, "
-                                                       "wall clock), fit on the first, report MAPE on the second")
+    ap.add_argument(
+        "--reprice",
+        default=None,
+        help="re-predict the measured plans of an earlier --step-level "
+        "--json with the current profile (after a recalibration)",
+    )
+    ap.add_argument(
+        "--calibrate-steps",
+        action="store_true",
+        help="measure whole steps of a calibration config (not the default), fit the runtime's host costs",
+    )
+    ap.add_argument(
+        "--refit",
+        action="store_true",
+        help="refit the profile to the saved calibration points (no measuring; after a change of the formulas)",
+    )
+    ap.add_argument(
+        "--step-config",
+        type=int,
+        default=None,
+        help="--calibrate-steps: only this calibration config (index into STEP_CALIBRATIONS)",
+    )
+    ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="one GPU: measure GPU_CALIBRATION + GPU_VALIDATION (1 device, "
+        "wall clock), fit on the first, report MAPE on the second",
+    )
     ap.add_argument("--dry-run", action="store_true", help="--gpu: the same plumbing with model T (on a CPU)")
     ap.add_argument("--start", default=None, help="--gpu: profile YAML to start the fit from (rpeg calibrate --out)")
     ap.add_argument("--budget-s", type=float, default=240.0, help="--gpu: start no configuration after this")
-    ap.add_argument("--gen-memory", nargs="?", const="", default=None, metavar="FILE",
-                    help="also validate generation memory (sampler programs' compiled peaks); FILE: "
-                         "re-read it when it exists, else measure and save there")
+    ap.add_argument(
+        "--gen-memory",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="FILE",
+        help="also validate generation memory (sampler programs' compiled peaks); FILE: "
+        "re-read it when it exists, else measure and save there",
+    )
     ap.add_argument("--run-plan", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--overrides", nargs="*", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -549,9 +694,14 @@ def main() -> int:
     if args.refit:
         return refit(args)
     hw = load_hardware(args.hardware)
-    out = {"hardware": hw.name, "calibrated": dict(hw.calibrated), "clock": args.clock,
-           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                    text=True).stdout.strip()}
+    out = {
+        "hardware": hw.name,
+        "calibrated": dict(hw.calibrated),
+        "clock": args.clock,
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip(),
+    }
     if not args.no_stages:
         rows = stage_rows(args, hw)
         out.update(stages=rows, **stage_summary(rows))

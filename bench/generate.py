@@ -82,7 +82,7 @@ def measure_limits(dtype) -> dict:
     A copy (read + write) is recorded too but is not the limit of a read-only workload."""
     n_mm = 8192 if ON_GPU else 1536
     a = jnp.ones((n_mm, n_mm), dtype)
-    flops = 2 * n_mm ** 3 / best_time(jax.jit(lambda x: x @ x), a)
+    flops = 2 * n_mm**3 / best_time(jax.jit(lambda x: x @ x), a)
     del a
     n_bw = 1 << 30 if ON_GPU else 1 << 28  # elements: 4 GiB / 1 GiB of float32
     x = jnp.ones((n_bw,), jnp.float32)
@@ -94,8 +94,14 @@ def measure_limits(dtype) -> dict:
     gemv = 4 * n_bw / best_time(jax.jit(lambda w, v: jnp.einsum("oi,mi->mo", w, v)), w_t, v)
     del x, w_t
     bw = max(read, rows, gemv)
-    return {"matmul_flops": flops, "bandwidth_bytes_s": bw, "bw_read": read, "bw_rowsum": rows,
-            "bw_gemv": gemv, "bw_copy": copy}
+    return {
+        "matmul_flops": flops,
+        "bandwidth_bytes_s": bw,
+        "bw_read": read,
+        "bw_rowsum": rows,
+        "bw_gemv": gemv,
+        "bw_copy": copy,
+    }
 
 
 def work_per_token(cfg: ModelConfig, batch: int, mean_ctx: float, param_bytes: int) -> tuple[float, float]:
@@ -130,8 +136,13 @@ def data_mesh(n: int):
 
 def run_rpeg(model, prompts, n, new, temp, reps, devices: int = 1) -> list[float]:
     batch = len(prompts) * n
-    cfg = SamplerConfig(page_size=16, max_slots=batch, max_seq_len=len(prompts[0]) + new, chunk_steps=new,
-                        min_prefill_len=len(prompts[0]))
+    cfg = SamplerConfig(
+        page_size=16,
+        max_slots=batch,
+        max_seq_len=len(prompts[0]) + new,
+        chunk_steps=new,
+        min_prefill_len=len(prompts[0]),
+    )
     mesh = data_mesh(devices)
     if devices > 1:  # the weights replicated on every device of the mesh
         from flax import nnx
@@ -167,9 +178,12 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default=None, help="comma-separated subset (default: all G1)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-naive", action="store_true", help="skip the naive baseline")
-    ap.add_argument("--data", type=int, default=None,
-                    help="devices of the sampler's data mesh for matmul-bound workloads (default: every CPU "
-                         "device, 1 on a GPU)")
+    ap.add_argument(
+        "--data",
+        type=int,
+        default=None,
+        help="devices of the sampler's data mesh for matmul-bound workloads (default: every CPU device, 1 on a GPU)",
+    )
     args = ap.parse_args(argv)
     data = args.data if args.data is not None else (1 if ON_GPU else jax.local_device_count())
     if not 1 <= data <= jax.local_device_count():
@@ -182,10 +196,14 @@ def main(argv=None) -> int:
     dtype = jnp.bfloat16 if ON_GPU else jnp.float32
     limits = measure_limits(dtype)
     probes = [limits]
-    print(f"device {jax.devices()[0].device_kind}: matmul {limits['matmul_flops'] / 1e9:.1f} GFLOP/s, "
-          f"bandwidth {limits['bandwidth_bytes_s'] / 1e9:.1f} GB/s (read {limits['bw_read'] / 1e9:.1f}, "
-          f"rows {limits['bw_rowsum'] / 1e9:.1f}, gemv {limits['bw_gemv'] / 1e9:.1f}, copy {limits['bw_copy'] / 1e9:.1f}); "
-          f"load {os.getloadavg()[0]:.1f}", flush=True)
+    print(
+        f"device {jax.devices()[0].device_kind}: matmul {limits['matmul_flops'] / 1e9:.1f} GFLOP/s, "
+        f"bandwidth {limits['bandwidth_bytes_s'] / 1e9:.1f} GB/s (read {limits['bw_read'] / 1e9:.1f}, "
+        f"rows {limits['bw_rowsum'] / 1e9:.1f}, gemv {limits['bw_gemv'] / 1e9:.1f}, "
+        f"copy {limits['bw_copy'] / 1e9:.1f}); "
+        f"load {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
     records, models = [], {}
     for name in names:
         preset, num_prompts, plen, n, new, temp, bound = table[name]
@@ -197,17 +215,30 @@ def main(argv=None) -> int:
         flops, step_bytes = work_per_token(model.cfg, batch, plen + new / 2, pbytes)
         devices = data if bound == "matmul" and batch % data == 0 else 1
         variants = [("rpeg", lambda *a: run_rpeg(*a, devices=devices))] + (
-            [] if args.no_naive else [("naive", run_naive)])
+            [] if args.no_naive else [("naive", run_naive)]
+        )
         for variant, fn in variants:
             rates = fn(model, prompts, n, new, temp, args.reps)
             best = max(rates)
-            rec = dict(workload=name, variant=variant, new_tokens_per_s=best, median_tokens_per_s=statistics.median(rates),
-                       limit_kind=bound, batch=batch, flops_per_token=flops, bytes_per_step=step_bytes,
-                       device=jax.devices()[0].device_kind, devices=devices if variant == "rpeg" else 1,
-                       load_avg_1m=os.getloadavg()[0])
+            rec = dict(
+                workload=name,
+                variant=variant,
+                new_tokens_per_s=best,
+                median_tokens_per_s=statistics.median(rates),
+                limit_kind=bound,
+                batch=batch,
+                flops_per_token=flops,
+                bytes_per_step=step_bytes,
+                device=jax.devices()[0].device_kind,
+                devices=devices if variant == "rpeg" else 1,
+                load_avg_1m=os.getloadavg()[0],
+            )
             records.append(rec)
-            print(f"{name:14s} {variant:6s} {rec['devices']} dev {best:10.1f} new tok/s "
-                  f"(median {rec['median_tokens_per_s']:.1f})", flush=True)
+            print(
+                f"{name:14s} {variant:6s} {rec['devices']} dev {best:10.1f} new tok/s "
+                f"(median {rec['median_tokens_per_s']:.1f})",
+                flush=True,
+            )
         by = {r["variant"]: r["new_tokens_per_s"] for r in records if r["workload"] == name}
         if "naive" in by:
             print(f"{name:14s} rpeg / naive = {by['rpeg'] / by['naive']:.2f}x", flush=True)
@@ -216,15 +247,23 @@ def main(argv=None) -> int:
     # The limit is the best rate any probe saw (strict: a probe taken in a slow moment would make
     # every fraction read high; bench/ceiling.py bounds the fraction under the same definition).
     limits = {k: max(p[k] for p in probes) for k in probes[0]}
-    print(f"limits (best of {len(probes)} probes): matmul {limits['matmul_flops'] / 1e9:.1f} GFLOP/s, "
-          f"bandwidth {limits['bandwidth_bytes_s'] / 1e9:.1f} GB/s")
+    print(
+        f"limits (best of {len(probes)} probes): matmul {limits['matmul_flops'] / 1e9:.1f} GFLOP/s, "
+        f"bandwidth {limits['bandwidth_bytes_s'] / 1e9:.1f} GB/s"
+    )
     for rec in records:
         per_tok = rec["flops_per_token"] if rec["limit_kind"] == "matmul" else rec["bytes_per_step"] / rec["batch"]
         rate = limits["matmul_flops"] if rec["limit_kind"] == "matmul" else limits["bandwidth_bytes_s"]
-        rec.update(limit_tokens_per_s=rate / per_tok, limit_fraction=rec["new_tokens_per_s"] * per_tok / rate,
-                   probes=len(probes), **limits)
-        print(f"{rec['workload']:14s} {rec['variant']:6s} {rec['new_tokens_per_s']:10.1f} new tok/s = "
-              f"{rec['limit_fraction']:.1%} of the {rec['limit_kind']} limit ({rec['limit_tokens_per_s']:.0f} tok/s)")
+        rec.update(
+            limit_tokens_per_s=rate / per_tok,
+            limit_fraction=rec["new_tokens_per_s"] * per_tok / rate,
+            probes=len(probes),
+            **limits,
+        )
+        print(
+            f"{rec['workload']:14s} {rec['variant']:6s} {rec['new_tokens_per_s']:10.1f} new tok/s = "
+            f"{rec['limit_fraction']:.1%} of the {rec['limit_kind']} limit ({rec['limit_tokens_per_s']:.0f} tok/s)"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

@@ -41,8 +41,12 @@ def load_before(commit: str):
     tmp = tempfile.mkdtemp(prefix="rpeg_before_")
     mods = {}
     for name in MODULES:
-        src = subprocess.run(["git", "-C", ROOT, "show", f"{commit}:rpeg_jax/models/{name}.py"], check=True,
-                             capture_output=True, text=True).stdout
+        src = subprocess.run(
+            ["git", "-C", ROOT, "show", f"{commit}:rpeg_jax/models/{name}.py"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         for dep in MODULES:  # point intra-package imports at the private copies
             src = src.replace(f"from rpeg_jax.models.{dep} import", f"from _before_{dep} import")
         path = os.path.join(tmp, f"_before_{name}.py")
@@ -66,9 +70,11 @@ def main(argv=None) -> int:
     seg = jnp.ones_like(tokens)
     targets = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], 1)
     Before, before_logprobs = load_before(args.before)
-    models = {"before": (Before(model_preset("tiny"), rngs=nnx.Rngs(params=0)), before_logprobs),
-              "scan": (init_model(model_preset("tiny", scan_layers=True), 0), token_logprobs),
-              "unrolled": (init_model(model_preset("tiny", scan_layers=False), 0), token_logprobs)}
+    models = {
+        "before": (Before(model_preset("tiny"), rngs=nnx.Rngs(params=0)), before_logprobs),
+        "scan": (init_model(model_preset("tiny", scan_layers=True), 0), token_logprobs),
+        "unrolled": (init_model(model_preset("tiny", scan_layers=False), 0), token_logprobs),
+    }
     fns = {}
     for name, (model, logprobs) in models.items():
         graphdef, params = nnx.split(model, nnx.Param)
@@ -92,8 +98,10 @@ def main(argv=None) -> int:
     gflop = 6 * (cfg.num_params() - 2 * cfg.vocab_size * cfg.hidden_size) * B * (P + R) / 1e9
     print(f"forward + backward of {gflop:.1f} GFLOP (matmuls of the decoder body), load {os.getloadavg()[0]:.1f}")
     for name, ts in times.items():
-        print(f"{name:9s} best {min(ts):6.3f}s  median {statistics.median(ts):6.3f}s  spread {max(ts) / min(ts):4.2f}  "
-              f"({gflop / statistics.median(ts):5.1f} GFLOP/s at the median)")
+        print(
+            f"{name:9s} best {min(ts):6.3f}s  median {statistics.median(ts):6.3f}s  spread {max(ts) / min(ts):4.2f}  "
+            f"({gflop / statistics.median(ts):5.1f} GFLOP/s at the median)"
+        )
     return 0
 
 

@@ -34,7 +34,7 @@ class DenseCacheAttention:
         keys, vals = kc[layer], vc[layer]  # [B, M, K, E]
         m, kh, e = keys.shape[1], keys.shape[2], keys.shape[3]
         qg = q.reshape(b, 1, kh, q.shape[2] // kh, e)
-        s = jnp.einsum("btkge,bmke->bkgtm", qg, keys, preferred_element_type=jnp.float32) * (e ** -0.5)
+        s = jnp.einsum("btkge,bmke->bkgtm", qg, keys, preferred_element_type=jnp.float32) * (e**-0.5)
         valid = jnp.arange(m)[None, :] <= self.pos_B[:, None]
         s = jnp.where(valid[:, None, None, None, :], s, -1e30)
         p = jax.nn.softmax(s, axis=-1).astype(vals.dtype)
@@ -53,8 +53,9 @@ def _step(graphdef, params, cache, token_B, pos_B, keys_Bx2, temperature_B):
     return cache, tok, logp
 
 
-def naive_generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: float, n: int = 1,
-                   seed: int = 0) -> np.ndarray:
+def naive_generate(
+    model, prompts: list[list[int]], max_new_tokens: int, temperature: float, n: int = 1, seed: int = 0
+) -> np.ndarray:
     """Tokens [len(prompts) * n, max_new_tokens] (no stopping: benchmark use, ignore eos). Every
     sequence runs its own prompt through the step loop (no prefill, no sharing)."""
     cfg = model.cfg
@@ -65,13 +66,14 @@ def naive_generate(model, prompts: list[list[int]], max_new_tokens: int, tempera
     shape = (cfg.num_layers, b, max_len, cfg.num_kv_heads, cfg.head_size)
     dt = jnp.dtype(cfg.dtype)
     cache = (jnp.zeros(shape, dt), jnp.zeros(shape, dt))
-    keys = sequence_keys(jnp.full((b,), seed, jnp.int32), jnp.repeat(jnp.arange(len(prompts)), n),
-                         jnp.tile(jnp.arange(n), len(prompts)))
+    keys = sequence_keys(
+        jnp.full((b,), seed, jnp.int32), jnp.repeat(jnp.arange(len(prompts)), n), jnp.tile(jnp.arange(n), len(prompts))
+    )
     temp = jnp.full((b,), temperature, jnp.float32)
     lens = np.asarray([len(s) for s in seqs])
     known = np.zeros((b, max_len), np.int32)
     for i, s in enumerate(seqs):
-        known[i, :len(s)] = s
+        known[i, : len(s)] = s
     out = np.zeros((b, max_new_tokens), np.int32)
     # Equal-length prompts (the G1 workloads) step in lockstep: position t feeds token t.
     assert (lens == lp).all(), "naive baseline: prompts of equal length only"

@@ -31,12 +31,22 @@ from rpeg_jax.costmodel.planner import search  # noqa: E402
 from rpeg_jax.graph.ir import GraphError  # noqa: E402
 
 MODELS = {"1.5B": "qwen2-1.5b", "7B": "qwen2-7b", "32B": "qwen2-32b", "72B": "qwen2-72b"}
-WORKLOAD = ["model.dtype=bfloat16", "model.param_dtype=float32", "data.max_prompt_len=512", "costmodel.prompt_len=512",
-            "rollout.max_new_tokens=16384", "costmodel.response_len_min=4096",
-            "costmodel.response_len_median=6144", "costmodel.response_len_sigma=0.8",
-            "costmodel.sequence_packing=true", "rl.kl_coef=0.001"]
-ALGOS = {"GRPO": ["rl.algorithm=grpo", "rl.group_size=16", "data.prompts_per_step=32"],
-         "PPO": ["rl.algorithm=ppo", "rl.group_size=1", "data.prompts_per_step=512"]}
+WORKLOAD = [
+    "model.dtype=bfloat16",
+    "model.param_dtype=float32",
+    "data.max_prompt_len=512",
+    "costmodel.prompt_len=512",
+    "rollout.max_new_tokens=16384",
+    "costmodel.response_len_min=4096",
+    "costmodel.response_len_median=6144",
+    "costmodel.response_len_sigma=0.8",
+    "costmodel.sequence_packing=true",
+    "rl.kl_coef=0.001",
+]
+ALGOS = {
+    "GRPO": ["rl.algorithm=grpo", "rl.group_size=16", "data.prompts_per_step=32"],
+    "PPO": ["rl.algorithm=ppo", "rl.group_size=1", "data.prompts_per_step=512"],
+}
 MACHINES = [("gh200", 64), ("gh200", 128), ("gh200", 256), ("h100", 8), ("h200", 8)]
 
 
@@ -44,8 +54,12 @@ def one(hw_name: str, gpus: int, model: str, algo: str) -> dict:
     row = _search(hw_name, gpus, model, algo, [])
     if row["fits"]:  # with continuous admission (partial rollouts) on top
         ca = _search(hw_name, gpus, model, algo, ["costmodel.continuous_admission=true"])
-        row["next"] = {"step_time_s": ca["chosen"]["step_time_s"], "knobs": ca["chosen"]["knobs"],
-                                       "layout": ca["chosen"]["layout"], "search_seconds": ca["search_seconds"]}
+        row["next"] = {
+            "step_time_s": ca["chosen"]["step_time_s"],
+            "knobs": ca["chosen"]["knobs"],
+            "layout": ca["chosen"]["layout"],
+            "search_seconds": ca["search_seconds"],
+        }
     return row
 
 
@@ -59,15 +73,28 @@ def _search(hw_name: str, gpus: int, model: str, algo: str, extra: list[str]) ->
         row.update(fits=False, reason=str(e), search_seconds=time.perf_counter() - t0)
         return row
     c = res.chosen
-    row.update(fits=True, search_seconds=res.search_seconds, evaluations=res.evaluations,
-               plans_considered=res.plans_considered,
-               chosen={"step_time_s": c.step_time_s, "utilization": c.utilization,
-                       "memory_per_gpu_gb": c.memory_per_gpu_gb, "knobs": c.knobs, "layout": c.layout,
-                       "stage_times_s": c.stage_times_s})
+    row.update(
+        fits=True,
+        search_seconds=res.search_seconds,
+        evaluations=res.evaluations,
+        plans_considered=res.plans_considered,
+        chosen={
+            "step_time_s": c.step_time_s,
+            "utilization": c.utilization,
+            "memory_per_gpu_gb": c.memory_per_gpu_gb,
+            "knobs": c.knobs,
+            "layout": c.layout,
+            "stage_times_s": c.stage_times_s,
+        },
+    )
     for name, b in res.baselines.items():
-        row[name] = {"step_time_s": b.step_time_s, "utilization": b.utilization,
-                     "memory_per_gpu_gb": b.memory_per_gpu_gb, "ratio": b.step_time_s / c.step_time_s,
-                     "layout": b.layout}
+        row[name] = {
+            "step_time_s": b.step_time_s,
+            "utilization": b.utilization,
+            "memory_per_gpu_gb": b.memory_per_gpu_gb,
+            "ratio": b.step_time_s / c.step_time_s,
+            "layout": b.layout,
+        }
     return row
 
 
@@ -76,13 +103,17 @@ def describe(row: dict) -> str:
     k, lay = c["knobs"], c["layout"]
     groups = "+".join(str(v) for v in lay["groups"].values())
     g, t = lay["generate"], lay["train"]
-    return (f"{k['placement'][:5]} {groups} k={k['staleness']}{' share' if k['share_actor_critic'] else ''} "
-            f"gen tp{g['tensor']} train d{t['data']}f{t['fsdp']}t{t['tensor']}")
+    return (
+        f"{k['placement'][:5]} {groups} k={k['staleness']}{' share' if k['share_actor_critic'] else ''} "
+        f"gen tp{g['tensor']} train d{t['data']}f{t['fsdp']}t{t['tensor']}"
+    )
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'hw':<6}{'gpus':>5} {'model':<5} {'algo':<5} {'chosen plan':<44}{'step s':>8}{'util':>7}{'GB':>6}"
-            f"{'verl s':>9}{'x':>6}{'ReaL s':>9}{'x':>6}{'search s':>9}{'next s':>8}{'x verl':>7}")
+    head = (
+        f"{'hw':<6}{'gpus':>5} {'model':<5} {'algo':<5} {'chosen plan':<44}{'step s':>8}{'util':>7}{'GB':>6}"
+        f"{'verl s':>9}{'x':>6}{'ReaL s':>9}{'x':>6}{'search s':>9}{'next s':>8}{'x verl':>7}"
+    )
     out = [head, "-" * len(head)]
     for r in rows:
         pre = f"{r['hardware']:<6}{r['gpus']:>5} {r['model']:<5} {r['algorithm']:<5} "
@@ -97,8 +128,10 @@ def table(rows: list[dict]) -> str:
         ca = r.get("next")
         v = r.get("verl_like")
         extra = f"{ca['step_time_s']:>8.1f}" + (f"{v['step_time_s'] / ca['step_time_s']:>7.2f}" if v else f"{'-':>7}")
-        out.append(pre + f"{describe(r):<44}{c['step_time_s']:>8.1f}{100 * c['utilization']:>6.1f}%"
-                   f"{c['memory_per_gpu_gb']:>6.1f}{base}{r['search_seconds']:>9.2f}{extra}")
+        out.append(
+            pre + f"{describe(r):<44}{c['step_time_s']:>8.1f}{100 * c['utilization']:>6.1f}%"
+            f"{c['memory_per_gpu_gb']:>6.1f}{base}{r['search_seconds']:>9.2f}{extra}"
+        )
     return "\n".join(out)
 
 
@@ -117,9 +150,11 @@ def main() -> int:
     print()
     print(table(rows))
     big = [r["search_seconds"] for r in rows if r["gpus"] == 256]
-    summary = {"max_search_seconds_256": max(big) if big else None,
-               "max_search_seconds": max(r["search_seconds"] for r in rows),
-               "target_search_seconds_256": 60.0}
+    summary = {
+        "max_search_seconds_256": max(big) if big else None,
+        "max_search_seconds": max(r["search_seconds"] for r in rows),
+        "target_search_seconds_256": 60.0,
+    }
     print(f"\nlongest search at 256 GPUs: {summary['max_search_seconds_256']:.2f} s (target < 60 s, one core)")
     if args.json:
         with open(args.json, "w") as f:

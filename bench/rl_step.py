@@ -77,23 +77,42 @@ from rpeg_jax.runtime.setup import build  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from generate import best_time  # noqa: E402  (its device-count setup is the same as this script's)
 
-R1 = ["data.task=add", "data.min_digits=2", "data.max_digits=2", "data.prompts_per_step=16", "rl.group_size=8",
-      "rollout.max_new_tokens=32", "rollout.temperature=1.0", "optim.lr=1e-4", "optim.warmup_steps=0",
-      "model.preset=tiny", "pipeline.plan=manual", "train.checkpoint_every=0", "train.progress=false",
-      "train.tensorboard=false", "train.resume=never"]
-WORKLOADS = {"R1-a": ["rl.algorithm=grpo", "rl.kl_coef=0.0"],
-             "R1-b": ["rl.algorithm=grpo", "rl.kl_coef=0.04"],
-             "R1-c": ["rl.algorithm=ppo", "rl.kl_coef=0.0"]}
-VARIANTS = {"baseline": [],
-            "optimized": ["pipeline.elide_old_forward=true", "pipeline.fuse=[forwards,advantage]"],
-            # PPO only: the optimized pipeline with actor-critic sharing (one backbone, policy and
-            # value heads; the paper's structural choice). A different model than R1-c's separate
-            # critic, so it is reported beside "optimized", not as it.
-            "shared": ["pipeline.elide_old_forward=true", "pipeline.fuse=[forwards,advantage]",
-                       "pipeline.share_actor_critic=true"],
-            # k = 1; π_prox = sg(π_θ) of the update's own forward (exact with one optimizer step).
-            "async": ["pipeline.staleness=1", "pipeline.proximal_from_update=true",
-                      "pipeline.fuse=[forwards,advantage]"]}
+R1 = [
+    "data.task=add",
+    "data.min_digits=2",
+    "data.max_digits=2",
+    "data.prompts_per_step=16",
+    "rl.group_size=8",
+    "rollout.max_new_tokens=32",
+    "rollout.temperature=1.0",
+    "optim.lr=1e-4",
+    "optim.warmup_steps=0",
+    "model.preset=tiny",
+    "pipeline.plan=manual",
+    "train.checkpoint_every=0",
+    "train.progress=false",
+    "train.tensorboard=false",
+    "train.resume=never",
+]
+WORKLOADS = {
+    "R1-a": ["rl.algorithm=grpo", "rl.kl_coef=0.0"],
+    "R1-b": ["rl.algorithm=grpo", "rl.kl_coef=0.04"],
+    "R1-c": ["rl.algorithm=ppo", "rl.kl_coef=0.0"],
+}
+VARIANTS = {
+    "baseline": [],
+    "optimized": ["pipeline.elide_old_forward=true", "pipeline.fuse=[forwards,advantage]"],
+    # PPO only: the optimized pipeline with actor-critic sharing (one backbone, policy and
+    # value heads; the paper's structural choice). A different model than R1-c's separate
+    # critic, so it is reported beside "optimized", not as it.
+    "shared": [
+        "pipeline.elide_old_forward=true",
+        "pipeline.fuse=[forwards,advantage]",
+        "pipeline.share_actor_critic=true",
+    ],
+    # k = 1; π_prox = sg(π_θ) of the update's own forward (exact with one optimizer step).
+    "async": ["pipeline.staleness=1", "pipeline.proximal_from_update=true", "pipeline.fuse=[forwards,advantage]"],
+}
 ONLY = {"shared": {"R1-c"}}  # variants that apply to some workloads only
 # With a separate critic: V for GAE from the critic update's own forward (one optimizer step).
 EXTRA = {("R1-c", v): ["pipeline.values_from_critic_update=true"] for v in ("optimized", "shared", "async")}
@@ -111,8 +130,14 @@ class MatmulRate:
     def __init__(self, reps: int = 5):
         rng = np.random.default_rng(0)
         self.reps = reps
-        self.cases = [(2.0 * m * k * n, jnp.asarray(rng.standard_normal((m, k)), jnp.float32),
-                       jnp.asarray(rng.standard_normal((k, n)), jnp.float32)) for m, k, n in self.SHAPES]
+        self.cases = [
+            (
+                2.0 * m * k * n,
+                jnp.asarray(rng.standard_normal((m, k)), jnp.float32),
+                jnp.asarray(rng.standard_normal((k, n)), jnp.float32),
+            )
+            for m, k, n in self.SHAPES
+        ]
         self.fn = jax.jit(lambda a, b: a @ b)
         self.samples: list[float] = []
 
@@ -134,8 +159,15 @@ class Pipeline:
     def __init__(self, workload: str, variant: str, run_dir: str, steps: int, extra: list[str]):
         self.workload, self.variant = workload, variant
         split = variant == "async" and jax.device_count() >= 2
-        self.overrides = R1 + WORKLOADS[workload] + VARIANTS[variant] + EXTRA.get((workload, variant), []) + (
-            SPLIT if split else []) + extra + [f"train.steps={steps}", f"train.run_dir={run_dir}"]
+        self.overrides = (
+            R1
+            + WORKLOADS[workload]
+            + VARIANTS[variant]
+            + EXTRA.get((workload, variant), [])
+            + (SPLIT if split else [])
+            + extra
+            + [f"train.steps={steps}", f"train.run_dir={run_dir}"]
+        )
         self.cfg = load_config(None, self.overrides)
         self.devices = 2 if split else 1
         plan = plan_for_config(self.cfg, self.devices)  # pipeline.plan=manual: the knobs above
@@ -160,9 +192,15 @@ class Pipeline:
         self.executor.forget_before(self.t)
         self.t += 1
         timing = {k.split("/", 1)[1]: float(v) for k, v in m.items() if k.startswith("timing_s/")}
-        rec = {"wall_s": wall, "step_s": timing.pop("step", wall), "stages_s": timing,
-               "flops": step_flops(self.cfg, stats, self.executor.graph.staleness), "tokens": stats["seq"],
-               "response_tokens": stats["resp"], "reward": float(np.asarray(m.get("reward/mean", np.nan)))}
+        rec = {
+            "wall_s": wall,
+            "step_s": timing.pop("step", wall),
+            "stages_s": timing,
+            "flops": step_flops(self.cfg, stats, self.executor.graph.staleness),
+            "tokens": stats["seq"],
+            "response_tokens": stats["resp"],
+            "reward": float(np.asarray(m.get("reward/mean", np.nan))),
+        }
         return rec
 
 
@@ -175,26 +213,42 @@ def summarise(p: Pipeline, compile_s: float, rate_best: float, rates_paired: lis
     paired = [r["flops"] / rate / r["step_s"] for r, rate in zip(steps, rates_paired)]
     stage_names = sorted({k for r in steps for k in r["stages_s"]})
     stages = {k: statistics.median(r["stages_s"].get(k, 0.0) for r in steps) for k in stage_names}
-    return dict(workload=p.workload, variant=p.variant, seconds_per_step=med,
-                limit_fraction=statistics.median(limit) / med, limit_fraction_paired=statistics.median(paired),
-                limit_s=statistics.median(limit),
-                flops_per_step=statistics.median(r["flops"] for r in steps), matmul_flops_per_s=rate_best,
-                step_s=secs, spread=max(secs) / min(secs), stages_s=stages,
-                gen_share=stages.get("gen", 0.0) / med, compile_step_s=compile_s,
-                tokens_per_step=statistics.median(r["tokens"] for r in steps), stages=p.stages,
-                overrides=[o for o in p.overrides if not o.startswith("train.run_dir")],
-                device=jax.devices()[0].device_kind, devices=p.devices, steps_measured=len(steps),
-                plan=p.plan.describe())
+    return dict(
+        workload=p.workload,
+        variant=p.variant,
+        seconds_per_step=med,
+        limit_fraction=statistics.median(limit) / med,
+        limit_fraction_paired=statistics.median(paired),
+        limit_s=statistics.median(limit),
+        flops_per_step=statistics.median(r["flops"] for r in steps),
+        matmul_flops_per_s=rate_best,
+        step_s=secs,
+        spread=max(secs) / min(secs),
+        stages_s=stages,
+        gen_share=stages.get("gen", 0.0) / med,
+        compile_step_s=compile_s,
+        tokens_per_step=statistics.median(r["tokens"] for r in steps),
+        stages=p.stages,
+        overrides=[o for o in p.overrides if not o.startswith("train.run_dir")],
+        device=jax.devices()[0].device_kind,
+        devices=p.devices,
+        steps_measured=len(steps),
+        plan=p.plan.describe(),
+    )
 
 
 def print_table(records: list[dict]) -> None:
-    print(f"\n{'workload':8s} {'variant':10s} {'s/step':>7s} {'spread':>6s} {'limit_s':>7s} {'frac':>5s} "
-          f"{'paired':>6s} {'GFLOP':>6s} {'compile':>7s}  stages (median s)")
+    print(
+        f"\n{'workload':8s} {'variant':10s} {'s/step':>7s} {'spread':>6s} {'limit_s':>7s} {'frac':>5s} "
+        f"{'paired':>6s} {'GFLOP':>6s} {'compile':>7s}  stages (median s)"
+    )
     for r in records:
         st = " ".join(f"{k}={v:.3f}" for k, v in r["stages_s"].items() if v >= 0.0005)
-        print(f"{r['workload']:8s} {r['variant']:10s} {r['seconds_per_step']:7.3f} {r['spread']:6.2f} "
-              f"{r['limit_s']:7.3f} {r['limit_fraction']:5.2f} {r['limit_fraction_paired']:6.2f} "
-              f"{r['flops_per_step'] / 1e9:6.1f} {r['compile_step_s']:7.1f}  {st}")
+        print(
+            f"{r['workload']:8s} {r['variant']:10s} {r['seconds_per_step']:7.3f} {r['spread']:6.2f} "
+            f"{r['limit_s']:7.3f} {r['limit_fraction']:5.2f} {r['limit_fraction_paired']:6.2f} "
+            f"{r['flops_per_step'] / 1e9:6.1f} {r['compile_step_s']:7.1f}  {st}"
+        )
     by = {(r["workload"], r["variant"]): r["seconds_per_step"] for r in records}
     for w in sorted({r["workload"] for r in records}):
         for v in ("optimized", "shared", "async"):
@@ -220,8 +274,11 @@ def main(argv=None) -> int:
     if args.steps < 1 or args.warmup < 1:
         raise SystemExit("--steps and --warmup must be >= 1 (the first step compiles)")
     rate = MatmulRate()
-    print(f"matmul rate {rate.measure() / 1e9:.1f} GFLOP/s on {jax.devices()[0].device_kind}; "
-          f"load {os.getloadavg()[0]:.1f}", flush=True)
+    print(
+        f"matmul rate {rate.measure() / 1e9:.1f} GFLOP/s on {jax.devices()[0].device_kind}; "
+        f"load {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
     pipes, compile_s = [], {}
     for w in workloads:
         for v in variants:
@@ -233,8 +290,11 @@ def main(argv=None) -> int:
                 rec = p.step()
                 if i == 0:
                     compile_s[(w, v)] = rec["wall_s"]
-            print(f"built {w} {v}: {time.perf_counter() - t0:.1f}s (first step {compile_s[(w, v)]:.1f}s), "
-                  f"stages {p.stages}", flush=True)
+            print(
+                f"built {w} {v}: {time.perf_counter() - t0:.1f}s (first step {compile_s[(w, v)]:.1f}s), "
+                f"stages {p.stages}",
+                flush=True,
+            )
             pipes.append(p)
     paired: dict[tuple, list[float]] = {(p.workload, p.variant): [] for p in pipes}
     loads = []
@@ -245,15 +305,20 @@ def main(argv=None) -> int:
             rec = p.step()
             p.records.append(rec)
             paired[(p.workload, p.variant)].append(r)
-            print(f"round {i + 1}: {p.workload} {p.variant:9s} {rec['step_s']:.3f}s "
-                  f"({rec['flops'] / rec['step_s'] / 1e9:.1f} GFLOP/s useful; matmul {r / 1e9:.1f})", flush=True)
+            print(
+                f"round {i + 1}: {p.workload} {p.variant:9s} {rec['step_s']:.3f}s "
+                f"({rec['flops'] / rec['step_s'] / 1e9:.1f} GFLOP/s useful; matmul {r / 1e9:.1f})",
+                flush=True,
+            )
     rate.measure()
     best = max(rate.samples)
     records = [summarise(p, compile_s[(p.workload, p.variant)], best, paired[(p.workload, p.variant)]) for p in pipes]
     for rec in records:
         rec.update(matmul_samples=rate.samples, load_avg=loads)
-    print(f"matmul rate: best {best / 1e9:.1f} GFLOP/s, median {statistics.median(rate.samples) / 1e9:.1f} "
-          f"(samples {[round(s / 1e9, 1) for s in rate.samples]}); load average {loads}")
+    print(
+        f"matmul rate: best {best / 1e9:.1f} GFLOP/s, median {statistics.median(rate.samples) / 1e9:.1f} "
+        f"(samples {[round(s / 1e9, 1) for s in rate.samples]}); load average {loads}"
+    )
     print_table(records)
     if args.json:
         with open(args.json, "w") as f:

@@ -10,6 +10,7 @@ R1-shaped (16 prompts of 7 tokens x 8 responses, P=8, R=32, 90% of responses ful
 compiled with `xla_cpu_experimental_ynn_fusion_type` empty (Eigen dots), as a per-program compiler
 option (rpeg_jax/runtime/xla_flags.py); every (group, ynn) pair is one interleaved variant.
 """
+
 import argparse
 import os
 import statistics
@@ -29,8 +30,14 @@ from rpeg_jax.runtime import kernels  # noqa: E402
 
 B, P, R, G = 128, 8, 32, 8
 YNN_OFF = {"xla_cpu_experimental_ynn_fusion_type": ""}
-R1 = ["data.task=add", "rl.group_size=8", "optim.lr=1e-4", "optim.warmup_steps=0", "model.preset=tiny",
-      "rl.kl_coef=0.0"]
+R1 = [
+    "data.task=add",
+    "rl.group_size=8",
+    "optim.lr=1e-4",
+    "optim.warmup_steps=0",
+    "model.preset=tiny",
+    "rl.kl_coef=0.0",
+]
 
 
 def r1_batch(seed: int = 0) -> dict:
@@ -42,14 +49,20 @@ def r1_batch(seed: int = 0) -> dict:
         for j in range(G):
             b = g * G + j
             lr = R if rng.random() < 0.9 else int(rng.integers(1, R))
-            tok[b, P - lp:P], tok[b, P:P + lr] = prompt, rng.integers(3, 128, lr)
-            pos[b, P - lp:P + lr] = np.arange(lp + lr)
-            seg[b, P - lp:P + lr] = 1
+            tok[b, P - lp : P], tok[b, P : P + lr] = prompt, rng.integers(3, 128, lr)
+            pos[b, P - lp : P + lr] = np.arange(lp + lr)
+            seg[b, P - lp : P + lr] = 1
     mask = (seg[:, P:] > 0).astype(np.float32)
-    batch = dict(tokens_BxS=tok, positions_BxS=pos, segment_ids_BxS=seg, response_mask_BxR=mask,
-                 behav_logp_BxR=np.where(mask > 0, -4.8, 0).astype(np.float32),
-                 rewards_B=rng.random(B).astype(np.float32),
-                 group_ids_B=np.repeat(np.arange(B // G), G).astype(np.int32), versions_BxR=np.zeros((B, R), np.int32))
+    batch = dict(
+        tokens_BxS=tok,
+        positions_BxS=pos,
+        segment_ids_BxS=seg,
+        response_mask_BxR=mask,
+        behav_logp_BxR=np.where(mask > 0, -4.8, 0).astype(np.float32),
+        rewards_B=rng.random(B).astype(np.float32),
+        group_ids_B=np.repeat(np.arange(B // G), G).astype(np.int32),
+        versions_BxR=np.zeros((B, R), np.int32),
+    )
     return {k: jnp.asarray(v) for k, v in batch.items()}
 
 
@@ -65,8 +78,7 @@ def build(cfg, group: int, compiler_options: dict | None = None):
         b = dict(batch, advantages_BxR=adv["advantages_BxR"], old_logp_BxR=batch["behav_logp_BxR"])
         return update(params, opt, b, key)
 
-    return (jax.jit(step, donate_argnums=(0, 1), compiler_options=compiler_options or None), params,
-            tx.init(params))
+    return (jax.jit(step, donate_argnums=(0, 1), compiler_options=compiler_options or None), params, tx.init(params))
 
 
 def timed(st, batch, key) -> float:
@@ -106,8 +118,7 @@ def main(argv=None) -> int:
             timed(st, batch, key)
             jax.profiler.stop_trace()
         ts = st[3]
-        print(f"{name}: median {statistics.median(ts):.3f}s best {min(ts):.3f}s "
-              f"(steps {[round(t, 3) for t in ts]})")
+        print(f"{name}: median {statistics.median(ts):.3f}s best {min(ts):.3f}s (steps {[round(t, 3) for t in ts]})")
     print(f"load average {os.getloadavg()[0]:.1f}")
     return 0
 

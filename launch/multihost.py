@@ -44,8 +44,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def with_flags(cfg, args):
     """Flags win over the config's `distributed` section (validated again)."""
     d = cfg.distributed
-    flags = {k: v for k, v in (("coordinator", args.coordinator), ("num_processes", args.num_processes),
-                               ("process_id", args.process_id)) if v is not None}
+    flags = {
+        k: v
+        for k, v in (
+            ("coordinator", args.coordinator),
+            ("num_processes", args.num_processes),
+            ("process_id", args.process_id),
+        )
+        if v is not None
+    }
     d = dataclasses.replace(d, **flags)
     d.validate("distributed")
     return dataclasses.replace(cfg, distributed=d)
@@ -77,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     d = cfg.distributed
     if args.local_processes:
-        return dist.spawn_local(child_command(argv), args.local_processes, args.local_devices,
-                                grace_s=d.heartbeat_timeout_s + 30)
+        return dist.spawn_local(
+            child_command(argv), args.local_processes, args.local_devices, grace_s=d.heartbeat_timeout_s + 30
+        )
     try:
         spec = dist.resolve_spec(d.coordinator, d.num_processes, d.process_id)
         dist.initialize(spec, d.heartbeat_timeout_s, d.initialization_timeout_s, d.cpu_collectives)
@@ -87,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INIT
     logging.basicConfig(level=logging.WARNING, format=f"[p{spec.process_id}] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("rpeg_jax").setLevel(logging.INFO if spec.process_id == 0 else logging.WARNING)
-    watchdog = dist.Watchdog(spec.process_id, spec.num_processes, d.heartbeat_timeout_s).start() \
-        if spec.multi and d.watchdog else None
+    watchdog = (
+        dist.Watchdog(spec.process_id, spec.num_processes, d.heartbeat_timeout_s).start()
+        if spec.multi and d.watchdog
+        else None
+    )
     try:
         rc, _ = train_command.train(cfg, args.result_json, spec.process_id, who=f"rpeg: process {spec.process_id}")
     except ConfigError as e:

@@ -8,8 +8,10 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 os.environ.setdefault("JAX_ENABLE_X64", "0")
 # One persistent XLA cache for the whole run (subprocesses inherit it): tests compile the same
 # small programs many times, and compilation dominates their time on 2 cores.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
-    os.environ.get("TMPDIR", "/tmp"), f"rpeg_jax_test_xla_cache_{os.getuid()}"))
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(os.environ.get("TMPDIR", "/tmp"), f"rpeg_jax_test_xla_cache_{os.getuid()}"),
+)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 

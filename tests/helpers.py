@@ -26,10 +26,23 @@ import pytest
 HF = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 
 # ---- runtime runs ---------------------------------------------------------------------------------
-TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
-        "model.intermediate_size=128", "data.prompts_per_step=4", "rl.group_size=4", "rollout.max_new_tokens=6",
-        "data.max_prompt_len=12", "train.checkpoint_every=0", "train.tensorboard=false", "train.progress=false",
-        "optim.lr=1e-3", "optim.warmup_steps=0", "pipeline.plan=manual"]
+TINY = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.intermediate_size=128",
+    "data.prompts_per_step=4",
+    "rl.group_size=4",
+    "rollout.max_new_tokens=6",
+    "data.max_prompt_len=12",
+    "train.checkpoint_every=0",
+    "train.tensorboard=false",
+    "train.progress=false",
+    "optim.lr=1e-3",
+    "optim.warmup_steps=0",
+    "pipeline.plan=manual",
+]
 PPO = TINY + ["rl.algorithm=ppo", "rl.kl_coef=0.04"]
 SKIP = ("timing_s/", "perf/", "predicted_s/", "pred_error/")
 ATOL = 2e-5  # float32: the same math in a different program/shape
@@ -50,11 +63,13 @@ def run(tmp_path, name, overrides, steps=3, **kw) -> Run:
     from rpeg_jax.runtime.metrics import read_metrics
     from rpeg_jax.runtime.trainer import train
 
-    cfg = load_config(None, overrides + [f"train.steps={steps}", f"train.run_dir={tmp_path / name}",
-                                         "train.resume=never"])
+    cfg = load_config(
+        None, overrides + [f"train.steps={steps}", f"train.run_dir={tmp_path / name}", "train.resume=never"]
+    )
     out = train(cfg, keep_state=True, **kw)
-    return Run(read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")), out["state"], out["consumed"],
-               out["run_dir"])
+    return Run(
+        read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")), out["state"], out["consumed"], out["run_dir"]
+    )
 
 
 def assert_same_run(a: Run, b: Run, *, atol=ATOL):
@@ -147,8 +162,11 @@ def make_case(seed=0, *, critic=False, behav_noise=0.0):
     lens = rng.integers(1, R + 1, B)
     lens[2] = 0  # an empty response
     mask = (np.arange(R)[None] < lens[:, None]).astype(np.float32)
-    batch = {"row_B": jnp.arange(B, dtype=jnp.int32), "targets_BxR": jnp.asarray(rng.integers(0, V, (B, R)), jnp.int32),
-             "response_mask_BxR": jnp.asarray(mask)}
+    batch = {
+        "row_B": jnp.arange(B, dtype=jnp.int32),
+        "targets_BxR": jnp.asarray(rng.integers(0, V, (B, R)), jnp.int32),
+        "response_mask_BxR": jnp.asarray(mask),
+    }
     logp = policy_fn(params, batch)["logp"]
     batch["old_logp_BxR"] = logp + jnp.asarray(rng.normal(size=(B, R)) * 0.1, jnp.float32)
     batch["behav_logp_BxR"] = batch["old_logp_BxR"] + jnp.asarray(rng.normal(size=(B, R)) * behav_noise, jnp.float32)
@@ -203,8 +221,8 @@ def build_case(page_size, kv_heads, lengths, shared, seed=0, num_layers=2, layer
             table[i, j] = perm[nxt]
             nxt += 1
             lo, hi = j * page_size, min(n, (j + 1) * page_size)
-            pool_k[layer, :, table[i, j], :hi - lo] = k[i, lo:hi].transpose(1, 0, 2)
-            pool_v[layer, :, table[i, j], :hi - lo] = v[i, lo:hi].transpose(1, 0, 2)
+            pool_k[layer, :, table[i, j], : hi - lo] = k[i, lo:hi].transpose(1, 0, 2)
+            pool_v[layer, :, table[i, j], : hi - lo] = v[i, lo:hi].transpose(1, 0, 2)
     return k, v, table, pool_k, pool_v
 
 
@@ -224,9 +242,9 @@ def rollout_batch(outs):
     mask, behav = np.zeros((len(rows), R), np.float32), np.zeros((len(rows), R), np.float32)
     for i, (p, c) in enumerate(rows):
         n = len(c.tokens)
-        tok[i, P - len(p):P], tok[i, P:P + n] = p, c.tokens
-        pos[i, P - len(p):P + n] = np.arange(len(p) + n)
-        seg[i, P - len(p):P + n] = 1
+        tok[i, P - len(p) : P], tok[i, P : P + n] = p, c.tokens
+        pos[i, P - len(p) : P + n] = np.arange(len(p) + n)
+        seg[i, P - len(p) : P + n] = 1
         mask[i, :n], behav[i, :n] = 1, c.logprobs
     return tok, pos, seg, mask, behav, P, R
 
@@ -241,8 +259,16 @@ def sampler_trainer_gap(model, cfg, temp):
     outs = Sampler(model, cfg).generate(prompts, SamplingParams(n=3, temperature=temp, max_new_tokens=12, seed=4))
     tok, pos, seg, mask, behav, P, R = rollout_batch(outs)
     targets = np.concatenate([tok[:, 1:], np.zeros((len(tok), 1), np.int32)], axis=1)
-    logp, _ = token_logprobs(model, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(targets),
-                             start=P - 1, length=R, temperature=temp)
+    logp, _ = token_logprobs(
+        model,
+        jnp.asarray(tok),
+        jnp.asarray(pos),
+        jnp.asarray(seg),
+        jnp.asarray(targets),
+        start=P - 1,
+        length=R,
+        temperature=temp,
+    )
     assert logp.dtype == jnp.float32
     return np.abs(np.asarray(logp) - behav) * mask, mask
 
@@ -250,19 +276,23 @@ def sampler_trainer_gap(model, cfg, temp):
 def perturbed(model, scale=0.05, seed=9):
     """Weights B: the same tree/shapes/dtypes/shardings with different values."""
     from flax import nnx
+
     _, params = nnx.split(model, nnx.Param)
 
     @jax.jit  # one compile instead of one per eager op
     def shift(params):
         leaves, treedef = jax.tree.flatten(params)
         keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-        return jax.tree.unflatten(treedef, [x + scale * jax.random.normal(k, x.shape, x.dtype)
-                                            for x, k in zip(leaves, keys)])
+        return jax.tree.unflatten(
+            treedef, [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+        )
+
     return shift(params)
 
 
 def model_with(model, params):
     from flax import nnx
+
     graphdef, _ = nnx.split(model, nnx.Param)
     return nnx.merge(graphdef, params)
 
@@ -273,11 +303,13 @@ TENSOR = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor"}
 def shard(model, mesh):
     """The model's parameters placed on `mesh` with heads / kv heads / MLP over `tensor`."""
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     graphdef, state = nnx.split(model, nnx.Param)
 
     def place(v):
         spec = P(*[TENSOR.get(a) for a in v.get_metadata()["axes"]])
         return v.replace(jax.device_put(v.get_value(), NamedSharding(mesh, spec)))
+
     return nnx.merge(graphdef, jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))

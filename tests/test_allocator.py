@@ -5,7 +5,8 @@ writers would corrupt one of them). Page accounting is checked from the public t
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rpeg_jax.sampling.allocator import NULL_PAGE, OutOfPages, PageAllocator
 
@@ -70,9 +71,16 @@ class Sim:
         assert self.a.num_free == self.P - 1 - len(owners), "free count disagrees with the tables (leak)"
 
 
-ops = st.lists(st.tuples(st.sampled_from(["write", "fork", "release"]), st.integers(0, 5),
-                         st.integers(1, 20), st.lists(st.integers(0, 5), min_size=1, max_size=3)),
-               min_size=1, max_size=40)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["write", "fork", "release"]),
+        st.integers(0, 5),
+        st.integers(1, 20),
+        st.lists(st.integers(0, 5), min_size=1, max_size=3),
+    ),
+    min_size=1,
+    max_size=40,
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -124,6 +132,7 @@ def test_fork_of_page_aligned_prompt_copies_nothing_and_all_or_nothing_allocatio
 
 def test_sharded_pages_map_slots_to_shards_with_local_page_ids():
     from rpeg_jax.sampling.allocator import ShardedPages
+
     sp = ShardedPages(num_shards=2, pages_per_shard=6, page_size=4, max_slots=4)  # slots 0-1 | 2-3
     assert [sp.shard(s) for s in range(4)] == [0, 0, 1, 1]
     sp.grow(0, 6)

@@ -71,9 +71,11 @@ def test_consistent_layouts_store_activations_one_way_per_mode(ceiling, kind):
     rng = np.random.default_rng(1)
     rows, i, o = 12, 5, 3
     x, w, dy = (rng.standard_normal(s).astype(np.float32) for s in ((rows, i), (i, o), (rows, o)))
-    a, b, dn = {"forward": (x, w, (((1,), (0,)), ((), ()))),         # y = x W
-                "input_grad": (dy, w, (((1,), (1,)), ((), ()))),     # dx = dy W^T
-                "weight_grad": (x, dy, (((0,), (0,)), ((), ())))}[kind]  # dW = x^T dy
+    a, b, dn = {
+        "forward": (x, w, (((1,), (0,)), ((), ()))),  # y = x W
+        "input_grad": (dy, w, (((1,), (1,)), ((), ()))),  # dx = dy W^T
+        "weight_grad": (x, dy, (((0,), (0,)), ((), ()))),
+    }[kind]  # dW = x^T dy
     ref = np.asarray(jax.lax.dot_general(np.float64(a), np.float64(b), dn))
     modes = ceiling.consistent_layouts(a, b, dn, max(i, o) + 1)  # token rows: longer than any weight axis
     assert set(modes) == {"token-major", "feature-major"}

@@ -48,8 +48,15 @@ def test_presets_resolve_to_what_they_say():
 def test_default_is_the_tiny_model_on_a_builtin_task():
     cfg = load_config()
     m = cfg.model
-    assert (m.vocab_size, m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.intermediate_size,
-            m.max_position_embeddings) == (128, 4, 256, 4, 2, 768, 512)  # model T of bench/WORKLOADS.md
+    assert (
+        m.vocab_size,
+        m.num_layers,
+        m.hidden_size,
+        m.num_heads,
+        m.num_kv_heads,
+        m.intermediate_size,
+        m.max_position_embeddings,
+    ) == (128, 4, 256, 4, 2, 768, 512)  # model T of bench/WORKLOADS.md
     assert cfg.data.task in ("add", "copy", "reverse", "sort") and cfg.data.tokenizer is None
     assert load_config(None, ["rl.group_size=4", "optim.lr=3e-4"]).rl.group_size == 4
 
@@ -65,10 +72,20 @@ BAD = [
     ("heads-not-dividing-hidden", ["model.num_heads=3"], "model.num_heads", "3", "must divide hidden_size=256"),
     ("kv-heads-not-dividing-heads", ["model.num_kv_heads=3"], "model.num_kv_heads", "3", "must divide num_heads"),
     ("grpo-group-size-1", ["rl.algorithm=grpo", "rl.group_size=1"], "rl.group_size", "1", "must be >= 2"),
-    ("prompt-plus-new-over-max-positions", ["rollout.max_new_tokens=600"], "rollout.max_new_tokens", "600",
-     "exceeds model.max_position_embeddings=512"),
-    ("share-actor-critic-with-grpo", ["rl.algorithm=grpo", "pipeline.share_actor_critic=true"],
-     "pipeline.share_actor_critic", "True", "rl.algorithm=ppo"),
+    (
+        "prompt-plus-new-over-max-positions",
+        ["rollout.max_new_tokens=600"],
+        "rollout.max_new_tokens",
+        "600",
+        "exceeds model.max_position_embeddings=512",
+    ),
+    (
+        "share-actor-critic-with-grpo",
+        ["rl.algorithm=grpo", "pipeline.share_actor_critic=true"],
+        "pipeline.share_actor_critic",
+        "True",
+        "rl.algorithm=ppo",
+    ),
     ("split-placement-without-sizes", ["pipeline.placement=split"], "pipeline.split_sizes", "[]", "two positive sizes"),
     ("unknown-model-preset", ["model.preset=huge"], "model.preset", "'huge'", "unknown preset"),
     ("bad-mesh-axis", ["sharding.mesh.pipe=2"], "sharding.mesh.pipe", "2", "unknown mesh axis"),
@@ -100,8 +117,9 @@ def cli_results(subst):
     for case_id, args, *_ in BAD:
         args = [subst.get(a, a) for a in args]
         cmd = [sys.executable, "-m", "rpeg_jax.cli", "config"] + args
-        procs[case_id] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True)
+        procs[case_id] = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
     out = {}
     for case_id, p in procs.items():
         stdout, stderr = p.communicate(timeout=120)
@@ -118,7 +136,7 @@ def test_bad_config_rejected_by_cli(cli_results, case_id, args, key, value, why)
     assert len(lines) == 1, stderr
     line = lines[0]
     assert line.startswith(f"config error: {key}="), line  # names the key ...
-    assert value in line[len(f"config error: {key}="):], line  # ... and the value
+    assert value in line[len(f"config error: {key}=") :], line  # ... and the value
     assert why in line, line
     assert stdout == ""
 
@@ -130,7 +148,7 @@ def test_bad_config_fails_because_of_its_bad_argument(subst, case_id, args, key,
     the rejection above comes from that argument, not from the rest of the command line."""
     args = [subst.get(a, a) for a in args]
     bad = args[-2:] if args[-2:-1] == ["--config"] else args[-1:]
-    good = args[:-len(bad)]
+    good = args[: -len(bad)]
     assert "--config" not in good
     assert isinstance(load_config(None, good), RunConfig)
     with pytest.raises(ConfigError) as e:
@@ -139,8 +157,13 @@ def test_bad_config_fails_because_of_its_bad_argument(subst, case_id, args, key,
 
 
 def test_good_config_through_cli():
-    r = subprocess.run([sys.executable, "-m", "rpeg_jax.cli", "config", "rl.group_size=4", "data.task=sort"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "rpeg_jax.cli", "config", "rl.group_size=4", "data.task=sort"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     printed = from_dict(yaml.safe_load(r.stdout))
     assert printed == load_config(None, ["rl.group_size=4", "data.task=sort"])

@@ -70,8 +70,11 @@ def through_config_methods(seen, config_sources):
         for cls in (n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ClassDef)):
             for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
                 if fn.name in seen and not fn.name.startswith("validate"):
-                    out.update(a.attr for a in ast.walk(fn) if isinstance(a, ast.Attribute)
-                               and isinstance(a.value, ast.Name) and a.value.id == "self")
+                    out.update(
+                        a.attr
+                        for a in ast.walk(fn)
+                        if isinstance(a, ast.Attribute) and isinstance(a.value, ast.Name) and a.value.id == "self"
+                    )
     return out
 
 

@@ -7,16 +7,18 @@ import sys
 
 import pytest
 
+from rpeg_jax.costmodel import planner as P
 from rpeg_jax.costmodel.calibrate import _monotone_table, fit
 from rpeg_jax.costmodel.hardware import check_table, interp_eff, load_hardware
-from rpeg_jax.costmodel import planner as P
 
 
 def synthetic():
-    return {"matmul": [(2 * 64 ** 3, 1e9), (2 * 256 ** 3, 8e9), (2 * 1024 ** 3, 2e10)],
-            "memory": [(1e5, 2e9), (1e7, 1e10), (1e8, 8e9)],
-            "overheads": {"dispatch_s": 5e-5, "layer_s": 3e-6, "decode_step_s": 1e-6},
-            "allreduce": [(4096.0, 1e-4, 8), (1 << 20, 2e-3, 8)]}
+    return {
+        "matmul": [(2 * 64**3, 1e9), (2 * 256**3, 8e9), (2 * 1024**3, 2e10)],
+        "memory": [(1e5, 2e9), (1e7, 1e10), (1e8, 8e9)],
+        "overheads": {"dispatch_s": 5e-5, "layer_s": 3e-6, "decode_step_s": 1e-6},
+        "allreduce": [(4096.0, 1e-4, 8), (1 << 20, 2e-3, 8)],
+    }
 
 
 def test_fit_cpu_sets_measured_peaks_and_valid_tables():
@@ -26,8 +28,8 @@ def test_fit_cpu_sets_measured_peaks_and_valid_tables():
     e = prof.efficiency
     for t in (e.matmul, e.memory, e.intra_node):
         check_table(t, "t")
-    assert interp_eff(e.matmul, 2 * 1024 ** 3) == pytest.approx(1.0)
-    assert interp_eff(e.matmul, 2 * 64 ** 3) == pytest.approx(1e9 / 2e10)
+    assert interp_eff(e.matmul, 2 * 1024**3) == pytest.approx(1.0)
+    assert interp_eff(e.matmul, 2 * 64**3) == pytest.approx(1e9 / 2e10)
     assert e.dispatch_s == 5e-5 and e.layer_s == 3e-6
     # all-reduce busbw = 2(n-1)/n · S / t; the link rate is the best one measured.
     assert prof.node.link_bw == pytest.approx(2 * 7 / 8 * (1 << 20) / 2e-3)
@@ -52,7 +54,7 @@ def test_calibrated_profile_changes_predictions():
     from rpeg_jax.config import load_config
 
     base = load_hardware("cpu", calibrated=False)
-    slow = fit(base, {**synthetic(), "matmul": [(2 * 1024 ** 3, 1e9)]})
+    slow = fit(base, {**synthetic(), "matmul": [(2 * 1024**3, 1e9)]})
     cfg = load_config(None, [])
     a = P.search(cfg, 8, base).chosen.step_time_s
     b = P.search(cfg, 8, slow).chosen.step_time_s
@@ -63,8 +65,24 @@ def test_rpeg_calibrate_command(tmp_path):
     out = tmp_path / "cpu.yaml"
     env = dict(os.environ, RPEG_CACHE=str(tmp_path / "cache"))
     env.pop("XLA_FLAGS", None)
-    r = subprocess.run([sys.executable, "-m", "rpeg_jax.cli", "calibrate", "--quick", "--no-stages", "--devices", "4",
-                        "--out", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rpeg_jax.cli",
+            "calibrate",
+            "--quick",
+            "--no-stages",
+            "--devices",
+            "4",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "calibrated cpu" in r.stdout
     prof = load_hardware(str(out))
@@ -82,18 +100,40 @@ def test_stage_fit_recovers_known_factors():
 
     base = load_hardware("cpu", calibrated=False)
     truth = dataclasses.replace(
-        base, device=dataclasses.replace(base.device, peak_flops=base.device.peak_flops / 2,
-                                         peak_flops_fp32=base.device.peak_flops_fp32 / 2),
-        efficiency=dataclasses.replace(base.efficiency, elementwise_factor=1.7, layer_s=4e-5, backward_factor=1.6))
+        base,
+        device=dataclasses.replace(
+            base.device, peak_flops=base.device.peak_flops / 2, peak_flops_fp32=base.device.peak_flops_fp32 / 2
+        ),
+        efficiency=dataclasses.replace(base.efficiency, elementwise_factor=1.7, layer_s=4e-5, backward_factor=1.6),
+    )
     meas = []
     for kind, L, B, T, n, D in STAGE_SHAPES:
         ms = synthetic_shape(L, D)
-        st = S.Setting(hw=truth, B=B, P=0, R=T, G=1, dist=LengthDist.fixed(T), causal_skip=False,
-                       dense_scores=True, packing=False, budget_bytes=1e12)
+        st = S.Setting(
+            hw=truth,
+            B=B,
+            P=0,
+            R=T,
+            G=1,
+            dist=LengthDist.fixed(T),
+            causal_skip=False,
+            dense_scores=True,
+            packing=False,
+            budget_bytes=1e12,
+        )
         fn = S.forward_stage if kind == "forward" else S.train_stage
         args = (1,) if kind == "forward" else (1, "none")
-        meas.append({"kind": kind, "L": L, "B": B, "T": T, "devices": n, "D": D,
-                     "seconds": float(fn(st, ms, n, n, 1, 1, *args)[0])})
+        meas.append(
+            {
+                "kind": kind,
+                "L": L,
+                "B": B,
+                "T": T,
+                "devices": n,
+                "D": D,
+                "seconds": float(fn(st, ms, n, n, 1, 1, *args)[0]),
+            }
+        )
     fitted, resid = fit_stages(base, meas)
     assert fitted.device.peak_flops == pytest.approx(truth.device.peak_flops, rel=0.05)
     assert fitted.efficiency.elementwise_factor == pytest.approx(1.7, rel=0.1)  # weak prior b = 1
@@ -112,20 +152,50 @@ def _points(hw):
     def dims(L, D, H, K, F, V):
         E = D // H
         layer = D * H * E + 2 * D * K * E + H * E * D + 3 * D * F + 2 * D
-        return dataclasses.asdict(ModelShape(num_params=2 * V * D + L * layer + D, L=L, D=D, H=H, K=K, E=E, F=F,
-                                             V=V, param_bytes_per=4, act_bytes_per=4, dtype="float32"))
+        return dataclasses.asdict(
+            ModelShape(
+                num_params=2 * V * D + L * layer + D,
+                L=L,
+                D=D,
+                H=H,
+                K=K,
+                E=E,
+                F=F,
+                V=V,
+                param_bytes_per=4,
+                act_bytes_per=4,
+                dtype="float32",
+            )
+        )
 
     small, wide = dims(4, 256, 4, 2, 768, 128), dims(6, 512, 8, 4, 1536, 2048)
-    cfgs = [("forward", small, 16, (1, 1, 1), 1, "none"), ("forward", wide, 16, (4, 2, 1), 1, "none"),
-            ("forward", small, 64, (4, 1, 1), 1, "none"), ("forward", wide, 8, (1, 4, 2), 1, "none"),
-            ("train", small, 16, (1, 1, 1), 1, "none"), ("train", wide, 16, (4, 2, 1), 1, "full"),
-            ("train", small, 32, (1, 4, 2), 2, "none"), ("train", wide, 8, (1, 1, 1), 1, "dots"),
-            ("generate", small, 32, (1, 1, 1), 8, "-"), ("generate", small, 64, (4, 1, 1), 8, "-"),
-            ("generate", wide, 16, (2, 1, 2), 4, "-"), ("generate", wide, 16, (1, 1, 1), 4, "-")]
+    cfgs = [
+        ("forward", small, 16, (1, 1, 1), 1, "none"),
+        ("forward", wide, 16, (4, 2, 1), 1, "none"),
+        ("forward", small, 64, (4, 1, 1), 1, "none"),
+        ("forward", wide, 8, (1, 4, 2), 1, "none"),
+        ("train", small, 16, (1, 1, 1), 1, "none"),
+        ("train", wide, 16, (4, 2, 1), 1, "full"),
+        ("train", small, 32, (1, 4, 2), 2, "none"),
+        ("train", wide, 8, (1, 1, 1), 1, "dots"),
+        ("generate", small, 32, (1, 1, 1), 8, "-"),
+        ("generate", small, 64, (4, 1, 1), 8, "-"),
+        ("generate", wide, 16, (2, 1, 2), 4, "-"),
+        ("generate", wide, 16, (1, 1, 1), 4, "-"),
+    ]
     pts = []
     for kind, d, B, mesh, micro, remat in cfgs:
-        p = {"kind": kind, "dims": d, "B": B, "P": 16, "R": 32, "mesh": list(mesh), "remat": remat,
-             "micro": micro if kind != "generate" else 1, "G": micro if kind == "generate" else 1}
+        p = {
+            "kind": kind,
+            "dims": d,
+            "B": B,
+            "P": 16,
+            "R": 32,
+            "mesh": list(mesh),
+            "remat": remat,
+            "micro": micro if kind != "generate" else 1,
+            "G": micro if kind == "generate" else 1,
+        }
         sec, mem = predict_point(hw, p)
         pts.append({**p, "seconds": sec, "memory": mem if kind != "generate" else None})
     return pts
@@ -142,11 +212,21 @@ def test_fit_points_recovers_a_known_profile():
 
     base = load_hardware("cpu", calibrated=False)
     truth = dataclasses.replace(
-        base, device=dataclasses.replace(base.device, peak_flops=base.device.peak_flops / 3,
-                                         peak_flops_fp32=base.device.peak_flops_fp32 / 3),
-        efficiency=dataclasses.replace(base.efficiency, layer_s=2e-4, decode_step_s=1e-3, backward_factor=1.5,
-                                       fsdp_gather="model", update_streams=12.0, act_memory_factor=1.3,
-                                       fwd_act_memory_factor=0.5))
+        base,
+        device=dataclasses.replace(
+            base.device, peak_flops=base.device.peak_flops / 3, peak_flops_fp32=base.device.peak_flops_fp32 / 3
+        ),
+        efficiency=dataclasses.replace(
+            base.efficiency,
+            layer_s=2e-4,
+            decode_step_s=1e-3,
+            backward_factor=1.5,
+            fsdp_gather="model",
+            update_streams=12.0,
+            act_memory_factor=1.3,
+            fwd_act_memory_factor=0.5,
+        ),
+    )
     pts = _points(truth)
     before = max(abs(predict_point(base, p)[0] / p["seconds"] - 1) for p in pts)
     fitted, resid = fit_points(base, pts, multistart=False)  # (one start: keeps the test short)
@@ -187,20 +267,33 @@ def test_fit_steps_recovers_the_runtime_host_costs():
     from rpeg_jax.costmodel.fit import fit_steps, predict_step
 
     base = load_hardware("cpu", calibrated=False)
-    truth = dataclasses.replace(base, efficiency=dataclasses.replace(base.efficiency, piece_s=0.05,
-                                                                     host_seq_s=2e-3, host_step_s=0.1))
-    kn = {"staleness": 0, "share_actor_critic": False, "fuse": [], "elide_old_forward": False, "placement": "split",
-          "split_sizes": [1, 1]}
-    lay = {"groups": {"gen": 1, "train": 1}, "generate": {"tensor": 1},
-           "train": {"data": 1, "fsdp": 1, "tensor": 1, "micro_batches": 1, "remat": "none"},
-           "forward": {"data": 1, "fsdp": 1, "tensor": 1}}
+    truth = dataclasses.replace(
+        base, efficiency=dataclasses.replace(base.efficiency, piece_s=0.05, host_seq_s=2e-3, host_step_s=0.1)
+    )
+    kn = {
+        "staleness": 0,
+        "share_actor_critic": False,
+        "fuse": [],
+        "elide_old_forward": False,
+        "placement": "split",
+        "split_sizes": [1, 1],
+    }
+    lay = {
+        "groups": {"gen": 1, "train": 1},
+        "generate": {"tensor": 1},
+        "train": {"data": 1, "fsdp": 1, "tensor": 1, "micro_batches": 1, "remat": "none"},
+        "forward": {"data": 1, "fsdp": 1, "tensor": 1},
+    }
     steps = []
-    for over in (["data.prompts_per_step=8", "rollout.max_new_tokens=8"],
-                 ["data.prompts_per_step=16", "rollout.max_new_tokens=8"]):
+    for over in (
+        ["data.prompts_per_step=8", "rollout.max_new_tokens=8"],
+        ["data.prompts_per_step=16", "rollout.max_new_tokens=8"],
+    ):
         res = P.search(load_config(None, over), 4, base, 1)
         steps.append({"overrides": over, "knobs": res.chosen.knobs, "layout": res.chosen.layout, "num_devices": 4})
-        steps += [{"overrides": over, "knobs": {**kn, "microbatches": m}, "layout": lay, "num_devices": 4}
-                  for m in (1, 8)]
+        steps += [
+            {"overrides": over, "knobs": {**kn, "microbatches": m}, "layout": lay, "num_devices": 4} for m in (1, 8)
+        ]
     for sp in steps:
         sp["seconds"] = predict_step(truth, sp)
     fitted, resid = fit_steps(base, steps)
@@ -223,16 +316,29 @@ def test_fit_steps_leaves_the_stage_factors_to_the_stage_points():
 
     base = load_hardware("cpu", calibrated=False)
     base = dataclasses.replace(base, efficiency=dataclasses.replace(base.efficiency, decode_tp_factor=4.0))
-    truth = dataclasses.replace(base, efficiency=dataclasses.replace(base.efficiency, decode_tp_factor=12.0,
-                                                                     host_step_s=0.05))
-    kn = {"staleness": 0, "share_actor_critic": False, "fuse": [], "elide_old_forward": False, "placement": "split",
-          "split_sizes": [2, 2], "microbatches": 1}
+    truth = dataclasses.replace(
+        base, efficiency=dataclasses.replace(base.efficiency, decode_tp_factor=12.0, host_step_s=0.05)
+    )
+    kn = {
+        "staleness": 0,
+        "share_actor_critic": False,
+        "fuse": [],
+        "elide_old_forward": False,
+        "placement": "split",
+        "split_sizes": [2, 2],
+        "microbatches": 1,
+    }
     steps = []
-    for over in (["data.prompts_per_step=8", "rollout.max_new_tokens=8"],
-                 ["data.prompts_per_step=16", "rollout.max_new_tokens=8"]):
-        lay = {"groups": {"gen": 2, "train": 2}, "generate": {"tensor": 2},
-               "train": {"data": 1, "fsdp": 2, "tensor": 1, "micro_batches": 1, "remat": "none"},
-               "forward": {"data": 2, "fsdp": 1, "tensor": 1}}
+    for over in (
+        ["data.prompts_per_step=8", "rollout.max_new_tokens=8"],
+        ["data.prompts_per_step=16", "rollout.max_new_tokens=8"],
+    ):
+        lay = {
+            "groups": {"gen": 2, "train": 2},
+            "generate": {"tensor": 2},
+            "train": {"data": 1, "fsdp": 2, "tensor": 1, "micro_batches": 1, "remat": "none"},
+            "forward": {"data": 2, "fsdp": 1, "tensor": 1},
+        }
         steps.append({"overrides": over, "knobs": kn, "layout": lay, "num_devices": 4})
     for sp in steps:
         sp["seconds"] = predict_step(truth, sp)
@@ -264,6 +370,6 @@ def test_validation_measuring_order_spreads_each_kind_over_the_calibration_batch
     kinds = [c[0] for c in order]
     assert kinds == sorted(kinds, key=["forward", "train", "generate"].index)
     for i in range(0, len(order), 7):
-        batch = order[i:i + 7]
+        batch = order[i : i + 7]
         for v in (c for c in batch if c in CS.VALIDATION):
             assert any(c in CS.CALIBRATION and c[0] == v[0] for c in batch), (i // 7, v)

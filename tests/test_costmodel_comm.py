@@ -44,10 +44,10 @@ def test_allreduce_across_nodes_hand_formula():
 
 def test_allreduce_matches_alps_measurement_within_reason():
     # CSCS's nccl-tests on Alps (docs.cscs.ch), 2 nodes x 1 GPU, 128 MiB all-reduce: 5.87 ms.
-    t = float(comm.collective_time(GH, "all_reduce", 128 * 2 ** 20, 2, 4))
+    t = float(comm.collective_time(GH, "all_reduce", 128 * 2**20, 2, 4))
     assert t == pytest.approx(5.87e-3, rel=0.1)
     # 2 nodes x 4 GPUs, 128 MiB: 1.92 ms.
-    t8 = float(comm.collective_time(GH, "all_reduce", 128 * 2 ** 20, 8, 1))
+    t8 = float(comm.collective_time(GH, "all_reduce", 128 * 2**20, 8, 1))
     assert t8 == pytest.approx(1.92e-3, rel=0.15)
 
 

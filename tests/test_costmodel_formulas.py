@@ -18,16 +18,37 @@ def shape(preset, **kw):
 
 
 def setting(hw="gh200", B=64, P=512, R=1024, dense=False, **kw):
-    return S.Setting(hw=load_hardware(hw, calibrated=False), B=B, P=P, R=R, G=8, dist=LengthDist.fixed(R),
-                     causal_skip=not dense, dense_scores=dense, packing=False, budget_bytes=80e9, **kw)
+    return S.Setting(
+        hw=load_hardware(hw, calibrated=False),
+        B=B,
+        P=P,
+        R=R,
+        G=8,
+        dist=LengthDist.fixed(R),
+        causal_skip=not dense,
+        dense_scores=dense,
+        packing=False,
+        budget_bytes=80e9,
+        **kw,
+    )
 
 
 def test_megatron_gpt_layer_flops():
     # GPT-style shape (MHA, E = D/H, SwiGLU with F = 8D/3 has the same 8D² MLP params as 4D GELU):
     # Megatron's forward per token per layer = 24 D² + 4 s D (attention over context s).
     D, H = 3072, 24
-    ms = shape("tiny", hidden_size=D, num_heads=H, num_kv_heads=H, intermediate_size=8 * D // 3,
-               num_layers=1, vocab_size=256, max_position_embeddings=8192, bos_id=1, eos_id=2)
+    ms = shape(
+        "tiny",
+        hidden_size=D,
+        num_heads=H,
+        num_kv_heads=H,
+        intermediate_size=8 * D // 3,
+        num_layers=1,
+        vocab_size=256,
+        max_position_embeddings=8192,
+        bos_id=1,
+        eos_id=2,
+    )
     assert ms.layer_matmul_flops == 24 * D * D
     s = 2048
     dense_attn = float(ms.attn_flops(s * s, causal_skip=False))
@@ -124,7 +145,7 @@ def test_forward_roofline_and_fsdp_comm():
     st = setting(B=64, P=512, R=512)
     ms = shape("qwen2-7b", dtype="bfloat16", param_dtype="float32")
     t, parts = S.forward_stage(st, ms, 64, 64, 1, 1, 1)
-    flops = float(ms.forward_flops(1024, 512, 1024 ** 2, True))
+    flops = float(ms.forward_flops(1024, 512, 1024**2, True))
     assert float(parts["flops"]) == pytest.approx(flops)
     assert float(parts["compute"]) >= flops / st.hw.peak("bfloat16")
     _, p8 = S.forward_stage(st, ms, 64, 8, 8, 1, 1)
@@ -180,7 +201,8 @@ def test_pass_weights_unrolled_vs_scanned_and_logits_split():
     assert float(deep.pass_weight_bytes(1, 1, "layer", 0.0, train=True)) == 0.0
     assert float(deep.pass_weight_bytes(4, 2, "model", 0.0, train=False)) == pytest.approx(deep.L * layer * 4 / 2)
     assert float(deep.pass_weight_bytes(4, 1, "matrix", 0.5, train=False)) == pytest.approx(
-        2 * max(d * deep.H * deep.E, d * f_) * 4 + 0.5 * W / 4)
+        2 * max(d * deep.H * deep.E, d * f_) * 4 + 0.5 * W / 4
+    )
     # The vocabulary is split over the tensor axis: a device holds V/t logits columns.
     assert float(tiny.logits_bytes(100, 4)) == pytest.approx(3 * 4 * 100 * tiny.V / 4)
 
@@ -201,8 +223,11 @@ def test_shared_host_collectives_and_decode_serialise():
     b, ctx, busy = 4, 40, 8
     rate, bw = hw.peak(ms.dtype) / busy, hw.device.memory_bw / busy
     flops = float(ms.decode_flops(b, ctx))
-    nbytes = ms.weight_bytes() + b * ctx * ms.kv_bytes_per_token / min(1, ms.K) * hw.efficiency.kv_read_factor \
+    nbytes = (
+        ms.weight_bytes()
+        + b * ctx * ms.kv_bytes_per_token / min(1, ms.K) * hw.efficiency.kv_read_factor
         + b * ms.V * 4.0
+    )
     comp = flops / (rate * float(interp_eff(hw.efficiency.matmul, 2.0 * b * ms.D * ms.F)))
     mem = nbytes / (bw * float(interp_eff(hw.efficiency.memory, nbytes * busy)))
     fixed = (hw.efficiency.decode_step_s + ms.L * hw.efficiency.decode_layer) * busy / hw.host_cores
@@ -231,7 +256,9 @@ def test_shared_host_roofline_adds_and_fsdp_gathers_by_layer_loop():
     m = nbytes / (hw.device.memory_bw * float(interp_eff(hw.efficiency.memory, nbytes)))
     assert float(S.roofline(hw, flops, nbytes, size, hw.peak("float32"), hw.device.memory_bw)) == pytest.approx(c + m)
     gpu = dataclasses.replace(hw, shared_host=False)
-    assert float(S.roofline(gpu, flops, nbytes, size, hw.peak("float32"), hw.device.memory_bw)) == pytest.approx(max(c, m))
+    assert float(S.roofline(gpu, flops, nbytes, size, hw.peak("float32"), hw.device.memory_bw)) == pytest.approx(
+        max(c, m)
+    )
 
     f = 4
     for scanned in (False, True):
@@ -242,7 +269,10 @@ def test_shared_host_roofline_adds_and_fsdp_gathers_by_layer_loop():
         for micro in (1, 2):
             _, parts = S.train_stage(st, ms, f, 1, f, 1, micro, "none")
             gathers = 2 * micro if scanned else 1
-            assert float(parts["comm"]) == pytest.approx((gathers * ag + micro * rs) * f / hw.host_cores), (scanned, micro)
+            assert float(parts["comm"]) == pytest.approx((gathers * ag + micro * rs) * f / hw.host_cores), (
+                scanned,
+                micro,
+            )
 
 
 def test_group_prompt_counted_once_where_the_runtime_shares_it():
@@ -251,9 +281,9 @@ def test_group_prompt_counted_once_where_the_runtime_shares_it():
     # P/G + R instead of P + R, attention rows P²/G + R(P + R) instead of (P + R)². Hand counts.
     st = dataclasses.replace(setting("cpu", B=64, P=16, R=32), prompt_sharing=True)  # G = 8: 8 groups
     tok, sq = S.shared_tokens(st, d=np.array([1, 2, 8, 16]), f=1, pieces=1)
-    shared_tok, shared_sq = 16 / 8 + 32, 16 ** 2 / 8 + 32 * (16 + 32)
+    shared_tok, shared_sq = 16 / 8 + 32, 16**2 / 8 + 32 * (16 + 32)
     assert tok.tolist() == pytest.approx([shared_tok, shared_tok, shared_tok, 48])  # 16 devices: half groups
-    assert sq.tolist() == pytest.approx([shared_sq, shared_sq, shared_sq, 48 ** 2])
+    assert sq.tolist() == pytest.approx([shared_sq, shared_sq, shared_sq, 48**2])
     # the runtime counts the stage's whole mesh (kernels._devices): 8 groups over 2 x 1 x 8 = 16 devices
     tok, _ = S.shared_tokens(st, d=np.array([2, 2]), f=1, pieces=1, t=np.array([4, 8]))
     assert tok.tolist() == pytest.approx([shared_tok, 48])
@@ -266,8 +296,9 @@ def test_group_prompt_counted_once_where_the_runtime_shares_it():
     _, on = S.train_stage(st, ms, 1, 1, 1, 1, 1, "none")
     _, plain = S.train_stage(off, ms, 1, 1, 1, 1, 1, "none")
     ratio = float(on["flops"]) / float(plain["flops"])
-    lin = float(ms.forward_flops(64 * shared_tok, 64 * 32, 64 * shared_sq, st.causal_skip)) / \
-        float(ms.forward_flops(64 * 48, 64 * 32, 64 * 48 ** 2, st.causal_skip))
+    lin = float(ms.forward_flops(64 * shared_tok, 64 * 32, 64 * shared_sq, st.causal_skip)) / float(
+        ms.forward_flops(64 * 48, 64 * 32, 64 * 48**2, st.causal_skip)
+    )
     assert ratio == pytest.approx(lin) and ratio < 0.85
 
 
@@ -298,7 +329,8 @@ def test_sampler_tensor_parallel_collectives_fitted_factor_and_shared_host_bytes
 
     gpu = load_hardware("h200", calibrated=False)
     assert float(S.sampler_tp_time(gpu, ms, rows, 2)) == pytest.approx(
-        2.0 * ms.L * float(collective_time(gpu, "all_reduce", S_b, 2, 1)), rel=1e-9)
+        2.0 * ms.L * float(collective_time(gpu, "all_reduce", S_b, 2, 1)), rel=1e-9
+    )
 
 
 def test_generation_memory_whole_pages_and_cpu_chunk_working_set():
@@ -309,8 +341,20 @@ def test_generation_memory_whole_pages_and_cpu_chunk_working_set():
     ms = shape("tiny")
     cpu = load_hardware("cpu", calibrated=False)
     cpu = dataclasses.replace(cpu, efficiency=dataclasses.replace(cpu.efficiency, gen_memory_factor=1.5))
-    st = S.Setting(hw=cpu, B=64, P=16, R=40, G=8, dist=LengthDist.fixed(40), causal_skip=False, dense_scores=True,
-                   packing=False, budget_bytes=1e9, kv_replicated=True, page_size=16)
+    st = S.Setting(
+        hw=cpu,
+        B=64,
+        P=16,
+        R=40,
+        G=8,
+        dist=LengthDist.fixed(40),
+        causal_skip=False,
+        dense_scores=True,
+        packing=False,
+        budget_bytes=1e9,
+        kv_replicated=True,
+        page_size=16,
+    )
     kv_tok = 2 * ms.L * ms.K * ms.E * 4  # K and V, float32
     tokens = 64  # 56 tokens -> 4 pages of 16
     t, slots = 2, 64
@@ -336,13 +380,16 @@ def test_trainer_prices_the_runtime_length_bucket_sampler_the_decoded_steps():
         assert bucketed.seq_scored == padded and bucketed.seq_sumsq == (16 + padded) ** 2
         # training and scoring passes: exactly the plain setting at the padded width
         assert float(S.train_stage(bucketed, ms, 1, 1, 1, 1, 1, "none")[0]) == pytest.approx(
-            float(S.train_stage(plain, ms, 1, 1, 1, 1, 1, "none")[0]), rel=1e-12)
+            float(S.train_stage(plain, ms, 1, 1, 1, 1, 1, "none")[0]), rel=1e-12
+        )
         assert float(S.forward_stage(bucketed, ms, 1, 1, 1, 1, 1)[0]) == pytest.approx(
-            float(S.forward_stage(plain, ms, 1, 1, 1, 1, 1)[0]), rel=1e-12)
+            float(S.forward_stage(plain, ms, 1, 1, 1, 1, 1)[0]), rel=1e-12
+        )
         # generation: R decode steps, as without the bucket
         unpadded = setting("cpu", B=64, P=16, R=R, dense=True)
         assert S.generate_stage(bucketed, ms, 1, [1], [64])[0][0] == pytest.approx(
-            S.generate_stage(unpadded, ms, 1, [1], [64])[0][0], rel=1e-12)
+            S.generate_stage(unpadded, ms, 1, [1], [64])[0][0], rel=1e-12
+        )
 
 
 def test_planner_setting_uses_the_length_bucket_unless_shapes_are_fixed():
@@ -365,8 +412,13 @@ def test_planner_prices_the_prompt_columns_the_runtime_pads_to(task, digits):
     from rpeg_jax.data import CharTokenizer, make_records
     from rpeg_jax.runtime.rollouts import bucket
 
-    over = [f"data.task={task}", f"data.max_digits={digits}", "data.min_digits=1", "data.max_prompt_len=48",
-            "data.num_examples=256"]
+    over = [
+        f"data.task={task}",
+        f"data.max_digits={digits}",
+        "data.min_digits=1",
+        "data.max_prompt_len=48",
+        "data.num_examples=256",
+    ]
     cfg = load_config(None, over)
     tok = CharTokenizer()
     longest = max(len([tok.bos_id] + tok.encode(r["prompt"])) for r in make_records(cfg.data, "train"))
@@ -384,8 +436,9 @@ def test_generation_prices_the_samplers_host_cost_per_sequence():
     ms = shape("tiny")
     base = setting("cpu", B=96, P=16, R=12, dense=True)
     hw = base.hw
-    costly = dataclasses.replace(base, hw=dataclasses.replace(
-        hw, efficiency=dataclasses.replace(hw.efficiency, gen_seq_s=4e-4)))
+    costly = dataclasses.replace(
+        base, hw=dataclasses.replace(hw, efficiency=dataclasses.replace(hw.efficiency, gen_seq_s=4e-4))
+    )
     for n, t, slots in ((1, 1, 96), (8, 1, 12), (4, 2, 48)):
         a = S.generate_stage(base, ms, n, [t], [slots], async_ks=(1,))
         b = S.generate_stage(costly, ms, n, [t], [slots], async_ks=(1,))

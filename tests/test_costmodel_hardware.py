@@ -44,12 +44,15 @@ def _data(name="gh200"):
         return yaml.safe_load(f)
 
 
-@pytest.mark.parametrize("path, value, field", [
-    (("device", "memory_bw"), -1.0, "device.memory_bw"),
-    (("node", "devices"), 0, "node.devices"),
-    (("network", "global_taper"), 0.5, "network.global_taper"),
-    (("efficiency", "overlap"), 1.5, "efficiency.overlap"),
-])
+@pytest.mark.parametrize(
+    "path, value, field",
+    [
+        (("device", "memory_bw"), -1.0, "device.memory_bw"),
+        (("node", "devices"), 0, "node.devices"),
+        (("network", "global_taper"), 0.5, "network.global_taper"),
+        (("efficiency", "overlap"), 1.5, "efficiency.overlap"),
+    ],
+)
 def test_bad_values_name_the_field(path, value, field):
     d = _data()
     d[path[0]][path[1]] = value
@@ -96,8 +99,11 @@ def test_interpolation_time_monotone_and_clamped():
 def test_save_load_roundtrip_and_calibrated_preferred(tmp_path, monkeypatch):
     monkeypatch.setenv("RPEG_CACHE", str(tmp_path))
     base = H.load_hardware("cpu", calibrated=False)
-    fitted = dataclasses.replace(base, device=dataclasses.replace(base.device, peak_flops=1.234e10),
-                                 calibrated={"matmul_peak_measured": 1.234e10})
+    fitted = dataclasses.replace(
+        base,
+        device=dataclasses.replace(base.device, peak_flops=1.234e10),
+        calibrated={"matmul_peak_measured": 1.234e10},
+    )
     path = H.save_hardware(fitted, H.calibrated_path("cpu"))
     assert path.startswith(str(tmp_path))
     again = H.load_hardware("cpu")

@@ -18,10 +18,19 @@ from rpeg_jax.graph.plan import Plan, graph_for_plan
 
 GH = load_hardware("gh200", calibrated=False)
 CPU = load_hardware("cpu", calibrated=False)
-P1 = ["model.dtype=bfloat16", "model.param_dtype=float32", "data.prompts_per_step=32", "rl.group_size=16",
-      "data.max_prompt_len=512", "costmodel.prompt_len=512", "rollout.max_new_tokens=4096",
-      "costmodel.response_len_min=256",
-      "costmodel.response_len_median=1024", "costmodel.response_len_sigma=0.8", "costmodel.sequence_packing=true"]
+P1 = [
+    "model.dtype=bfloat16",
+    "model.param_dtype=float32",
+    "data.prompts_per_step=32",
+    "rl.group_size=16",
+    "data.max_prompt_len=512",
+    "costmodel.prompt_len=512",
+    "rollout.max_new_tokens=4096",
+    "costmodel.response_len_min=256",
+    "costmodel.response_len_median=1024",
+    "costmodel.response_len_sigma=0.8",
+    "costmodel.sequence_packing=true",
+]
 
 
 def cfg_of(*extra, model="qwen2-1.5b"):
@@ -31,9 +40,11 @@ def cfg_of(*extra, model="qwen2-1.5b"):
 def test_planning_path_imports_no_jax():
     """Transitively, at import time (which package may import which, function-level imports
     included: tests/test_layers.py)."""
-    code = ("import sys, rpeg_jax.costmodel.planner, rpeg_jax.cli.plan, rpeg_jax.cli.calibrate; "
-            "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib', 'flax'))]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, rpeg_jax.costmodel.planner, rpeg_jax.cli.plan, rpeg_jax.cli.calibrate; "
+        "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'jaxlib', 'flax'))]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -168,8 +179,22 @@ def test_cli_json_fields(tmp_path, capsys):
     from rpeg_jax.cli import main
 
     out = tmp_path / "plan.json"
-    rc = main(["plan", "--hardware", "gh200", "--gpus", "16", "--model", "qwen2-1.5b", "--json", str(out),
-               "--save-plan", str(tmp_path / "chosen.json"), *P1])
+    rc = main(
+        [
+            "plan",
+            "--hardware",
+            "gh200",
+            "--gpus",
+            "16",
+            "--model",
+            "qwen2-1.5b",
+            "--json",
+            str(out),
+            "--save-plan",
+            str(tmp_path / "chosen.json"),
+            *P1,
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "verl_like" in text and "real_like" in text and "why:" in text
@@ -184,8 +209,16 @@ def test_cli_json_fields(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_256_gpu_search_is_fast():
-    res = P.search(cfg_of("rollout.max_new_tokens=16384", "costmodel.response_len_min=4096",
-                          "costmodel.response_len_median=6144", model="qwen2-7b"), 256, GH)
+    res = P.search(
+        cfg_of(
+            "rollout.max_new_tokens=16384",
+            "costmodel.response_len_min=4096",
+            "costmodel.response_len_median=6144",
+            model="qwen2-7b",
+        ),
+        256,
+        GH,
+    )
     assert res.search_seconds < 60
     assert res.evaluations / res.search_seconds >= 1e3
 
@@ -335,9 +368,15 @@ def test_rpeg_plan_defaults_to_the_devices_a_run_sees_and_a_calibrated_profile(t
     hw, n, procs = resolve(load_config(None, []), None, None, None)
     assert (hw.name, n, procs) == ("cpu", 8, 1)
     # A calibrated cpu profile (a host twice as fast) is what choose_plan and `rpeg plan` use.
-    fast = dataclasses.replace(CPU, device=dataclasses.replace(CPU.device, peak_flops=2 * CPU.device.peak_flops,
-                                                               peak_flops_fp32=2 * CPU.device.peak_flops_fp32,
-                                                               memory_bw=2 * CPU.device.memory_bw))
+    fast = dataclasses.replace(
+        CPU,
+        device=dataclasses.replace(
+            CPU.device,
+            peak_flops=2 * CPU.device.peak_flops,
+            peak_flops_fp32=2 * CPU.device.peak_flops_fp32,
+            memory_bw=2 * CPU.device.memory_bw,
+        ),
+    )
     cache = tmp_path / "cache"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["RPEG_CACHE"] = str(cache)
@@ -354,8 +393,22 @@ def test_rpeg_plan_defaults_to_the_devices_a_run_sees_and_a_calibrated_profile(t
     # A plain CPU process (what `make run` starts) sees one device.
     out = tmp_path / "plan.json"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([sys.executable, "-m", "rpeg_jax.cli", "plan", "--config", "configs/default.yaml", "--quiet",
-                    "--json", str(out)], check=True, env=env, cwd=root)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rpeg_jax.cli",
+            "plan",
+            "--config",
+            "configs/default.yaml",
+            "--quiet",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        env=env,
+        cwd=root,
+    )
     d = json.loads(out.read_text())
     assert (d["num_devices"], d["hardware"], d["processes"]) == (1, "cpu", 1)
     assert d["chosen"]["step_time_s"] == pytest.approx(direct)
@@ -374,8 +427,11 @@ def test_price_reproduces_planner_predictions_and_streamed_pieces_cost_calls():
     # The runtime generates each streamed piece with its own call: m pieces of B/m sequences
     # cost m calls, each paying every decode step (more than one call of B on a CPU host).
     ctx = P.make_context(cfg, 8, CPU)
-    opts = [o for o in P.structural_options(ctx, "split", False) if o.staleness == 0 and not o.fuse
-            and not o.elide_old_forward and o.microbatches in (1, 8)]
+    opts = [
+        o
+        for o in P.structural_options(ctx, "split", False)
+        if o.staleness == 0 and not o.fuse and not o.elide_old_forward and o.microbatches in (1, 8)
+    ]
     (o1, g1), (o8, g8) = sorted(P.option_graphs(ctx, opts), key=lambda x: x[0].microbatches)
     tab = P.family_table(ctx, g1, "split", {})
     d1, _ = P.durations(ctx, g1, tab)
@@ -405,9 +461,9 @@ def test_price_refuses_a_plan_with_groups_it_does_not_model():
 def test_layout_rules_shard_every_axis_the_planner_prices():
     """The plan's rule preset per stage follows its mesh: `tensor` > 1 shards heads/MLP/vocab,
     `fsdp` > 1 the weights; a user's own preset is kept."""
+    from rpeg_jax.config.sharding import BUILTIN_RULES
     from rpeg_jax.graph.algorithms import build_graph
     from rpeg_jax.graph.ir import StageKind
-    from rpeg_jax.config.sharding import BUILTIN_RULES
     from rpeg_jax.graph.plan import layout_rules
     from rpeg_jax.sharding import rules as R
 
@@ -455,8 +511,12 @@ def test_planned_stages_shard_their_parameters_over_every_mesh_axis():
                 continue
             role = "generate" if "generate" in sp.stage else "train"
             lay = layout_for(sp.mesh, sp.rules, cfg.sharding, num_devices=p.plan.group(sp.group).size, role=role)
-            used = {a for spec in jax_leaves(lay.param_specs(tree)) for e in spec for a in
-                    ((e,) if isinstance(e, str) else (e or ()))}
+            used = {
+                a
+                for spec in jax_leaves(lay.param_specs(tree))
+                for e in spec
+                for a in ((e,) if isinstance(e, str) else (e or ()))
+            }
             for axis in ("fsdp", "tensor"):
                 if sp.mesh.get(axis, 1) > 1:
                     seen.add((role, axis))

@@ -82,7 +82,7 @@ def test_vectorised_over_candidates_matches_scalar():
     prog = unroll(g)
     vec, _, _, _ = simulate(prog, d)
     for i in (0, 17, 49):
-        one, _, _, _ = simulate(prog, {k: v[i:i + 1] for k, v in d.items()})
+        one, _, _, _ = simulate(prog, {k: v[i : i + 1] for k, v in d.items()})
         assert vec[i] == pytest.approx(one[0])
     # Steady state: the period never beats either group's busy time per step.
     gen = d["generate"]

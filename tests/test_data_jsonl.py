@@ -48,7 +48,11 @@ BAD = [
     (json.dumps({"answer": "1"}), "missing_field", r"missing field 'prompt'"),
     (json.dumps({"prompt": ["x"], "answer": "1"}), "bad_type", r"field 'prompt' must be text, not list"),
     (json.dumps({"prompt": "caf\u00e9", "answer": "1"}), "bad_text", r"prompt cannot be tokenized: character 'é'"),
-    (json.dumps({"prompt": "x" * 12, "answer": "1"}), "too_long", r"prompt is 13 tokens, longer than data.max_prompt_len=12"),
+    (
+        json.dumps({"prompt": "x" * 12, "answer": "1"}),
+        "too_long",
+        r"prompt is 13 tokens, longer than data.max_prompt_len=12",
+    ),
 ]
 
 

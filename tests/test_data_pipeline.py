@@ -38,8 +38,10 @@ def test_shuffle_determinism_by_seed():
     assert a == _ids(_take(_pipe("data.seed=5"), 4))
     assert a != _ids(_take(_pipe("data.seed=6"), 4))
     ordered = _take(_pipe("data.shuffle=false", "data.prompts_per_step=4"), 2)
-    assert _ids(ordered) == [tuple(f"reverse/train/{i}" for i in range(4)),
-                             tuple(f"reverse/train/{i}" for i in range(4, 8))]
+    assert _ids(ordered) == [
+        tuple(f"reverse/train/{i}" for i in range(4)),
+        tuple(f"reverse/train/{i}" for i in range(4, 8)),
+    ]
 
 
 def test_epochs_cover_all_records_and_reshuffle():
@@ -58,8 +60,10 @@ def test_epochs_cover_all_records_and_reshuffle():
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_sharding_partitions_each_global_batch(n):
     full = _take(_pipe("data.prompts_per_step=12", "data.num_examples=40"), 6)
-    shards = [_take(_pipe("data.prompts_per_step=12", "data.num_examples=40", shard_index=i, shard_count=n), 6)
-              for i in range(n)]
+    shards = [
+        _take(_pipe("data.prompts_per_step=12", "data.num_examples=40", shard_index=i, shard_count=n), 6)
+        for i in range(n)
+    ]
     for t, batch in enumerate(full):
         parts = [s[t] for s in shards]
         assert all(len(p) == 12 // n and p.step == t for p in parts)
@@ -120,7 +124,9 @@ def test_state_from_other_data_is_rejected():
 
 
 def test_config_errors_before_anything_runs():
-    with pytest.raises(ConfigError, match=r"data.prompts_per_step=6: must be divisible by the number of processes \(4\)"):
+    with pytest.raises(
+        ConfigError, match=r"data.prompts_per_step=6: must be divisible by the number of processes \(4\)"
+    ):
         _pipe("data.prompts_per_step=6", shard_count=4)
     with pytest.raises(ConfigError, match=r"data.prompts_per_step=16: exceeds the 5 records x data.num_epochs=2"):
         _pipe("data.num_examples=5", "data.num_epochs=2")
@@ -134,8 +140,15 @@ def test_jsonl_pipeline_exposes_skip_counts(tmp_path):
     path = tmp_path / "p.jsonl"
     lines = [json.dumps({"q": f"{i}+{i}=", "a": 2 * i}) for i in range(6)] + ["{oops", json.dumps({"a": 1})]
     path.write_text("\n".join(lines) + "\n")
-    pipe = _pipe("data.task=jsonl", f"data.path={path}", "data.prompt_field=q", "data.answer_field=a",
-                 "data.on_bad_record=skip", "data.prompts_per_step=3", "data.shuffle=false")
+    pipe = _pipe(
+        "data.task=jsonl",
+        f"data.path={path}",
+        "data.prompt_field=q",
+        "data.answer_field=a",
+        "data.on_bad_record=skip",
+        "data.prompts_per_step=3",
+        "data.shuffle=false",
+    )
     assert pipe.num_records == 6 and pipe.skipped["bad_json"] == 1 and pipe.skipped["missing_field"] == 1
     b = next(pipe)
     assert b.prompts == ("0+0=", "1+1=", "2+2=") and b.answers == ("0", "2", "4")

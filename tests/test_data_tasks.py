@@ -39,8 +39,9 @@ def test_records_deterministic_by_seed_and_split():
     cfg = DataConfig(task="reverse", num_examples=50, seed=7)
     a, b = make_records(cfg), make_records(cfg)
     assert a == b
-    assert [r["prompt"] for r in make_records(DataConfig(task="reverse", num_examples=50, seed=8))] != \
-        [r["prompt"] for r in a]
+    assert [r["prompt"] for r in make_records(DataConfig(task="reverse", num_examples=50, seed=8))] != [
+        r["prompt"] for r in a
+    ]
     assert [r["prompt"] for r in make_records(cfg, "eval")] != [r["prompt"] for r in a]
     assert len({r["id"] for r in a}) == 50
 

@@ -8,8 +8,15 @@ from rpeg_jax.runtime.rollouts import step_flops
 
 
 def matmul_flops_per_token(cfg, head=True):
-    d, h, k, e, f, L, v = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_size,
-                           cfg.intermediate_size, cfg.num_layers, cfg.vocab_size)
+    d, h, k, e, f, L, v = (
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_size,
+        cfg.intermediate_size,
+        cfg.num_layers,
+        cfg.vocab_size,
+    )
     per_layer = d * h * e + 2 * d * k * e + h * e * d + 3 * d * f
     return 2 * L * per_layer, 2 * d * v if head else 0
 
@@ -41,20 +48,28 @@ def prompt_share(cfg, prompt, passes_actor, passes_critic):
     return body * prompt * share + passes_actor * actor + passes_critic * critic
 
 
-@pytest.mark.parametrize("overrides,actor,critic", [
-    ([], 3, 0),                                          # GRPO: update = forward + backward
-    (["rl.kl_coef=0.04"], 4, 0),                         # + reference forward
-    (["rl.kl_coef=0.04", "pipeline.staleness=1", "rl.minibatches=2"], 5, 0),  # + proximal forward (decoupled PPO)
-    (["rl.kl_coef=0.04", "pipeline.staleness=1"], 4, 0),  # one optimizer step: π_prox from the update's forward
-    (["rl.algorithm=ppo", "rl.minibatches=2"], 3, 4),    # critic: value forward + update
-    (["rl.algorithm=ppo"], 3, 3),                        # one step: the values from the critic update's forward
-    (["rl.algorithm=ppo", "pipeline.share_actor_critic=true"], 3, 0),
-])
+@pytest.mark.parametrize(
+    "overrides,actor,critic",
+    [
+        ([], 3, 0),  # GRPO: update = forward + backward
+        (["rl.kl_coef=0.04"], 4, 0),  # + reference forward
+        (["rl.kl_coef=0.04", "pipeline.staleness=1", "rl.minibatches=2"], 5, 0),  # + proximal forward (decoupled PPO)
+        (["rl.kl_coef=0.04", "pipeline.staleness=1"], 4, 0),  # one optimizer step: π_prox from the update's forward
+        (["rl.algorithm=ppo", "rl.minibatches=2"], 3, 4),  # critic: value forward + update
+        (["rl.algorithm=ppo"], 3, 3),  # one step: the values from the critic update's forward
+        (["rl.algorithm=ppo", "pipeline.share_actor_critic=true"], 3, 0),
+    ],
+)
 def test_step_flops_match_a_per_matrix_count(overrides, actor, critic):
     cfg = load_config(None, ["rl.group_size=2"] + overrides)
     prompt, resp = 5, 3
-    stats = {"resp": resp, "prompt": prompt, "seq": prompt + resp, "resp_ctx": resp * (prompt + resp / 2),
-             "prompt_sq": prompt * prompt / 2}
+    stats = {
+        "resp": resp,
+        "prompt": prompt,
+        "seq": prompt + resp,
+        "resp_ctx": resp * (prompt + resp / 2),
+        "prompt_sq": prompt * prompt / 2,
+    }
     got = step_flops(cfg, stats, cfg.pipeline.staleness)
     # a group's prompt counts once per group (G = 2 here): generation and every pass
     want = expected(cfg, prompt, resp, actor, critic) - prompt_share(cfg, prompt, actor, critic)

@@ -40,6 +40,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import E, build_case, model_with, perturbed, prompts_of, ref_attention, sampler_trainer_gap
 
 from rpeg_jax.config import RLConfig
 from rpeg_jax.config.model import model_preset
@@ -48,28 +49,33 @@ from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
 from rpeg_jax.sampling.paged_attention import attend_blocked, attend_pages, dense_attention
 from rpeg_jax.sampling.sampler import _COMPILES
 
-from helpers import E, build_case, model_with, perturbed, prompts_of, ref_attention, sampler_trainer_gap
-
 ON_GPU = jax.default_backend() == "gpu"
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not (ON_GPU or os.environ.get("RPEG_GPU_TESTS_ON_CPU") == "1"),
-                                 reason=f"needs a GPU (default backend {jax.default_backend()})")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not (ON_GPU or os.environ.get("RPEG_GPU_TESTS_ON_CPU") == "1"),
+        reason=f"needs a GPU (default backend {jax.default_backend()})",
+    ),
+]
 
 BF16 = dict(dtype="bfloat16", param_dtype="bfloat16")
 ATTN_MAX, ATTN_REL = 2e-2, 1e-2
 GAP_TOL, EXACT_FRAC = 0.03, 0.9
 LP_MAX, LP_MEAN = 0.05, 0.01
 LOSS_TOL, DELTA_REL, DELTA_COS = 1e-2, 5e-2, 0.99
-CFG = SamplerConfig(page_size=4, max_slots=8, chunk_steps=8, max_seq_len=32, min_prefill_len=32,
-                    min_prefill_rows=8, min_table_width=16)
+CFG = SamplerConfig(
+    page_size=4, max_slots=8, chunk_steps=8, max_seq_len=32, min_prefill_len=32, min_prefill_rows=8, min_table_width=16
+)
 
 
 def report(name, **vals):
     path = os.environ.get("RPEG_GPU_TEST_REPORT")
     if path:
         with open(path, "a") as f:
-            f.write(json.dumps({"test": name, "backend": jax.default_backend(),
-                                **{k: float(v) for k, v in vals.items()}}) + "\n")
+            f.write(
+                json.dumps({"test": name, "backend": jax.default_backend(), **{k: float(v) for k, v in vals.items()}})
+                + "\n"
+            )
 
 
 def rel(a, b):
@@ -97,8 +103,11 @@ def test_paged_attention_bf16_equals_dense_reference(page_size, kv_heads):
     vc = kc.copy()
     for i, n in enumerate(lengths):
         kc[:, i, :n], vc[:, i, :n] = k[i, :n].transpose(1, 0, 2), v[i, :n].transpose(1, 0, 2)
-    outs = {"gather": attend_pages(*args), "blocked": attend_blocked(*args, block_pages=2),
-            "dense": dense_attention(bf(q), bf(kc), bf(vc), jnp.asarray(qpos), jnp.asarray(lengths, jnp.int32))}
+    outs = {
+        "gather": attend_pages(*args),
+        "blocked": attend_blocked(*args, block_pages=2),
+        "dense": dense_attention(bf(q), bf(kc), bf(vc), jnp.asarray(qpos), jnp.asarray(lengths, jnp.int32)),
+    }
     for name, out in outs.items():
         assert out.dtype == jnp.bfloat16, name
         out = np.asarray(out, np.float32)
@@ -115,7 +124,7 @@ def test_paged_attention_bf16_equals_dense_reference(page_size, kv_heads):
 def forward_logits(model, seqs, width=32):
     toks = np.zeros((len(seqs), width), np.int32)
     for i, s in enumerate(seqs):
-        toks[i, :len(s)] = s
+        toks[i, : len(s)] = s
     return np.asarray(jax.jit(lambda t: model(t))(jnp.asarray(toks)), np.float64)
 
 
@@ -129,12 +138,16 @@ def test_greedy_bf16_matches_plain_forward_argmax(model16, forward, attention):
     gaps, exact, lp_err = [], 0, []
     for i, (p, c) in enumerate(zip(prompts, gen)):
         assert len(c.tokens) == new and c.finish_reason == "length"
-        rows = logits[i, len(p) - 1:len(p) - 1 + new]
+        rows = logits[i, len(p) - 1 : len(p) - 1 + new]
         tok = c.tokens.astype(np.int64)
         chosen = rows[np.arange(new), tok]
         gaps += (rows.max(-1) - chosen).tolist()
         exact += int((rows.argmax(-1) == tok).sum())
-        ls = rows - np.log(np.exp(rows - rows.max(-1, keepdims=True)).sum(-1, keepdims=True)) - rows.max(-1, keepdims=True)
+        ls = (
+            rows
+            - np.log(np.exp(rows - rows.max(-1, keepdims=True)).sum(-1, keepdims=True))
+            - rows.max(-1, keepdims=True)
+        )
         lp_err += np.abs(ls[np.arange(new), tok] - np.asarray(c.logprobs)).tolist()
     frac = exact / (new * len(prompts))
     report(f"greedy[{forward},{attention}]", max_gap=max(gaps), exact_frac=frac, lp_max=max(lp_err))
@@ -159,16 +172,19 @@ def grpo_step(model, batch, lr=0.5):
     P, R = batch["P"], batch["R"]
 
     def policy_fn(p, b):
-        lp = token_logprobs(nnx.merge(graphdef, p), b["tokens"], b["positions"], b["seg"], b["targets"],
-                            start=P - 1, length=R)[0]
+        lp = token_logprobs(
+            nnx.merge(graphdef, p), b["tokens"], b["positions"], b["seg"], b["targets"], start=P - 1, length=R
+        )[0]
         return {"logp": lp, "entropy": None, "values": None}
 
     tx = optax.sgd(lr)
     update = jax.jit(make_actor_update(policy_fn, tx, RLConfig(algorithm="grpo", group_size=2)))
     data = {k: v for k, v in batch.items() if k not in ("P", "R")}
     new, _, metrics = update(params, tx.init(params), data)
-    deltas = [np.asarray(a, np.float64) - np.asarray(b, np.float64)
-              for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(params))]
+    deltas = [
+        np.asarray(a, np.float64) - np.asarray(b, np.float64)
+        for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(params))
+    ]
     return float(metrics["actor/pg_loss"]), deltas, metrics
 
 
@@ -177,15 +193,22 @@ def test_grpo_update_bf16_matches_float32_reference():
     rng = np.random.default_rng(7)
     tokens = jnp.asarray(rng.integers(3, 128, (B, P + R)), jnp.int32)
     mask = (np.arange(R)[None] < rng.integers(2, R + 1, B)[:, None]).astype(np.float32)
-    batch = {"tokens": tokens, "positions": jnp.broadcast_to(jnp.arange(P + R, dtype=jnp.int32), (B, P + R)),
-             "seg": jnp.ones((B, P + R), jnp.int32), "targets": jnp.concatenate([tokens[:, 1:], tokens[:, :1]], 1),
-             "response_mask_BxR": jnp.asarray(mask),
-             "advantages_BxR": jnp.asarray(np.repeat(rng.normal(size=(B, 1)), R, 1), jnp.float32), "P": P, "R": R}
+    batch = {
+        "tokens": tokens,
+        "positions": jnp.broadcast_to(jnp.arange(P + R, dtype=jnp.int32), (B, P + R)),
+        "seg": jnp.ones((B, P + R), jnp.int32),
+        "targets": jnp.concatenate([tokens[:, 1:], tokens[:, :1]], 1),
+        "response_mask_BxR": jnp.asarray(mask),
+        "advantages_BxR": jnp.asarray(np.repeat(rng.normal(size=(B, 1)), R, 1), jnp.float32),
+        "P": P,
+        "R": R,
+    }
     m32 = init_model(model_preset("tiny"), seed=5)
     m16 = init_model(model_preset("tiny", dtype="bfloat16"), seed=5)  # same float32 params, bf16 compute
     with jax.default_matmul_precision("highest"):
-        old = token_logprobs(m32, batch["tokens"], batch["positions"], batch["seg"], batch["targets"],
-                             start=P - 1, length=R)[0]
+        old = token_logprobs(
+            m32, batch["tokens"], batch["positions"], batch["seg"], batch["targets"], start=P - 1, length=R
+        )[0]
         batch["old_logp_BxR"] = old  # ratio 1 in float32: nothing clipped
         loss32, d32, _ = grpo_step(m32, batch)
     loss16, d16, metrics = grpo_step(m16, batch)

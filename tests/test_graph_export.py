@@ -16,8 +16,15 @@ SIZES = ["data.prompts_per_step=4", "rl.group_size=2", "data.max_prompt_len=5", 
 VARIANTS = [
     [],
     ["rl.kl_coef=0.1", "pipeline.staleness=2", "pipeline.fuse=[forwards,advantage]", "pipeline.microbatches=2"],
-    ["rl.algorithm=ppo", "rl.kl_coef=0.1", "pipeline.share_actor_critic=true", "pipeline.fuse=[forwards]",
-     "pipeline.placement=split", "pipeline.split_sizes=[1,3]", "rl.tis_cap=2.0"],
+    [
+        "rl.algorithm=ppo",
+        "rl.kl_coef=0.1",
+        "pipeline.share_actor_critic=true",
+        "pipeline.fuse=[forwards]",
+        "pipeline.placement=split",
+        "pipeline.split_sizes=[1,3]",
+        "rl.tis_cap=2.0",
+    ],
     ["rl.algorithm=ppo", "pipeline.elide_old_forward=true", "pipeline.fuse=[advantage]", "pipeline.microbatches=4"],
 ]
 
@@ -59,7 +66,7 @@ def tokenize(text):
     text = text.rstrip()
     while pos < len(text):
         m = TOKEN.match(text, pos)
-        assert m and m.end() > pos, f"bad DOT at {text[pos:pos + 30]!r}"
+        assert m and m.end() > pos, f"bad DOT at {text[pos : pos + 30]!r}"
         out.append(next(x for x in m.groups() if x is not None))
         pos = m.end()
     return out
@@ -81,8 +88,8 @@ def parse_dot(text):
         assert toks[i] == "["
         i += 1
         while toks[i] != "]":
-            k, eq, v = toks[i:i + 3]
-            assert eq == "=", toks[i:i + 3]
+            k, eq, v = toks[i : i + 3]
+            assert eq == "=", toks[i : i + 3]
             attrs[k] = unquote(v)
             i += 3
             if toks[i] == ",":
@@ -106,7 +113,7 @@ def parse_dot(text):
                 name = unquote(a)
                 assert name not in nodes, f"node {name} declared twice"
                 nodes[name] = attrs
-        assert toks[i] == ";", toks[i - 2:i + 1]
+        assert toks[i] == ";", toks[i - 2 : i + 1]
         i += 1
     return gattrs, nodes, edges
 
@@ -155,8 +162,9 @@ def test_mermaid_is_structurally_valid():
             else:
                 assert e.group(1) in ids and e.group(4) in ids, f"edge to undeclared node: {line}"
                 edges.append((e.group(1), e.group(2), e.group(4)))
-        assert ids == {mermaid_id(n): {Stage: '["', DataNode: '([', StateNode: '[('}[type(v)]
-                       for n, v in g.nodes.items()}
+        assert ids == {
+            mermaid_id(n): {Stage: '["', DataNode: "([", StateNode: "[("}[type(v)] for n, v in g.nodes.items()
+        }
         assert len(edges) == len(g.edges)
         for (s, arrow, d), edge in zip(edges, g.edges):
             state = isinstance(g.nodes[edge.src], StateNode) or isinstance(g.nodes[edge.dst], StateNode)
@@ -192,8 +200,11 @@ def test_rpeg_graph_command(capsys):
 
 def test_the_checkers_reject_malformed_text():
     good = to_dot(next(graphs()))
-    for bad in (good.replace(";", "", 1 + good.count(";") // 2), good.replace("}", ""),
-                good.replace('"generate" [', '"generate [', 1)):
+    for bad in (
+        good.replace(";", "", 1 + good.count(";") // 2),
+        good.replace("}", ""),
+        good.replace('"generate" [', '"generate [', 1),
+    ):
         with pytest.raises((AssertionError, IndexError)):
             parse_dot(bad)
     assert not NODE.match('  a["x"y"]') and not EDGE.match("  a --> ")

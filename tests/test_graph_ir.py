@@ -7,8 +7,19 @@ import pytest
 
 from rpeg_jax.config import load_config
 from rpeg_jax.graph.algorithms import build_graph
-from rpeg_jax.graph.ir import (TIMING_NAMES, DataNode, DataSpec, Dep, Edge, GraphError, Op, Stage, StageKind,
-                               StateKind, StateNode)
+from rpeg_jax.graph.ir import (
+    TIMING_NAMES,
+    DataNode,
+    DataSpec,
+    Dep,
+    Edge,
+    GraphError,
+    Op,
+    Stage,
+    StageKind,
+    StateKind,
+    StateNode,
+)
 from rpeg_jax.graph.passes import bounded_async
 
 # Distinct sizes so a swapped dimension shows: N=3 prompts, G=4, P=5, R=7.
@@ -36,8 +47,17 @@ def test_grpo_structure_without_and_with_reference():
 
 def test_ppo_structure():
     g = build_graph(cfg_of("rl.algorithm=ppo", "rl.kl_coef=0.1"))
-    assert stage_set(g) == {"generate", "reward", "ref_forward", "old_forward", "critic_forward", "advantage",
-                            "actor_update", "critic_update", "weight_sync"}
+    assert stage_set(g) == {
+        "generate",
+        "reward",
+        "ref_forward",
+        "old_forward",
+        "critic_forward",
+        "advantage",
+        "actor_update",
+        "critic_update",
+        "weight_sync",
+    }
     assert {e.dst for e in g.outputs("advantage")} == {"advantages", "returns"}
     assert {e.src for e in g.inputs("critic_update")} >= {"critic", "critic_opt", "values", "returns"}
     assert {e.dst for e in g.outputs("critic_update")} == {"critic", "critic_opt"}
@@ -55,9 +75,15 @@ def test_specs_have_concrete_shapes_axes_and_bytes():
     g = build_graph(cfg_of("rl.algorithm=ppo"))
     B, S, R = 3 * 4, 5 + 7, 7
     assert g.sizes == {"N": 3, "G": 4, "B": B, "P": 5, "R": R, "S": S}
-    want = {"completions": ((B, S), np.int32), "behav_logp": ((B, R), np.float32), "old_logp": ((B, R), np.float32),
-            "values": ((B, R), np.float32), "rewards": ((B,), np.float32), "advantages": ((B, R), np.float32),
-            "returns": ((B, R), np.float32)}
+    want = {
+        "completions": ((B, S), np.int32),
+        "behav_logp": ((B, R), np.float32),
+        "old_logp": ((B, R), np.float32),
+        "values": ((B, R), np.float32),
+        "rewards": ((B,), np.float32),
+        "advantages": ((B, R), np.float32),
+        "returns": ((B, R), np.float32),
+    }
     for name, (shape, dtype) in want.items():
         spec = g.nodes[name].spec
         assert spec.shape == shape, name
@@ -66,8 +92,15 @@ def test_specs_have_concrete_shapes_axes_and_bytes():
 
 
 def test_workloads_describe_the_computation():
-    cfg = cfg_of("rl.algorithm=ppo", "rl.ppo_epochs=2", "rl.minibatches=3",
-                 "critic.preset=tiny", "critic.hidden_size=128", "critic.num_heads=2", "critic.num_kv_heads=1")
+    cfg = cfg_of(
+        "rl.algorithm=ppo",
+        "rl.ppo_epochs=2",
+        "rl.minibatches=3",
+        "critic.preset=tiny",
+        "critic.hidden_size=128",
+        "critic.num_heads=2",
+        "critic.num_kv_heads=1",
+    )
     g = build_graph(cfg)
     gen = g.stage("generate").workload
     assert gen.op == Op.GENERATE and (gen.n_seqs, gen.prompt_len, gen.response_len, gen.group_size) == (12, 5, 7, 4)
@@ -76,8 +109,12 @@ def test_workloads_describe_the_computation():
     assert upd.op == Op.TRAIN and upd.optimizer_steps == 6
     (actor,) = upd.models
     m = cfg.model
-    assert (actor.role, actor.hidden_size, actor.num_layers, actor.vocab_size) == ("actor", m.hidden_size, m.num_layers,
-                                                                                  m.vocab_size)
+    assert (actor.role, actor.hidden_size, actor.num_layers, actor.vocab_size) == (
+        "actor",
+        m.hidden_size,
+        m.num_layers,
+        m.vocab_size,
+    )
     assert actor.num_params == m.num_params() and not actor.value_head
     (critic,) = g.stage("critic_forward").workload.models
     assert critic.role == "critic" and critic.hidden_size == 128 and critic.value_head
@@ -154,18 +191,27 @@ def test_validate_names_a_cycle():
         g.validate()
 
 
-@pytest.mark.parametrize("mutate, node, why", [
-    (lambda g: g.connect("advantage", "actor", offset=1), "actor", "several writers"),
-    (lambda g: (g.add(StateNode("scratch", StateKind.ROLLOUT_BUFFER)), g.connect("old_forward", "scratch", offset=0)),
-     "old_forward", "offset 0"),
-    (lambda g: g.connect("actor", "reward", offset=2), "reward", "future"),
-    (lambda g: g.connect("data_iterator", "generate", offset=1), "generate", "no other stage writes"),
-    (lambda g: g.connect("actor_opt", "generate", offset=1), "generate", "cycle"),
-    (lambda g: g.connect("completions", "missing_stage"), "completions", "missing node"),
-    (lambda g: g.connect("rewards", "old_logp"), "old_logp", "must join a stage"),
-    (lambda g: g.connect("rewards", "weight_sync", offset=-1), "rewards", "data lives within one step"),
-    (lambda g: g.replace_node(dataclasses.replace(g.nodes["reward"], microbatches=0)), "reward", "microbatches"),
-])
+@pytest.mark.parametrize(
+    "mutate, node, why",
+    [
+        (lambda g: g.connect("advantage", "actor", offset=1), "actor", "several writers"),
+        (
+            lambda g: (
+                g.add(StateNode("scratch", StateKind.ROLLOUT_BUFFER)),
+                g.connect("old_forward", "scratch", offset=0),
+            ),
+            "old_forward",
+            "offset 0",
+        ),
+        (lambda g: g.connect("actor", "reward", offset=2), "reward", "future"),
+        (lambda g: g.connect("data_iterator", "generate", offset=1), "generate", "no other stage writes"),
+        (lambda g: g.connect("actor_opt", "generate", offset=1), "generate", "cycle"),
+        (lambda g: g.connect("completions", "missing_stage"), "completions", "missing node"),
+        (lambda g: g.connect("rewards", "old_logp"), "old_logp", "must join a stage"),
+        (lambda g: g.connect("rewards", "weight_sync", offset=-1), "rewards", "data lives within one step"),
+        (lambda g: g.replace_node(dataclasses.replace(g.nodes["reward"], microbatches=0)), "reward", "microbatches"),
+    ],
+)
 def test_validate_errors_name_the_node(mutate, node, why):
     g = build_graph(cfg_of())
     mutate(g)
@@ -190,8 +236,9 @@ def test_duplicate_node_names_are_rejected():
 
 def test_stream_edges_need_matching_pieces():
     g = build_graph(cfg_of())
-    g.edges = [dataclasses.replace(e, stream=True) if (e.src, e.dst) == ("completions", "reward") else e
-               for e in g.edges]
+    g.edges = [
+        dataclasses.replace(e, stream=True) if (e.src, e.dst) == ("completions", "reward") else e for e in g.edges
+    ]
     g.replace_node(dataclasses.replace(g.stage("generate"), microbatches=3))
     with pytest.raises(GraphError, match="3 pieces") as e:
         g.validate()
@@ -221,6 +268,9 @@ def test_graph_package_imports_no_jax():
     import subprocess
     import sys
 
-    code = "import sys, rpeg_jax.graph, rpeg_jax.cli.graph; print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'numpy')))"
+    code = (
+        "import sys, rpeg_jax.graph, rpeg_jax.cli.graph; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'numpy')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"

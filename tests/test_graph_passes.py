@@ -7,8 +7,16 @@ import pytest
 from rpeg_jax.config import ConfigError, load_config
 from rpeg_jax.graph.algorithms import build_graph
 from rpeg_jax.graph.ir import DataNode, DataSpec, GraphError, StageKind, StateNode
-from rpeg_jax.graph.passes import (apply_pipeline, bounded_async, elide_old_forward, fuse, fuse_named, microbatch,
-                                   place, share_actor_critic)
+from rpeg_jax.graph.passes import (
+    apply_pipeline,
+    bounded_async,
+    elide_old_forward,
+    fuse,
+    fuse_named,
+    microbatch,
+    place,
+    share_actor_critic,
+)
 
 SIZES = ["data.prompts_per_step=4", "rl.group_size=2", "data.max_prompt_len=5", "rollout.max_new_tokens=7"]
 
@@ -171,15 +179,21 @@ def test_fuse_update_and_weight_sync_drops_the_internal_state_read():
 
 def test_fuse_of_fused_flattens_parts():
     f = fuse(fuse(ppo(), ["ref_forward", "old_forward"]), ["ref_forward+old_forward", "critic_forward"])
-    assert f.stage("ref_forward+old_forward+critic_forward").constituents == ("ref_forward", "old_forward",
-                                                                              "critic_forward")
+    assert f.stage("ref_forward+old_forward+critic_forward").constituents == (
+        "ref_forward",
+        "old_forward",
+        "critic_forward",
+    )
 
 
-@pytest.mark.parametrize("stages, node, why", [
-    (["generate", "advantage"], "reward", "cycle"),  # generate -> reward -> advantage
-    (["old_forward", "nope"], "nope", "no such stage"),
-    (["old_forward"], "old_forward", "two distinct"),
-])
+@pytest.mark.parametrize(
+    "stages, node, why",
+    [
+        (["generate", "advantage"], "reward", "cycle"),  # generate -> reward -> advantage
+        (["old_forward", "nope"], "nope", "no such stage"),
+        (["old_forward"], "old_forward", "two distinct"),
+    ],
+)
 def test_fuse_illegal(stages, node, why):
     with pytest.raises(GraphError, match=why) as e:
         fuse(graph(), stages)
@@ -232,17 +246,33 @@ def test_place_split_puts_generation_and_training_apart():
 
 
 # ---- the whole pipeline -----------------------------------------------------------------------
-COMBOS = list(itertools.product(["grpo", "ppo"], [0, 2], [False, True], [(), ("forwards",), ("forwards", "advantage")],
-                                [False, True], [1, 2], ["colocated", "split"]))
+COMBOS = list(
+    itertools.product(
+        ["grpo", "ppo"],
+        [0, 2],
+        [False, True],
+        [(), ("forwards",), ("forwards", "advantage")],
+        [False, True],
+        [1, 2],
+        ["colocated", "split"],
+    )
+)
 
 
 def test_apply_pipeline_every_legal_combination():
     seen = 0
     for algo, k, share, fusions, elide, mb, placement in COMBOS:
-        over = [f"rl.algorithm={algo}", "rl.kl_coef=0.1", f"pipeline.staleness={k}",
-                f"pipeline.share_actor_critic={share}", f"pipeline.fuse=[{','.join(fusions)}]",
-                f"pipeline.elide_old_forward={elide}", f"pipeline.microbatches={mb}",
-                f"pipeline.placement={placement}", "pipeline.split_sizes=[2,2]"]
+        over = [
+            f"rl.algorithm={algo}",
+            "rl.kl_coef=0.1",
+            f"pipeline.staleness={k}",
+            f"pipeline.share_actor_critic={share}",
+            f"pipeline.fuse=[{','.join(fusions)}]",
+            f"pipeline.elide_old_forward={elide}",
+            f"pipeline.microbatches={mb}",
+            f"pipeline.placement={placement}",
+            "pipeline.split_sizes=[2,2]",
+        ]
         try:
             cfg = load_config(None, [*SIZES, *over])
         except ConfigError:

@@ -29,8 +29,9 @@ def test_colocated_plan_puts_every_stage_on_all_devices():
 
 
 def test_split_plan_gives_generation_the_first_devices():
-    cfg = cfg_of("pipeline.placement=split", "pipeline.split_sizes=[3,5]", "pipeline.microbatches=2",
-                 "pipeline.staleness=1")
+    cfg = cfg_of(
+        "pipeline.placement=split", "pipeline.split_sizes=[3,5]", "pipeline.microbatches=2", "pipeline.staleness=1"
+    )
     plan = plan_from_config(cfg, 8)
     assert plan.devices_for("generate") == (0, 1, 2) and plan.devices_for("actor_update") == (3, 4, 5, 6, 7)
     assert plan.stage("generate").mesh == {"data": 3, "fsdp": 1, "tensor": 1}
@@ -39,11 +40,14 @@ def test_split_plan_gives_generation_the_first_devices():
     assert plan.knobs["staleness"] == 1 and plan.knobs["split_sizes"] == [3, 5]
 
 
-@pytest.mark.parametrize("over, n, key", [
-    (["pipeline.placement=split", "pipeline.split_sizes=[3,3]"], 8, "pipeline.split_sizes"),
-    (["sharding.mesh={data: -1, tensor: 3}"], 8, "sharding.mesh"),
-    (["sharding.mesh={data: 2, tensor: 2}"], 8, "sharding.mesh"),
-])
+@pytest.mark.parametrize(
+    "over, n, key",
+    [
+        (["pipeline.placement=split", "pipeline.split_sizes=[3,3]"], 8, "pipeline.split_sizes"),
+        (["sharding.mesh={data: -1, tensor: 3}"], 8, "sharding.mesh"),
+        (["sharding.mesh={data: 2, tensor: 2}"], 8, "sharding.mesh"),
+    ],
+)
 def test_manual_plan_errors_name_the_key(over, n, key):
     with pytest.raises(ConfigError) as e:
         plan_from_config(cfg_of(*over), n)
@@ -51,8 +55,13 @@ def test_manual_plan_errors_name_the_key(over, n, key):
 
 
 def test_plan_json_round_trip_and_file(tmp_path):
-    cfg = cfg_of("rl.algorithm=ppo", "rl.kl_coef=0.1", "pipeline.fuse=[forwards]", "pipeline.placement=split",
-                 "pipeline.split_sizes=[2,6]")
+    cfg = cfg_of(
+        "rl.algorithm=ppo",
+        "rl.kl_coef=0.1",
+        "pipeline.fuse=[forwards]",
+        "pipeline.placement=split",
+        "pipeline.split_sizes=[2,6]",
+    )
     plan = dataclasses.replace(plan_from_config(cfg, 8), predicted={"step_time_s": 1.25})
     assert Plan.from_json(plan.to_json()) == plan
     path = tmp_path / "plans" / "p.json"
@@ -92,13 +101,17 @@ def test_plan_check_names_the_stage_or_group():
     with pytest.raises(GraphError, match="no plan entry") as e:
         short.check(graph)
     assert e.value.node == "weight_sync"
-    bad_mesh = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], mesh={"data": 3}),)
-                                   + plan.stages[1:])
+    bad_mesh = dataclasses.replace(
+        plan, stages=(dataclasses.replace(plan.stages[0], mesh={"data": 3}),) + plan.stages[1:]
+    )
     with pytest.raises(GraphError, match="does not cover") as e:
         bad_mesh.check()
     assert e.value.node == plan.stages[0].stage
-    overlap = dataclasses.replace(plan, groups=(DeviceGroup("a", (0, 1, 2)), DeviceGroup("b", (2, 3))),
-                                  stages=(StagePlan("generate", "a", {"data": 3}, "data"),))
+    overlap = dataclasses.replace(
+        plan,
+        groups=(DeviceGroup("a", (0, 1, 2)), DeviceGroup("b", (2, 3))),
+        stages=(StagePlan("generate", "a", {"data": 3}, "data"),),
+    )
     with pytest.raises(GraphError, match="partially"):
         overlap.check()
     out_of_range = dataclasses.replace(plan, groups=(DeviceGroup("all", (0, 1, 2, 4)),))

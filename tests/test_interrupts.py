@@ -16,9 +16,9 @@ import sys
 import textwrap
 
 import pytest
-
 from helpers import SKIP
 from helpers import TINY as BASE
+
 from rpeg_jax.config import load_config
 from rpeg_jax.runtime.checkpoint import Checkpointer
 from rpeg_jax.runtime.metrics import read_metrics
@@ -85,11 +85,17 @@ CASES = [
 
 
 @pytest.mark.parametrize("point,step,signame,k,stopped", CASES, ids=[f"{c[0]}-k{c[3]}" for c in CASES])
-def test_a_signal_stops_at_a_step_boundary_and_resumes_exactly(tmp_path, uninterrupted, point, step, signame, k,
-                                                               stopped):
+def test_a_signal_stops_at_a_step_boundary_and_resumes_exactly(
+    tmp_path, uninterrupted, point, step, signame, k, stopped
+):
     overrides = TINY + [f"pipeline.staleness={k}", f"train.run_dir={tmp_path}"]
-    proc = subprocess.run([sys.executable, "-c", _DRIVER, point, str(step), signame, *overrides],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", _DRIVER, point, str(step), signame, *overrides],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     said = [line for line in proc.stderr.splitlines() if "stopped by" in line]
@@ -115,8 +121,13 @@ def test_a_second_ctrl_c_stops_at_once_without_a_new_checkpoint(tmp_path):
     only checkpoints that were committed whole."""
     driver = _DRIVER.replace("fire(0.02)", "fire(0); os.kill(os.getpid(), sig)")
     overrides = TINY + ["train.checkpoint_every=1", f"train.run_dir={tmp_path}"]
-    proc = subprocess.run([sys.executable, "-c", driver, "generate", "2", "SIGINT", *overrides],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", driver, "generate", "2", "SIGINT", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert Checkpointer(str(tmp_path / "checkpoints")).latest_step() == 2  # the one of the last whole step

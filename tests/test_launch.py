@@ -22,8 +22,9 @@ def _launcher():
 
 
 def _run(args, timeout=120, devices=8):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
+    )
     return subprocess.run([sys.executable, LAUNCH] + args, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -39,8 +40,17 @@ def test_initialize_failure_is_reported_exit_3():
     from rpeg_jax.sharding.distributed import free_port
 
     port = free_port()  # nobody listens there
-    r = _run(["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "1",
-              "distributed.initialization_timeout_s=1.5"])
+    r = _run(
+        [
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--num-processes",
+            "2",
+            "--process-id",
+            "1",
+            "distributed.initialization_timeout_s=1.5",
+        ]
+    )
     assert r.returncode == 3, r.stderr[-2000:]
     assert f"coordinator 127.0.0.1:{port} not reachable" in r.stderr and "process_id=1" in r.stderr
     r = _run(["--coordinator", "127.0.0.1:1"])
@@ -57,19 +67,28 @@ def _metrics(path):
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     # timings and what derives from them (throughput, predicted-vs-measured) differ run to run
-    return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/", "predicted_s/", "pred_error/"))}
-            for r in rows]
+    return [
+        {k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/", "predicted_s/", "pred_error/"))}
+        for r in rows
+    ]
 
 
 @pytest.mark.multihost  # two training runs: ~1.5 min of CPU; in the default run (`make test`)
 def test_two_local_processes_match_one_process(tmp_path):
     """A few steps of the default config: 2 processes x 4 CPU devices give the metrics of 1 x 8."""
-    common = ["--config", os.path.join(ROOT, "configs", "default.yaml"), "train.steps=2", "train.progress=false",
-              "train.tensorboard=false", "train.checkpoint_every=0"]
+    common = [
+        "--config",
+        os.path.join(ROOT, "configs", "default.yaml"),
+        "train.steps=2",
+        "train.progress=false",
+        "train.tensorboard=false",
+        "train.checkpoint_every=0",
+    ]
     one = _run(common + [f"train.run_dir={tmp_path / 'one'}"], timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = _run(common + [f"train.run_dir={tmp_path / 'two'}", "--local-processes", "2", "--local-devices", "4"],
-               timeout=600)
+    two = _run(
+        common + [f"train.run_dir={tmp_path / 'two'}", "--local-processes", "2", "--local-devices", "4"], timeout=600
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = _metrics(tmp_path / "one" / "metrics.jsonl"), _metrics(tmp_path / "two" / "metrics.jsonl")
     assert len(a) == len(b) == 2 and a[0].keys() == b[0].keys()

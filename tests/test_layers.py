@@ -195,14 +195,17 @@ def test_exceptions_are_still_needed():
     """An allow-list entry whose import is gone must go too."""
     bad = layer_violations(read_sources(), exceptions={})
     for (module, dst), why in EXCEPTIONS.items():
-        assert any(b.startswith(f"{module}:") and f" -> {dst} (" in b for b in bad), f"{module} -> {dst} is gone ({why})"
+        assert any(b.startswith(f"{module}:") and f" -> {dst} (" in b for b in bad), (
+            f"{module} -> {dst} is gone ({why})"
+        )
 
 
 def test_the_scan_sees_the_tree_and_function_level_imports():
     sources = read_sources()
     assert {"rpeg_jax.cli", "rpeg_jax.graph.ir", "rpeg_jax.costmodel.planner", "launch.multihost"} <= set(sources)
-    found = {(i.target, i.top) for i in imports("rpeg_jax.runtime.trainer", sources["rpeg_jax.runtime.trainer"],
-                                               sources)}
+    found = {
+        (i.target, i.top) for i in imports("rpeg_jax.runtime.trainer", sources["rpeg_jax.runtime.trainer"], sources)
+    }
     assert ("rpeg_jax.costmodel.planner", True) in found  # a module-level import
     graph_ir = {(i.target, i.top) for i in imports("rpeg_jax.graph.ir", sources["rpeg_jax.graph.ir"], sources)}
     passes = {(i.target, i.top) for i in imports("rpeg_jax.graph.plan", sources["rpeg_jax.graph.plan"], sources)}
@@ -238,9 +241,16 @@ def test_a_function_level_import_against_the_layers_is_reported():
 
 
 def test_module_level_relative_and_package_imports_are_reported():
-    srcs = _with({"rpeg_jax.rl.update": "from rpeg_jax.runtime import trainer\n", "rpeg_jax.runtime.trainer": "",
-                  "rpeg_jax.data.pipeline": "from .. import graph\n", "rpeg_jax.data": "", "rpeg_jax.graph": "",
-                  "rpeg_jax.costmodel.planner": "import rpeg_jax.sampling.engine as E\n"})
+    srcs = _with(
+        {
+            "rpeg_jax.rl.update": "from rpeg_jax.runtime import trainer\n",
+            "rpeg_jax.runtime.trainer": "",
+            "rpeg_jax.data.pipeline": "from .. import graph\n",
+            "rpeg_jax.data": "",
+            "rpeg_jax.graph": "",
+            "rpeg_jax.costmodel.planner": "import rpeg_jax.sampling.engine as E\n",
+        }
+    )
     assert layer_violations(srcs) == [
         "rpeg_jax.costmodel.planner:1: costmodel -> sampling (rpeg_jax.sampling.engine)",
         "rpeg_jax.data.pipeline:1: data -> graph (rpeg_jax.graph)",
@@ -249,9 +259,13 @@ def test_module_level_relative_and_package_imports_are_reported():
 
 
 def test_device_code_where_it_may_not_be_is_reported():
-    srcs = _with({"rpeg_jax.graph.passes": "def f():\n    import jax.numpy as jnp\n",
-                  "rpeg_jax.costmodel.planner": "import numpy as np\nfrom flax import nnx\n",
-                  "rpeg_jax.config.run": "try:\n    import jax\nexcept ImportError:\n    pass\n"})
+    srcs = _with(
+        {
+            "rpeg_jax.graph.passes": "def f():\n    import jax.numpy as jnp\n",
+            "rpeg_jax.costmodel.planner": "import numpy as np\nfrom flax import nnx\n",
+            "rpeg_jax.config.run": "try:\n    import jax\nexcept ImportError:\n    pass\n",
+        }
+    )
     assert layer_violations(srcs) == [
         "rpeg_jax.config.run:2: config imports jax (anywhere forbidden)",
         "rpeg_jax.costmodel.planner:2: costmodel imports flax (module level forbidden)",
@@ -260,16 +274,28 @@ def test_device_code_where_it_may_not_be_is_reported():
 
 
 def test_an_unknown_package_and_an_exception_entry():
-    srcs = _with({"rpeg_jax.extras.x": "from rpeg_jax.runtime import trainer\n", "rpeg_jax.runtime.trainer": "",
-                  "rpeg_jax.rl.kl": "from rpeg_jax.models.llama import Transformer\n"})
-    assert layer_violations(srcs) == ["rpeg_jax.extras.x: package 'extras' is not in the layer table",
-                                      "rpeg_jax.rl.kl:1: rl -> models (rpeg_jax.models.llama)"]
+    srcs = _with(
+        {
+            "rpeg_jax.extras.x": "from rpeg_jax.runtime import trainer\n",
+            "rpeg_jax.runtime.trainer": "",
+            "rpeg_jax.rl.kl": "from rpeg_jax.models.llama import Transformer\n",
+        }
+    )
+    assert layer_violations(srcs) == [
+        "rpeg_jax.extras.x: package 'extras' is not in the layer table",
+        "rpeg_jax.rl.kl:1: rl -> models (rpeg_jax.models.llama)",
+    ]
     assert layer_violations(srcs, exceptions={("rpeg_jax.rl.kl", "models"): "test"})[1:] == []
 
 
 def test_a_cycle_through_a_function_level_import_is_found():
-    srcs = _with({"rpeg_jax.graph.ir": "def validate(g):\n    from rpeg_jax.graph import validate\n",
-                  "rpeg_jax.graph.validate": "from rpeg_jax.graph.ir import Graph\n", "rpeg_jax.graph": ""})
+    srcs = _with(
+        {
+            "rpeg_jax.graph.ir": "def validate(g):\n    from rpeg_jax.graph import validate\n",
+            "rpeg_jax.graph.validate": "from rpeg_jax.graph.ir import Graph\n",
+            "rpeg_jax.graph": "",
+        }
+    )
     assert cycles(import_graph(srcs)) == [["rpeg_jax.graph.ir", "rpeg_jax.graph.validate"]]
     three = {"a": "import b\n", "b": "def f():\n    import c\n", "c": "from a import x\n", "d": "import a\n"}
     assert cycles(import_graph(three)) == [["a", "b", "c"]]

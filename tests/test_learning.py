@@ -17,8 +17,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["default.yaml", "ppo.yaml"])
 def test_default_runs_learn(tmp_path, preset):
-    cfg = load_config(os.path.join(ROOT, "configs", preset),
-                      [f"train.run_dir={tmp_path}", "train.progress=false", "train.tensorboard=false"])
+    cfg = load_config(
+        os.path.join(ROOT, "configs", preset),
+        [f"train.run_dir={tmp_path}", "train.progress=false", "train.tensorboard=false"],
+    )
     train(cfg)
     rewards = [r["reward/mean"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))]
     assert len(rewards) == cfg.train.steps

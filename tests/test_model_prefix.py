@@ -27,9 +27,9 @@ def rollout_batch(seed=0):
         prompt = rng.integers(3, 128, lp)
         for j in range(G):
             row, lr = grp * G + j, int(rng.integers(1, R + 1)) if j else R
-            tok[row, P - lp:P], tok[row, P:P + lr] = prompt, rng.integers(3, 128, lr)
-            pos[row, P - lp:P + lr] = np.arange(lp + lr)
-            seg[row, P - lp:P + lr] = 1
+            tok[row, P - lp : P], tok[row, P : P + lr] = prompt, rng.integers(3, 128, lr)
+            pos[row, P - lp : P + lr] = np.arange(lp + lr)
+            seg[row, P - lp : P + lr] = 1
     mask = (seg[:, P:] > 0).astype(np.float32)
     return jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(seg), mask
 
@@ -41,9 +41,10 @@ def plain(model, tok, pos, seg, **kw):
 
 @pytest.fixture(scope="module")
 def models():
-    return {"llama": init_model(model_preset("tiny", value_head=True, **SMALL), seed=3),
-            "qwen": init_model(model_preset("tiny", arch="qwen2", qkv_bias=True, tie_embeddings=True, **SMALL),
-                               seed=1)}
+    return {
+        "llama": init_model(model_preset("tiny", value_head=True, **SMALL), seed=3),
+        "qwen": init_model(model_preset("tiny", arch="qwen2", qkv_bias=True, tie_embeddings=True, **SMALL), seed=1),
+    }
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen"])
@@ -52,8 +53,9 @@ def test_shared_prompt_equals_plain_pass(models, name):
     model = models[name]
     tok, pos, seg, mask = rollout_batch()
     lp0, ent0, h0 = plain(model, tok, pos, seg, temperature=0.8, with_entropy=True, return_hidden=True)
-    lp1, ent1, h1 = group_token_logprobs(model, tok, pos, seg, response_len=R, group_size=G, temperature=0.8,
-                                         with_entropy=True, return_hidden=True)
+    lp1, ent1, h1 = group_token_logprobs(
+        model, tok, pos, seg, response_len=R, group_size=G, temperature=0.8, with_entropy=True, return_hidden=True
+    )
     m = mask > 0
     np.testing.assert_allclose(np.asarray(lp1)[m], np.asarray(lp0)[m], atol=2e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(ent1)[m], np.asarray(ent0)[m], atol=2e-5, rtol=0)

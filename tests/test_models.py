@@ -45,7 +45,7 @@ def numpy_decoder(model, tokens, positions, rnd=None, per_op_sigmoid=False):
     cos, sin = np.cos(ang), np.sin(ang)
 
     def rope(x):  # x [T, N, E], rotate-half convention
-        x1, x2 = x[..., : e // 2], x[..., e // 2:]
+        x1, x2 = x[..., : e // 2], x[..., e // 2 :]
         return r(np.concatenate([x1 * cos[:, None] - x2 * sin[:, None], x2 * cos[:, None] + x1 * sin[:, None]], -1))
 
     def norm(x, w):
@@ -115,8 +115,9 @@ def test_chunked_logprobs_equal_full_log_softmax_and_gradients(qwen):
     ref = full - np.log(np.exp(full - full.max(-1, keepdims=True)).sum(-1, keepdims=True)) - full.max(-1, keepdims=True)
     ref_lp = np.take_along_axis(ref, np.asarray(targets)[..., None], -1)[..., 0][:, 4:13]
     ref_ent = -(np.exp(ref) * ref).sum(-1)[:, 4:13]
-    lp, ent = token_logprobs(qwen, tokens, None, None, targets, start=4, length=9, chunk=4, temperature=0.7,
-                             with_entropy=True)
+    lp, ent = token_logprobs(
+        qwen, tokens, None, None, targets, start=4, length=9, chunk=4, temperature=0.7, with_entropy=True
+    )
     np.testing.assert_allclose(np.asarray(lp), ref_lp, atol=2e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(ent), ref_ent, atol=2e-5, rtol=0)
 
@@ -174,8 +175,9 @@ def test_onehot_embedding_and_dense_match_gather_and_einsum(cpu_devices):
     rng = np.random.default_rng(9)
     table = jnp.asarray(rng.standard_normal((128, 16)), jnp.float32)
     tokens = jnp.asarray(rng.integers(0, 128, size=(4, 6)), jnp.int32)
-    np.testing.assert_array_equal(np.asarray(embed_lookup(table, tokens, jnp.float32)),
-                                  np.asarray(table)[np.asarray(tokens)])
+    np.testing.assert_array_equal(
+        np.asarray(embed_lookup(table, tokens, jnp.float32)), np.asarray(table)[np.asarray(tokens)]
+    )
     cot = rng.standard_normal((4, 6, 16))
     grad = jax.grad(lambda t: jnp.sum(embed_lookup(t, tokens, jnp.float32) * cot))(table)
     ref = np.zeros((128, 16))
@@ -236,7 +238,7 @@ def test_bfloat16_compute_follows_its_rounding_policy(arch):
     bf16 scores 3.2, bf16 scores+softmax 3.3, bf16 rope tables 3.5, bf16 logits 0.42, model.dtype
     ignored (float32 compute) 4.2. The old check (max|d| < 0.05 max|logits| against a float32
     model) passed every one of these. The unrounded emulation is >= 2u away (measured 4.7-4.8u)."""
-    u = 2.0 ** -8
+    u = 2.0**-8
     kw = dict(arch="qwen2", qkv_bias=True, tie_embeddings=True) if arch == "qwen2" else {}
     m = init_model(model_preset("tiny", dtype="bfloat16", **kw, **SMALL), seed=5)
     tokens = np.random.default_rng(5).integers(3, 128, size=(4, 32))
@@ -266,8 +268,9 @@ def test_value_head_and_missing_head_error(qwen):
 
 @pytest.mark.parametrize("arch,tie,vh", [("llama", False, False), ("qwen2", True, True)])
 def test_save_load_round_trip_is_exact(tmp_path, arch, tie, vh):
-    m = init_model(model_preset("tiny", arch=arch, qkv_bias=arch == "qwen2", tie_embeddings=tie,
-                                value_head=vh, **SMALL), seed=7)
+    m = init_model(
+        model_preset("tiny", arch=arch, qkv_bias=arch == "qwen2", tie_embeddings=tie, value_head=vh, **SMALL), seed=7
+    )
     if vh:  # a non-zero value head, so the round trip is meaningful
         m.value_w.set_value(jnp.linspace(-1, 1, 64))
         m.value_b.set_value(jnp.asarray(0.25))
@@ -276,7 +279,9 @@ def test_save_load_round_trip_is_exact(tmp_path, arch, tie, vh):
     assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))
     m2 = load_hf(out, value_head=vh)
     assert m2.cfg.tie_embeddings == tie and m2.cfg.arch == arch
-    for (pa, a), (pb, b) in zip(nnx.to_flat_state(nnx.state(m, nnx.Param)), nnx.to_flat_state(nnx.state(m2, nnx.Param))):
+    for (pa, a), (pb, b) in zip(
+        nnx.to_flat_state(nnx.state(m, nnx.Param)), nnx.to_flat_state(nnx.state(m2, nnx.Param))
+    ):
         assert pa == pb
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]))
     with pytest.raises(FileExistsError):

@@ -15,7 +15,7 @@ from rpeg_jax.sharding import distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-WORKER = textwrap.dedent('''
+WORKER = textwrap.dedent("""
     import os, sys, time
     import numpy as np
     mode, pid, port, timeout = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
@@ -67,17 +67,31 @@ WORKER = textwrap.dedent('''
             f(x).block_until_ready()
             time.sleep(0.01)
         print("NOT LOST", flush=True)
-''')
+""")
 
 
 def _start(tmp_path, mode, timeout_s, extra_env=None):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     port = dist.free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", **(extra_env or {}))
-    return [subprocess.Popen([sys.executable, str(script), mode, str(i), str(port), str(timeout_s)], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        PYTHONPATH=ROOT,
+        PYTHONUNBUFFERED="1",
+        **(extra_env or {}),
+    )
+    return [
+        subprocess.Popen(
+            [sys.executable, str(script), mode, str(i), str(port), str(timeout_s)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
 
 
 def _finish(procs, timeout):
@@ -160,13 +174,19 @@ def test_lost_process_ends_the_other(tmp_path, victim):
 
 # ---- where the distributed parameters come from (pure, no processes) ----
 
+
 def test_resolve_spec_sources():
     s = dist.resolve_spec("10.0.0.1:1234", 4, 2, env={})
     assert (s.coordinator, s.num_processes, s.process_id, s.source) == ("10.0.0.1:1234", 4, 2, "flags")
     s = dist.resolve_spec(env={"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "3", "JAX_PROCESS_ID": "1"})
     assert (s.coordinator, s.num_processes, s.process_id, s.source) == ("h:1", 3, 1, "jax-env")
-    slurm = {"SLURM_JOB_ID": "4097", "SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
-             "SLURM_STEP_NODELIST": "nid[0007-0008,0011]"}
+    slurm = {
+        "SLURM_JOB_ID": "4097",
+        "SLURM_NTASKS": "8",
+        "SLURM_PROCID": "5",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_NODELIST": "nid[0007-0008,0011]",
+    }
     s = dist.resolve_spec(env=slurm)
     assert (s.coordinator, s.num_processes, s.process_id, s.source) == ("nid0007:61441", 8, 5, "slurm")
     assert dist.resolve_spec(env=dict(slurm, RPEG_COORDINATOR_PORT="999")).coordinator == "nid0007:999"

@@ -8,16 +8,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import TINY, assert_rewritten, assert_same_run, make_case, policy_fn, run, value_fn
 
 from rpeg_jax import rl
 from rpeg_jax.config import ConfigError, RLConfig, load_config
 from rpeg_jax.graph.algorithms import build_graph
 from rpeg_jax.graph.ir import GraphError, StageKind
-from rpeg_jax.graph.passes import (apply_pipeline, bounded_async, fuse_named, proximal_from_update,
-                                   share_actor_critic, values_from_critic_update)
+from rpeg_jax.graph.passes import (
+    apply_pipeline,
+    bounded_async,
+    fuse_named,
+    proximal_from_update,
+    share_actor_critic,
+    values_from_critic_update,
+)
 from rpeg_jax.runtime.rollouts import step_flops
-
-from helpers import TINY, assert_rewritten, assert_same_run, make_case, policy_fn, run, value_fn
 
 SIZES = ["data.prompts_per_step=4", "rl.group_size=2", "data.max_prompt_len=5", "rollout.max_new_tokens=7"]
 
@@ -61,12 +66,27 @@ def test_values_from_critic_update_fuses_gae_into_the_critic_update():
     assert g.producer("advantages") == st.name and "actor_update" in g.consumers("advantages")
     assert sorted(kinds(g) + ["critic_forward"]) == kinds(plain)
     assert fuse_named(g, "advantage").nodes == g.nodes  # GAE already inside the critic's program
-    both = apply_pipeline(plain, load_config(None, [*SIZES, "rl.algorithm=ppo", "pipeline.staleness=1",
-                                                    "pipeline.proximal_from_update=true",
-                                                    "pipeline.values_from_critic_update=true",
-                                                    "pipeline.fuse=[forwards,advantage]"]).pipeline)
-    assert sorted(both.stage_names()) == ["actor_update", "advantage+critic_update", "generate", "reward",
-                                          "weight_sync"]
+    both = apply_pipeline(
+        plain,
+        load_config(
+            None,
+            [
+                *SIZES,
+                "rl.algorithm=ppo",
+                "pipeline.staleness=1",
+                "pipeline.proximal_from_update=true",
+                "pipeline.values_from_critic_update=true",
+                "pipeline.fuse=[forwards,advantage]",
+            ],
+        ).pipeline,
+    )
+    assert sorted(both.stage_names()) == [
+        "actor_update",
+        "advantage+critic_update",
+        "generate",
+        "reward",
+        "weight_sync",
+    ]
 
 
 def test_one_step_rewrites_reject_several_optimizer_steps():
@@ -87,16 +107,26 @@ def test_one_step_rewrites_reject_several_optimizer_steps():
     with pytest.raises(GraphError, match="ride on old_forward"):
         values_from_critic_update(share_actor_critic(graph("rl.algorithm=ppo")))
     with pytest.raises(ConfigError, match="pipeline.values_from_critic_update"):
-        load_config(None, [*SIZES, "rl.algorithm=ppo", "pipeline.share_actor_critic=true",
-                           "pipeline.values_from_critic_update=true"])
+        load_config(
+            None,
+            [*SIZES, "rl.algorithm=ppo", "pipeline.share_actor_critic=true", "pipeline.values_from_critic_update=true"],
+        )
 
 
 def test_useful_flops_never_count_a_pass_one_step_makes_redundant():
     stats = {"resp": 3, "prompt": 5, "seq": 8, "resp_ctx": 3 * 6.5, "prompt_sq": 12.5}
     one = load_config(None, [*SIZES, "rl.algorithm=ppo", "pipeline.staleness=1"])
     two = load_config(None, [*SIZES, "rl.algorithm=ppo", "pipeline.staleness=1", "rl.minibatches=2"])
-    on = load_config(None, [*SIZES, "rl.algorithm=ppo", "pipeline.staleness=1", "pipeline.proximal_from_update=true",
-                            "pipeline.values_from_critic_update=true"])
+    on = load_config(
+        None,
+        [
+            *SIZES,
+            "rl.algorithm=ppo",
+            "pipeline.staleness=1",
+            "pipeline.proximal_from_update=true",
+            "pipeline.values_from_critic_update=true",
+        ],
+    )
     assert step_flops(one, stats, 1) == step_flops(on, stats, 1) < step_flops(two, stats, 1)
 
 
@@ -116,11 +146,13 @@ def test_planner_plans_drop_the_passes_one_step_makes_redundant():
     assert res.chosen.knobs["values_from_critic_update"] and "advantage+critic_update" in res.chosen.stage_times_s
     assert not {"critic_forward", "old_forward"} & set(res.chosen.stage_times_s)
     off = P.make_context(load_config(None, ["rl.algorithm=ppo", "costmodel.search_one_step_rewrites=false"]), 4, hw)
-    assert not any(o.proximal_from_update or o.values_from_critic_update
-                   for o in P.structural_options(off, "colocated", False))
+    assert not any(
+        o.proximal_from_update or o.values_from_critic_update for o in P.structural_options(off, "colocated", False)
+    )
     two = P.make_context(load_config(None, ["rl.algorithm=ppo", "rl.ppo_epochs=2"]), 4, hw)
-    assert not any(o.proximal_from_update or o.values_from_critic_update
-                   for o in P.structural_options(two, "colocated", False))
+    assert not any(
+        o.proximal_from_update or o.values_from_critic_update for o in P.structural_options(two, "colocated", False)
+    )
 
 
 # ---- the update functions against the plain two-pass computation ---------------------------------
@@ -207,9 +239,11 @@ def test_proximal_from_update_equals_recomputed_proximal_under_staleness(tmp_pat
 ONE_STEP = ["pipeline.values_from_critic_update=true", "pipeline.proximal_from_update=true"]
 # PPO with a critic: critic_forward's values and the separate GAE move into the critic update;
 # the actor update computes π_old itself.
-CRITIC_ONE_STEP = dict(present={"advantage+critic_update"},
-                       absent={"old_forward", "critic_forward", "advantage", "critic_update"},
-                       unread={"actor_update": {"old_logp"}})
+CRITIC_ONE_STEP = dict(
+    present={"advantage+critic_update"},
+    absent={"old_forward", "critic_forward", "advantage", "critic_update"},
+    unread={"actor_update": {"old_logp"}},
+)
 
 
 def test_ppo_one_step_rewrites_equal_the_plain_pipeline(tmp_path):
@@ -226,8 +260,13 @@ def test_ppo_one_step_rewrites_equal_the_plain_pipeline(tmp_path):
 def test_ppo_one_step_rewrites_under_staleness_and_micro_batches(tmp_path):
     """Also at k = 1 with micro-batches (the values come back in row order); fuse=[forwards,advantage]
     then has nothing left to fuse (ref_forward is alone, GAE is in the critic update)."""
-    ppo = TINY + ["rl.algorithm=ppo", "rl.kl_coef=0.04", "pipeline.staleness=1", "rl.micro_batches=2",
-                  "rl.whiten_advantages=true"]
+    ppo = TINY + [
+        "rl.algorithm=ppo",
+        "rl.kl_coef=0.04",
+        "pipeline.staleness=1",
+        "rl.micro_batches=2",
+        "rl.whiten_advantages=true",
+    ]
     plain = run(tmp_path, "plain", ppo, steps=2)
     rewritten = run(tmp_path, "rewritten", ppo + ONE_STEP + ["pipeline.fuse=[forwards,advantage]"], steps=2)
     assert_rewritten(rewritten, plain, **CRITIC_ONE_STEP)
@@ -240,6 +279,7 @@ def test_shared_backbone_one_step_rewrites_equal_the_plain_pipeline(tmp_path):
     ppo = TINY + ["rl.algorithm=ppo", "rl.kl_coef=0.04", "pipeline.share_actor_critic=true"]
     plain = run(tmp_path, "plain", ppo, steps=2)
     rewritten = run(tmp_path, "rewritten", ppo + ONE_STEP, steps=2)
-    assert_rewritten(rewritten, plain, present={"advantage+actor_update"},
-                     absent={"old_forward", "advantage", "actor_update"})
+    assert_rewritten(
+        rewritten, plain, present={"advantage+actor_update"}, absent={"old_forward", "advantage", "actor_update"}
+    )
     assert_same_run(plain, rewritten)

@@ -3,17 +3,21 @@
 every partial-page tail and the null page. Tolerance: 2e-5 absolute + 1e-5 relative (float32 vs
 float64); the gather path must also be bit-identical to the same dense kernel on contiguous K/V."""
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
-
-from rpeg_jax.sampling.paged_attention import (PagedAttention, attend_blocked, attend_pages, copy_pages,
-                                               dense_attention, write_pages, write_targets)
-
+import numpy as np
+import pytest
 from helpers import E, build_case, ref_attention
 
+from rpeg_jax.sampling.paged_attention import (
+    PagedAttention,
+    attend_blocked,
+    attend_pages,
+    copy_pages,
+    dense_attention,
+    write_pages,
+    write_targets,
+)
 
 
 @pytest.mark.parametrize("page_size,kv_heads", [(1, 2), (3, 2), (3, 1), (3, 4), (16, 2), (64, 2)])
@@ -27,8 +31,9 @@ def test_paged_equals_dense_reference_with_nan_garbage(page_size, kv_heads):
     q = rng.standard_normal((len(lengths), t, heads, E)).astype(np.float32)
     qpos = np.stack([np.maximum(np.arange(n - t, n), 0) for n in lengths]).astype(np.int32)
     kv_len = np.asarray(lengths, np.int32)
-    out = attend_pages(jnp.asarray(q), jnp.asarray(pk), jnp.asarray(pv), 1, jnp.asarray(table), jnp.asarray(qpos),
-                       jnp.asarray(kv_len))
+    out = attend_pages(
+        jnp.asarray(q), jnp.asarray(pk), jnp.asarray(pv), 1, jnp.asarray(table), jnp.asarray(qpos), jnp.asarray(kv_len)
+    )
     out = np.asarray(out)
     assert np.isfinite(out).all(), "NaN from unused pages leaked into the output"
     for i, n in enumerate(lengths):
@@ -43,8 +48,18 @@ def test_paged_equals_dense_reference_with_nan_garbage(page_size, kv_heads):
     dense = dense_attention(jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(qpos), jnp.asarray(kv_len))
     np.testing.assert_array_equal(out, np.asarray(dense))
     # the blocked implementation (online softmax over blocks of 2 pages) against the same reference
-    blocked = np.asarray(attend_blocked(jnp.asarray(q), jnp.asarray(pk), jnp.asarray(pv), 1, jnp.asarray(table),
-                                        jnp.asarray(qpos), jnp.asarray(kv_len), block_pages=2))
+    blocked = np.asarray(
+        attend_blocked(
+            jnp.asarray(q),
+            jnp.asarray(pk),
+            jnp.asarray(pv),
+            1,
+            jnp.asarray(table),
+            jnp.asarray(qpos),
+            jnp.asarray(kv_len),
+            block_pages=2,
+        )
+    )
     assert np.isfinite(blocked).all()
     for i, n in enumerate(lengths):
         np.testing.assert_allclose(blocked[i], ref_attention(q[i], k[i, :n], v[i, :n], qpos[i]), atol=2e-5, rtol=1e-5)
@@ -67,7 +82,8 @@ def test_write_then_attend_through_the_model_interface():
     page, off = write_targets(jnp.asarray(table), jnp.asarray(pos), jnp.asarray(valid), pk.shape[2], page_size)
     attn = PagedAttention(page, off, jnp.asarray(table), jnp.asarray(pos), jnp.asarray(lengths, np.int32))
     out, (nk, nv) = jax.jit(lambda q, k, v, c: attn(q, k, v, layer=jnp.int32(2), cache=c))(
-        jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), (jnp.asarray(pk), jnp.asarray(pv)))
+        jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), (jnp.asarray(pk), jnp.asarray(pv))
+    )
     nk, out = np.asarray(nk), np.asarray(out)
     expect = pk.copy()
     for i, n in enumerate(lengths):
@@ -101,6 +117,7 @@ def test_chunk_attention_equals_reference_with_nan_garbage(page_size, kv_heads, 
     decode step writes each slot's newest K/V into the buffers and attends; against float64. Then
     `flush_chunk` writes exactly the new column of each active slot into its page."""
     from rpeg_jax.sampling.chunk_attention import ChunkAttention, flush_chunk, gather_chunk
+
     heads, layer = 4, 1
     lengths = [2 * page_size + 1, 2 * page_size + 5, page_size, 1, 3 * page_size - 1]
     k, v, table, pk, pv = build_case(page_size, kv_heads, lengths, shared=2 * page_size)
@@ -118,8 +135,9 @@ def test_chunk_attention_equals_reference_with_nan_garbage(page_size, kv_heads, 
     kv_before = jnp.asarray(np.where(active, last, 0), jnp.int32)
     bufs = gather_chunk(pools, jnp.asarray(table), kv_before, per_layer=per_layer)
     cols = table.shape[1] * page_size
-    attn = ChunkAttention(jnp.asarray(np.where(active, last, cols), jnp.int32),
-                          jnp.asarray(np.where(active, lengths, 0), jnp.int32))
+    attn = ChunkAttention(
+        jnp.asarray(np.where(active, last, cols), jnp.int32), jnp.asarray(np.where(active, lengths, 0), jnp.int32)
+    )
     k_new = jnp.asarray(k[np.arange(b), last][:, None])
     v_new = jnp.asarray(v[np.arange(b), last][:, None])
     step = jax.jit(lambda q, kk, vv, c, layer: attn(q, kk, vv, layer=layer, cache=c), static_argnums=4)
@@ -131,13 +149,18 @@ def test_chunk_attention_equals_reference_with_nan_garbage(page_size, kv_heads, 
     assert np.isfinite(out).all(), "NaN from unused pages leaked into the output"
     for i, n in enumerate(lengths):
         if active[i]:
-            np.testing.assert_allclose(out[i], ref_attention(q[i], k[i, :n], v[i, :n], last[i:i + 1]),
-                                       atol=2e-5, rtol=1e-5)
+            np.testing.assert_allclose(
+                out[i], ref_attention(q[i], k[i, :n], v[i, :n], last[i : i + 1]), atol=2e-5, rtol=1e-5
+            )
         else:
             np.testing.assert_array_equal(out[i], 0.0)
     stop = np.where(active, last + 1, last)  # an inactive slot's position did not advance
-    nk, nv = (np.asarray(x) for x in flush_chunk(pools, bufs, jnp.asarray(table), jnp.asarray(last, jnp.int32),
-                                                  jnp.asarray(stop, jnp.int32), 3))
+    nk, nv = (
+        np.asarray(x)
+        for x in flush_chunk(
+            pools, bufs, jnp.asarray(table), jnp.asarray(last, jnp.int32), jnp.asarray(stop, jnp.int32), 3
+        )
+    )
     expect_k, expect_v = pk.copy(), pv.copy()
     for i in range(b):
         if active[i]:
@@ -155,6 +178,7 @@ def test_flush_chunk_writes_every_new_column_across_blocks(per_layer):
     [start, stop) of each slot into its page and offset, in every layer, and nothing else (numpy
     reference; slot 3 wrote nothing, slot 1 starts at 0, slot 0 runs past two block boundaries)."""
     from rpeg_jax.sampling.chunk_attention import FLUSH_BLOCK, flush_chunk, gather_chunk
+
     page_size, kv_heads = 4, 2
     lengths = [40, 30, 32, 8]
     _, _, table, pk, pv = build_case(page_size, kv_heads, lengths, shared=0)
@@ -176,10 +200,14 @@ def test_flush_chunk_writes_every_new_column_across_blocks(per_layer):
                 kt[layer][:, i, :, p], vb[layer][:, i, p, :] = kk, vv
                 page, off = table[i, p // page_size], p % page_size
                 expect_k[layer, :, page, off], expect_v[layer, :, page, off] = kk, vv
-    new = ((tuple(jnp.asarray(x) for x in kt), tuple(jnp.asarray(x) for x in vb)) if per_layer
-           else (jnp.asarray(np.stack(kt)), jnp.asarray(np.stack(vb))))
-    nk, nv = (np.asarray(x) for x in flush_chunk(pools, new, jnp.asarray(table), jnp.asarray(start),
-                                                  jnp.asarray(stop), steps))
+    new = (
+        (tuple(jnp.asarray(x) for x in kt), tuple(jnp.asarray(x) for x in vb))
+        if per_layer
+        else (jnp.asarray(np.stack(kt)), jnp.asarray(np.stack(vb)))
+    )
+    nk, nv = (
+        np.asarray(x) for x in flush_chunk(pools, new, jnp.asarray(table), jnp.asarray(start), jnp.asarray(stop), steps)
+    )
     np.testing.assert_array_equal(nk, expect_k)
     np.testing.assert_array_equal(nv, expect_v)
 
@@ -189,6 +217,7 @@ def test_batched_heads_gather_equals_the_indexed_gather(kv_heads):
     """gather_pages(batched_heads=True) (the form used when kv heads are sharded over `tensor`) gathers
     exactly the pages the default form does, checked against numpy indexing of the pool."""
     from rpeg_jax.sampling.paged_attention import gather_pages
+
     rng = np.random.default_rng(4)
     pool = rng.standard_normal((2, kv_heads, 9, 3, E)).astype(np.float32)
     table = rng.integers(0, 9, size=(5, 4)).astype(np.int32)

@@ -7,8 +7,8 @@ import os
 import jax
 import pytest
 import yaml
-
 from helpers import TINY as HELPER_TINY
+
 from rpeg_jax.config import ConfigError, load_config
 from rpeg_jax.graph.plan import config_for_plan, graph_for_plan, plan_for_config, plan_from_config
 from rpeg_jax.runtime.metrics import read_metrics
@@ -18,8 +18,10 @@ TINY = [o for o in HELPER_TINY if not o.startswith("pipeline.plan=")]  # each te
 
 
 def test_a_saved_k1_plan_runs_at_k1_under_the_default_config(tmp_path):
-    first = load_config(None, TINY + ["pipeline.plan=manual", "pipeline.staleness=1", "train.steps=1",
-                                      f"train.run_dir={tmp_path / 'k1'}"])
+    first = load_config(
+        None,
+        TINY + ["pipeline.plan=manual", "pipeline.staleness=1", "train.steps=1", f"train.run_dir={tmp_path / 'k1'}"],
+    )
     train(first)
     saved = tmp_path / "k1" / "plan.json"
     # The default config (pipeline.staleness = 0), told only where the plan is.

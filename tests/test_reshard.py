@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from rpeg_jax.config.sharding import ShardingConfig
 from rpeg_jax.sharding import Resharder, layout_for, make_mesh, reshard_bytes, sub_meshes
@@ -99,8 +100,9 @@ def test_plan_reports_bytes_for_cost_model(setup):
     assert "moved" in plan.summary()
 
 
-@pytest.mark.parametrize("src_spec,dst_spec", [(P("x", None), P(None, "x")), (P(("x", "y")), P("y", "x")),
-                                               (P(), P("y")), (P("y", "x"), P())])
+@pytest.mark.parametrize(
+    "src_spec,dst_spec", [(P("x", None), P(None, "x")), (P(("x", "y")), P("y", "x")), (P(), P("y")), (P("y", "x"), P())]
+)
 def test_abstract_bytes_agree_with_device_count(src_spec, dst_spec):
     """The device-free count (for the cost model) equals the one from JAX's own index maps."""
     from rpeg_jax.sharding.reshard import reshard_bytes_abstract
@@ -111,7 +113,9 @@ def test_abstract_bytes_agree_with_device_count(src_spec, dst_spec):
     m = make_mesh({"x": 2, "y": 4}, devs)
     other_a, other_b = make_mesh({"x": 2, "y": 2}, devs[:4]), make_mesh({"x": 2, "y": 2}, devs[4:])
     sizes, small = {"x": 2, "y": 4}, {"x": 2, "y": 2}
-    assert reshard_bytes_abstract(shape, 4, src_spec, sizes, dst_spec, sizes, True) == \
-        reshard_bytes(arr, NamedSharding(m, src_spec), NamedSharding(m, dst_spec))
-    assert reshard_bytes_abstract(shape, 4, src_spec, small, dst_spec, small, False) == \
-        reshard_bytes(arr, NamedSharding(other_a, src_spec), NamedSharding(other_b, dst_spec))
+    assert reshard_bytes_abstract(shape, 4, src_spec, sizes, dst_spec, sizes, True) == reshard_bytes(
+        arr, NamedSharding(m, src_spec), NamedSharding(m, dst_spec)
+    )
+    assert reshard_bytes_abstract(shape, 4, src_spec, small, dst_spec, small, False) == reshard_bytes(
+        arr, NamedSharding(other_a, src_spec), NamedSharding(other_b, dst_spec)
+    )

@@ -8,8 +8,7 @@ import pytest
 
 from rpeg_jax.config import ConfigError, DataConfig
 from rpeg_jax.data.pipeline import PromptBatch
-from rpeg_jax.data.rewards import (RewardError, Sample, get_reward, make_samples, register_reward,
-                                   resolve_reward, score)
+from rpeg_jax.data.rewards import RewardError, Sample, get_reward, make_samples, register_reward, resolve_reward, score
 from rpeg_jax.data.tokenizer import CharTokenizer
 
 
@@ -56,11 +55,22 @@ def test_math_answer(completion, answer, want):
 
 def test_make_samples_groups_and_eos():
     tok = CharTokenizer()
-    batch = PromptBatch(step=0, epoch=0.0, ids=("a", "b"), prompts=("r12=", "r34="), prompt_tokens=((1,), (1,)),
-                        answers=("21", "43"), records=({"task": "reverse"}, {"task": "reverse"}))
+    batch = PromptBatch(
+        step=0,
+        epoch=0.0,
+        ids=("a", "b"),
+        prompts=("r12=", "r34="),
+        prompt_tokens=((1,), (1,)),
+        answers=("21", "43"),
+        records=({"task": "reverse"}, {"task": "reverse"}),
+    )
     enc = tok.encode
-    completions = [enc("21") + [2, 50, 50], enc("2") + [0, 0, 0, 0],  # prompt 0, G=2 ('0' pad ids dropped)
-                   enc("43") + [2] + [0, 0], enc("4x") + [49, 2, 0]]  # prompt 1
+    completions = [
+        enc("21") + [2, 50, 50],
+        enc("2") + [0, 0, 0, 0],  # prompt 0, G=2 ('0' pad ids dropped)
+        enc("43") + [2] + [0, 0],
+        enc("4x") + [49, 2, 0],
+    ]  # prompt 1
     samples = make_samples(batch, completions, tok, group_size=2)
     assert [s.prompt for s in samples] == ["r12=", "r12=", "r34=", "r34="]
     assert [s.completion for s in samples] == ["21", "2", "43", "4x1"]
@@ -98,13 +108,15 @@ def test_registry_and_user_module(tmp_path, monkeypatch):
         get_reward("revrse")
     with pytest.raises(ValueError, match="already registered"):
         register_reward("reverse")(lambda s: 0.0)
-    (tmp_path / "my_rewards_mod.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_rewards_mod.py").write_text(
+        textwrap.dedent("""
         from rpeg_jax.data.rewards import register_reward
 
         @register_reward("test_length_reward")
         def length(sample):
             return len(sample.completion) / 10
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     name, fn = resolve_reward(DataConfig(reward="test_length_reward", reward_modules=("my_rewards_mod",)))
     assert name == "test_length_reward" and fn(_s("abcd", None)) == 0.4

@@ -1,9 +1,10 @@
 """Answer extraction and normalisation for GSM8K/MATH-style text (a table of hand-worked cases)."""
 
+from fractions import Fraction
+
 import pytest
 
 from rpeg_jax.data.answers import answers_match, extract_answer, last_boxed, normalize_answer, to_number
-from fractions import Fraction
 
 EXTRACT = [
     ("Natalia sold 48 clips in April and 24 in May.\n#### 72", "72"),
@@ -27,9 +28,17 @@ def test_extract_answer(text, want):
 
 
 NUMBERS = [
-    ("42", Fraction(42)), ("-1,234.50", Fraction(-246900, 200)), (".5", Fraction(1, 2)),
-    ("3/4", Fraction(3, 4)), ("\\frac{3}{4}", Fraction(3, 4)), ("-\\frac12", Fraction(-1, 2)),
-    ("1e5", None), ("abc", None), ("1/0", None), ("1,23", None), ("9" * 101, None),
+    ("42", Fraction(42)),
+    ("-1,234.50", Fraction(-246900, 200)),
+    (".5", Fraction(1, 2)),
+    ("3/4", Fraction(3, 4)),
+    ("\\frac{3}{4}", Fraction(3, 4)),
+    ("-\\frac12", Fraction(-1, 2)),
+    ("1e5", None),
+    ("abc", None),
+    ("1/0", None),
+    ("1,23", None),
+    ("9" * 101, None),
 ]
 
 
@@ -39,11 +48,22 @@ def test_to_number(text, want):
 
 
 MATCH = [
-    ("72", "72", True), ("72.0", "72", True), ("72.00", "72", True), ("$1,200", "1200", True),
-    ("0.5", "\\frac{1}{2}", True), ("\\dfrac{1}{2}", "1/2", True), ("50\\%", "50", True),
-    ("90^\\circ", "90", True), (" 7 .", "7", True), ("\\left( 2, 3 \\right)", "(2,3)", True),
-    ("\\text{(A)}", "(A)", True), ("0.333", "\\frac{1}{3}", False), ("71", "72", False),
-    ("x", "y", False), (None, "1", False), ("", "", False),
+    ("72", "72", True),
+    ("72.0", "72", True),
+    ("72.00", "72", True),
+    ("$1,200", "1200", True),
+    ("0.5", "\\frac{1}{2}", True),
+    ("\\dfrac{1}{2}", "1/2", True),
+    ("50\\%", "50", True),
+    ("90^\\circ", "90", True),
+    (" 7 .", "7", True),
+    ("\\left( 2, 3 \\right)", "(2,3)", True),
+    ("\\text{(A)}", "(A)", True),
+    ("0.333", "\\frac{1}{3}", False),
+    ("71", "72", False),
+    ("x", "y", False),
+    (None, "1", False),
+    ("", "", False),
 ]
 
 

@@ -144,8 +144,11 @@ def test_kl_estimators(kind):
     rng = np.random.default_rng(5)
     logp = -rng.random((4, 5)).astype(np.float32) * 3
     ref = -rng.random((4, 5)).astype(np.float32) * 3
-    np.testing.assert_allclose(np.asarray(rl.kl_estimate(jnp.asarray(logp), jnp.asarray(ref), kind)),
-                               np_kl(logp, ref.astype(np.float64), kind), **TOL)
+    np.testing.assert_allclose(
+        np.asarray(rl.kl_estimate(jnp.asarray(logp), jnp.asarray(ref), kind)),
+        np_kl(logp, ref.astype(np.float64), kind),
+        **TOL,
+    )
 
 
 def test_k3_is_nonnegative_and_unbiased_in_expectation():
@@ -173,15 +176,19 @@ def test_compute_advantages_dispatch():
     rng = np.random.default_rng(8)
     b, r = 8, 5
     mask = ragged_mask(rng, b, r)
-    batch = {"response_mask_BxR": jnp.asarray(mask), "rewards_B": jnp.asarray(rng.normal(size=b), jnp.float32),
-             "values_BxR": jnp.asarray(rng.normal(size=(b, r)), jnp.float32),
-             "old_logp_BxR": jnp.asarray(-rng.random((b, r)), jnp.float32),
-             "ref_logp_BxR": jnp.asarray(-rng.random((b, r)), jnp.float32)}
+    batch = {
+        "response_mask_BxR": jnp.asarray(mask),
+        "rewards_B": jnp.asarray(rng.normal(size=b), jnp.float32),
+        "values_BxR": jnp.asarray(rng.normal(size=(b, r)), jnp.float32),
+        "old_logp_BxR": jnp.asarray(-rng.random((b, r)), jnp.float32),
+        "ref_logp_BxR": jnp.asarray(-rng.random((b, r)), jnp.float32),
+    }
     out, _ = rl.compute_advantages(batch, RLConfig(group_size=4))
     ref = np_grpo(np.asarray(batch["rewards_B"]), np.repeat(np.arange(2), 4), True, 1e-6)[:, None] * mask
     np.testing.assert_allclose(np.asarray(out["advantages_BxR"]), ref, **TOL)
-    cfg = RLConfig(algorithm="ppo", gamma=0.9, lam=0.8, kl_coef=0.05, kl_in_reward=True, kl_estimator="k1",
-                   whiten_advantages=True)
+    cfg = RLConfig(
+        algorithm="ppo", gamma=0.9, lam=0.8, kl_coef=0.05, kl_in_reward=True, kl_estimator="k1", whiten_advantages=True
+    )
     out, metrics = rl.compute_advantages(batch, cfg)
     kl = np_kl(np.asarray(batch["old_logp_BxR"]), np.asarray(batch["ref_logp_BxR"], np.float64), "k1")
     tok = -0.05 * kl * mask
@@ -192,8 +199,9 @@ def test_compute_advantages_dispatch():
     adv, ret = np_gae(tok, np.asarray(batch["values_BxR"]) * mask, mask, 0.9, 0.8)
     av = adv[mask > 0]
     np.testing.assert_allclose(np.asarray(out["returns_BxR"]), ret, **TOL)
-    np.testing.assert_allclose(np.asarray(out["advantages_BxR"]),
-                               (adv - av.mean()) / np.sqrt(av.var(ddof=1) + 1e-6) * mask, **TOL)
+    np.testing.assert_allclose(
+        np.asarray(out["advantages_BxR"]), (adv - av.mean()) / np.sqrt(av.var(ddof=1) + 1e-6) * mask, **TOL
+    )
     assert "actor/reward_kl_penalty" in metrics
 
 
@@ -204,8 +212,10 @@ def test_batch_metrics():
     rew = rng.normal(size=b).astype(np.float32)
     rew[3] = np.nan
     versions = rng.integers(0, 4, (b, r)).astype(np.int32)
-    m = rl.batch_metrics({"response_mask_BxR": jnp.asarray(mask), "rewards_B": jnp.asarray(rew),
-                          "versions_BxR": jnp.asarray(versions)}, version=5)
+    m = rl.batch_metrics(
+        {"response_mask_BxR": jnp.asarray(mask), "rewards_B": jnp.asarray(rew), "versions_BxR": jnp.asarray(versions)},
+        version=5,
+    )
     fin = rew[np.isfinite(rew)].astype(np.float64)
     lens = mask.sum(1)
     np.testing.assert_allclose(float(m["reward/mean"]), fin.mean(), **TOL)

@@ -191,8 +191,11 @@ def test_actor_objective_with_kl_and_entropy():
     d = logp.astype(np.float64) - ref_lp
     k3 = np.exp(-d) - 1 + d
     mode = "seq-mean-token-mean"
-    ref = np_agg(np_ppo_tok(logp, old, adv, 0.2, 0.2), mask, mode) + 0.1 * np_agg(k3, mask, mode) \
+    ref = (
+        np_agg(np_ppo_tok(logp, old, adv, 0.2, 0.2), mask, mode)
+        + 0.1 * np_agg(k3, mask, mode)
         - 0.01 * np_agg(ent, mask, mode)
+    )
     np.testing.assert_allclose(float(loss), ref, **TOL)
     np.testing.assert_allclose(float(m["actor/kl"]), np_agg(k3, mask, "token-mean"), **TOL)
     np.testing.assert_allclose(float(m["actor/entropy"]), np_agg(ent, mask, "token-mean"), **TOL)

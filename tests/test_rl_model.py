@@ -25,9 +25,19 @@ def make_policy_fn(graphdef):
         model = nnx.merge(graphdef, params)
         tokens = b["tokens_BxS"]
         targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
-        logp, ent, h = token_logprobs(model, tokens, b["positions_BxS"], b["segment_ids_BxS"], targets,
-                                      start=P - 1, length=R, with_entropy=True, return_hidden=True)
+        logp, ent, h = token_logprobs(
+            model,
+            tokens,
+            b["positions_BxS"],
+            b["segment_ids_BxS"],
+            targets,
+            start=P - 1,
+            length=R,
+            with_entropy=True,
+            return_hidden=True,
+        )
         return {"logp": logp, "entropy": ent, "values": model.values(h)}
+
     return policy_fn
 
 
@@ -39,25 +49,36 @@ def rollout_batch(cfg, seed):
     tokens = np.zeros((b, P + R), np.int32)
     seg = np.zeros((b, P + R), np.int32)
     for i in range(b):
-        tokens[i, P - plen[i]:P + rlen[i]] = rng.integers(3, cfg.vocab_size, plen[i] + rlen[i])
-        seg[i, P - plen[i]:P + rlen[i]] = 1
+        tokens[i, P - plen[i] : P + rlen[i]] = rng.integers(3, cfg.vocab_size, plen[i] + rlen[i])
+        seg[i, P - plen[i] : P + rlen[i]] = 1
     pos = np.maximum(np.cumsum(seg, 1) - 1, 0).astype(np.int32)
     mask = (np.arange(R)[None] < rlen[:, None]).astype(np.float32)
-    return {"tokens_BxS": jnp.asarray(tokens), "positions_BxS": jnp.asarray(pos), "segment_ids_BxS": jnp.asarray(seg),
-            "response_mask_BxR": jnp.asarray(mask)}
+    return {
+        "tokens_BxS": jnp.asarray(tokens),
+        "positions_BxS": jnp.asarray(pos),
+        "segment_ids_BxS": jnp.asarray(seg),
+        "response_mask_BxR": jnp.asarray(mask),
+    }
 
 
 def test_shared_update_on_tiny_transformer_moves_logprobs_with_advantage():
-    mcfg = model_preset("tiny", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                        value_head=True)
+    mcfg = model_preset(
+        "tiny", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128, value_head=True
+    )
     graphdef, params = nnx.split(Transformer(mcfg, rngs=nnx.Rngs(params=0)), nnx.Param)
     policy_fn = make_policy_fn(graphdef)
     batch = rollout_batch(mcfg, 1)
     mask = np.asarray(batch["response_mask_BxR"])
     out = jax.jit(policy_fn)(params, batch)
     sign = np.array([1.0, -1.0, 1.0, -1.0])
-    batch.update({"old_logp_BxR": out["logp"], "advantages_BxR": jnp.asarray(sign[:, None] * mask, jnp.float32),
-                  "values_BxR": out["values"], "returns_BxR": jnp.asarray(mask * 0.5, jnp.float32)})
+    batch.update(
+        {
+            "old_logp_BxR": out["logp"],
+            "advantages_BxR": jnp.asarray(sign[:, None] * mask, jnp.float32),
+            "values_BxR": out["values"],
+            "returns_BxR": jnp.asarray(mask * 0.5, jnp.float32),
+        }
+    )
     cfg = RLConfig(algorithm="ppo", vf_coef=0.5, loss_agg="seq-mean-token-mean")
     tx = optax.sgd(0.05)
     update = jax.jit(rl.make_actor_critic_update(policy_fn, tx, cfg))

@@ -16,12 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import B, R, make_case, policy_fn, value_fn
 
 from rpeg_jax import rl
 from rpeg_jax.config import ConfigError, OptimConfig, RLConfig, build
-
-from helpers import B, R, make_case, policy_fn, value_fn
-
 
 
 def compiled(kind="actor", tx="sgd", **cfg_kw):
@@ -32,8 +30,9 @@ def compiled(kind="actor", tx="sgd", **cfg_kw):
 def _compiled(kind, tx, cfg):
     wd = 0.01 if tx == "adamw" else 0.0  # "adam": no weight decay, so untouched rows stay bitwise equal
     opt = optax.sgd(0.5) if tx == "sgd" else rl.make_optimizer(OptimConfig(lr=0.05, grad_clip=1.0, weight_decay=wd))
-    factory = {"actor": rl.make_actor_update, "critic": rl.make_critic_update,
-               "shared": rl.make_actor_critic_update}[kind]
+    factory = {"actor": rl.make_actor_update, "critic": rl.make_critic_update, "shared": rl.make_actor_critic_update}[
+        kind
+    ]
     fn = value_fn if kind == "critic" else policy_fn
     return jax.jit(factory(fn, opt, cfg)), opt, cfg
 
@@ -186,8 +185,9 @@ def test_shared_actor_critic_is_pg_plus_cv_times_vf():
     actor, _, _ = run({"table": params["table"]}, batch)
     critic, _, _ = run(params, batch, kind="critic")
     np.testing.assert_allclose(np.asarray(shared["table"]), np.asarray(actor["table"]), rtol=0, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(shared["v"] - params["v"]), 0.25 * np.asarray(critic["v"] - params["v"]),
-                               rtol=0, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(shared["v"] - params["v"]), 0.25 * np.asarray(critic["v"] - params["v"]), rtol=0, atol=1e-6
+    )
     assert {"actor/pg_loss", "critic/vf_loss", "actor/grad_norm"} <= set(m)
 
 
@@ -199,8 +199,14 @@ def test_nan_reward_skips_only_its_minibatch_and_is_counted():
     params, batch = make_case(8)
     rewards = np.random.default_rng(9).normal(size=B).astype(np.float32)
     rewards[5] = np.nan  # the group of odd rows = the second minibatch (rows 1::2)
-    adv, _ = rl.compute_advantages({"rewards_B": jnp.asarray(rewards), "response_mask_BxR": batch["response_mask_BxR"],
-                                    "group_ids_B": jnp.arange(B) % 2}, RLConfig(group_size=4))
+    adv, _ = rl.compute_advantages(
+        {
+            "rewards_B": jnp.asarray(rewards),
+            "response_mask_BxR": batch["response_mask_BxR"],
+            "group_ids_B": jnp.arange(B) % 2,
+        },
+        RLConfig(group_size=4),
+    )
     batch.update(adv)
     new, state, m = run(params, batch, **NAN_KW)
     assert float(m["actor/nan_skipped"]) == 1 and float(m["actor/updates"]) == 1 and float(m["actor/nan_stop"]) == 1
@@ -209,8 +215,16 @@ def test_nan_reward_skips_only_its_minibatch_and_is_counted():
     assert int(optax.tree_utils.tree_get(state, "count", filtering=lambda p, v: "inner_state" in str(p))) == 1
 
 
-@pytest.mark.parametrize("field,value", [("old_logp_BxR", np.nan), ("behav_logp_BxR", np.inf),
-                                         ("ref_logp_BxR", -np.inf), ("advantages_BxR", np.inf), ("table", np.nan)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("old_logp_BxR", np.nan),
+        ("behav_logp_BxR", np.inf),
+        ("ref_logp_BxR", -np.inf),
+        ("advantages_BxR", np.inf),
+        ("table", np.nan),
+    ],
+)
 def test_nonfinite_logprobs_keep_params_and_opt_state(field, value):
     params, batch = make_case(10)
     if field == "table":  # the policy itself produces NaN logprobs
@@ -257,7 +271,8 @@ def test_bad_batches_are_rejected_by_name():
         upd(params, opt.init(params), {**batch, "old_logp_BxR": batch["old_logp_BxR"][:, :3]})
     with pytest.raises(ValueError, match="ref_logp_BxR"):
         rl.make_actor_update(policy_fn, opt, RLConfig(kl_coef=0.1))(
-            params, opt.init(params), {k: v for k, v in batch.items() if k != "ref_logp_BxR"})
+            params, opt.init(params), {k: v for k, v in batch.items() if k != "ref_logp_BxR"}
+        )
 
 
 # ---------------------------------------------------------------- sharding
@@ -324,19 +339,22 @@ def test_adamw_with_clipping_matches_numpy():
         p = optax.apply_updates(p, u)
         g = g * min(1.0, 0.5 / np.linalg.norm(g))
         m, v = 0.9 * m + 0.1 * g, 0.99 * v + 0.01 * g * g
-        ref = ref - 0.1 * ((m / (1 - 0.9 ** step)) / (np.sqrt(v / (1 - 0.99 ** step)) + 1e-8) + 0.1 * ref)
+        ref = ref - 0.1 * ((m / (1 - 0.9**step)) / (np.sqrt(v / (1 - 0.99**step)) + 1e-8) + 0.1 * ref)
     np.testing.assert_allclose(np.asarray(p["w"]), ref, rtol=1e-5, atol=1e-6)
     assert float(rl.current_lr(st)) == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize("section,data,bad_key", [
-    (RLConfig, {"clip_eps_low": 1.5}, "rl.clip_eps_low"),
-    (RLConfig, {"loss_agg_norm": 0}, "rl.loss_agg_norm"),
-    (RLConfig, {"loss_agg": "mean"}, "rl.loss_agg"),
-    (RLConfig, {"dual_clip": 1.0}, "rl.dual_clip"),
-    (OptimConfig, {"schedule": "cosine", "warmup_steps": 10, "decay_steps": 10}, "optim.decay_steps"),
-    (OptimConfig, {"grad_dtype": "float16"}, "optim.grad_dtype"),
-])
+@pytest.mark.parametrize(
+    "section,data,bad_key",
+    [
+        (RLConfig, {"clip_eps_low": 1.5}, "rl.clip_eps_low"),
+        (RLConfig, {"loss_agg_norm": 0}, "rl.loss_agg_norm"),
+        (RLConfig, {"loss_agg": "mean"}, "rl.loss_agg"),
+        (RLConfig, {"dual_clip": 1.0}, "rl.dual_clip"),
+        (OptimConfig, {"schedule": "cosine", "warmup_steps": 10, "decay_steps": 10}, "optim.decay_steps"),
+        (OptimConfig, {"grad_dtype": "float16"}, "optim.grad_dtype"),
+    ],
+)
 def test_config_validation_names_the_key(section, data, bad_key):
     with pytest.raises(ConfigError, match=bad_key.replace(".", r"\.")):
         build(section, data, bad_key.split(".")[0])

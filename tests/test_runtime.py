@@ -11,14 +11,13 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from helpers import PPO, SKIP, TINY, assert_rewritten, assert_same_run, run
 
 from rpeg_jax.config import load_config
 from rpeg_jax.graph.plan import graph_for_plan, plan_for_config, plan_from_config, widen_generation
 from rpeg_jax.runtime.checkpoint import Checkpointer
 from rpeg_jax.runtime.metrics import read_metrics
 from rpeg_jax.runtime.trainer import train
-
-from helpers import PPO, SKIP, TINY, assert_rewritten, assert_same_run, run
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +29,20 @@ FORWARDS = ("ref_forward", "old_forward", "critic_forward")
 STREAMED = ("generate", "reward")  # a micro-batched generate streams its pieces to its consumers
 
 
-@pytest.mark.parametrize("rewrite,changes", [
-    (["pipeline.fuse=[forwards,advantage]"],
-     dict(present={"forwards", "advantage+actor_update"}, absent={*FORWARDS, "advantage", "actor_update"})),
-    (["pipeline.microbatches=2"], dict(pieces=dict.fromkeys(STREAMED + FORWARDS, 2))),
-    (["pipeline.microbatches=2", "pipeline.fuse=[forwards]"],
-     dict(present={"forwards"}, absent=set(FORWARDS), pieces=dict.fromkeys(STREAMED + ("forwards",), 2))),
-])
+@pytest.mark.parametrize(
+    "rewrite,changes",
+    [
+        (
+            ["pipeline.fuse=[forwards,advantage]"],
+            dict(present={"forwards", "advantage+actor_update"}, absent={*FORWARDS, "advantage", "actor_update"}),
+        ),
+        (["pipeline.microbatches=2"], dict(pieces=dict.fromkeys(STREAMED + FORWARDS, 2))),
+        (
+            ["pipeline.microbatches=2", "pipeline.fuse=[forwards]"],
+            dict(present={"forwards"}, absent=set(FORWARDS), pieces=dict.fromkeys(STREAMED + ("forwards",), 2)),
+        ),
+    ],
+)
 def test_rewrites_equal_the_plain_graph(tmp_path, ppo_reference, rewrite, changes):
     rewritten = run(tmp_path, "rewritten", PPO + rewrite)
     assert_rewritten(rewritten, ppo_reference, **changes)  # first: the knob changed what ran
@@ -46,7 +52,10 @@ def test_rewrites_equal_the_plain_graph(tmp_path, ppo_reference, rewrite, change
 def test_elide_old_forward_equals_recomputed_old_logprobs(tmp_path):
     """The sampler's logprobs serve as π_old: same metrics and parameters as recomputing them."""
     grpo = TINY + ["rl.kl_coef=0.04"]
-    recomputed, elided = run(tmp_path, "recomputed", grpo), run(tmp_path, "elided", grpo + ["pipeline.elide_old_forward=true"])
+    recomputed, elided = (
+        run(tmp_path, "recomputed", grpo),
+        run(tmp_path, "elided", grpo + ["pipeline.elide_old_forward=true"]),
+    )
     assert_rewritten(elided, recomputed, absent={"old_forward"})
     assert_same_run(recomputed, elided, atol=1e-4)
 
@@ -62,8 +71,9 @@ def test_split_placement_equals_colocated(tmp_path):
     assert {g.name: g.devices for g in split.groups} == {"gen": (0, 1, 2, 3), "train": (4, 5, 6, 7)}
     colocated = plan_from_config(load_config(None, grpo), 4)
     colocated = dataclasses.replace(colocated, num_devices=8)
-    assert_same_run(run(tmp_path, "colocated", grpo, plan=colocated), run(tmp_path, "split", grpo, plan=split),
-                    atol=0.0)
+    assert_same_run(
+        run(tmp_path, "colocated", grpo, plan=colocated), run(tmp_path, "split", grpo, plan=split), atol=0.0
+    )
 
 
 def test_generation_on_a_wider_nested_group_equals_one_device(tmp_path):
@@ -162,6 +172,15 @@ def test_run_directory_outputs(tmp_path):
     names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"generate", "reward", "old_forward", "advantage", "actor_update", "weight_sync"} <= names
     rec = read_metrics(str(tmp_path / "metrics.jsonl"))[0]
-    for key in ("timing_s/step", "timing_s/gen", "timing_s/old_log_prob", "timing_s/adv", "timing_s/update_actor",
-                "perf/tokens_per_s", "perf/tflops_per_device", "actor/pg_loss", "reward/mean"):
+    for key in (
+        "timing_s/step",
+        "timing_s/gen",
+        "timing_s/old_log_prob",
+        "timing_s/adv",
+        "timing_s/update_actor",
+        "perf/tokens_per_s",
+        "perf/tflops_per_device",
+        "actor/pg_loss",
+        "reward/mean",
+    ):
         assert key in rec, key

@@ -11,13 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from helpers import prompts_of, sampler_trainer_gap
 
 from rpeg_jax.models import load_hf
 from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
-from rpeg_jax.sampling.sampler import _COMPILES
-
-from helpers import prompts_of, sampler_trainer_gap
 
 HF = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 # One bucket of each kind per engine shape (prefill rows/length, page-table width): one compile each.
@@ -48,16 +45,19 @@ def greedy_reference(model, prompts, max_new):
     for _ in range(max_new):
         toks = np.zeros((len(seqs), width), np.int32)
         for i, s in enumerate(seqs):
-            toks[i, :len(s)] = s
+            toks[i, : len(s)] = s
         logits = np.asarray(fwd(jnp.asarray(toks)))
         for i, s in enumerate(seqs):
             s.append(int(np.argmax(logits[i, len(s) - 1])))
-    return [s[len(p):] for s, p in zip(seqs, prompts)], fwd
+    return [s[len(p) :] for s, p in zip(seqs, prompts)], fwd
 
 
 def flat(outs):
-    return [(o.prompt_index, c.sample_index, c.tokens.tolist(), c.logprobs, c.finish_reason)
-            for o in outs for c in o.completions]
+    return [
+        (o.prompt_index, c.sample_index, c.tokens.tolist(), c.logprobs, c.finish_reason)
+        for o in outs
+        for c in o.completions
+    ]
 
 
 def assert_same(a, b, tol=LP_TOL):
@@ -70,9 +70,17 @@ def assert_same(a, b, tol=LP_TOL):
     assert d.mean() <= LP_MEAN_TOL, f"mean |logprob difference| {d.mean():.2e} > {LP_MEAN_TOL}"
 
 
-@pytest.mark.parametrize("name,forward,attention", [
-    ("llama_tiny", "split", "chunk"), ("qwen2_tiny", "split", "chunk"), ("qwen2_tiny", "model", "gather"),
-    ("llama_tiny", "split_t", "chunk"), ("qwen2_tiny", "split_t", "gather"), ("llama_tiny", "model", "chunk")])
+@pytest.mark.parametrize(
+    "name,forward,attention",
+    [
+        ("llama_tiny", "split", "chunk"),
+        ("qwen2_tiny", "split", "chunk"),
+        ("qwen2_tiny", "model", "gather"),
+        ("llama_tiny", "split_t", "chunk"),
+        ("qwen2_tiny", "split_t", "gather"),
+        ("llama_tiny", "model", "chunk"),
+    ],
+)
 def test_greedy_equals_plain_forward_argmax_on_hf_fixtures(name, forward, attention, llama):
     """Every sampler forward (the model's own; per-layer weights; transposed per-layer weights) and
     decode attention (pages gathered per step or per chunk) against the plain forward."""
@@ -87,9 +95,10 @@ def test_greedy_equals_plain_forward_argmax_on_hf_fixtures(name, forward, attent
         # greedy logprob = log_softmax(logits)[token] of the plain forward
         seq = np.asarray([p + r], np.int32)
         logits = np.asarray(fwd(jnp.asarray(np.pad(seq, ((0, 0), (0, 32 - seq.shape[1]))))))[0]
-        ls = jax.nn.log_softmax(logits[len(p) - 1:len(p) + 15], axis=-1)
-        np.testing.assert_allclose(c.logprobs, np.take_along_axis(np.asarray(ls), np.asarray(r)[:, None], 1)[:, 0],
-                                   atol=LP_TOL)
+        ls = jax.nn.log_softmax(logits[len(p) - 1 : len(p) + 15], axis=-1)
+        np.testing.assert_allclose(
+            c.logprobs, np.take_along_axis(np.asarray(ls), np.asarray(r)[:, None], 1)[:, 0], atol=LP_TOL
+        )
 
 
 def test_logprobs_equal_trainer_forward(llama):
@@ -148,12 +157,26 @@ def test_grpo_group_prefills_once_shares_pages_and_equals_unshared_run(llama):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [
-    dict(page_size=1), dict(page_size=16), dict(page_size=64, max_seq_len=64), dict(chunk_steps=1),
-    dict(max_slots=3), dict(max_slots=5, num_pages=13, page_size=3, watermark=0.0), dict(min_chunk_steps=1),
-    dict(min_table_width=1), dict(attention="blocked", block_pages=2), dict(attention="gather"),
-    dict(attention="chunk"), dict(forward="model"), dict(forward="split_t"), dict(table_width_growth=1.5),
-    dict(chunk_steps=24)])  # chunk_steps > chunk_attention.FLUSH_BLOCK: a multi-block flush
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(page_size=1),
+        dict(page_size=16),
+        dict(page_size=64, max_seq_len=64),
+        dict(chunk_steps=1),
+        dict(max_slots=3),
+        dict(max_slots=5, num_pages=13, page_size=3, watermark=0.0),
+        dict(min_chunk_steps=1),
+        dict(min_table_width=1),
+        dict(attention="blocked", block_pages=2),
+        dict(attention="gather"),
+        dict(attention="chunk"),
+        dict(forward="model"),
+        dict(forward="split_t"),
+        dict(table_width_growth=1.5),
+        dict(chunk_steps=24),
+    ],
+)  # chunk_steps > chunk_attention.FLUSH_BLOCK: a multi-block flush
 def test_invariance_matrix(llama, baseline, variant):
     """Each factor on its own (the default run covers them combined)."""
     prompts, ref = baseline

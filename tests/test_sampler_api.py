@@ -9,12 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import model_with, perturbed, prompts_of
 
 from rpeg_jax.models import load_hf
 from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
 from rpeg_jax.sampling.sampler import _COMPILES
-
-from helpers import model_with, perturbed, prompts_of
 
 HF = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 FIXED = dict(max_seq_len=32, min_prefill_len=32, min_prefill_rows=8, min_table_width=16)
@@ -39,7 +38,7 @@ def test_stop_ids_sequences_strings_length_and_ignore_eos(llama):
 
     def cut_at(seq, stop):  # independent reference: first occurrence of a stop (sub)sequence
         for end in range(len(stop), len(seq) + 1):
-            if seq[end - len(stop):end] == stop:
+            if seq[end - len(stop) : end] == stop:
                 return seq[:end], "stop"
         return seq, "length"
 
@@ -53,7 +52,7 @@ def test_stop_ids_sequences_strings_length_and_ignore_eos(llama):
     eos = Sampler(llama, SamplerConfig(page_size=4, max_slots=8, chunk_steps=8, eos_token_ids=eos_ids, **FIXED))
     outs = eos.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=20))
     first = [min(i for i, t in enumerate(r) if t in eos_ids) for r in run]
-    assert [c.tokens.tolist() for o in outs for c in o.completions] == [r[:i + 1] for r, i in zip(run, first)]
+    assert [c.tokens.tolist() for o in outs for c in o.completions] == [r[: i + 1] for r, i in zip(run, first)]
     assert all(c.finish_reason == "stop" for o in outs for c in o.completions)
     outs = eos.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True))
     assert [c.tokens.tolist() for o in outs for c in o.completions] == [r[:9] for r in run]
@@ -61,12 +60,14 @@ def test_stop_ids_sequences_strings_length_and_ignore_eos(llama):
     class Chars:  # a toy tokenizer: token t -> one character
         def decode(self, ids):
             return "".join(chr(48 + t % 64) for t in ids)
+
     text = Chars().decode(run[0])
     stopper = Sampler(llama, BASE, tokenizer=Chars())
-    outs = stopper.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True,
-                                                        stop=(text[10:12],)))
+    outs = stopper.generate(
+        prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True, stop=(text[10:12],))
+    )
     c = outs[0].completions[0]
-    assert c.finish_reason == "stop" and c.tokens.tolist() == run[0][:text.index(text[10:12]) + 2]
+    assert c.finish_reason == "stop" and c.tokens.tolist() == run[0][: text.index(text[10:12]) + 2]
 
 
 def test_errors_are_clear_and_raised_before_compiling(llama):
@@ -106,7 +107,8 @@ def test_update_weights_in_place_zero_recompiles_and_mismatch_errors(llama):
             assert c.tokens.tolist() == d.tokens.tolist()
             np.testing.assert_allclose(c.logprobs, d.logprobs, atol=1e-6)
     bad_shape = jax.tree_util.tree_map_with_path(
-        lambda path, x: jnp.ones((65,)) if "final_norm" in jax.tree_util.keystr(path) else x, new)
+        lambda path, x: jnp.ones((65,)) if "final_norm" in jax.tree_util.keystr(path) else x, new
+    )
     with pytest.raises(ValueError, match=r"final_norm.*shape \(65,\) differs"):
         sampler.update_weights(bad_shape)
     bad_dtype = jax.tree.map(lambda x: x.astype(jnp.bfloat16), new)
@@ -138,9 +140,15 @@ def test_weight_update_policies_for_in_flight_sequences(llama, policy):
             np.testing.assert_allclose(s.logprobs, ref.logprobs, atol=1e-6)
         else:  # the first chunk stays; the rest is recomputed and sampled with the new weights
             assert s.versions == [0] * 8 + [1] * 12 and s.tokens[:8] == ref.tokens.tolist()[:8]
-            cont = Sampler(model_with(llama, new), cfg).generate(
-                [s.prompt + s.tokens[:8]], SamplingParams(temperature=1.0, max_new_tokens=12, seed=5, ignore_eos=True),
-                prompt_ids=[s.request])[0].completions[0]
+            cont = (
+                Sampler(model_with(llama, new), cfg)
+                .generate(
+                    [s.prompt + s.tokens[:8]],
+                    SamplingParams(temperature=1.0, max_new_tokens=12, seed=5, ignore_eos=True),
+                    prompt_ids=[s.request],
+                )[0]
+                .completions[0]
+            )
             assert s.tokens[8:] == cont.tokens.tolist()
             np.testing.assert_allclose(s.logprobs[8:], cont.logprobs, atol=1e-5)
             assert s.preemptions == 1
@@ -157,19 +165,56 @@ def test_compile_count_constant_across_request_shapes_after_warmup(llama):
         sampler.generate(prompts_of(lengths, seed=99), SamplingParams(n=n, max_new_tokens=new))
     before, stat = _COMPILES.count, sampler.stats()["recompiles"]
     for i, (lengths, n, new) in enumerate(shapes):  # other tokens and every sampling setting changed
-        sampler.generate(prompts_of(lengths, seed=i), SamplingParams(n=n, max_new_tokens=new, temperature=0.5 + i / 4,
-                                                                     top_p=0.9, top_k=i, min_p=0.01 * i, seed=i))
+        sampler.generate(
+            prompts_of(lengths, seed=i),
+            SamplingParams(
+                n=n, max_new_tokens=new, temperature=0.5 + i / 4, top_p=0.9, top_k=i, min_p=0.01 * i, seed=i
+            ),
+        )
     assert _COMPILES.count == before and sampler.stats()["recompiles"] == stat
 
 
 def test_configs_from_the_run_configs_rollout_section():
     from rpeg_jax.config import RolloutConfig
-    r = RolloutConfig(max_new_tokens=7, temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, stop_token_ids=(4, 5),
-                      ignore_eos=True, page_size=8, num_pages=99, chunk_steps=16, min_chunk_steps=16, watermark=0.05,
-                      on_weight_update="recompute", attention="blocked")
+
+    r = RolloutConfig(
+        max_new_tokens=7,
+        temperature=0.5,
+        top_k=3,
+        top_p=0.9,
+        min_p=0.1,
+        stop_token_ids=(4, 5),
+        ignore_eos=True,
+        page_size=8,
+        num_pages=99,
+        chunk_steps=16,
+        min_chunk_steps=16,
+        watermark=0.05,
+        on_weight_update="recompute",
+        attention="blocked",
+    )
     sp = SamplingParams.from_rollout(r, n=4, seed=3)
-    assert (sp.n, sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.max_new_tokens, sp.stop_token_ids, sp.ignore_eos,
-            sp.seed) == (4, 0.5, 3, 0.9, 0.1, 7, (4, 5), True, 3)
+    assert (
+        sp.n,
+        sp.temperature,
+        sp.top_k,
+        sp.top_p,
+        sp.min_p,
+        sp.max_new_tokens,
+        sp.stop_token_ids,
+        sp.ignore_eos,
+        sp.seed,
+    ) == (4, 0.5, 3, 0.9, 0.1, 7, (4, 5), True, 3)
     sc = SamplerConfig.from_rollout(r, max_slots=12, max_seq_len=40, seed=9)
-    assert (sc.page_size, sc.num_pages, sc.max_slots, sc.max_seq_len, sc.chunk_steps, sc.min_chunk_steps, sc.watermark,
-            sc.on_weight_update, sc.attention, sc.seed) == (8, 99, 12, 40, 16, 16, 0.05, "recompute", "blocked", 9)
+    assert (
+        sc.page_size,
+        sc.num_pages,
+        sc.max_slots,
+        sc.max_seq_len,
+        sc.chunk_steps,
+        sc.min_chunk_steps,
+        sc.watermark,
+        sc.on_weight_update,
+        sc.attention,
+        sc.seed,
+    ) == (8, 99, 12, 40, 16, 16, 0.05, "recompute", "blocked", 9)

@@ -9,17 +9,18 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import shard
 from jax.sharding import AxisType
 
 from rpeg_jax.models import load_hf
 from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
 from rpeg_jax.sampling.sampler import _COMPILES
 
-from helpers import shard
-
 HF = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 FIXED = dict(max_seq_len=32, min_prefill_len=32, min_prefill_rows=8, min_table_width=16)
 BASE = SamplerConfig(page_size=4, max_slots=8, chunk_steps=8, **FIXED)
+
+
 def test_sharded_sampler_equals_single_device():
     model = load_hf(os.path.join(HF, "llama_tiny"))
     rng = np.random.default_rng(0)
@@ -27,8 +28,10 @@ def test_sharded_sampler_equals_single_device():
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=1)
     ref = Sampler(model, BASE).generate(prompts, params)
     devices = jax.devices()[:4]
-    meshes = [jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(t, t), devices=devices)
-              for t in (AxisType.Auto, AxisType.Explicit)]
+    meshes = [
+        jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(t, t), devices=devices)
+        for t in (AxisType.Auto, AxisType.Explicit)
+    ]
     samplers = []
     for mesh in meshes:
         sampler = Sampler(shard(model, mesh), BASE)  # the mesh is taken from the parameters

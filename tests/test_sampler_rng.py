@@ -3,17 +3,18 @@ Random123 known-answer vectors (an independent reference), and the uniforms it y
 and roughly uniform. The end-to-end check that sampled tokens follow the intended distribution is
 tests/test_sampling_transforms.py (empirical frequencies against a float64 reference)."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jax.numpy as jnp
 
 from rpeg_jax.sampling.transforms import _threefry2x32, _threefry_uniform
 
 # Random123 kat_vectors, threefry2x32_20: (key, counter, expected output)
-KAT = [((0x00000000, 0x00000000), (0x00000000, 0x00000000), (0x6B200159, 0x99BA4EFE)),
-       ((0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF, 0xFFFFFFFF), (0x1CB996FC, 0xBB002BE7)),
-       ((0x13198A2E, 0x03707344), (0x243F6A88, 0x85A308D3), (0xC4923A9C, 0x483DF7A0))]
+KAT = [
+    ((0x00000000, 0x00000000), (0x00000000, 0x00000000), (0x6B200159, 0x99BA4EFE)),
+    ((0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF, 0xFFFFFFFF), (0x1CB996FC, 0xBB002BE7)),
+    ((0x13198A2E, 0x03707344), (0x243F6A88, 0x85A308D3), (0xC4923A9C, 0x483DF7A0)),
+]
 
 
 @pytest.mark.parametrize("key,ctr,expect", KAT)

@@ -16,15 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from helpers import shard
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import AxisType
 
 from rpeg_jax.models import load_hf
 from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams, engine
 from rpeg_jax.sampling.allocator import NULL_PAGE, ShardedPages
 from rpeg_jax.sampling.scheduler import Scheduler, Sequence
-
-from helpers import shard
 
 HF = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 FIXED = dict(max_seq_len=32, min_prefill_len=32, min_prefill_rows=8, min_table_width=16)
@@ -99,12 +99,25 @@ def test_data2_tensor2_model_forward_gather_equals_single_device_and_no_pool_col
     sampler._prefill(sampler.sched.admit(8))
     k, _ = sampler.sched.reserve(8)
     st_ = sampler._decode_state(sampler.sched.running_seqs(), k)
-    hlo = engine.decode_chunk.lower(sampler._fwd, sampler._weights, sampler.pools, st_, jnp.int32(k), chunk=8,
-                                    attention="gather", block_pages=4, mesh=sampler.sharding.shard_mesh,
-                                    heads_sharded=sampler.sharding.heads_sharded).compile().as_text()
+    hlo = (
+        engine.decode_chunk.lower(
+            sampler._fwd,
+            sampler._weights,
+            sampler.pools,
+            st_,
+            jnp.int32(k),
+            chunk=8,
+            attention="gather",
+            block_pages=4,
+            mesh=sampler.sharding.shard_mesh,
+            heads_sharded=sampler.sharding.heads_sharded,
+        )
+        .compile()
+        .as_text()
+    )
     _, _, _, s, e = sampler.pools[0].shape
     op = re.compile(r"= .*?\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\(")
-    colls = [(ln[:m.start(1)], ln) for ln in hlo.splitlines() if (m := op.search(ln))]  # (result shapes, line)
+    colls = [(ln[: m.start(1)], ln) for ln in hlo.splitlines() if (m := op.search(ln))]  # (result shapes, line)
     assert colls, "expected the tensor axis' collectives (the test would not see pool ones otherwise)"
     data_of = {i: i // 2 for i in range(4)}  # logical device (row-major over (data, tensor)) -> data index
     for shapes, ln in colls:  # pool [.., P(/D), S, E] and gathered pages [K, B, W, S, E] both end in S, E
@@ -132,8 +145,9 @@ def device_groups(hlo_line):
 @pytest.mark.parametrize("attention,forward", [("blocked", "split"), ("chunk", "model"), ("gather", "split_t")])
 def test_other_attention_and_forward_kinds_on_data2_tensor2(llama, prompts, reference, attention, forward):
     mesh = mesh_of((2, 2), ("data", "tensor"))
-    cfg = SamplerConfig(page_size=4, max_slots=8, chunk_steps=8, attention=attention, forward=forward, block_pages=2,
-                        **FIXED)
+    cfg = SamplerConfig(
+        page_size=4, max_slots=8, chunk_steps=8, attention=attention, forward=forward, block_pages=2, **FIXED
+    )
     sampler = Sampler(shard(llama, mesh), cfg)
     assert_pool_shards(sampler, data=2, tensor=2)
     for outs, ref in zip(run_both(sampler, prompts), reference):
@@ -159,12 +173,16 @@ def test_pool_too_small_per_shard_is_rejected_before_compiling(llama):
         Sampler(llama, cfg, mesh=mesh_of((4,), ("data",)))
     with pytest.raises(ValueError, match="kv_pool"):
         SamplerConfig(kv_pool="split").validate()
-    replicated = Sampler(llama, SamplerConfig(kv_pool="replicated", page_size=4, max_slots=8, num_pages=24, **FIXED),
-                         mesh=mesh_of((4,), ("data",)))
+    replicated = Sampler(
+        llama,
+        SamplerConfig(kv_pool="replicated", page_size=4, max_slots=8, num_pages=24, **FIXED),
+        mesh=mesh_of((4,), ("data",)),
+    )
     assert replicated.stats()["pool_shards"] == 1 and replicated.pools[0].addressable_shards[0].data.shape[2] == 24
 
 
 # ---- host side: scheduler + ShardedPages over a simulated per-shard pool -----------------------
+
 
 class PoolSim:
     """What the device would hold: pool[shard][page, offset] = token written there."""
@@ -186,9 +204,13 @@ class PoolSim:
 
 
 @settings(max_examples=60, deadline=None)
-@given(shards=st.sampled_from([1, 2, 4]), pages=st.integers(5, 14), page_size=st.sampled_from([1, 2, 4]),
-       reqs=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 4), st.integers(1, 8)), min_size=1, max_size=10),
-       ks=st.lists(st.integers(1, 6), min_size=1, max_size=8))
+@given(
+    shards=st.sampled_from([1, 2, 4]),
+    pages=st.integers(5, 14),
+    page_size=st.sampled_from([1, 2, 4]),
+    reqs=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 4), st.integers(1, 8)), min_size=1, max_size=10),
+    ks=st.lists(st.integers(1, 6), min_size=1, max_size=8),
+)
 def test_scheduler_keeps_groups_in_one_shard_never_double_owns_and_never_leaks(shards, pages, page_size, reqs, ks):
     slots = 8
     max_seq = 12
@@ -196,7 +218,7 @@ def test_scheduler_keeps_groups_in_one_shard_never_double_owns_and_never_leaks(s
         pages = 1 + -(-max_seq // page_size)  # the Sampler rejects smaller pools at construction
     alloc = ShardedPages(shards, pages, page_size, slots, debug=True)
     sched, sim = Scheduler(alloc, watermark_pages=0), PoolSim(alloc)
-    counter = iter(range(10_000, 10 ** 9))
+    counter = iter(range(10_000, 10**9))
     all_seqs = []
     for i, (plen, n, new) in enumerate(reqs):
         prompt = list(range(100 * i, 100 * i + plen))
@@ -225,7 +247,7 @@ def test_scheduler_keeps_groups_in_one_shard_never_double_owns_and_never_leaks(s
         running = sched.running_seqs()
         assert len({s.slot for s in running}) == len(running)
         for s in running:
-            assert sim.read(s.slot, s.pos) == s.known()[:s.pos], "a slot lost what it wrote"
+            assert sim.read(s.slot, s.pos) == s.known()[: s.pos], "a slot lost what it wrote"
             if len(s.prompt) + len(s.tokens) >= s.end:
                 sched.finish(s, "length")
     assert sched.idle() and all(s.finish_reason == "length" for s in all_seqs)

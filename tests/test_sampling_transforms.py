@@ -3,10 +3,9 @@ logprob is log p(token) under the distribution actually used (1e-5), tokens come
 empirical frequencies match it (4000 draws per setting, |freq - p| < 0.03, about 4 sigma), draws depend
 only on (seed, prompt id, sample id, position), and changing settings never retraces."""
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rpeg_jax.sampling.transforms import sample, sequence_keys
 
@@ -34,9 +33,16 @@ def ref_distribution(logits, t, top_k, top_p, min_p):
 
 
 SETTINGS = [  # (temperature, top_k, top_p, min_p)
-    (0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.0, 3, 1.0, 0.0), (1.3, 0, 0.6, 0.0),
-    (1.0, 0, 1.0, 0.2), (0.8, 4, 0.7, 0.05), (1.0, 1, 1.0, 0.0),
+    (0.0, 0, 1.0, 0.0),
+    (1.0, 0, 1.0, 0.0),
+    (0.7, 0, 1.0, 0.0),
+    (1.0, 3, 1.0, 0.0),
+    (1.3, 0, 0.6, 0.0),
+    (1.0, 0, 1.0, 0.2),
+    (0.8, 4, 0.7, 0.05),
+    (1.0, 1, 1.0, 0.0),
 ]
+
 
 @jax.jit
 def _sample(logits, seeds, pids, sids, *args):
@@ -45,10 +51,17 @@ def _sample(logits, seeds, pids, sids, *args):
 
 def run(logits, settings, seeds, pids, sids, pos):
     t, k, p, m = (np.asarray(x) for x in zip(*settings))
-    tok, logp = _sample(jnp.asarray(logits, jnp.float32), jnp.asarray(seeds, jnp.int32), jnp.asarray(pids, jnp.int32),
-                        jnp.asarray(sids, jnp.int32), jnp.asarray(pos, jnp.int32),
-                        jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32),
-                        jnp.asarray(m, jnp.float32))
+    tok, logp = _sample(
+        jnp.asarray(logits, jnp.float32),
+        jnp.asarray(seeds, jnp.int32),
+        jnp.asarray(pids, jnp.int32),
+        jnp.asarray(sids, jnp.int32),
+        jnp.asarray(pos, jnp.int32),
+        jnp.asarray(t, jnp.float32),
+        jnp.asarray(k, jnp.int32),
+        jnp.asarray(p, jnp.float32),
+        jnp.asarray(m, jnp.float32),
+    )
     return np.asarray(tok), np.asarray(logp)
 
 
@@ -74,10 +87,16 @@ def test_empirical_frequencies_match_reference():
     logits = np.asarray([1.5, 1.0, 0.4, 0.0, -0.5, -2.0])
     draws, settings = 4000, SETTINGS[1:]
     n = draws * len(settings)  # one call: every setting's draws side by side
-    tok, _ = run(np.broadcast_to(logits, (n, 6)), [st for st in settings for _ in range(draws)], [3] * n,
-                 np.zeros(n), np.arange(n), np.full(n, 9))
+    tok, _ = run(
+        np.broadcast_to(logits, (n, 6)),
+        [st for st in settings for _ in range(draws)],
+        [3] * n,
+        np.zeros(n),
+        np.arange(n),
+        np.full(n, 9),
+    )
     for i, st in enumerate(settings):
-        freq = np.bincount(tok[i * draws:(i + 1) * draws], minlength=6) / draws
+        freq = np.bincount(tok[i * draws : (i + 1) * draws], minlength=6) / draws
         np.testing.assert_allclose(freq, ref_distribution(logits, *st), atol=0.03, err_msg=str(st))
 
 

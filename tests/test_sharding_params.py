@@ -2,7 +2,6 @@
 activation constraints, `rpeg shardings`, and the model's loss and gradients under every preset
 and several mesh shapes against the single-device values."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,8 +12,17 @@ from jax.sharding import PartitionSpec as P
 from rpeg_jax.config import ConfigError, load_config
 from rpeg_jax.config.model import ModelConfig
 from rpeg_jax.config.sharding import ShardingConfig
-from rpeg_jax.sharding import (PRESETS, ShardingError, abstract_mesh, constrain, layout_for, load_plugins,
-                               param_specs, shard_model, stage_layout)
+from rpeg_jax.sharding import (
+    PRESETS,
+    ShardingError,
+    abstract_mesh,
+    constrain,
+    layout_for,
+    load_plugins,
+    param_specs,
+    shard_model,
+    stage_layout,
+)
 from rpeg_jax.sharding.tactics import parse_partition
 
 _ = None
@@ -23,10 +31,14 @@ _ = None
 def tree():
     """A plain pytree of nnx.Params with logical axes (no model needed)."""
     z = jnp.zeros
-    return {"embed": nnx.Param(z((16, 8)), axes=("vocab", "embed")),
-            "layers": {"wq": nnx.Param(z((2, 8, 4, 2)), axes=("layers", "embed", "heads", "head_dim")),
-                       "w_up": nnx.Param(z((2, 8, 12)), axes=("layers", "embed", "mlp"))},
-            "bias": z((12,))}  # no axes: replicated unless overridden
+    return {
+        "embed": nnx.Param(z((16, 8)), axes=("vocab", "embed")),
+        "layers": {
+            "wq": nnx.Param(z((2, 8, 4, 2)), axes=("layers", "embed", "heads", "head_dim")),
+            "w_up": nnx.Param(z((2, 8, 12)), axes=("layers", "embed", "mlp")),
+        },
+        "bias": z((12,)),
+    }  # no axes: replicated unless overridden
 
 
 M = abstract_mesh({"data": 2, "fsdp": 2, "tensor": 2}, 8)
@@ -41,12 +53,20 @@ def test_param_specs_plain_tree():
 
 
 def test_overrides_first_match_wins_partition_and_tactic():
-    ov = [[r"layers\.w.*", "P(None, tensor)"], [r"layers\.wq", "replicate"], ["embed", "fsdp_largest"],
-          ["bias", "P(data+fsdp)"]]
+    ov = [
+        [r"layers\.w.*", "P(None, tensor)"],
+        [r"layers\.wq", "replicate"],
+        ["embed", "fsdp_largest"],
+        ["bias", "P(data+fsdp)"],
+    ]
     with pytest.raises(ConfigError, match=r"overrides\[1\].*conflicts with earlier.*layers\\\\.w"):
         param_specs(tree(), M, PRESETS["fsdp"], ov)
-    ov = [[r"layers\.wq", "replicate"], [r"layers\.w.*", "P(None, tensor)"], ["embed", "fsdp_largest"],
-          ["bias", "P((data, fsdp))"]]
+    ov = [
+        [r"layers\.wq", "replicate"],
+        [r"layers\.w.*", "P(None, tensor)"],
+        ["embed", "fsdp_largest"],
+        ["bias", "P((data, fsdp))"],
+    ]
     specs = param_specs(tree(), M, PRESETS["fsdp"], ov)
     assert specs["layers"]["wq"] == P(_, _, _, _)
     assert specs["layers"]["w_up"] == P(_, "tensor", _)  # padded to the rank
@@ -82,10 +102,15 @@ def test_parse_partition():
 
 
 def test_custom_rule_from_config_changes_layout():
-    cfg = load_config(None, ["sharding.mesh={data: 2, fsdp: 2, tensor: 2}",
-                             "sharding.rules={mlp_over_data: [[mlp, data], [embed, fsdp]]}",
-                             "sharding.train_rules=mlp_over_data",
-                             "sharding.overrides=[[embed, 'P(None, tensor)']]"])
+    cfg = load_config(
+        None,
+        [
+            "sharding.mesh={data: 2, fsdp: 2, tensor: 2}",
+            "sharding.rules={mlp_over_data: [[mlp, data], [embed, fsdp]]}",
+            "sharding.train_rules=mlp_over_data",
+            "sharding.overrides=[[embed, 'P(None, tensor)']]",
+        ],
+    )
     layout = stage_layout(cfg.sharding, "train", num_devices=8)
     specs = layout.param_specs(tree())
     assert specs["layers"]["w_up"] == P(_, "fsdp", "data")
@@ -94,7 +119,7 @@ def test_custom_rule_from_config_changes_layout():
         load_config(None, ["sharding.rules={bad: [[mlp, pipeline]]}"])
 
 
-PLUGIN = '''
+PLUGIN = """
 from rpeg_jax.sharding import register_rules, tactic
 
 @tactic("vocab_over_data_{n}")
@@ -102,14 +127,21 @@ def vocab_over_data(ctx):
     return ctx.spec({{"vocab": "data"}})
 
 register_rules("plugin_rules_{n}", [["mlp", "tensor"], ["embed", "data"]])
-'''
+"""
 
 
 def test_plugin_module_registers_tactic_and_rules(tmp_path, monkeypatch):
     (tmp_path / "my_rules_a.py").write_text(PLUGIN.format(n="a"))
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = load_config(None, ["sharding.mesh={data: 2, fsdp: 2, tensor: 2}", "sharding.plugins=[my_rules_a]",
-                             "sharding.train_rules=plugin_rules_a", "sharding.overrides=[[embed, vocab_over_data_a]]"])
+    cfg = load_config(
+        None,
+        [
+            "sharding.mesh={data: 2, fsdp: 2, tensor: 2}",
+            "sharding.plugins=[my_rules_a]",
+            "sharding.train_rules=plugin_rules_a",
+            "sharding.overrides=[[embed, vocab_over_data_a]]",
+        ],
+    )
     specs = stage_layout(cfg.sharding, "train", num_devices=8).param_specs(tree())
     assert specs["embed"] == P("data", _)  # the plugin's tactic
     assert specs["layers"]["w_up"] == P(_, "data", "tensor")  # the plugin's rules
@@ -123,8 +155,15 @@ def test_plugin_module_registers_tactic_and_rules(tmp_path, monkeypatch):
 
 # ---- the model on 8 CPU devices ----
 
-TINY = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
-                   max_position_embeddings=64)
+TINY = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=64,
+)
 
 
 def loss_fn(params, graphdef, tokens):
@@ -151,10 +190,20 @@ def reference():
 
 
 # Every preset on a mesh (data, fsdp, tensor) that uses its axes, in the default run; more in `slow`.
-CASES = [("replicated", (8, 1, 1)), ("data", (2, 4, 1)), ("fsdp", (1, 8, 1)), ("tensor", (2, 2, 2)),
-         ("fsdp_tensor", (1, 4, 2))]
-SLOW_CASES = [("data", (8, 1, 1)), ("fsdp", (2, 4, 1)), ("tensor", (4, 1, 2)), ("fsdp_tensor", (2, 2, 2)),
-              ("fsdp_tensor", (2, 1, 4))]
+CASES = [
+    ("replicated", (8, 1, 1)),
+    ("data", (2, 4, 1)),
+    ("fsdp", (1, 8, 1)),
+    ("tensor", (2, 2, 2)),
+    ("fsdp_tensor", (1, 4, 2)),
+]
+SLOW_CASES = [
+    ("data", (8, 1, 1)),
+    ("fsdp", (2, 4, 1)),
+    ("tensor", (4, 1, 2)),
+    ("fsdp_tensor", (2, 2, 2)),
+    ("fsdp_tensor", (2, 1, 4)),
+]
 
 
 @pytest.mark.parametrize("axis_types", ["auto", "explicit"])
@@ -174,8 +223,9 @@ def test_model_loss_and_grads_match_single_device(reference, preset, shape, axis
     # float32: the sharded program sums in a different order; 1e-5 relative covers that.
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6,
-                                   err_msg=f"{preset} {shape} {jax.tree_util.keystr(path)}")
+        np.testing.assert_allclose(
+            np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6, err_msg=f"{preset} {shape} {jax.tree_util.keystr(path)}"
+        )
 
 
 class Small(nnx.Module):
@@ -211,8 +261,16 @@ def test_activation_constraint_applies_rules():
 def test_rpeg_shardings_cli(capsys):
     from rpeg_jax.cli import main
 
-    rc = main(["shardings", "--devices", "8", "sharding.mesh={fsdp: 4, tensor: 2}", "sharding.train_rules=fsdp_tensor",
-               "sharding.generate_rules=tensor"])
+    rc = main(
+        [
+            "shardings",
+            "--devices",
+            "8",
+            "sharding.mesh={fsdp: 4, tensor: 2}",
+            "sharding.train_rules=fsdp_tensor",
+            "sharding.generate_rules=tensor",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith("  layers.wq")}

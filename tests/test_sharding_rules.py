@@ -21,6 +21,7 @@ def mesh(**sizes):
 
 # ---- semantics ----
 
+
 def test_first_rule_that_fits_wins():
     rules = Rules.from_data([["batch", "data"], ["embed", "data"], ["embed", "fsdp"], ["embed", "tensor"]])
     m = mesh(data=2, fsdp=2, tensor=2)
@@ -96,17 +97,42 @@ _ = None
 EXPECTED = {  # preset -> name -> spec on mesh data=2, fsdp=2, tensor=4 (K=2 kv heads < tensor=4)
     "replicated": {n: P(*([_] * len(s))) for n, (s, _a) in PARAMS.items()},
     "data": {n: P(*([_] * len(s))) for n, (s, _a) in PARAMS.items()},
-    "fsdp": {"embed": P(_, "fsdp"), "layers.attn_norm": P(_, "fsdp"), "layers.wq": P(_, "fsdp", _, _),
-             "layers.wk": P(_, "fsdp", _, _), "layers.wo": P(_, _, _, "fsdp"), "layers.w_up": P(_, "fsdp", _),
-             "layers.w_down": P(_, _, "fsdp"), "final_norm": P("fsdp"), "lm_head": P("fsdp", _), "value_b": P()},
-    "tensor": {"embed": P("tensor", _), "layers.attn_norm": P(_, _), "layers.wq": P(_, _, "tensor", _),
-               "layers.wk": P(_, _, _, _), "layers.wo": P(_, "tensor", _, _), "layers.w_up": P(_, _, "tensor"),
-               "layers.w_down": P(_, "tensor", _), "final_norm": P(_), "lm_head": P(_, "tensor"), "value_b": P()},
-    "fsdp_tensor": {"embed": P("tensor", "fsdp"), "layers.attn_norm": P(_, "fsdp"),
-                    "layers.wq": P(_, "fsdp", "tensor", _), "layers.wk": P(_, "fsdp", _, _),
-                    "layers.wo": P(_, "tensor", _, "fsdp"), "layers.w_up": P(_, "fsdp", "tensor"),
-                    "layers.w_down": P(_, "tensor", "fsdp"), "final_norm": P("fsdp"), "lm_head": P("fsdp", "tensor"),
-                    "value_b": P()},
+    "fsdp": {
+        "embed": P(_, "fsdp"),
+        "layers.attn_norm": P(_, "fsdp"),
+        "layers.wq": P(_, "fsdp", _, _),
+        "layers.wk": P(_, "fsdp", _, _),
+        "layers.wo": P(_, _, _, "fsdp"),
+        "layers.w_up": P(_, "fsdp", _),
+        "layers.w_down": P(_, _, "fsdp"),
+        "final_norm": P("fsdp"),
+        "lm_head": P("fsdp", _),
+        "value_b": P(),
+    },
+    "tensor": {
+        "embed": P("tensor", _),
+        "layers.attn_norm": P(_, _),
+        "layers.wq": P(_, _, "tensor", _),
+        "layers.wk": P(_, _, _, _),
+        "layers.wo": P(_, "tensor", _, _),
+        "layers.w_up": P(_, _, "tensor"),
+        "layers.w_down": P(_, "tensor", _),
+        "final_norm": P(_),
+        "lm_head": P(_, "tensor"),
+        "value_b": P(),
+    },
+    "fsdp_tensor": {
+        "embed": P("tensor", "fsdp"),
+        "layers.attn_norm": P(_, "fsdp"),
+        "layers.wq": P(_, "fsdp", "tensor", _),
+        "layers.wk": P(_, "fsdp", _, _),
+        "layers.wo": P(_, "tensor", _, "fsdp"),
+        "layers.w_up": P(_, "fsdp", "tensor"),
+        "layers.w_down": P(_, "tensor", "fsdp"),
+        "final_norm": P("fsdp"),
+        "lm_head": P("fsdp", "tensor"),
+        "value_b": P(),
+    },
 }
 ACTS = {  # training and generation activations: (shape, axes) -> expected per preset family
     "hidden": ((8, 6, D), ("batch", "seq", "embed")),
@@ -151,9 +177,16 @@ def test_resolver_invariants(data):
     names = ["a", "b", "c"]
     sizes = {ax: data.draw(st.sampled_from([1, 2, 4])) for ax in ("data", "fsdp", "tensor")}
     m = abstract_mesh(sizes, math.prod(sizes.values()))
-    rule_list = data.draw(st.lists(st.tuples(st.sampled_from(names),
-                                             st.lists(st.sampled_from(list(sizes)), max_size=2, unique=True),
-                                             st.sampled_from(["replicate", "next"])), max_size=6))
+    rule_list = data.draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(names),
+                st.lists(st.sampled_from(list(sizes)), max_size=2, unique=True),
+                st.sampled_from(["replicate", "next"]),
+            ),
+            max_size=6,
+        )
+    )
     rules = Rules.from_data([list(r) for r in rule_list])
     axes = tuple(data.draw(st.lists(st.sampled_from(names + [None]), max_size=4)))
     shape = tuple(data.draw(st.sampled_from([1, 2, 3, 4, 8, 12])) for _ in axes)
@@ -170,6 +203,7 @@ def test_resolver_invariants(data):
 
 
 # ---- meshes (fake devices: nothing touches JAX devices) ----
+
 
 @dataclass(frozen=True)
 class FakeDevice:

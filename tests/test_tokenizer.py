@@ -90,10 +90,12 @@ def test_hf_byte_level_bpe_round_trip(tmp_path):
     tok = HFLib(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["Natalia sold clips to 48 of her friends.", "#### 72", "\\boxed{\\frac{1}{2}}"] * 20,
-                            trainer)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(
+        ["Natalia sold clips to 48 of her friends.", "#### 72", "\\boxed{\\frac{1}{2}}"] * 20, trainer
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
     ours = load_tokenizer(DataConfig(tokenizer=str(tmp_path / "tokenizer.json")))
     assert ours.bos_id is None and ours.eos_id == ours.pad_id == tok.token_to_id("<|endoftext|>")

@@ -1,4 +1,5 @@
 """rpeg_jax.runtime.xla_flags: the opt-in per-program options (YNNPACK off on CPU), never over XLA_FLAGS."""
+
 import os
 
 import jax
@@ -37,6 +38,7 @@ def test_options_compile_without_ynn_and_agree():
     default = jax.jit(f).lower(a, b).compile()
     assert "ynn_fusion" in default.as_text(), (
         f"the default CPU compile has no YNNPACK fusion (JAX {jax.__version__}, XLA_FLAGS="
-        f"{os.environ.get('XLA_FLAGS', '')!r}): RPEG_TRAIN_NO_YNN would be a no-op; revisit runtime/xla_flags.py")
+        f"{os.environ.get('XLA_FLAGS', '')!r}): RPEG_TRAIN_NO_YNN would be a no-op; revisit runtime/xla_flags.py"
+    )
     assert "ynn_fusion" not in off.as_text()
     assert jnp.allclose(off(a, b), default(a, b), rtol=1e-5, atol=1e-5)  # float32 rounding apart

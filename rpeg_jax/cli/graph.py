@@ -16,7 +16,12 @@ from rpeg_jax.graph.ir import GraphError
 from rpeg_jax.graph.passes import apply_pipeline
 from rpeg_jax.graph.plan import plan_from_config
 
-FORMATS = {"text": lambda g: g.describe() + "\n", "dot": to_dot, "mermaid": to_mermaid, "json": lambda g: to_json(g) + "\n"}
+FORMATS = {
+    "text": lambda g: g.describe() + "\n",
+    "dot": to_dot,
+    "mermaid": to_mermaid,
+    "json": lambda g: to_json(g) + "\n",
+}
 
 
 def add_arguments(p) -> None:

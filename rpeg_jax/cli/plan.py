@@ -24,12 +24,23 @@ from rpeg_jax.graph.ir import GraphError
 
 def add_arguments(p) -> None:
     p.add_argument("--config", default=None, help="YAML preset (default: configs/default.yaml)")
-    p.add_argument("--hardware", default=None, help="profile name (configs/hardware/) or YAML path; "
-                                                    "default costmodel.hardware")
-    p.add_argument("--gpus", "--devices", dest="gpus", type=int, default=None,
-                   help="devices to plan for (default costmodel.num_devices, else the devices JAX sees here)")
-    p.add_argument("--processes", type=int, default=None,
-                   help="JAX processes owning the devices (default: this process's jax.process_count())")
+    p.add_argument(
+        "--hardware", default=None, help="profile name (configs/hardware/) or YAML path; default costmodel.hardware"
+    )
+    p.add_argument(
+        "--gpus",
+        "--devices",
+        dest="gpus",
+        type=int,
+        default=None,
+        help="devices to plan for (default costmodel.num_devices, else the devices JAX sees here)",
+    )
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=None,
+        help="JAX processes owning the devices (default: this process's jax.process_count())",
+    )
     p.add_argument("--model", default=None, help="model preset, e.g. qwen2-7b (= model.preset=...)")
     p.add_argument("--json", default=None, help="write the result as JSON here")
     p.add_argument("--save-plan", default=None, help="write the chosen Plan JSON here")
@@ -50,10 +61,14 @@ def run(args) -> int:
         return 2
     if args.quiet:
         c = res.chosen
-        print(f"chosen {c.step_time_s:.4g} s/step, {c.memory_per_gpu_gb:.2f} GB/GPU, util {100 * c.utilization:.1f}%; "
-              + (", ".join(f"{k} {v.step_time_s / c.step_time_s:.2f}x" for k, v in res.baselines.items())
-                 or "no baseline fits")
-              + f"; search {res.search_seconds:.2f} s")
+        print(
+            f"chosen {c.step_time_s:.4g} s/step, {c.memory_per_gpu_gb:.2f} GB/GPU, util {100 * c.utilization:.1f}%; "
+            + (
+                ", ".join(f"{k} {v.step_time_s / c.step_time_s:.2f}x" for k, v in res.baselines.items())
+                or "no baseline fits"
+            )
+            + f"; search {res.search_seconds:.2f} s"
+        )
     else:
         print(render_text(res), end="")
     if args.json:

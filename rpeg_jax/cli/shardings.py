@@ -47,12 +47,24 @@ def activations(cfg) -> list[tuple[str, tuple[int, ...], tuple[str, ...]]]:
     m = cfg.model
     B = cfg.data.prompts_per_step * cfg.rl.group_size
     T = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-    D, H, K, E, F, V, L = (m.hidden_size, m.num_heads, m.num_kv_heads, m.head_size, m.intermediate_size,
-                           m.vocab_size, m.num_layers)
-    return [("tokens", (B, T), (BATCH, SEQ)), ("hidden", (B, T, D), (BATCH, SEQ, EMBED)),
-            ("q", (B, T, H, E), (BATCH, SEQ, HEADS, HEAD_DIM)), ("k/v", (B, T, K, E), (BATCH, SEQ, KV_HEADS, HEAD_DIM)),
-            ("mlp", (B, T, F), (BATCH, SEQ, MLP)), ("logits", (B, T, V), (BATCH, SEQ, VOCAB)),
-            ("kv_cache", (L, B, T, K, E), (LAYERS, BATCH, SEQ, KV_HEADS, HEAD_DIM))]
+    D, H, K, E, F, V, L = (
+        m.hidden_size,
+        m.num_heads,
+        m.num_kv_heads,
+        m.head_size,
+        m.intermediate_size,
+        m.vocab_size,
+        m.num_layers,
+    )
+    return [
+        ("tokens", (B, T), (BATCH, SEQ)),
+        ("hidden", (B, T, D), (BATCH, SEQ, EMBED)),
+        ("q", (B, T, H, E), (BATCH, SEQ, HEADS, HEAD_DIM)),
+        ("k/v", (B, T, K, E), (BATCH, SEQ, KV_HEADS, HEAD_DIM)),
+        ("mlp", (B, T, F), (BATCH, SEQ, MLP)),
+        ("logits", (B, T, V), (BATCH, SEQ, VOCAB)),
+        ("kv_cache", (L, B, T, K, E), (LAYERS, BATCH, SEQ, KV_HEADS, HEAD_DIM)),
+    ]
 
 
 def _row(cols: list[str], widths: list[int]) -> str:
@@ -61,24 +73,40 @@ def _row(cols: list[str], widths: list[int]) -> str:
 
 def print_stage(layout: StageLayout, trees: dict[str, Any], cfg, itemsize: int) -> None:
     sizes = dict(layout.mesh.shape)
-    print(f"stage {layout.role}: mesh {sizes} ({math.prod(sizes.values())} devices), rules {layout.rules.name!r}, "
-          f"{len(layout.overrides)} override(s)")
+    print(
+        f"stage {layout.role}: mesh {sizes} ({math.prod(sizes.values())} devices), rules {layout.rules.name!r}, "
+        f"{len(layout.overrides)} override(s)"
+    )
     widths = [22, 18, 40, 34, 12]
     print(_row(["name", "shape", "logical axes", "partition", "bytes/device"], widths))
     for label, tree in trees.items():
         total = per_device = 0
         for info, spec, nbytes in layout.table(tree, unmatched_ok=len(trees) > 1):
             axes = "(" + ", ".join(str(a) for a in info.axes) + ")" if info.axes is not None else "-"
-            print(_row([f"{label}.{info.name}" if len(trees) > 1 else info.name, str(info.shape), axes,
-                        _spec_str(spec), human(nbytes)], widths))
+            print(
+                _row(
+                    [
+                        f"{label}.{info.name}" if len(trees) > 1 else info.name,
+                        str(info.shape),
+                        axes,
+                        _spec_str(spec),
+                        human(nbytes),
+                    ],
+                    widths,
+                )
+            )
             total += bytes_per_device(info, (), layout.mesh)
             per_device += nbytes
         print(f"  {label} parameters: {human(per_device)} per device of {human(total)}")
     for name, shape, logical in activations(cfg):
         spec = resolve(logical, shape, layout.mesh, layout.rules, name, strict=False)
         n = math.prod(shard_shape(shape, spec, layout.mesh))
-        print(_row([f"[act] {name}", str(shape), "(" + ", ".join(logical) + ")", _spec_str(spec),
-                    human(n * itemsize)], widths))
+        print(
+            _row(
+                [f"[act] {name}", str(shape), "(" + ", ".join(logical) + ")", _spec_str(spec), human(n * itemsize)],
+                widths,
+            )
+        )
     print()
 
 

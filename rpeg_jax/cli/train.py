@@ -26,7 +26,8 @@ def train(cfg, result_json: str | None = None, process_id: int = 0, who: str = "
     """Run training: (exit code, the returned dict as plain JSON values, also written to
     `result_json` by process 0). An expected failure, or a second Ctrl-C (the first one stops at
     the next step boundary, runtime/trainer.py), is reported in one line on stderr."""
-    from rpeg_jax.runtime.trainer import expected_failures, train as run_training
+    from rpeg_jax.runtime.trainer import expected_failures
+    from rpeg_jax.runtime.trainer import train as run_training
 
     try:
         result = plain(run_training(cfg))

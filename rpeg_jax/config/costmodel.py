@@ -49,11 +49,19 @@ class CostModelConfig:
         if self.num_devices is not None:
             check(self.num_devices >= 1, key(path, "num_devices"), self.num_devices, "must be >= 1")
         if self.response_len_median is not None:
-            check(self.response_len_median >= self.response_len_min, key(path, "response_len_median"),
-                  self.response_len_median, f"must be >= response_len_min={self.response_len_min}")
+            check(
+                self.response_len_median >= self.response_len_min,
+                key(path, "response_len_median"),
+                self.response_len_median,
+                f"must be >= response_len_min={self.response_len_min}",
+            )
         check(self.response_len_min >= 1, key(path, "response_len_min"), self.response_len_min, "must be >= 1")
         check(self.response_len_sigma >= 0, key(path, "response_len_sigma"), self.response_len_sigma, "must be >= 0")
         check(0 <= self.max_staleness <= 16, key(path, "max_staleness"), self.max_staleness, "must be in [0, 16]")
-        check(len(self.tensor_sizes) >= 1 and all(t >= 1 for t in self.tensor_sizes), key(path, "tensor_sizes"),
-              list(self.tensor_sizes), "must be a non-empty list of positive sizes")
+        check(
+            len(self.tensor_sizes) >= 1 and all(t >= 1 for t in self.tensor_sizes),
+            key(path, "tensor_sizes"),
+            list(self.tensor_sizes),
+            "must be a non-empty list of positive sizes",
+        )
         check(self.runners_up >= 0, key(path, "runners_up"), self.runners_up, "must be >= 0")

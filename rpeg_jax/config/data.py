@@ -56,12 +56,20 @@ class DataConfig:
 
     def validate(self, path: str) -> None:
         tasks = (*BUILTIN_TASKS, "jsonl")
-        check(self.task in tasks, key(path, "task"), self.task,
-              f"unknown task; known: {', '.join(tasks)}" + suggest(self.task, list(tasks)))
+        check(
+            self.task in tasks,
+            key(path, "task"),
+            self.task,
+            f"unknown task; known: {', '.join(tasks)}" + suggest(self.task, list(tasks)),
+        )
         check(self.prompts_per_step >= 1, key(path, "prompts_per_step"), self.prompts_per_step, "must be >= 1")
         check(self.num_examples >= 1, key(path, "num_examples"), self.num_examples, "must be >= 1")
-        check(1 <= self.min_digits <= self.max_digits, key(path, "min_digits"), self.min_digits,
-              f"must be in [1, max_digits={self.max_digits}]")
+        check(
+            1 <= self.min_digits <= self.max_digits,
+            key(path, "min_digits"),
+            self.min_digits,
+            f"must be in [1, max_digits={self.max_digits}]",
+        )
         check(self.max_digits <= MAX_DIGITS, key(path, "max_digits"), self.max_digits, f"must be <= {MAX_DIGITS}")
         check(self.max_prompt_len >= 1, key(path, "max_prompt_len"), self.max_prompt_len, "must be >= 1")
         check(0 <= self.seed < 2**32, key(path, "seed"), self.seed, "must be in [0, 2^32)")
@@ -74,5 +82,9 @@ class DataConfig:
             if v is not None:
                 check(bool(v) and all(v.split(".")), key(path, name), v, "must be a non-empty (dotted) key")
         if self.answer_field is not None:
-            check(self.answer_field != self.prompt_field, key(path, "answer_field"), self.answer_field,
-                  "must differ from data.prompt_field")
+            check(
+                self.answer_field != self.prompt_field,
+                key(path, "answer_field"),
+                self.answer_field,
+                "must differ from data.prompt_field",
+            )

@@ -21,13 +21,21 @@ class DistributedConfig:
 
     def validate(self, path: str) -> None:
         check(self.heartbeat_timeout_s > 0, key(path, "heartbeat_timeout_s"), self.heartbeat_timeout_s, "must be > 0")
-        check(self.initialization_timeout_s > 0, key(path, "initialization_timeout_s"),
-              self.initialization_timeout_s, "must be > 0")
+        check(
+            self.initialization_timeout_s > 0,
+            key(path, "initialization_timeout_s"),
+            self.initialization_timeout_s,
+            "must be > 0",
+        )
         if self.coordinator is not None:
             host, _, port = self.coordinator.rpartition(":")
             check(bool(host) and port.isdigit(), key(path, "coordinator"), self.coordinator, "must be host:port")
         if self.num_processes is not None:
             check(self.num_processes >= 1, key(path, "num_processes"), self.num_processes, "must be >= 1")
             if self.process_id is not None:
-                check(0 <= self.process_id < self.num_processes, key(path, "process_id"), self.process_id,
-                      f"must be in [0, num_processes={self.num_processes})")
+                check(
+                    0 <= self.process_id < self.num_processes,
+                    key(path, "process_id"),
+                    self.process_id,
+                    f"must be in [0, num_processes={self.num_processes})",
+                )

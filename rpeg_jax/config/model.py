@@ -28,8 +28,12 @@ class RopeScaling:
 
     def validate(self, path: str) -> None:
         check(self.factor >= 1.0, key(path, "factor"), self.factor, "must be >= 1")
-        check(self.high_freq_factor > self.low_freq_factor, key(path, "high_freq_factor"),
-              self.high_freq_factor, "must exceed low_freq_factor")
+        check(
+            self.high_freq_factor > self.low_freq_factor,
+            key(path, "high_freq_factor"),
+            self.high_freq_factor,
+            "must exceed low_freq_factor",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,18 +91,33 @@ class ModelConfig:
         return n
 
     def validate(self, path: str) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "intermediate_size", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
             v = getattr(self, name)
             check(v >= 1, key(path, name), v, "must be >= 1")
         if self.head_dim is None:
-            check(self.hidden_size % self.num_heads == 0, key(path, "num_heads"), self.num_heads,
-                  f"must divide hidden_size={self.hidden_size} (or set head_dim)")
+            check(
+                self.hidden_size % self.num_heads == 0,
+                key(path, "num_heads"),
+                self.num_heads,
+                f"must divide hidden_size={self.hidden_size} (or set head_dim)",
+            )
         else:
             check(self.head_dim >= 1, key(path, "head_dim"), self.head_dim, "must be >= 1")
         check(self.head_size % 2 == 0, key(path, "head_dim"), self.head_size, "must be even for RoPE")
-        check(self.num_heads % self.num_kv_heads == 0, key(path, "num_kv_heads"), self.num_kv_heads,
-              f"must divide num_heads={self.num_heads}")
+        check(
+            self.num_heads % self.num_kv_heads == 0,
+            key(path, "num_kv_heads"),
+            self.num_kv_heads,
+            f"must divide num_heads={self.num_heads}",
+        )
         check(self.rms_norm_eps > 0, key(path, "rms_norm_eps"), self.rms_norm_eps, "must be > 0")
         check(self.rope_theta > 0, key(path, "rope_theta"), self.rope_theta, "must be > 0")
         check(self.init_std > 0, key(path, "init_std"), self.init_std, "must be > 0")
@@ -106,39 +125,125 @@ class ModelConfig:
             v = getattr(self, name)
             check(0 <= v < self.vocab_size, key(path, name), v, f"must be in [0, vocab_size={self.vocab_size})")
         if self.preset is not None:
-            check(self.preset in PRESETS, key(path, "preset"), self.preset,
-                  f"unknown preset; known: {', '.join(sorted(PRESETS))}")
+            check(
+                self.preset in PRESETS,
+                key(path, "preset"),
+                self.preset,
+                f"unknown preset; known: {', '.join(sorted(PRESETS))}",
+            )
         if self.rope_scaling is not None:
             self.rope_scaling.validate(key(path, "rope_scaling"))
 
 
 # Shapes from bench/WORKLOADS.md (T, S) and Qwen2/Llama public configs (for the planner and GPU).
 PRESETS: dict[str, dict] = {
-    "tiny": dict(vocab_size=128, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
-                 intermediate_size=768, max_position_embeddings=512),
-    "small": dict(vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12,
-                  intermediate_size=2048, max_position_embeddings=2048),
-    "qwen2-0.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14,
-                       num_kv_heads=2, intermediate_size=4864, qkv_bias=True, tie_embeddings=True,
-                       rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-6),
-    "qwen2-1.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12,
-                       num_kv_heads=2, intermediate_size=8960, qkv_bias=True, tie_embeddings=True,
-                       rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-6),
-    "qwen2-7b": dict(arch="qwen2", vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28,
-                     num_kv_heads=4, intermediate_size=18944, qkv_bias=True, rope_theta=1000000.0,
-                     max_position_embeddings=32768, rms_norm_eps=1e-6),
-    "qwen2-32b": dict(arch="qwen2", vocab_size=152064, hidden_size=5120, num_layers=64, num_heads=40,
-                      num_kv_heads=8, intermediate_size=27648, qkv_bias=True, rope_theta=1000000.0,
-                      max_position_embeddings=32768, rms_norm_eps=1e-5),
-    "qwen2-72b": dict(arch="qwen2", vocab_size=152064, hidden_size=8192, num_layers=80, num_heads=64,
-                      num_kv_heads=8, intermediate_size=29568, qkv_bias=True, rope_theta=1000000.0,
-                      max_position_embeddings=32768, rms_norm_eps=1e-5),
-    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                      intermediate_size=14336, rope_theta=500000.0, max_position_embeddings=8192,
-                      rms_norm_eps=1e-5),
-    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
-                       intermediate_size=28672, rope_theta=500000.0, max_position_embeddings=8192,
-                       rms_norm_eps=1e-5),
+    "tiny": dict(
+        vocab_size=128,
+        hidden_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=768,
+        max_position_embeddings=512,
+    ),
+    "small": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=12,
+        intermediate_size=2048,
+        max_position_embeddings=2048,
+    ),
+    "qwen2-0.5b": dict(
+        arch="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        intermediate_size=4864,
+        qkv_bias=True,
+        tie_embeddings=True,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+    ),
+    "qwen2-1.5b": dict(
+        arch="qwen2",
+        vocab_size=151936,
+        hidden_size=1536,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        intermediate_size=8960,
+        qkv_bias=True,
+        tie_embeddings=True,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+    ),
+    "qwen2-7b": dict(
+        arch="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        intermediate_size=18944,
+        qkv_bias=True,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+    ),
+    "qwen2-32b": dict(
+        arch="qwen2",
+        vocab_size=152064,
+        hidden_size=5120,
+        num_layers=64,
+        num_heads=40,
+        num_kv_heads=8,
+        intermediate_size=27648,
+        qkv_bias=True,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+    ),
+    "qwen2-72b": dict(
+        arch="qwen2",
+        vocab_size=152064,
+        hidden_size=8192,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        intermediate_size=29568,
+        qkv_bias=True,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+    ),
+    "llama3-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate_size=14336,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+    ),
+    "llama3-70b": dict(
+        vocab_size=128256,
+        hidden_size=8192,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        intermediate_size=28672,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+    ),
 }
 
 

@@ -33,8 +33,12 @@ class OptimConfig:
         if self.decay_steps is not None:
             check(self.decay_steps >= 1, key(path, "decay_steps"), self.decay_steps, "must be >= 1")
             if self.schedule != "constant":
-                check(self.decay_steps > self.warmup_steps, key(path, "decay_steps"), self.decay_steps,
-                      f"must exceed warmup_steps={self.warmup_steps}")
+                check(
+                    self.decay_steps > self.warmup_steps,
+                    key(path, "decay_steps"),
+                    self.decay_steps,
+                    f"must exceed warmup_steps={self.warmup_steps}",
+                )
         check(0.0 <= self.min_lr_ratio <= 1.0, key(path, "min_lr_ratio"), self.min_lr_ratio, "must be in [0, 1]")
         check(self.weight_decay >= 0, key(path, "weight_decay"), self.weight_decay, "must be >= 0")
         check(0.0 <= self.b1 < 1.0, key(path, "b1"), self.b1, "must be in [0, 1)")

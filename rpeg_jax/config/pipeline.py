@@ -33,6 +33,9 @@ class PipelineConfig:
             check(f in FUSIONS, key(path, "fuse"), f, f"unknown fusion; known: {', '.join(FUSIONS)}")
         check(self.microbatches >= 1, key(path, "microbatches"), self.microbatches, "must be >= 1")
         if self.placement == "split":
-            check(len(self.split_sizes) == 2 and all(s >= 1 for s in self.split_sizes),
-                  key(path, "split_sizes"), list(self.split_sizes),
-                  "placement=split needs two positive sizes (generation, training)")
+            check(
+                len(self.split_sizes) == 2 and all(s >= 1 for s in self.split_sizes),
+                key(path, "split_sizes"),
+                list(self.split_sizes),
+                "placement=split needs two positive sizes (generation, training)",
+            )

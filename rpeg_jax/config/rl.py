@@ -64,21 +64,32 @@ class RLConfig:
     def validate(self, path: str) -> None:
         check(self.group_size >= 1, key(path, "group_size"), self.group_size, "must be >= 1")
         if self.algorithm == "grpo" or self.advantage_estimator in ("grpo", "rloo"):
-            check(self.group_size >= 2, key(path, "group_size"), self.group_size,
-                  f"must be >= 2 for group-normalised advantages ({self.advantage_estimator})")
+            check(
+                self.group_size >= 2,
+                key(path, "group_size"),
+                self.group_size,
+                f"must be >= 2 for group-normalised advantages ({self.advantage_estimator})",
+            )
         if self.advantage_estimator == "gae":
-            check(self.algorithm == "ppo", key(path, "advantage"), self.advantage,
-                  "gae needs a critic: set rl.algorithm=ppo")
+            check(
+                self.algorithm == "ppo",
+                key(path, "advantage"),
+                self.advantage,
+                "gae needs a critic: set rl.algorithm=ppo",
+            )
         check(self.adv_eps > 0.0, key(path, "adv_eps"), self.adv_eps, "must be > 0")
         check(0.0 <= self.gamma <= 1.0, key(path, "gamma"), self.gamma, "must be in [0, 1]")
         check(0.0 <= self.lam <= 1.0, key(path, "lam"), self.lam, "must be in [0, 1]")
         check(0.0 < self.clip_eps < 1.0, key(path, "clip_eps"), self.clip_eps, "must be in (0, 1)")
         if self.clip_eps_low is not None:
-            check(0.0 < self.clip_eps_low < 1.0, key(path, "clip_eps_low"), self.clip_eps_low,
-                  "must be in (0, 1) (the ratio floor 1-ε_low must stay positive)")
+            check(
+                0.0 < self.clip_eps_low < 1.0,
+                key(path, "clip_eps_low"),
+                self.clip_eps_low,
+                "must be in (0, 1) (the ratio floor 1-ε_low must stay positive)",
+            )
         if self.clip_eps_high is not None:
-            check(0.0 < self.clip_eps_high < 10.0, key(path, "clip_eps_high"), self.clip_eps_high,
-                  "must be in (0, 10)")
+            check(0.0 < self.clip_eps_high < 10.0, key(path, "clip_eps_high"), self.clip_eps_high, "must be in (0, 10)")
         if self.dual_clip is not None:
             check(self.dual_clip > 1.0, key(path, "dual_clip"), self.dual_clip, "must be > 1")
         if self.loss_agg_norm is not None:
@@ -89,8 +100,7 @@ class RLConfig:
         if self.value_clip is not None:
             check(self.value_clip > 0, key(path, "value_clip"), self.value_clip, "must be > 0")
         if self.behav_weight_cap is not None:
-            check(self.behav_weight_cap >= 1.0, key(path, "behav_weight_cap"), self.behav_weight_cap,
-                  "must be >= 1")
+            check(self.behav_weight_cap >= 1.0, key(path, "behav_weight_cap"), self.behav_weight_cap, "must be >= 1")
         if self.tis_cap is not None:
             check(self.tis_cap >= 1.0, key(path, "tis_cap"), self.tis_cap, "must be >= 1")
         for name in ("ppo_epochs", "minibatches", "micro_batches"):

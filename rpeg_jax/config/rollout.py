@@ -44,7 +44,15 @@ class RolloutConfig:
         check(self.chunk_steps >= 1, key(path, "chunk_steps"), self.chunk_steps, "must be >= 1")
         check(self.min_chunk_steps >= 1, key(path, "min_chunk_steps"), self.min_chunk_steps, "must be >= 1")
         check(0.0 <= self.watermark < 1.0, key(path, "watermark"), self.watermark, "must be in [0, 1)")
-        check(self.attention in ("auto", "gather", "blocked", "chunk"), key(path, "attention"), self.attention,
-              "must be 'auto', 'gather', 'blocked' or 'chunk'")
-        check(self.kv_pool in ("sharded", "replicated"), key(path, "kv_pool"), self.kv_pool,
-              "must be 'sharded' or 'replicated'")
+        check(
+            self.attention in ("auto", "gather", "blocked", "chunk"),
+            key(path, "attention"),
+            self.attention,
+            "must be 'auto', 'gather', 'blocked' or 'chunk'",
+        )
+        check(
+            self.kv_pool in ("sharded", "replicated"),
+            key(path, "kv_pool"),
+            self.kv_pool,
+            "must be 'sharded' or 'replicated'",
+        )

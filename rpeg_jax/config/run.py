@@ -50,18 +50,36 @@ class RunConfig:
         """Checks that span sections (each section validated itself already)."""
         m, r, d, p = self.model, self.rl, self.data, self.pipeline
         need = d.max_prompt_len + self.rollout.max_new_tokens
-        check(need <= m.max_position_embeddings, "rollout.max_new_tokens", self.rollout.max_new_tokens,
-              f"data.max_prompt_len + rollout.max_new_tokens = {need} exceeds "
-              f"model.max_position_embeddings={m.max_position_embeddings}")
+        check(
+            need <= m.max_position_embeddings,
+            "rollout.max_new_tokens",
+            self.rollout.max_new_tokens,
+            f"data.max_prompt_len + rollout.max_new_tokens = {need} exceeds "
+            f"model.max_position_embeddings={m.max_position_embeddings}",
+        )
         if p.share_actor_critic:
             check(r.algorithm == "ppo", "pipeline.share_actor_critic", True, "needs a critic: set rl.algorithm=ppo")
         for sid in self.rollout.stop_token_ids:
-            check(0 <= sid < m.vocab_size, "rollout.stop_token_ids", sid, f"must be in [0, model.vocab_size={m.vocab_size})")
+            check(
+                0 <= sid < m.vocab_size,
+                "rollout.stop_token_ids",
+                sid,
+                f"must be in [0, model.vocab_size={m.vocab_size})",
+            )
         if r.kl_in_reward:
-            check(r.algorithm == "ppo", "rl.kl_in_reward", True, "per-token KL in the reward needs GAE: set rl.algorithm=ppo")
+            check(
+                r.algorithm == "ppo",
+                "rl.kl_in_reward",
+                True,
+                "per-token KL in the reward needs GAE: set rl.algorithm=ppo",
+            )
         if p.elide_old_forward and p.staleness > 0:
-            check(False, "pipeline.elide_old_forward", True,
-                  f"with pipeline.staleness={p.staleness} the proximal policy must be recomputed")
+            check(
+                False,
+                "pipeline.elide_old_forward",
+                True,
+                f"with pipeline.staleness={p.staleness} the proximal policy must be recomputed",
+            )
         self._check_one_step_rewrites()
 
     def _check_one_step_rewrites(self) -> None:
@@ -73,24 +91,51 @@ class RunConfig:
                 continue
             for name in ("ppo_epochs", "minibatches"):
                 v = getattr(r, name)
-                check(v == 1, f"rl.{name}", v, f"pipeline.{knob}=true needs one optimizer step per batch "
-                                               f"(rl.ppo_epochs=1 and rl.minibatches=1); set it to 1 or turn the rewrite off")
+                check(
+                    v == 1,
+                    f"rl.{name}",
+                    v,
+                    f"pipeline.{knob}=true needs one optimizer step per batch "
+                    f"(rl.ppo_epochs=1 and rl.minibatches=1); set it to 1 or turn the rewrite off",
+                )
         if p.proximal_from_update:
-            check(not p.elide_old_forward, "pipeline.proximal_from_update", True,
-                  "pick one source of π_old: pipeline.elide_old_forward (sampler's logprobs) or this")
-            check(not (r.kl_in_reward and r.kl_coef > 0), "pipeline.proximal_from_update", True,
-                  "rl.kl_in_reward needs π_old before the advantages (it is known only inside the update)")
+            check(
+                not p.elide_old_forward,
+                "pipeline.proximal_from_update",
+                True,
+                "pick one source of π_old: pipeline.elide_old_forward (sampler's logprobs) or this",
+            )
+            check(
+                not (r.kl_in_reward and r.kl_coef > 0),
+                "pipeline.proximal_from_update",
+                True,
+                "rl.kl_in_reward needs π_old before the advantages (it is known only inside the update)",
+            )
         if p.values_from_critic_update:
-            check(r.algorithm == "ppo", "pipeline.values_from_critic_update", True, "needs a critic: set rl.algorithm=ppo")
+            check(
+                r.algorithm == "ppo", "pipeline.values_from_critic_update", True, "needs a critic: set rl.algorithm=ppo"
+            )
             if p.share_actor_critic:  # the shared update computes the advantages inside its loss
-                check(p.elide_old_forward or p.proximal_from_update, "pipeline.values_from_critic_update", True,
-                      "with a shared backbone the values ride on old_forward; drop it first "
-                      "(pipeline.proximal_from_update or elide_old_forward)")
-                check(r.micro_batches == 1 or not r.whiten_advantages, "rl.micro_batches", r.micro_batches,
-                      "a shared backbone's values rewrite whitens advantages per micro-batch; "
-                      "use rl.micro_batches=1 or rl.whiten_advantages=false")
-            check(r.advantage_estimator == "gae", "pipeline.values_from_critic_update", True,
-                  f"the values feed GAE; rl.advantage={r.advantage_estimator!r}")
+                check(
+                    p.elide_old_forward or p.proximal_from_update,
+                    "pipeline.values_from_critic_update",
+                    True,
+                    "with a shared backbone the values ride on old_forward; drop it first "
+                    "(pipeline.proximal_from_update or elide_old_forward)",
+                )
+                check(
+                    r.micro_batches == 1 or not r.whiten_advantages,
+                    "rl.micro_batches",
+                    r.micro_batches,
+                    "a shared backbone's values rewrite whitens advantages per micro-batch; "
+                    "use rl.micro_batches=1 or rl.whiten_advantages=false",
+                )
+            check(
+                r.advantage_estimator == "gae",
+                "pipeline.values_from_critic_update",
+                True,
+                f"the values feed GAE; rl.advantage={r.advantage_estimator!r}",
+            )
 
     @property
     def critic_model(self) -> ModelConfig:

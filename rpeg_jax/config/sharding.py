@@ -91,5 +91,9 @@ def _check_rules(data: Any, path: str) -> None:
             for part in str(a).split("+"):
                 check(part in MESH_AXES, f"{path}[{i}]", item, f"unknown mesh axis {part!r}; known: {MESH_AXES}")
         if len(item) == 3:
-            check(item[2] in ("error", "replicate", "next"), f"{path}[{i}]", item,
-                  "policy must be error, replicate or next")
+            check(
+                item[2] in ("error", "replicate", "next"),
+                f"{path}[{i}]",
+                item,
+                "policy must be error, replicate or next",
+            )

@@ -69,11 +69,11 @@ def bench_matmul(dtype: str, sizes, repeats: int) -> list[tuple[float, float]]:
 
     out = []
     for n in sizes:
-        k = _loop_count(2.0 * n ** 3, 2e8)
+        k = _loop_count(2.0 * n**3, 2e8)
         f = jax.jit(lambda a, b, k=k: jax.lax.fori_loop(0, k, lambda i, x: (x @ b) * 0.5, a))
         a = jnp.ones((n, n), dtype) * 0.5
         sec = _timeit(f, a, a, repeats=repeats)
-        out.append((2.0 * n ** 3, k * 2.0 * n ** 3 / sec))
+        out.append((2.0 * n**3, k * 2.0 * n**3 / sec))
     return out
 
 
@@ -124,8 +124,9 @@ def bench_allreduce(sizes_bytes, repeats: int) -> list[tuple[float, float, int]]
     if n < 2:
         return []
     mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
-    f = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "data"), mesh=mesh, in_specs=jax.P("data"),
-                              out_specs=jax.P("data")))
+    f = jax.jit(
+        jax.shard_map(lambda v: jax.lax.psum(v, "data"), mesh=mesh, in_specs=jax.P("data"), out_specs=jax.P("data"))
+    )
     out = []
     for nb in sizes_bytes:
         per = max(int(nb) // 4, 1)
@@ -136,10 +137,16 @@ def bench_allreduce(sizes_bytes, repeats: int) -> list[tuple[float, float, int]]
 
 # ---- stage-level fit on a synthetic decoder (pure jnp; costmodel imports no model code) --------
 STAGE_SHAPES = [  # (kind, L, B, T, devices, D): depth, width and batch vary so the parts separate
-    ("forward", 2, 8, 32, 1, 64), ("forward", 6, 8, 32, 1, 256), ("forward", 2, 32, 64, 8, 256),
-    ("forward", 6, 16, 64, 8, 64), ("train", 2, 8, 32, 1, 256), ("train", 6, 8, 32, 1, 64),
-    ("train", 2, 32, 64, 8, 64), ("train", 6, 16, 64, 8, 256),
-    ("forward", 8, 1, 8, 1, 64), ("train", 8, 1, 8, 1, 64),  # tiny work: the per-layer cost shows
+    ("forward", 2, 8, 32, 1, 64),
+    ("forward", 6, 8, 32, 1, 256),
+    ("forward", 2, 32, 64, 8, 256),
+    ("forward", 6, 16, 64, 8, 64),
+    ("train", 2, 8, 32, 1, 256),
+    ("train", 6, 8, 32, 1, 64),
+    ("train", 2, 32, 64, 8, 64),
+    ("train", 6, 16, 64, 8, 256),
+    ("forward", 8, 1, 8, 1, 64),
+    ("train", 8, 1, 8, 1, 64),  # tiny work: the per-layer cost shows
 ]
 SYN = dict(H=4, V=512)  # heads, vocab; F = 3D
 PRIOR = 0.01  # weight of the priors a = 1, b = 1 against one measurement's relative error
@@ -151,8 +158,19 @@ def synthetic_shape(L: int, D: int):
 
     H, F, V = SYN["H"], 3 * D, SYN["V"]
     layer = 4 * D * D + 3 * D * F + 2 * D
-    return ModelShape(num_params=2 * V * D + L * layer + D, L=L, D=D, H=H, K=H, E=D // H, F=F, V=V,
-                      param_bytes_per=4, act_bytes_per=4, dtype="float32")
+    return ModelShape(
+        num_params=2 * V * D + L * layer + D,
+        L=L,
+        D=D,
+        H=H,
+        K=H,
+        E=D // H,
+        F=F,
+        V=V,
+        param_bytes_per=4,
+        act_bytes_per=4,
+        dtype="float32",
+    )
 
 
 def _synthetic_fns(L: int, B: int, T: int, n: int, D: int):
@@ -164,10 +182,22 @@ def _synthetic_fns(L: int, B: int, T: int, n: int, D: int):
     E = D // H
     ks = iter(jax.random.split(jax.random.PRNGKey(0), 16))
     w = lambda *sh: jax.random.normal(next(ks), sh, jnp.float32) * 0.02  # noqa: E731
-    params = {"embed": w(V, D), "head": w(D, V), "norm": jnp.ones((D,)),
-              "layers": {"wq": w(L, D, D), "wk": w(L, D, D), "wv": w(L, D, D), "wo": w(L, D, D),
-                         "wg": w(L, D, F), "wu": w(L, D, F), "wd": w(L, F, D),
-                         "n1": jnp.ones((L, D)), "n2": jnp.ones((L, D))}}
+    params = {
+        "embed": w(V, D),
+        "head": w(D, V),
+        "norm": jnp.ones((D,)),
+        "layers": {
+            "wq": w(L, D, D),
+            "wk": w(L, D, D),
+            "wv": w(L, D, D),
+            "wo": w(L, D, D),
+            "wg": w(L, D, F),
+            "wu": w(L, D, F),
+            "wd": w(L, F, D),
+            "n1": jnp.ones((L, D)),
+            "n2": jnp.ones((L, D)),
+        },
+    }
     mask = jnp.tril(jnp.ones((T, T), bool))
 
     def rms(x, g):
@@ -200,10 +230,22 @@ def _synthetic_fns(L: int, B: int, T: int, n: int, D: int):
     tok = jax.device_put(jnp.ones((B, T), jnp.int32), jax.NamedSharding(mesh, jax.P("data")))
     rep = jax.NamedSharding(mesh, jax.P())
     params = jax.device_put(params, rep)
-    fwd = jax.jit(jax.shard_map(lambda p, t: jax.lax.pmean(loss(p, t), "data"), mesh=mesh,
-                                in_specs=(jax.P(), jax.P("data")), out_specs=jax.P()))
-    trn = jax.jit(jax.shard_map(lambda p, t: jax.tree.map(lambda a: jax.lax.pmean(a, "data"), train(p, t)),
-                                mesh=mesh, in_specs=(jax.P(), jax.P("data")), out_specs=jax.P()))
+    fwd = jax.jit(
+        jax.shard_map(
+            lambda p, t: jax.lax.pmean(loss(p, t), "data"),
+            mesh=mesh,
+            in_specs=(jax.P(), jax.P("data")),
+            out_specs=jax.P(),
+        )
+    )
+    trn = jax.jit(
+        jax.shard_map(
+            lambda p, t: jax.tree.map(lambda a: jax.lax.pmean(a, "data"), train(p, t)),
+            mesh=mesh,
+            in_specs=(jax.P(), jax.P("data")),
+            out_specs=jax.P(),
+        )
+    )
     return fwd, trn, params, tok
 
 
@@ -234,8 +276,18 @@ def fit_stages(prof: HardwareProfile, stages: list[dict]) -> tuple[HardwareProfi
 
     def parts(hw, m):
         ms = synthetic_shape(m["L"], m["D"])
-        st = S.Setting(hw=hw, B=m["B"], P=0, R=m["T"], G=1, dist=LengthDist.fixed(m["T"]), causal_skip=False,
-                       dense_scores=True, packing=False, budget_bytes=hw.hbm_bytes)
+        st = S.Setting(
+            hw=hw,
+            B=m["B"],
+            P=0,
+            R=m["T"],
+            G=1,
+            dist=LengthDist.fixed(m["T"]),
+            causal_skip=False,
+            dense_scores=True,
+            packing=False,
+            budget_bytes=hw.hbm_bytes,
+        )
         n = m["devices"]
         if m["kind"] == "forward":
             return ms, S.forward_stage(st, ms, n, n, 1, 1, 1)[1], float(S.rates(hw, "float32", n)[2])
@@ -245,8 +297,12 @@ def fit_stages(prof: HardwareProfile, stages: list[dict]) -> tuple[HardwareProfi
     base = dataclasses.replace(prof, efficiency=eff0)
     # On a shared host the matmul part is compute + memory (stages.roofline): only the compute
     # scales with `a`; the memory part is the same profile's with an unbounded FLOP rate.
-    fast = with_nodes(base, device=dataclasses.replace(base.device, peak_flops=base.device.peak_flops * 1e9,
-                                                        peak_flops_fp32=base.device.peak_flops_fp32 * 1e9))
+    fast = with_nodes(
+        base,
+        device=dataclasses.replace(
+            base.device, peak_flops=base.device.peak_flops * 1e9, peak_flops_fp32=base.device.peak_flops_fp32 * 1e9
+        ),
+    )
     fw = [m for m in stages if m["kind"] == "forward"]
     rows, ys = [], []
     for m in fw:
@@ -263,8 +319,11 @@ def fit_stages(prof: HardwareProfile, stages: list[dict]) -> tuple[HardwareProfi
     a = max(a, 0.05)
     eff = dataclasses.replace(prof.efficiency, elementwise_factor=max(float(b), 0.05), layer_s=float(c))
     if prof.kind == "cpu":  # the measured peak absorbs the matmul scale
-        device = dataclasses.replace(prof.device, peak_flops=float(prof.device.peak_flops / a),
-                                     peak_flops_fp32=float(prof.device.peak_flops_fp32 / a))
+        device = dataclasses.replace(
+            prof.device,
+            peak_flops=float(prof.device.peak_flops / a),
+            peak_flops_fp32=float(prof.device.peak_flops_fp32 / a),
+        )
     else:
         device = prof.device
         eff = dataclasses.replace(eff, matmul=_monotone_table([(sz, min(1.0, e / a)) for sz, e in eff.matmul]))
@@ -280,8 +339,11 @@ def fit_stages(prof: HardwareProfile, stages: list[dict]) -> tuple[HardwareProfi
     k = max(num / den, 0.1) if den > 0 else 1.0
     fitted = with_nodes(fitted, efficiency=dataclasses.replace(fitted.efficiency, backward_factor=float(k)))
     errs = [abs(_predict(fitted, m) - m["seconds"]) / m["seconds"] for m in stages]
-    resid = {"stage_fit_mape": float(np.mean(errs)), "stage_fit_matmul_scale": float(a),
-             "stage_fit_points": float(len(stages))}
+    resid = {
+        "stage_fit_mape": float(np.mean(errs)),
+        "stage_fit_matmul_scale": float(a),
+        "stage_fit_points": float(len(stages)),
+    }
     return fitted, resid
 
 
@@ -290,8 +352,18 @@ def _predict(hw: HardwareProfile, m: dict) -> float:
     from rpeg_jax.costmodel.lengths import LengthDist
 
     ms = synthetic_shape(m["L"], m["D"])
-    st = S.Setting(hw=hw, B=m["B"], P=0, R=m["T"], G=1, dist=LengthDist.fixed(m["T"]), causal_skip=False,
-                   dense_scores=True, packing=False, budget_bytes=hw.hbm_bytes)
+    st = S.Setting(
+        hw=hw,
+        B=m["B"],
+        P=0,
+        R=m["T"],
+        G=1,
+        dist=LengthDist.fixed(m["T"]),
+        causal_skip=False,
+        dense_scores=True,
+        packing=False,
+        budget_bytes=hw.hbm_bytes,
+    )
     n = m["devices"]
     if m["kind"] == "forward":
         return float(S.forward_stage(st, ms, n, n, 1, 1, 1)[0])
@@ -331,20 +403,29 @@ def fit(base: HardwareProfile, meas: dict) -> HardwareProfile:
     cpu = base.kind == "cpu"
     peak = max(r for _, r in mm) if cpu else base.device.peak_flops
     bw = max(r for _, r in mem) if cpu else base.device.memory_bw
-    device = dataclasses.replace(base.device, peak_flops=peak, peak_flops_fp32=peak if cpu else base.device.peak_flops_fp32,
-                                 memory_bw=bw)
-    eff = dataclasses.replace(base.efficiency, matmul=_monotone_table([(s, r / peak) for s, r in mm]),
-                              memory=_monotone_table([(s, r / bw) for s, r in mem]), **ov)
+    device = dataclasses.replace(
+        base.device, peak_flops=peak, peak_flops_fp32=peak if cpu else base.device.peak_flops_fp32, memory_bw=bw
+    )
+    eff = dataclasses.replace(
+        base.efficiency,
+        matmul=_monotone_table([(s, r / peak) for s, r in mm]),
+        memory=_monotone_table([(s, r / bw) for s, r in mem]),
+        **ov,
+    )
     node = base.node
     if ar:
         n = ar[0][2]
         busbw = [(s, 2.0 * (n - 1) / n * s / sec) for s, sec, _ in ar]
         link = max(b for _, b in busbw) if cpu else base.node.link_bw
         node = dataclasses.replace(base.node, link_bw=link, latency_s=min(sec for _, sec, _ in ar) / (2 * (n - 1)))
-        eff = dataclasses.replace(eff, intra_node=_monotone_table([(s, b / float(base.node_bw(n) if not cpu else link))
-                                                                   for s, b in busbw]))
-    calibrated = {"time": time.time(), "matmul_peak_measured": max(r for _, r in mm),
-                  "memory_bw_measured": max(r for _, r in mem)}
+        eff = dataclasses.replace(
+            eff, intra_node=_monotone_table([(s, b / float(base.node_bw(n) if not cpu else link)) for s, b in busbw])
+        )
+    calibrated = {
+        "time": time.time(),
+        "matmul_peak_measured": max(r for _, r in mm),
+        "memory_bw_measured": max(r for _, r in mem),
+    }
     return with_nodes(base, device=device, efficiency=eff, node=node, calibrated=calibrated)
 
 
@@ -358,8 +439,12 @@ def measure(dtype: str, quick: bool, accelerator: bool = False) -> dict:
         mm_sizes = (64, 256, 512) if quick else (64, 128, 256, 512, 1024, 2048)
         mem_sizes = (1 << 16, 1 << 20, 1 << 24) if quick else (1 << 14, 1 << 16, 1 << 20, 1 << 24, 1 << 26)
         ar_sizes = (1 << 12, 1 << 16, 1 << 20) if quick else (1 << 10, 1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
-    return {"matmul": bench_matmul(dtype, mm_sizes, reps), "memory": bench_memory(mem_sizes, reps),
-            "overheads": bench_overheads(reps), "allreduce": bench_allreduce(ar_sizes, reps)}
+    return {
+        "matmul": bench_matmul(dtype, mm_sizes, reps),
+        "memory": bench_memory(mem_sizes, reps),
+        "overheads": bench_overheads(reps),
+        "allreduce": bench_allreduce(ar_sizes, reps),
+    }
 
 
 def calibrate(base: HardwareProfile, quick: bool, stages: bool = True, clock: str = "wall") -> HardwareProfile:
@@ -377,7 +462,9 @@ def calibrate(base: HardwareProfile, quick: bool, stages: bool = True, clock: st
     return prof
 
 
-def fit_saved_points(prof: HardwareProfile, path: str, clock: str, alt: HardwareProfile | None = None) -> HardwareProfile:
+def fit_saved_points(
+    prof: HardwareProfile, path: str, clock: str, alt: HardwareProfile | None = None
+) -> HardwareProfile:
     """`prof` refitted to saved stage points (costmodel/fit.py); they must use the same clock. With
     `alt` (the uncalibrated preset) the fit also starts from it and the better fit on the points
     is kept: micro-benchmark tables (cache-resident sizes) can shape the curves worse than the
@@ -399,4 +486,6 @@ def fit_saved_points(prof: HardwareProfile, path: str, clock: str, alt: Hardware
     if data.get("steps"):  # whole steps of calibration configs: the runtime's host costs
         best, rs = F.fit_steps(best, data["steps"])
         resid = {**resid, **rs}
-    return dataclasses.replace(best, calibrated={**prof.calibrated, **resid, "stage_points": float(len(data["points"]))})
+    return dataclasses.replace(
+        best, calibrated={**prof.calibrated, **resid, "stage_points": float(len(data["points"]))}
+    )

@@ -66,8 +66,9 @@ def layouts(n: int, B: int, ms: ModelShape, tensor_sizes) -> np.ndarray:
 def gen_layouts(n: int, B: int, ms: ModelShape, tensor_sizes) -> np.ndarray:
     """Tensor degrees t of generation on n devices: t divides heads and mlp, and the n/t replicas
     divide the batch (the sampler shards its slots over them)."""
-    return np.array([t for t in tensor_sizes if n % t == 0 and ms.H % t == 0 and ms.F % t == 0
-                     and B % (n // t) == 0], np.int64)
+    return np.array(
+        [t for t in tensor_sizes if n % t == 0 and ms.H % t == 0 and ms.F % t == 0 and B % (n // t) == 0], np.int64
+    )
 
 
 def quantize_slots(slots: np.ndarray, n_rep: np.ndarray) -> np.ndarray:
@@ -80,7 +81,7 @@ def quantize_slots(slots: np.ndarray, n_rep: np.ndarray) -> np.ndarray:
 
 def _best_train(st, roles: Roles, busy, lay: np.ndarray, trained: list[ModelShape]):
     """Per training layout and (micro, remat) option: summed update time and transient bytes."""
-    d, f, t = (lay[:, i:i + 1].astype(np.float64) for i in range(3))
+    d, f, t = (lay[:, i : i + 1].astype(np.float64) for i in range(3))
     opts = [(m, r) for r in REMATS for m in MICROS]
     micro = np.array([o[0] for o in opts], np.float64)[None, :]
     time = np.zeros((len(lay), len(opts)))
@@ -89,7 +90,9 @@ def _best_train(st, roles: Roles, busy, lay: np.ndarray, trained: list[ModelShap
         for r in REMATS:
             cols = [j for j, o in enumerate(opts) if o[1] == r]
             tt, _ = S.train_stage(st, ms, busy, d, f, t, micro[:, cols], r, roles.epochs, roles.minibatches)
-            mem = S.train_memory(st, ms, d, f, t, micro[:, cols], r, roles.minibatches) - ms.resident_state_bytes() / (f * t)
+            mem = S.train_memory(st, ms, d, f, t, micro[:, cols], r, roles.minibatches) - ms.resident_state_bytes() / (
+                f * t
+            )
             time[:, cols] += tt
             trans[:, cols] = np.maximum(trans[:, cols], mem)
     valid = (st.B / (d * f) / (roles.minibatches * micro)) >= 1
@@ -99,7 +102,7 @@ def _best_train(st, roles: Roles, busy, lay: np.ndarray, trained: list[ModelShap
 
 
 def _best_forward(st, busy, lay: np.ndarray, models: list[ModelShape]):
-    d, f, t = (lay[:, i:i + 1].astype(np.float64) for i in range(3))
+    d, f, t = (lay[:, i : i + 1].astype(np.float64) for i in range(3))
     micros = [1, 2, 4, 8, 16, 32]
     micro = np.array(micros, np.float64)[None, :]
     times = []
@@ -111,14 +114,25 @@ def _best_forward(st, busy, lay: np.ndarray, models: list[ModelShape]):
     return times, trans, micros
 
 
-def build(st: S.Setting, roles: Roles, allocs: list[tuple[int, int]], placement: str, tensor_sizes,
-          max_staleness: int = 0, continuous: bool = False, gen_tensor_sizes=None) -> dict[str, np.ndarray]:
+def build(
+    st: S.Setting,
+    roles: Roles,
+    allocs: list[tuple[int, int]],
+    placement: str,
+    tensor_sizes,
+    max_staleness: int = 0,
+    continuous: bool = False,
+    gen_tensor_sizes=None,
+) -> dict[str, np.ndarray]:
     """All feasible rows of a placement family (see the module docstring) over the device-group
     options `allocs` [(n_gen, n_train)] (colocated: n_gen = n_train, the one group). `continuous`:
     under staleness k generation admits the next steps' prompts while a step's tail finishes."""
-    parts = [_alloc_rows(st, roles, ng, nt, placement, tensor_sizes, max_staleness, continuous,
-                         gen_tensor_sizes or tensor_sizes)
-             for ng, nt in allocs]
+    parts = [
+        _alloc_rows(
+            st, roles, ng, nt, placement, tensor_sizes, max_staleness, continuous, gen_tensor_sizes or tensor_sizes
+        )
+        for ng, nt in allocs
+    ]
     considered = sum(p.pop("considered", 0) for p in parts if p)
     parts = [p for p in parts if p and len(p["n_gen"])]
     if not parts:
@@ -128,8 +142,17 @@ def build(st: S.Setting, roles: Roles, allocs: list[tuple[int, int]], placement:
     return out
 
 
-def _alloc_rows(st, roles: Roles, n_gen: int, n_train: int, placement: str, tensor_sizes, max_k: int,
-                continuous: bool, gen_tensor_sizes) -> dict:
+def _alloc_rows(
+    st,
+    roles: Roles,
+    n_gen: int,
+    n_train: int,
+    placement: str,
+    tensor_sizes,
+    max_k: int,
+    continuous: bool,
+    gen_tensor_sizes,
+) -> dict:
     hw, actor = st.hw, roles.actor
     coloc = placement == "colocated"
     lay = layouts(n_train, st.B, actor, tensor_sizes)
@@ -137,8 +160,11 @@ def _alloc_rows(st, roles: Roles, n_gen: int, n_train: int, placement: str, tens
     if not len(lay) or not len(gl):
         return {}
     trained = [actor] + ([roles.critic] if roles.critic is not None else [])
-    fwd_models = [("actor", actor)] + ([("critic", roles.critic)] if roles.critic is not None else []) \
+    fwd_models = (
+        [("actor", actor)]
+        + ([("critic", roles.critic)] if roles.critic is not None else [])
         + ([("ref", roles.ref)] if roles.ref is not None else [])
+    )
     up_t, up_m, up_opts = _best_train(st, roles, n_train, lay, trained)
     fw_times, fw_m, fw_micros = _best_forward(st, n_train, lay, [m for _, m in fwd_models])
     ft = lay[:, 1] * lay[:, 2]  # parameter shards of a layout (fsdp × tensor)
@@ -178,8 +204,9 @@ def _alloc_rows(st, roles: Roles, n_gen: int, n_train: int, placement: str, tens
     resident, copies, same = resident[ok], copies[ok], same[ok]
     fw_pick, up_pick = fw_pick[ok], up_pick[ok]
     ks = tuple(range(1, max_k + 1))
-    gen_t, _, finished_at, gen_async = S.generate_stage(st, actor, n_gen, t_g, slots, ks if continuous else (),
-                                                        recompute=coloc)
+    gen_t, _, finished_at, gen_async = S.generate_stage(
+        st, actor, n_gen, t_g, slots, ks if continuous else (), recompute=coloc
+    )
     # The runtime's host work around the sampler: per step, per sequence, and per streamed piece
     # beyond the first.
     eff = hw.efficiency
@@ -195,8 +222,12 @@ def _alloc_rows(st, roles: Roles, n_gen: int, n_train: int, placement: str, tens
         for m in PIECES:
             if st.B % m == 0:
                 stm = dataclasses.replace(st, B=st.B // m)
-                pieces[f"t_gen_p{m}"] = (S.generate_stage(stm, actor, n_gen, t_g, np.minimum(slots, -(-stm.B // reps)))[0]
-                                         + eff.piece_s * (m - 1) / m + stm.B * eff.host_seq_s + eff.host_step_s / m)
+                pieces[f"t_gen_p{m}"] = (
+                    S.generate_stage(stm, actor, n_gen, t_g, np.minimum(slots, -(-stm.B // reps)))[0]
+                    + eff.piece_s * (m - 1) / m
+                    + stm.B * eff.host_seq_s
+                    + eff.host_step_s / m
+                )
     others = resident - rollout[G] if coloc else 0.0
     gen_mem = S.generate_memory(st, actor, t_g, slots, reps) + others
     gen_mem_sync = S.generate_memory(st, actor, t_g, np.minimum(slots, n_rep), reps) + others
@@ -204,15 +235,32 @@ def _alloc_rows(st, roles: Roles, n_gen: int, n_train: int, placement: str, tens
     peak_fw = resident + copies + fw_m[J, fw_pick]
     peak = np.maximum(np.maximum(peak_up, peak_fw), gen_mem)
     peak_sync = np.maximum(np.maximum(peak_up, peak_fw), gen_mem_sync)
-    row = {"considered": considered, "n_gen": np.full(len(I), n_gen), "n_train": np.full(len(I), n_train),
-           "t_g": t_g, "slots": slots, "n_rep": n_rep,
-           "d": lay[I, 0], "f": lay[I, 1], "t": lay[I, 2],
-           "fd": lay[J, 0], "ff": lay[J, 1], "ft": lay[J, 2],
-           "micro": np.array([up_opts[k][0] for k in up_pick]),
-           "remat": np.array([REMATS.index(up_opts[k][1]) for k in up_pick]),
-           "fmicro": np.array([fw_micros[k] for k in fw_pick]),
-           "mem_peak": peak, "mem_peak_sync": peak_sync, "mem_gen": gen_mem, "mem_update": peak_up, "mem_forward": peak_fw,
-           "t_gen": gen_t, "gen_q": gen_q, **{f"t_gen_k{k}": gen_async[k] for k in ks}, **pieces}
+    row = {
+        "considered": considered,
+        "n_gen": np.full(len(I), n_gen),
+        "n_train": np.full(len(I), n_train),
+        "t_g": t_g,
+        "slots": slots,
+        "n_rep": n_rep,
+        "d": lay[I, 0],
+        "f": lay[I, 1],
+        "t": lay[I, 2],
+        "fd": lay[J, 0],
+        "ff": lay[J, 1],
+        "ft": lay[J, 2],
+        "micro": np.array([up_opts[k][0] for k in up_pick]),
+        "remat": np.array([REMATS.index(up_opts[k][1]) for k in up_pick]),
+        "fmicro": np.array([fw_micros[k] for k in fw_pick]),
+        "mem_peak": peak,
+        "mem_peak_sync": peak_sync,
+        "mem_gen": gen_mem,
+        "mem_update": peak_up,
+        "mem_forward": peak_fw,
+        "t_gen": gen_t,
+        "gen_q": gen_q,
+        **{f"t_gen_k{k}": gen_async[k] for k in ks},
+        **pieces,
+    }
     # Per-role stage times at the chosen options.
     for name, ms in zip(("actor", "critic"), trained):
         row[f"t_upd_{name}"] = _train_rows(st, ms, n_train, row, roles)
@@ -226,7 +274,9 @@ def _alloc_rows(st, roles: Roles, n_gen: int, n_train: int, placement: str, tens
     # Weight sync into the generation layout.
     if coloc:
         cast = actor.num_params * (actor.param_bytes_per + actor.act_bytes_per) / shards_tr / hw.device.memory_bw
-        row["t_sync"] = reshard_time(hw, actor.weight_bytes(), shards_tr, t_g, n_train) + cast + hw.efficiency.dispatch_s
+        row["t_sync"] = (
+            reshard_time(hw, actor.weight_bytes(), shards_tr, t_g, n_train) + cast + hw.efficiency.dispatch_s
+        )
     else:
         row["t_sync"] = transfer_time(hw, actor.weight_bytes(), n_train, n_gen, t_g) + hw.efficiency.dispatch_s
     row["t_adv"] = np.full(len(I), float(S.elementwise_stage(st, n_train)))
@@ -239,6 +289,16 @@ def _train_rows(st, ms, busy, row, roles: Roles) -> np.ndarray:
     for k, r in enumerate(REMATS):
         idx = row["remat"] == k
         if idx.any():
-            out[idx] = S.train_stage(st, ms, busy, row["d"][idx], row["f"][idx], row["t"][idx],
-                                     row["micro"][idx], r, roles.epochs, roles.minibatches)[0]
+            out[idx] = S.train_stage(
+                st,
+                ms,
+                busy,
+                row["d"][idx],
+                row["f"][idx],
+                row["t"][idx],
+                row["micro"][idx],
+                r,
+                roles.epochs,
+                roles.minibatches,
+            )[0]
     return out

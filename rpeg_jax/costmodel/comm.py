@@ -77,8 +77,9 @@ def collective_time(hw: HardwareProfile, op: str, nbytes, size, stride=1):
     elif op == "all_to_all":
         in_node = S * (k - 1) / p
         cross = S * (p - k) / p
-        t = np.maximum(in_node / _bw_node(hw, k, S / p), cross / _bw_net(hw, S / p, mg)) \
-            + np.where(m > 1, a_net, a_node) * np.log2(np.maximum(p, 2.0))
+        t = np.maximum(in_node / _bw_node(hw, k, S / p), cross / _bw_net(hw, S / p, mg)) + np.where(
+            m > 1, a_net, a_node
+        ) * np.log2(np.maximum(p, 2.0))
     else:  # p2p between two members of the axis: the slowest level it crosses
         t = np.where(m > 1, S / _bw_net(hw, S, mg) + a_net, S / _bw_node(hw, 2.0, S) + a_node)
     return np.where(p > 1, t, 0.0)

@@ -49,8 +49,12 @@ def local_devices() -> LocalDevices:
     import jax
 
     devs = jax.devices()
-    return LocalDevices(count=len(devs), processes=jax.process_count(), platform=devs[0].platform,
-                        kind=str(getattr(devs[0], "device_kind", devs[0].platform)))
+    return LocalDevices(
+        count=len(devs),
+        processes=jax.process_count(),
+        platform=devs[0].platform,
+        kind=str(getattr(devs[0], "device_kind", devs[0].platform)),
+    )
 
 
 def profile_for(platform: str, kind: str) -> str:

@@ -43,14 +43,24 @@ LOWER = {"kv_read_factor": 1.0, "decode_tp_factor": 1.0, "contention": 0.0, "mat
 UPPER = {"contention": 4.0, "matmul_size_exponent": 2.0}  # the profile's validated ranges
 PRIOR = 0.02  # weight of log(factor / start) against one point's log error
 # (section, field, floor): the continuous factors; floors let a zero start value move.
-FACTORS = (("device", "peak_flops", 1e6), ("device", "memory_bw", 1e6), ("efficiency", "elementwise_factor", 1e-3),
-           ("efficiency", "layer_s", 1e-7), ("efficiency", "backward_factor", 0.1),
-           ("efficiency", "update_streams", 1.0),
-           ("efficiency", "decode_step_s", 1e-7), ("efficiency", "decode_layer_s", 1e-7),
-           ("efficiency", "kv_read_factor", 1.0), ("efficiency", "dispatch_s", 1e-7),
-           ("node", "link_bw", 1e6), ("node", "latency_s", 1e-7), ("efficiency", "contention", 0.0),
-           ("efficiency", "matmul_size_exponent", 0.0), ("efficiency", "decode_tp_factor", 1.0),
-           ("efficiency", "gen_seq_s", 1e-6))
+FACTORS = (
+    ("device", "peak_flops", 1e6),
+    ("device", "memory_bw", 1e6),
+    ("efficiency", "elementwise_factor", 1e-3),
+    ("efficiency", "layer_s", 1e-7),
+    ("efficiency", "backward_factor", 0.1),
+    ("efficiency", "update_streams", 1.0),
+    ("efficiency", "decode_step_s", 1e-7),
+    ("efficiency", "decode_layer_s", 1e-7),
+    ("efficiency", "kv_read_factor", 1.0),
+    ("efficiency", "dispatch_s", 1e-7),
+    ("node", "link_bw", 1e6),
+    ("node", "latency_s", 1e-7),
+    ("efficiency", "contention", 0.0),
+    ("efficiency", "matmul_size_exponent", 0.0),
+    ("efficiency", "decode_tp_factor", 1.0),
+    ("efficiency", "gen_seq_s", 1e-6),
+)
 
 
 def shape_of(dims: dict) -> ModelShape:
@@ -60,9 +70,20 @@ def shape_of(dims: dict) -> ModelShape:
 
 def setting(hw: HardwareProfile, p: dict) -> S.Setting:
     """The stage's fixed shapes: every response R tokens long (the benchmark ignores eos)."""
-    return S.Setting(hw=hw, B=p["B"], P=p["P"], R=p["R"], G=p.get("G", 1), dist=LengthDist.fixed(p["R"]),
-                     causal_skip=False, dense_scores=True, packing=False, budget_bytes=hw.hbm_bytes,
-                     kv_replicated=True, page_size=p.get("page_size", 16))  # the sampler's default page
+    return S.Setting(
+        hw=hw,
+        B=p["B"],
+        P=p["P"],
+        R=p["R"],
+        G=p.get("G", 1),
+        dist=LengthDist.fixed(p["R"]),
+        causal_skip=False,
+        dense_scores=True,
+        packing=False,
+        budget_bytes=hw.hbm_bytes,
+        kv_replicated=True,
+        page_size=p.get("page_size", 16),
+    )  # the sampler's default page
 
 
 def predict_point(hw: HardwareProfile, p: dict) -> tuple[float, float]:
@@ -120,8 +141,7 @@ def fit_times(hw: HardwareProfile, points: list[dict], multistart: bool = True) 
     meas = np.log([p["seconds"] for p in points])
 
     def profile(x):
-        return _apply(hw, {(sec, name): (v if name in LINEAR else np.exp(v))
-                           for (sec, name, _), v in zip(FACTORS, x)})
+        return _apply(hw, {(sec, name): (v if name in LINEAR else np.exp(v)) for (sec, name, _), v in zip(FACTORS, x)})
 
     def resid(x):
         prof = profile(x)
@@ -143,8 +163,10 @@ def fit_times(hw: HardwareProfile, points: list[dict], multistart: bool = True) 
         x = x0.copy()
         x[names.index("memory_bw")] -= np.log(div)
         starts.append(x)
-    sols = [least_squares(resid, np.clip(x, lo + 1e-9, hi - 1e-9), bounds=(lo, hi), method="trf", max_nfev=300)
-            for x in (starts if multistart else starts[:1])]
+    sols = [
+        least_squares(resid, np.clip(x, lo + 1e-9, hi - 1e-9), bounds=(lo, hi), method="trf", max_nfev=300)
+        for x in (starts if multistart else starts[:1])
+    ]
     sol = min(sols, key=lambda r: r.cost)
     out = profile(sol.x)
     errs = [abs(predict_point(out, p)[0] / p["seconds"] - 1.0) for p in points]
@@ -160,8 +182,9 @@ def fit_memory(hw: HardwareProfile, points: list[dict]) -> tuple[HardwareProfile
         return hw, {}
 
     def mem(mode, wc, af, ff):
-        e = dataclasses.replace(hw.efficiency, fsdp_gather=mode, weight_copies=wc, act_memory_factor=af,
-                                fwd_act_memory_factor=ff)
+        e = dataclasses.replace(
+            hw.efficiency, fsdp_gather=mode, weight_copies=wc, act_memory_factor=af, fwd_act_memory_factor=ff
+        )
         prof = with_nodes(hw, efficiency=e)
         return prof, np.array([predict_point(prof, p)[1] for p in pts])
 
@@ -169,8 +192,11 @@ def fit_memory(hw: HardwareProfile, points: list[dict]) -> tuple[HardwareProfile
     best = None
     for mode in GATHERS:
         _, base = mem(mode, 0.0, 1.0, 1.0)
-        cols = [mem(mode, 1.0, 1.0, 1.0)[1] - base, mem(mode, 0.0, 2.0, 1.0)[1] - base,
-                mem(mode, 0.0, 1.0, 2.0)[1] - base]
+        cols = [
+            mem(mode, 1.0, 1.0, 1.0)[1] - base,
+            mem(mode, 0.0, 2.0, 1.0)[1] - base,
+            mem(mode, 0.0, 1.0, 2.0)[1] - base,
+        ]
         rest = base - cols[1] - cols[2]
         x = _nnls(np.stack([c / m for c in cols], axis=1), 1.0 - rest / m)
         prof, pred = mem(mode, float(x[0]), float(max(x[1], 1e-3)), float(max(x[2], 1e-3)))
@@ -248,8 +274,10 @@ def fit_steps(hw: HardwareProfile, steps: list[dict]) -> tuple[HardwareProfile, 
     lo = np.array([LOWER.get(n, 0.0) / unit for n, unit in factors])
 
     def profile(x):
-        return with_nodes(hw, efficiency=dataclasses.replace(hw.efficiency, **{n: float(v * unit) for (n, unit), v
-                                                                               in zip(factors, x)}))
+        return with_nodes(
+            hw,
+            efficiency=dataclasses.replace(hw.efficiency, **{n: float(v * unit) for (n, unit), v in zip(factors, x)}),
+        )
 
     def resid(x):
         prof = profile(x)

@@ -24,8 +24,9 @@ import yaml
 
 from rpeg_jax.config.base import ConfigError, build, check, key, to_dict
 
-HARDWARE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                            "configs", "hardware")
+HARDWARE_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "hardware"
+)
 GB = 1e9
 
 Table = tuple[tuple[float, float], ...]
@@ -40,8 +41,12 @@ def check_table(table: Table, path: str) -> None:
         if i:
             s0, e0 = table[i - 1]
             check(size > s0, f"{path}[{i}]", [size, eff], f"sizes must increase (previous {s0:g})")
-            check(eff / e0 <= size / s0 * (1 + 1e-9), f"{path}[{i}]", [size, eff],
-                  "efficiency grows faster than size here, so a larger message would take less time")
+            check(
+                eff / e0 <= size / s0 * (1 + 1e-9),
+                f"{path}[{i}]",
+                [size, eff],
+                "efficiency grows faster than size here, so a larger message would take less time",
+            )
 
 
 def interp_eff(table: Table, size):
@@ -64,8 +69,12 @@ class DeviceSpec:
         for name in ("peak_flops", "peak_flops_fp32", "memory_gb", "usable_memory_gb", "memory_bw"):
             v = getattr(self, name)
             check(v > 0, key(path, name), v, "must be > 0")
-        check(self.usable_memory_gb <= self.memory_gb, key(path, "usable_memory_gb"), self.usable_memory_gb,
-              f"must be <= memory_gb={self.memory_gb}")
+        check(
+            self.usable_memory_gb <= self.memory_gb,
+            key(path, "usable_memory_gb"),
+            self.usable_memory_gb,
+            f"must be <= memory_gb={self.memory_gb}",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,8 +156,12 @@ class EfficiencySpec:
         check(0.0 <= self.overlap <= 1.0, key(path, "overlap"), self.overlap, "must be in [0, 1]")
         check(self.kv_read_factor >= 1.0, key(path, "kv_read_factor"), self.kv_read_factor, "must be >= 1")
         check(self.decode_tp_factor >= 1.0, key(path, "decode_tp_factor"), self.decode_tp_factor, "must be >= 1")
-        check(0.0 <= self.matmul_size_exponent <= 2.0, key(path, "matmul_size_exponent"), self.matmul_size_exponent,
-              "must be in [0, 2]")
+        check(
+            0.0 <= self.matmul_size_exponent <= 2.0,
+            key(path, "matmul_size_exponent"),
+            self.matmul_size_exponent,
+            "must be in [0, 2]",
+        )
         check(self.elementwise_factor > 0, key(path, "elementwise_factor"), self.elementwise_factor, "must be > 0")
         check(0.0 <= self.contention <= 4.0, key(path, "contention"), self.contention, "must be in [0, 4]")
         check(self.backward_factor > 0, key(path, "backward_factor"), self.backward_factor, "must be > 0")
@@ -157,10 +170,18 @@ class EfficiencySpec:
         check(self.weight_copies >= 0, key(path, "weight_copies"), self.weight_copies, "must be >= 0")
         check(self.act_memory_factor > 0, key(path, "act_memory_factor"), self.act_memory_factor, "must be > 0")
         check(self.gen_memory_factor > 0, key(path, "gen_memory_factor"), self.gen_memory_factor, "must be > 0")
-        check(self.fwd_act_memory_factor > 0, key(path, "fwd_act_memory_factor"), self.fwd_act_memory_factor,
-              "must be > 0")
-        check(self.fsdp_gather in ("matrix", "layer", "model"), key(path, "fsdp_gather"), self.fsdp_gather,
-              "must be matrix | layer | model")
+        check(
+            self.fwd_act_memory_factor > 0,
+            key(path, "fwd_act_memory_factor"),
+            self.fwd_act_memory_factor,
+            "must be > 0",
+        )
+        check(
+            self.fsdp_gather in ("matrix", "layer", "model"),
+            key(path, "fsdp_gather"),
+            self.fsdp_gather,
+            "must be matrix | layer | model",
+        )
         for name in ("dispatch_s", "layer_s", "decode_step_s", "piece_s", "host_seq_s", "gen_seq_s"):
             v = getattr(self, name)
             check(v >= 0, key(path, name), v, "must be >= 0")
@@ -187,8 +208,12 @@ class HardwareProfile:
     def validate(self, path: str) -> None:
         check(bool(self.name), key(path, "name"), self.name, "must not be empty")
         check(self.host_cores >= 1, key(path, "host_cores"), self.host_cores, "must be >= 1")
-        check(self.network.group_devices >= self.node.devices, key(path, "network.group_devices"),
-              self.network.group_devices, f"must be >= node.devices={self.node.devices}")
+        check(
+            self.network.group_devices >= self.node.devices,
+            key(path, "network.group_devices"),
+            self.network.group_devices,
+            f"must be >= node.devices={self.node.devices}",
+        )
 
     # Convenience views used throughout the cost model.
     @property
@@ -240,8 +265,9 @@ def load_hardware(name_or_path: str, calibrated: bool = True) -> HardwareProfile
         if calibrated and os.path.isfile(calibrated_path(name_or_path)):
             path = calibrated_path(name_or_path)
         elif not os.path.isfile(path):
-            raise ConfigError("costmodel.hardware", name_or_path,
-                              f"unknown hardware profile; known: {', '.join(known_profiles())}")
+            raise ConfigError(
+                "costmodel.hardware", name_or_path, f"unknown hardware profile; known: {', '.join(known_profiles())}"
+            )
     if not os.path.isfile(path):
         raise ConfigError("costmodel.hardware", name_or_path, "file not found")
     with open(path) as f:
@@ -281,4 +307,3 @@ def with_nodes(profile: HardwareProfile, **changes) -> HardwareProfile:
     out = dataclasses.replace(profile, **changes)
     out.validate("hardware")
     return out
-

@@ -119,8 +119,9 @@ def _profile(start: np.ndarray, end: np.ndarray, prompt_len: int, nbins: int) ->
 
 
 @functools.lru_cache(maxsize=4096)
-def gen_schedule(dist: LengthDist, batch: int, reps: int, slots: int, prompt_len: int,
-                 nbins: int = NBINS) -> GenSchedule:
+def gen_schedule(
+    dist: LengthDist, batch: int, reps: int, slots: int, prompt_len: int, nbins: int = NBINS
+) -> GenSchedule:
     """The batch's sequences dealt round-robin to `reps` replicas (whole batch in one step).
 
     The stage ends when the slowest replica does: the one holding the longest response
@@ -139,5 +140,9 @@ def gen_schedule(dist: LengthDist, batch: int, reps: int, slots: int, prompt_len
         st, en = _schedule(per[r], min(slots, len(per[r])))
         crit.append(_profile(st, en, prompt_len, nbins))
     lf = lengths.astype(np.float64)
-    return GenSchedule(critical=tuple(crit), finish_step=np.sort(np.concatenate(ends)),
-                       mean_len=float(lf.mean()), mean_sq_len=float((lf ** 2).mean()))
+    return GenSchedule(
+        critical=tuple(crit),
+        finish_step=np.sort(np.concatenate(ends)),
+        mean_len=float(lf.mean()),
+        mean_sq_len=float((lf**2).mean()),
+    )

@@ -78,15 +78,24 @@ def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processe
     base = build_graph(cfg)
     sz = base.sizes
     bucket = 1 if cfg.pipeline.microbatches > 1 else RUNTIME_LENGTH_BUCKET
-    st = S.Setting(hw=hw, B=sz["B"], P=prompt_len(cfg, bucket), R=sz["R"], G=sz["G"], dist=length_dist(cfg),
-                   causal_skip=flash, dense_scores=not flash, packing=c.sequence_packing,
-                   budget_bytes=c.memory_budget * hw.hbm_bytes,
-                   kv_replicated="replicated" in (c.kv_pool, cfg.rollout.kv_pool),  # the run's pool, or a what-if
-                   prompt_sharing=cfg.sharding.axis_types != "explicit",  # kernels: explicit keeps the plain pass
-                   page_size=cfg.rollout.page_size,
-                   # the runtime pads prompts and responses to its length bucket unless shapes are
-                   # fixed (pieces > 1)
-                   length_bucket=bucket)
+    st = S.Setting(
+        hw=hw,
+        B=sz["B"],
+        P=prompt_len(cfg, bucket),
+        R=sz["R"],
+        G=sz["G"],
+        dist=length_dist(cfg),
+        causal_skip=flash,
+        dense_scores=not flash,
+        packing=c.sequence_packing,
+        budget_bytes=c.memory_budget * hw.hbm_bytes,
+        kv_replicated="replicated" in (c.kv_pool, cfg.rollout.kv_pool),  # the run's pool, or a what-if
+        prompt_sharing=cfg.sharding.axis_types != "explicit",  # kernels: explicit keeps the plain pass
+        page_size=cfg.rollout.page_size,
+        # the runtime pads prompts and responses to its length bucket unless shapes are
+        # fixed (pieces > 1)
+        length_bucket=bucket,
+    )
     return Context(cfg, hw, num_devices, st, base, processes)
 
 
@@ -94,12 +103,17 @@ def roles_of(ctx: Context, graph: Graph) -> C.Roles:
     """Model shapes by role as the graph's stages use them (shared backbone included)."""
     models = {}
     for s in graph.stages():
-        for p in (s.parts or (s,)):
-            for m in (p.workload.models if p.workload else ()):
+        for p in s.parts or (s,):
+            for m in p.workload.models if p.workload else ():
                 models.setdefault(m.role, ModelShape.of(m))
     rl = ctx.cfg.rl
-    return C.Roles(actor=models["actor"], critic=models.get("critic"), ref=models.get("reference"),
-                   epochs=rl.ppo_epochs, minibatches=rl.minibatches)
+    return C.Roles(
+        actor=models["actor"],
+        critic=models.get("critic"),
+        ref=models.get("reference"),
+        epochs=rl.ppo_epochs,
+        minibatches=rl.minibatches,
+    )
 
 
 def useful_flops(st: S.Setting, g: Graph) -> float:
@@ -221,8 +235,16 @@ def family_table(ctx: Context, graph: Graph, placement: str, cache: dict, allocs
         c = ctx.cfg.costmodel
         # Several processes: the runtime generates on each process's local devices as data only.
         gen_t = (1,) if ctx.processes > 1 else c.tensor_sizes
-        cache[key] = C.build(ctx.st, roles_of(ctx, graph), allocs, placement, c.tensor_sizes,
-                             c.max_staleness, c.continuous_admission, gen_t)
+        cache[key] = C.build(
+            ctx.st,
+            roles_of(ctx, graph),
+            allocs,
+            placement,
+            c.tensor_sizes,
+            c.max_staleness,
+            c.continuous_admission,
+            gen_t,
+        )
     return cache[key]
 
 
@@ -268,9 +290,12 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
             evaluations += len(period)
             scored.append(_Scored(period, latency, g, pipe, rows))
     if not scored:
-        raise GraphError("plan", f"no plan fits: every layout exceeds {ctx.st.budget_bytes / GB:.1f} GB per device "
-                                 f"(costmodel.memory_budget={cfg.costmodel.memory_budget} of {hw.name}) or no "
-                                 f"mesh divides the batch of {ctx.st.B} sequences")
+        raise GraphError(
+            "plan",
+            f"no plan fits: every layout exceeds {ctx.st.budget_bytes / GB:.1f} GB per device "
+            f"(costmodel.memory_budget={cfg.costmodel.memory_budget} of {hw.name}) or no "
+            f"mesh divides the batch of {ctx.st.B} sequences",
+        )
     scored.sort(key=lambda s: float(np.min(s.period)))
     best: list[Prediction] = []
     seen = set()
@@ -278,16 +303,29 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
         if len(best) > cfg.costmodel.runners_up:
             break
         i = int(np.argmin(s.period))
-        key = (s.pipeline.placement, s.pipeline.staleness, s.pipeline.share_actor_critic,
-               *(int(s.tab[c][i]) for c in ("n_gen", "n_train", "t_g", "d", "f", "t", "fd", "ff", "ft")))
+        key = (
+            s.pipeline.placement,
+            s.pipeline.staleness,
+            s.pipeline.share_actor_critic,
+            *(int(s.tab[c][i]) for c in ("n_gen", "n_train", "t_g", "d", "f", "t", "fd", "ff", "ft")),
+        )
         if key not in seen:
             seen.add(key)
             best.append(predict(ctx, s.graph, s.pipeline, s.tab, i, "chosen" if not best else f"runner-up {len(best)}"))
-    baselines = {name: b for name, b in ((nm, baseline(ctx, nm, cache)) for nm in ("verl_like", "real_like"))
-                 if b is not None}
-    res = SearchResult(chosen=best[0], runners_up=best[1:], baselines=baselines,
-                       search_seconds=time.perf_counter() - t0, evaluations=evaluations,
-                       plans_considered=considered, hardware=hw.name, num_devices=n, processes=procs)
+    baselines = {
+        name: b for name, b in ((nm, baseline(ctx, nm, cache)) for nm in ("verl_like", "real_like")) if b is not None
+    }
+    res = SearchResult(
+        chosen=best[0],
+        runners_up=best[1:],
+        baselines=baselines,
+        search_seconds=time.perf_counter() - t0,
+        evaluations=evaluations,
+        plans_considered=considered,
+        hardware=hw.name,
+        num_devices=n,
+        processes=procs,
+    )
     res.notes = explain(ctx, res)
     return res
 
@@ -330,20 +368,37 @@ def predict(ctx: Context, graph: Graph, pipe: PipelineConfig, tab: dict, i: int,
     sync = not pipe.staleness
     slots = min(int(r["slots"]), int(r["n_rep"])) if sync else int(r["slots"])
     layout = {
-        "groups": {"gen": int(r["n_gen"]), "train": int(r["n_train"])} if pipe.placement == "split"
+        "groups": {"gen": int(r["n_gen"]), "train": int(r["n_train"])}
+        if pipe.placement == "split"
         else {"all": int(r["n_train"])},
         "generate": {"tensor": int(r["t_g"]), "replicas": int(r["n_gen"] // r["t_g"]), "slots": slots},
-        "train": {"data": int(r["d"]), "fsdp": int(r["f"]), "tensor": int(r["t"]),
-                  "micro_batches": int(r["micro"]), "remat": C.REMATS[int(r["remat"])]},
-        "forward": {"data": int(r["fd"]), "fsdp": int(r["ff"]), "tensor": int(r["ft"]),
-                    "micro_batches": int(r["fmicro"])},
+        "train": {
+            "data": int(r["d"]),
+            "fsdp": int(r["f"]),
+            "tensor": int(r["t"]),
+            "micro_batches": int(r["micro"]),
+            "remat": C.REMATS[int(r["remat"])],
+        },
+        "forward": {
+            "data": int(r["fd"]),
+            "fsdp": int(r["ff"]),
+            "tensor": int(r["ft"]),
+            "micro_batches": int(r["fmicro"]),
+        },
     }
     if pipe.placement == "split":
         pipe = dataclasses.replace(pipe, split_sizes=(int(r["n_gen"]), int(r["n_train"])))
-    pred = Prediction(label=label, step_time_s=period, latency_s=latency,
-                      memory_per_gpu_gb=float(r["mem_peak_sync" if sync else "mem_peak"]) / GB, utilization=util,
-                      stage_times_s={k: float(np.asarray(v).ravel()[0]) for k, v in dur.items()},
-                      spans=stage_spans(prog, starts, ends), knobs=knobs_of(pipe), layout=layout)
+    pred = Prediction(
+        label=label,
+        step_time_s=period,
+        latency_s=latency,
+        memory_per_gpu_gb=float(r["mem_peak_sync" if sync else "mem_peak"]) / GB,
+        utilization=util,
+        stage_times_s={k: float(np.asarray(v).ravel()[0]) for k, v in dur.items()},
+        spans=stage_spans(prog, starts, ends),
+        knobs=knobs_of(pipe),
+        layout=layout,
+    )
     pred.plan = to_plan(ctx, graph, pipe, pred)
     return pred
 
@@ -373,18 +428,33 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
         mesh = _mesh(part)
         rules = layout_rules(s, ctx.cfg, mesh, priced=True)
         entries.append(StagePlan(s.name, s.placement, mesh, rules, s.microbatches))
-    predicted = {"step_time_s": pred.step_time_s, "latency_s": pred.latency_s,
-                 "memory_per_gpu_gb": pred.memory_per_gpu_gb, "utilization": pred.utilization,
-                 "stage_s": pred.stage_times_s, "hardware": ctx.hw.name, "processes": ctx.processes,
-                 "clock": clock_of(ctx.hw),
-                 # The sampler's max_slots is per process over its replicas (slots per replica x replicas).
-                 # Config values the run takes from the plan (graph/plan.config_for_plan).
-                 "settings": {"rl.micro_batches": lay["train"]["micro_batches"], "model.remat": lay["train"]["remat"],
-                              "rollout.max_slots": lay["generate"]["slots"] * lay["generate"]["replicas"] // ctx.processes},
-                 # Priced, not applied: the runtime's scoring forwards run the batch in one piece.
-                 "forward_micro_batches": lay["forward"]["micro_batches"]}
-    return Plan(num_devices=ctx.N, groups=groups, stages=tuple(entries), knobs=knobs_of(pipe),
-                source="planner", predicted=predicted).check(graph)
+    predicted = {
+        "step_time_s": pred.step_time_s,
+        "latency_s": pred.latency_s,
+        "memory_per_gpu_gb": pred.memory_per_gpu_gb,
+        "utilization": pred.utilization,
+        "stage_s": pred.stage_times_s,
+        "hardware": ctx.hw.name,
+        "processes": ctx.processes,
+        "clock": clock_of(ctx.hw),
+        # The sampler's max_slots is per process over its replicas (slots per replica x replicas).
+        # Config values the run takes from the plan (graph/plan.config_for_plan).
+        "settings": {
+            "rl.micro_batches": lay["train"]["micro_batches"],
+            "model.remat": lay["train"]["remat"],
+            "rollout.max_slots": lay["generate"]["slots"] * lay["generate"]["replicas"] // ctx.processes,
+        },
+        # Priced, not applied: the runtime's scoring forwards run the batch in one piece.
+        "forward_micro_batches": lay["forward"]["micro_batches"],
+    }
+    return Plan(
+        num_devices=ctx.N,
+        groups=groups,
+        stages=tuple(entries),
+        knobs=knobs_of(pipe),
+        source="planner",
+        predicted=predicted,
+    ).check(graph)
 
 
 def choose_plan(cfg: RunConfig, num_devices: int | None = None, hardware=None, processes: int | None = None) -> Plan:

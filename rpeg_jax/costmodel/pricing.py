@@ -15,8 +15,16 @@ import numpy as np
 from rpeg_jax.config.run import RunConfig
 from rpeg_jax.costmodel.candidates import REMATS
 from rpeg_jax.costmodel.devices import resolve
-from rpeg_jax.costmodel.planner import (GEN_SIDE, TRAIN_SIDE, family_table, make_context, option_graphs, periods,
-                                        predict, take_rows)
+from rpeg_jax.costmodel.planner import (
+    GEN_SIDE,
+    TRAIN_SIDE,
+    family_table,
+    make_context,
+    option_graphs,
+    periods,
+    predict,
+    take_rows,
+)
 from rpeg_jax.costmodel.space import families, structural_options
 from rpeg_jax.costmodel.types import Prediction
 from rpeg_jax.graph.algorithms import build_graph
@@ -25,8 +33,9 @@ from rpeg_jax.graph.passes import apply_pipeline
 from rpeg_jax.graph.plan import Plan
 
 
-def best_by_groups(cfg: RunConfig, num_devices: int | None = None, hardware=None,
-                   processes: int | None = None) -> list[Prediction]:
+def best_by_groups(
+    cfg: RunConfig, num_devices: int | None = None, hardware=None, processes: int | None = None
+) -> list[Prediction]:
     """The best plan of every device-group option (placement, n_gen, n_train), best first: the
     alternatives the search weighed, for validation and for explaining why the chosen groups win."""
     hw, n, procs = resolve(cfg, num_devices, hardware, processes)
@@ -48,8 +57,10 @@ def best_by_groups(cfg: RunConfig, num_devices: int | None = None, hardware=None
                     k = (placement, *key)
                     if k not in best or period[i] < best[k][0]:
                         best[k] = (float(period[i]), pipe, g, i, tab)
-    out = [predict(ctx, g, pipe, tab, i, f"best {k[0]} {k[1]}+{k[2]}" if k[0] == "split" else f"best {k[0]} {k[1]}")
-           for k, (_, pipe, g, i, tab) in sorted(best.items(), key=lambda kv: kv[1][0])]
+    out = [
+        predict(ctx, g, pipe, tab, i, f"best {k[0]} {k[1]}+{k[2]}" if k[0] == "split" else f"best {k[0]} {k[1]}")
+        for k, (_, pipe, g, i, tab) in sorted(best.items(), key=lambda kv: kv[1][0])
+    ]
     return out
 
 
@@ -59,8 +70,9 @@ def price(cfg: RunConfig, plan: Plan, hardware=None, processes: int | None = Non
     return price_layout(cfg, plan.knobs, _layout_of(plan, pipe, cfg), plan.num_devices, hardware, processes)
 
 
-def price_layout(cfg: RunConfig, knobs: dict, layout: dict, num_devices: int, hardware=None,
-                 processes: int | None = None) -> Prediction:
+def price_layout(
+    cfg: RunConfig, knobs: dict, layout: dict, num_devices: int, hardware=None, processes: int | None = None
+) -> Prediction:
     """The prediction for a plan given as knobs + layout (Prediction.layout's format: groups,
     generate {tensor}, train {data, fsdp, tensor, micro_batches, remat}, forward {data, fsdp,
     tensor}): the table row with those groups and layouts, simulated under the knobs' graph."""
@@ -71,13 +83,23 @@ def price_layout(cfg: RunConfig, knobs: dict, layout: dict, num_devices: int, ha
     gr, tr, fw = layout["groups"], layout["train"], layout["forward"]
     ng, nt = gr.get("gen", gr.get("all")), gr.get("train", gr.get("all"))
     tab = family_table(ctx, g, pipe.placement, {}, [(ng, nt)])
-    want = {"n_gen": ng, "n_train": nt,
-            "t_g": layout["generate"]["tensor"], "d": tr["data"], "f": tr["fsdp"], "t": tr["tensor"],
-            "fd": fw["data"], "ff": fw["fsdp"], "ft": fw["tensor"]}
+    want = {
+        "n_gen": ng,
+        "n_train": nt,
+        "t_g": layout["generate"]["tensor"],
+        "d": tr["data"],
+        "f": tr["fsdp"],
+        "t": tr["tensor"],
+        "fd": fw["data"],
+        "ff": fw["fsdp"],
+        "ft": fw["tensor"],
+    }
     sel = np.ones(len(tab["n_gen"]), bool)
     for k, v in want.items():
         sel &= tab[k] == v
-    exact = sel & (tab["micro"] == tr.get("micro_batches", -1)) & (tab["remat"] == REMATS.index(tr.get("remat", "none")))
+    exact = (
+        sel & (tab["micro"] == tr.get("micro_batches", -1)) & (tab["remat"] == REMATS.index(tr.get("remat", "none")))
+    )
     idx = np.nonzero(exact if exact.any() else sel)[0]
     if not len(idx):
         raise GraphError("plan", f"no candidate of the model matches the layout {want}")
@@ -90,12 +112,19 @@ def _layout_of(plan: Plan, pipe, cfg: RunConfig) -> dict:
     """A planner-format layout from a Plan's groups, stage meshes and settings."""
     other = sorted({sp.group for sp in plan.stages} - {"all", "gen", "train"})
     if other:  # e.g. graph.plan.widen_generation's nested group: the tables have no such option
-        raise GraphError(other[0], "the cost model prices the placements it plans (one group 'all', or "
-                                   "'gen' and 'train'); this plan's stages also run on other groups")
+        raise GraphError(
+            other[0],
+            "the cost model prices the placements it plans (one group 'all', or "
+            "'gen' and 'train'); this plan's stages also run on other groups",
+        )
     graph = apply_pipeline(build_graph(cfg), pipe)
     s = plan.predicted.get("settings", {})
-    out = {"groups": {}, "generate": {}, "train": {"micro_batches": s.get("rl.micro_batches", 1),
-                                                    "remat": s.get("model.remat", "none")}, "forward": {}}
+    out = {
+        "groups": {},
+        "generate": {},
+        "train": {"micro_batches": s.get("rl.micro_batches", 1), "remat": s.get("model.remat", "none")},
+        "forward": {},
+    }
     for st in graph.stages():
         kinds = {p.kind for p in (st.parts or (st,))}
         sp = plan.stage(st.name)

@@ -27,14 +27,20 @@ def _entry(p: Prediction) -> dict[str, Any]:
 
 def to_json_dict(res: SearchResult) -> dict[str, Any]:
     c = res.chosen.step_time_s
-    return {"hardware": res.hardware, "num_devices": res.num_devices, "processes": res.processes,
-            "search_seconds": res.search_seconds, "evaluations": res.evaluations,
-            "plans_considered": res.plans_considered,
-            "evaluations_per_s": res.evaluations / max(res.search_seconds, 1e-9),
-            "chosen": _entry(res.chosen), "runners_up": [_entry(p) for p in res.runners_up],
-            "baselines": {k: (_entry(res.baselines[k]) if k in res.baselines else None) for k in BASELINES},
-            "ratios": {k: (res.baselines[k].step_time_s / c if k in res.baselines else None) for k in BASELINES},
-            "notes": list(res.notes)}
+    return {
+        "hardware": res.hardware,
+        "num_devices": res.num_devices,
+        "processes": res.processes,
+        "search_seconds": res.search_seconds,
+        "evaluations": res.evaluations,
+        "plans_considered": res.plans_considered,
+        "evaluations_per_s": res.evaluations / max(res.search_seconds, 1e-9),
+        "chosen": _entry(res.chosen),
+        "runners_up": [_entry(p) for p in res.runners_up],
+        "baselines": {k: (_entry(res.baselines[k]) if k in res.baselines else None) for k in BASELINES},
+        "ratios": {k: (res.baselines[k].step_time_s / c if k in res.baselines else None) for k in BASELINES},
+        "notes": list(res.notes),
+    }
 
 
 def _layout(p: Prediction) -> str:
@@ -42,24 +48,31 @@ def _layout(p: Prediction) -> str:
     groups = "+".join(f"{n}{v}" for n, v in lay["groups"].items())
     g, t, f = lay["generate"], lay["train"], lay["forward"]
     fuse = ",".join(k.get("fuse") or []) or "-"
-    return (f"{k['placement']:<9} {groups:<14} gen tp{g['tensor']}x{g['replicas']} slots {g['slots']:<4} "
-            f"train d{t['data']}f{t['fsdp']}t{t['tensor']} mb{t['micro_batches']} {t['remat']:<4} "
-            f"fwd d{f['data']}f{f['fsdp']}t{f['tensor']}  k={k['staleness']} share={int(bool(k['share_actor_critic']))} "
-            f"fuse={fuse} elide={int(bool(k.get('elide_old_forward')))} pieces={k['microbatches']}")
+    return (
+        f"{k['placement']:<9} {groups:<14} gen tp{g['tensor']}x{g['replicas']} slots {g['slots']:<4} "
+        f"train d{t['data']}f{t['fsdp']}t{t['tensor']} mb{t['micro_batches']} {t['remat']:<4} "
+        f"fwd d{f['data']}f{f['fsdp']}t{f['tensor']}  k={k['staleness']} share={int(bool(k['share_actor_critic']))} "
+        f"fuse={fuse} elide={int(bool(k.get('elide_old_forward')))} pieces={k['microbatches']}"
+    )
 
 
 def render_text(res: SearchResult) -> str:
     c = res.chosen
     procs = f" on {res.processes} processes" if res.processes > 1 else ""
-    lines = [f"rpeg plan: {res.num_devices} x {res.hardware}{procs}; scored {res.evaluations} plans "
-             f"({res.plans_considered} layout/micro-batch/remat combinations priced) in "
-             f"{res.search_seconds:.2f} s ({res.evaluations / max(res.search_seconds, 1e-9):.0f} plans/s)", ""]
+    lines = [
+        f"rpeg plan: {res.num_devices} x {res.hardware}{procs}; scored {res.evaluations} plans "
+        f"({res.plans_considered} layout/micro-batch/remat combinations priced) in "
+        f"{res.search_seconds:.2f} s ({res.evaluations / max(res.search_seconds, 1e-9):.0f} plans/s)",
+        "",
+    ]
     head = f"  {'plan':<12} {'step s':>9} {'vs chosen':>9} {'mem GB':>7} {'util':>6}  layout"
     lines.append(head)
     rows = [c, *res.runners_up, *res.baselines.values()]
     for p in rows:
-        lines.append(f"  {p.label:<12} {p.step_time_s:>9.4g} {p.step_time_s / c.step_time_s:>8.2f}x "
-                     f"{p.memory_per_gpu_gb:>7.2f} {100 * p.utilization:>5.1f}%  {_layout(p)}")
+        lines.append(
+            f"  {p.label:<12} {p.step_time_s:>9.4g} {p.step_time_s / c.step_time_s:>8.2f}x "
+            f"{p.memory_per_gpu_gb:>7.2f} {100 * p.utilization:>5.1f}%  {_layout(p)}"
+        )
     lines += ["", "per-stage seconds (steady-state step; spans are start..end within the step):"]
     for p in [c, *res.baselines.values()]:
         lines.append(f"  {p.label}: step {p.step_time_s:.4g} s, first-step latency {p.latency_s:.4g} s")
@@ -79,43 +92,65 @@ def explain(ctx: Context, res: SearchResult) -> list[str]:
     busy: dict[str, float] = {}
     groups = c.plan.groups if c.plan else ()
     for g in groups:
-        busy[g.name] = sum(v for k, v in c.stage_times_s.items()
-                           if c.plan.stage(k).group == g.name and not k.startswith("reward"))
+        busy[g.name] = sum(
+            v for k, v in c.stage_times_s.items() if c.plan.stage(k).group == g.name and not k.startswith("reward")
+        )
     if len(busy) > 1:
         slow = max(busy, key=busy.get)
-        out.append(f"split placement: the {slow!r} group sets the period (busy {busy[slow]:.3g} s per step; "
-                   + ", ".join(f"{k} {v:.3g} s" for k, v in busy.items() if k != slow) + ")"
-                   + (f"; staleness k={c.knobs['staleness']} overlaps generation with training"
-                      if c.knobs.get("staleness") else "; streamed pieces overlap the forwards with generation"))
+        out.append(
+            f"split placement: the {slow!r} group sets the period (busy {busy[slow]:.3g} s per step; "
+            + ", ".join(f"{k} {v:.3g} s" for k, v in busy.items() if k != slow)
+            + ")"
+            + (
+                f"; staleness k={c.knobs['staleness']} overlaps generation with training"
+                if c.knobs.get("staleness")
+                else "; streamed pieces overlap the forwards with generation"
+            )
+        )
     else:
         top = sorted(c.stage_times_s.items(), key=lambda kv: -kv[1])[:2]
         out.append("colocated: stages run one after another; largest " + ", ".join(f"{k} {v:.3g} s" for k, v in top))
-    used = sum(g.size for g in groups if not any(g.devices != o.devices and set(g.devices) < set(o.devices)
-                                                 for o in groups))
+    used = sum(
+        g.size for g in groups if not any(g.devices != o.devices and set(g.devices) < set(o.devices) for o in groups)
+    )
     if ctx.hw.shared_host and ctx.N > 1:
-        out.append(f"shared host: the {ctx.N} devices are slices of one machine's cores, so groups never run "
-                   f"faster side by side and every extra device adds a device program's overheads; "
-                   f"the plan uses {used} of them")
+        out.append(
+            f"shared host: the {ctx.N} devices are slices of one machine's cores, so groups never run "
+            f"faster side by side and every extra device adds a device program's overheads; "
+            f"the plan uses {used} of them"
+        )
     if c.knobs.get("elide_old_forward"):
-        out.append("elide_old_forward: on-policy (k=0) and the sampler's distribution is the trainer's, so its "
-                   "logprobs serve as pi_old and the old_forward pass is skipped")
+        out.append(
+            "elide_old_forward: on-policy (k=0) and the sampler's distribution is the trainer's, so its "
+            "logprobs serve as pi_old and the old_forward pass is skipped"
+        )
     if ctx.processes > 1:
-        out.append(f"{ctx.processes} processes: generation runs per process on its local devices, so the plan "
-                   f"stays colocated on all {ctx.N} devices with data-parallel generation")
+        out.append(
+            f"{ctx.processes} processes: generation runs per process on its local devices, so the plan "
+            f"stays colocated on all {ctx.N} devices with data-parallel generation"
+        )
     for name, b in res.baselines.items():
-        out.append(f"{name}: {b.step_time_s:.3g} s/step ({b.step_time_s / c.step_time_s:.2f}x the chosen plan); "
-                   f"its largest stage is {max(b.stage_times_s, key=b.stage_times_s.get)}")
+        out.append(
+            f"{name}: {b.step_time_s:.3g} s/step ({b.step_time_s / c.step_time_s:.2f}x the chosen plan); "
+            f"its largest stage is {max(b.stage_times_s, key=b.stage_times_s.get)}"
+        )
     for name in ("verl_like", "real_like"):
         if name not in res.baselines:
             out.append(f"{name}: no plan of that family fits (colocated, synchronous, batch divisible by its meshes)")
     cap = ctx.cfg.data.max_prompt_len
     if ctx.st.P != cap:
         src = "costmodel.prompt_len" if ctx.cfg.costmodel.prompt_len is not None else "the data's longest prompt"
-        out.append(f"prompts priced at {ctx.st.P} columns ({src}, rounded up to the runtime's bucket), not "
-                   f"data.max_prompt_len={cap}; set costmodel.prompt_len for prompts longer than the data shows")
+        out.append(
+            f"prompts priced at {ctx.st.P} columns ({src}, rounded up to the runtime's bucket), not "
+            f"data.max_prompt_len={cap}; set costmodel.prompt_len for prompts longer than the data shows"
+        )
     if clock_of(ctx.hw) == "cpu":
-        out.append("seconds are process CPU seconds (the profile was calibrated on the CPU clock, robust to "
-                   "other processes' load); wall time on an idle machine is lower where cores run in parallel")
-    out.append(f"memory: {c.memory_per_gpu_gb:.1f} GB of a {ctx.st.budget_bytes / GB:.1f} GB budget per device; "
-               f"layouts that do not fit were rejected before simulation")
+        out.append(
+            "seconds are process CPU seconds (the profile was calibrated on the CPU clock, robust to "
+            "other processes' load); wall time on an idle machine is lower where cores run in parallel"
+        )
+    out.append(
+        f"memory: {c.memory_per_gpu_gb:.1f} GB of a {ctx.st.budget_bytes / GB:.1f} GB budget per device; "
+        f"layouts that do not fit were rejected before simulation"
+    )
     return out

@@ -57,8 +57,10 @@ def unroll(g: Graph, shared_resource: bool = False, steps: int | None = None) ->
     m = max(pieces.values())
     deps = {n: g.deps(n) for n in order}
     # Host stages (reward verifiers) run in Python beside the devices, not on them.
-    host = {n: all(p.workload is not None and p.workload.op == Op.HOST for p in (g.stage(n).parts or (g.stage(n),)))
-            for n in order}
+    host = {
+        n: all(p.workload is not None and p.workload.op == Op.HOST for p in (g.stage(n).parts or (g.stage(n),)))
+        for n in order
+    }
     keyed = []
     for s in range(steps):
         for n in order:
@@ -84,8 +86,12 @@ def unroll(g: Graph, shared_resource: bool = False, steps: int | None = None) ->
     return Program(tasks, steps, window=min(2 * (k + 1), steps - 1), step_tasks=step_tasks)
 
 
-def simulate(prog: Program, durations: dict[str, np.ndarray], piece_durations: dict[str, list] | None = None,
-             record: bool = False):
+def simulate(
+    prog: Program,
+    durations: dict[str, np.ndarray],
+    piece_durations: dict[str, list] | None = None,
+    record: bool = False,
+):
     """Run the program. `durations[stage]`: seconds of the whole stage per candidate (split evenly
     over its pieces unless `piece_durations[stage][j]` is given). Returns (period, latency,
     starts, ends): steady-state seconds per step, makespan of the first step, and per-task arrays

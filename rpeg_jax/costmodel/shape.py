@@ -55,10 +55,21 @@ class ModelShape:
 
     @staticmethod
     def of(m: ModelDims) -> ModelShape:
-        return ModelShape(num_params=m.num_params, L=m.num_layers, D=m.hidden_size, H=m.num_heads,
-                          K=m.num_kv_heads, E=m.head_dim, F=m.intermediate_size, V=m.vocab_size,
-                          param_bytes_per=DTYPE_BYTES[m.param_dtype], act_bytes_per=DTYPE_BYTES[m.dtype],
-                          dtype=m.dtype, value_head=m.value_head, scanned=default_scanned(m.num_layers))
+        return ModelShape(
+            num_params=m.num_params,
+            L=m.num_layers,
+            D=m.hidden_size,
+            H=m.num_heads,
+            K=m.num_kv_heads,
+            E=m.head_dim,
+            F=m.intermediate_size,
+            V=m.vocab_size,
+            param_bytes_per=DTYPE_BYTES[m.param_dtype],
+            act_bytes_per=DTYPE_BYTES[m.dtype],
+            dtype=m.dtype,
+            value_head=m.value_head,
+            scanned=default_scanned(m.num_layers),
+        )
 
     # ---- FLOPs ---------------------------------------------------------------------------
     @property
@@ -78,14 +89,20 @@ class ModelShape:
 
     def forward_flops(self, tokens, scored, sum_sq, causal_skip: bool):
         """One forward over `tokens` positions with logits at `scored` positions."""
-        return (np.asarray(tokens, np.float64) * self.L * self.layer_matmul_flops
-                + np.asarray(scored, np.float64) * self.head_flops + self.attn_flops(sum_sq, causal_skip))
+        return (
+            np.asarray(tokens, np.float64) * self.L * self.layer_matmul_flops
+            + np.asarray(scored, np.float64) * self.head_flops
+            + self.attn_flops(sum_sq, causal_skip)
+        )
 
     def decode_flops(self, batch, ctx):
         """One decode step: `batch` new tokens each attending over `ctx` cached positions."""
         b = np.asarray(batch, np.float64)
-        return b * (self.L * self.layer_matmul_flops + self.head_flops
-                    + 4.0 * self.L * self.H * self.E * np.asarray(ctx, np.float64))
+        return b * (
+            self.L * self.layer_matmul_flops
+            + self.head_flops
+            + 4.0 * self.L * self.H * self.E * np.asarray(ctx, np.float64)
+        )
 
     def mm_size(self, tokens, t):
         """FLOPs of the largest single matmul (the MLP up projection) for `tokens` rows on one
@@ -103,8 +120,11 @@ class ModelShape:
         matrix gathered right before its use, two of the largest live (one in use, one prefetched);
         "layer", two whole layers; "model", every layer's weights (gathers hoisted out of the scan)."""
         d, q, kv, f = self.D, self.H * self.E, self.K * self.E, self.F
-        per = {"matrix": 2.0 * max(d * q, d * kv, d * f), "layer": 2.0 * self.layer_params,
-               "model": float(self.L * self.layer_params)}[mode]
+        per = {
+            "matrix": 2.0 * max(d * q, d * kv, d * f),
+            "layer": 2.0 * self.layer_params,
+            "model": float(self.L * self.layer_params),
+        }[mode]
         return per * self.param_bytes_per / np.asarray(t, np.float64)
 
     @property
@@ -138,8 +158,9 @@ class ModelShape:
         t = np.asarray(t, np.float64)
         a = self.act_bytes_per
         q, kv, f = self.H * self.E, self.K * self.E, self.F
-        full = a * (4 * self.D + (2 * q + 2 * kv + 3 * f) / t) \
-            + 4.0 * score_arrays * self.H / t * np.asarray(dense_scores_ctx)
+        full = a * (4 * self.D + (2 * q + 2 * kv + 3 * f) / t) + 4.0 * score_arrays * self.H / t * np.asarray(
+            dense_scores_ctx
+        )
         if remat == "full":  # only the layer input (the scan carry) is kept
             return np.full_like(full, a * self.D)
         if remat == "dots":  # matmul outputs kept, elementwise results and scores recomputed

@@ -49,11 +49,20 @@ def structural_options(ctx, placement: str, share: bool) -> list[PipelineConfig]
     for k, el, fz, m in itertools.product(ks, elides, fuses, pieces):
         if el and k:
             continue
-        out.append(PipelineConfig(staleness=k, share_actor_critic=share, fuse=fz, elide_old_forward=el,
-                                  microbatches=m, placement=placement,
-                                  split_sizes=(1, 1) if placement == "split" else (), plan="manual",
-                                  proximal_from_update=prox and not el,
-                                  values_from_critic_update=vals and (not share or el or prox)))
+        out.append(
+            PipelineConfig(
+                staleness=k,
+                share_actor_critic=share,
+                fuse=fz,
+                elide_old_forward=el,
+                microbatches=m,
+                placement=placement,
+                split_sizes=(1, 1) if placement == "split" else (),
+                plan="manual",
+                proximal_from_update=prox and not el,
+                values_from_critic_update=vals and (not share or el or prox),
+            )
+        )
     return out
 
 
@@ -64,8 +73,12 @@ def one_step_rewrites(cfg: RunConfig, share: bool) -> tuple[bool, bool]:
     r, p = cfg.rl, cfg.pipeline
     search = cfg.costmodel.search_one_step_rewrites and r.ppo_epochs * r.minibatches == 1
     prox = p.proximal_from_update or (search and not (r.kl_in_reward and r.kl_coef > 0))
-    vals = (p.values_from_critic_update or search) and r.algorithm == "ppo" and r.advantage_estimator == "gae" \
-        and (not share or r.micro_batches == 1 or not r.whiten_advantages)  # shared: needs old_forward gone too
+    vals = (
+        (p.values_from_critic_update or search)
+        and r.algorithm == "ppo"
+        and r.advantage_estimator == "gae"
+        and (not share or r.micro_batches == 1 or not r.whiten_advantages)
+    )  # shared: needs old_forward gone too
     return prox, vals
 
 

@@ -99,8 +99,7 @@ def shared_tokens(st: Setting, d, f, pieces, t=1):
     groups = st.B / (st.G * pieces)
     ok = (np.mod(st.B, st.G * pieces) == 0) & (np.mod(groups, d * f * t) == 0)
     # prompt rows: P x P once per group (were P x (P + response)); response rows unchanged
-    return (np.where(ok, tok - st.P * (1.0 - 1.0 / st.G), tok),
-            np.where(ok, sq - st.P * tok + st.P ** 2 / st.G, sq))
+    return (np.where(ok, tok - st.P * (1.0 - 1.0 / st.G), tok), np.where(ok, sq - st.P * tok + st.P**2 / st.G, sq))
 
 
 def rates(hw: HardwareProfile, dtype: str, busy):
@@ -113,8 +112,11 @@ def rates(hw: HardwareProfile, dtype: str, busy):
     if hw.shared_host:
         share = np.maximum(busy, 1.0)
         loss = np.maximum(busy / hw.host_cores, 1.0) ** hw.efficiency.contention
-        return (hw.peak(dtype) / share / loss, hw.device.memory_bw / share / loss,
-                np.maximum(busy / hw.host_cores, 1.0))
+        return (
+            hw.peak(dtype) / share / loss,
+            hw.device.memory_bw / share / loss,
+            np.maximum(busy / hw.host_cores, 1.0),
+        )
     one = np.ones_like(busy)
     return hw.peak(dtype) * one, hw.device.memory_bw * one, one
 
@@ -166,8 +168,9 @@ def _exposed(hw: HardwareProfile, core, overlappable, serial):
     return serial + overlappable - hw.efficiency.overlap * np.minimum(overlappable, core)
 
 
-def train_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, remat: str, epochs: int = 1,
-                minibatches: int = 1, heads: int = 1):
+def train_stage(
+    st: Setting, ms: ModelShape, busy, d, f, t, micro, remat: str, epochs: int = 1, minibatches: int = 1, heads: int = 1
+):
     """(seconds, parts dict) of forward + backward + optimizer over the batch on one layout."""
     hw = st.hw
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
@@ -180,9 +183,16 @@ def train_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, remat: str, e
     # One forward's kernels; the backward does twice the work at the profile's backward_factor
     # (1 on GPUs; more where transposed matmuls and weight-gradient reductions run slower), and
     # full remat adds one more forward of the layers.
-    f_core, f_mm, f_ew = layer_core(hw, fwd, n_mb * ms.weight_bytes() / t,
-                                    elementwise_bytes(st, ms, t, seqs * seq_tok),
-                                    ms.mm_size(tok_mb, t), rate, bw, busy)
+    f_core, f_mm, f_ew = layer_core(
+        hw,
+        fwd,
+        n_mb * ms.weight_bytes() / t,
+        elementwise_bytes(st, ms, t, seqs * seq_tok),
+        ms.mm_size(tok_mb, t),
+        rate,
+        bw,
+        busy,
+    )
     passes = 1.0 + REMAT_EXTRA_FWD[remat] + 2.0 * hw.efficiency.backward_factor
     flops = epochs * (3.0 + REMAT_EXTRA_FWD[remat]) * fwd
     core, mm, ewt = epochs * passes * f_core, epochs * passes * f_mm, epochs * passes * f_ew
@@ -205,8 +215,17 @@ def train_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, remat: str, e
     opt = epochs * minibatches * mem_time(hw, opt_bytes, bw, busy)
     over = epochs * (minibatches * hw.efficiency.dispatch_s + passes * n_mb * ms.L * hw.efficiency.layer_s * ovh)
     total = core + comm + opt + over
-    return total, {"compute": core, "matmul": mm, "elementwise": ewt, "comm": comm, "optimizer": opt,
-                   "overhead": over, "flops": flops, "forward_core": epochs * f_core, "passes": passes}
+    return total, {
+        "compute": core,
+        "matmul": mm,
+        "elementwise": ewt,
+        "comm": comm,
+        "optimizer": opt,
+        "overhead": over,
+        "flops": flops,
+        "forward_core": epochs * f_core,
+        "passes": passes,
+    }
 
 
 def train_memory(st: Setting, ms: ModelShape, d, f, t, micro, remat: str, minibatches: int = 1):
@@ -219,8 +238,9 @@ def train_memory(st: Setting, ms: ModelShape, d, f, t, micro, remat: str, miniba
     act = ms.L * tok_mb * ms.act_bytes_per_token_layer(t, remat, dense_ctx)
     if remat != "none":  # one layer's full working set while it is recomputed
         act = act + tok_mb * ms.act_bytes_per_token_layer(t, "none", dense_ctx)
-    weights = ms.pass_weight_bytes(f, t, eff.fsdp_gather, eff.weight_copies, train=True,
-                                   looped=(micro > 1) | (remat != "none"))
+    weights = ms.pass_weight_bytes(
+        f, t, eff.fsdp_gather, eff.weight_copies, train=True, looped=(micro > 1) | (remat != "none")
+    )
     logits = ms.logits_bytes(seqs_mb * st.seq_scored, t)
     state = (ms.resident_state_bytes() + ms.update_state_bytes(micro)) / (f * t)
     return state + eff.act_memory_factor * (act + logits) + weights
@@ -242,8 +262,14 @@ def forward_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, heads: int 
     tp = micro * 2.0 * ms.L * collective_time(hw, "all_reduce", tok_mb * ms.D * ms.act_bytes_per, t, 1)
     comm = _exposed(hw, core, fsdp * ovh, tp * ovh)
     over = hw.efficiency.dispatch_s + micro * ms.L * hw.efficiency.layer_s * ovh
-    return core + comm + over, {"compute": core, "matmul": mm, "elementwise": ewt, "comm": comm,
-                                "overhead": over, "flops": flops}
+    return core + comm + over, {
+        "compute": core,
+        "matmul": mm,
+        "elementwise": ewt,
+        "comm": comm,
+        "overhead": over,
+        "flops": flops,
+    }
 
 
 def forward_memory(st: Setting, ms: ModelShape, d, f, t, micro):
@@ -298,8 +324,11 @@ def decode_step_time(st: Setting, ms: ModelShape, t, busy, batch, ctx):
     t = np.asarray(t, np.float64)
     rate, bw, ovh = rates(hw, ms.dtype, busy)
     flops = ms.decode_flops(batch, ctx) / t
-    nbytes = (ms.weight_bytes() / t + batch * ctx * ms.kv_bytes_per_token / ms.kv_shards(t)
-              * hw.efficiency.kv_read_factor + batch * ms.V * 4.0)
+    nbytes = (
+        ms.weight_bytes() / t
+        + batch * ctx * ms.kv_bytes_per_token / ms.kv_shards(t) * hw.efficiency.kv_read_factor
+        + batch * ms.V * 4.0
+    )
     if hw.shared_host:  # a CPU's decode kernels (small GEMMs, page gathers, softmax) run one after
         # another on the same cores: streaming the weights and KV does not hide behind the compute
         core = flops / (rate * mm_eff(hw, ms.mm_size(batch, t))) + mem_time(hw, nbytes, bw, busy)
@@ -319,8 +348,11 @@ def sampler_tp_time(hw: HardwareProfile, ms: ModelShape, rows, t):
     if hw.shared_host:  # in-process copies and reductions: per byte, no message-size efficiency
         t = np.asarray(t, np.float64)
         nbytes = rows * ms.D * ms.act_bytes_per
-        ar = np.where(t > 1, 2.0 * (t - 1.0) / t * nbytes / hw.node.link_bw + 2.0 * np.log2(np.maximum(t, 2.0))
-                      * hw.node.latency_s, 0.0)
+        ar = np.where(
+            t > 1,
+            2.0 * (t - 1.0) / t * nbytes / hw.node.link_bw + 2.0 * np.log2(np.maximum(t, 2.0)) * hw.node.latency_s,
+            0.0,
+        )
     else:
         ar = collective_time(hw, "all_reduce", rows * ms.D * ms.act_bytes_per, t, 1)
     return hw.efficiency.decode_tp_factor * 2.0 * ms.L * ar
@@ -385,7 +417,7 @@ def _prefill_time(st: Setting, ms: ModelShape, t, busy, seqs, seq_len):
     hw = st.hw
     tokens = seqs * seq_len
     rate, bw, ovh = rates(hw, ms.dtype, busy)
-    flops = ms.forward_flops(tokens, seqs, seqs * seq_len ** 2, st.causal_skip) / t
+    flops = ms.forward_flops(tokens, seqs, seqs * seq_len**2, st.causal_skip) / t
     nbytes = ms.weight_bytes() / t + tokens * ms.kv_bytes_per_token / ms.kv_shards(t)
     core = roofline(hw, flops, nbytes, ms.mm_size(tokens, t), rate, bw, busy)
     tp = sampler_tp_time(hw, ms, tokens, t) * ovh

@@ -45,9 +45,15 @@ class Prediction:
     plan: Plan | None = None
 
     def summary(self) -> dict[str, Any]:
-        return {"step_time_s": self.step_time_s, "latency_s": self.latency_s,
-                "memory_per_gpu_gb": self.memory_per_gpu_gb, "utilization": self.utilization,
-                "stage_times_s": self.stage_times_s, "knobs": self.knobs, "layout": self.layout}
+        return {
+            "step_time_s": self.step_time_s,
+            "latency_s": self.latency_s,
+            "memory_per_gpu_gb": self.memory_per_gpu_gb,
+            "utilization": self.utilization,
+            "stage_times_s": self.stage_times_s,
+            "knobs": self.knobs,
+            "layout": self.layout,
+        }
 
 
 @dataclass

@@ -18,14 +18,44 @@ extraction), rewards (registry, scoring), jsonl (reading prompt files), pipeline
 from rpeg_jax.data.answers import answers_match, extract_answer, normalize_answer
 from rpeg_jax.data.jsonl import DataError, read_jsonl
 from rpeg_jax.data.pipeline import PromptBatch, PromptPipeline, build_pipeline, left_pad, load_records
-from rpeg_jax.data.rewards import (RewardError, Sample, get_reward, make_samples, register_reward,
-                                   registered_rewards, resolve_reward, score)
+from rpeg_jax.data.rewards import (
+    RewardError,
+    Sample,
+    get_reward,
+    make_samples,
+    register_reward,
+    registered_rewards,
+    resolve_reward,
+    score,
+)
 from rpeg_jax.data.tasks import TASKS, Task, make_records
 from rpeg_jax.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, completion_ids, load_tokenizer
 
 __all__ = [
-    "answers_match", "extract_answer", "normalize_answer", "DataError", "read_jsonl", "PromptBatch",
-    "PromptPipeline", "build_pipeline", "left_pad", "load_records", "RewardError", "Sample", "get_reward",
-    "make_samples", "register_reward", "registered_rewards", "resolve_reward", "score", "TASKS", "Task",
-    "make_records", "CharTokenizer", "HFTokenizer", "Tokenizer", "completion_ids", "load_tokenizer",
+    "answers_match",
+    "extract_answer",
+    "normalize_answer",
+    "DataError",
+    "read_jsonl",
+    "PromptBatch",
+    "PromptPipeline",
+    "build_pipeline",
+    "left_pad",
+    "load_records",
+    "RewardError",
+    "Sample",
+    "get_reward",
+    "make_samples",
+    "register_reward",
+    "registered_rewards",
+    "resolve_reward",
+    "score",
+    "TASKS",
+    "Task",
+    "make_records",
+    "CharTokenizer",
+    "HFTokenizer",
+    "Tokenizer",
+    "completion_ids",
+    "load_tokenizer",
 ]

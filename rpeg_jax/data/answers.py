@@ -40,7 +40,7 @@ def _balanced(text: str, start: int) -> str | None:
         elif text[i] == "}":
             depth -= 1
             if depth == 0:
-                return text[start + 1:i]
+                return text[start + 1 : i]
     return None
 
 

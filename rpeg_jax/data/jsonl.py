@@ -81,7 +81,9 @@ def parse_line(text: str, cfg: DataConfig, encode_prompt: Callable[[str], list[i
     return {**extra, "id": rid, "prompt": prompt, "answer": answer, "prompt_tokens": tokens}
 
 
-def read_jsonl(path: str, cfg: DataConfig, encode_prompt: Callable[[str], list[int]]) -> tuple[list[dict], dict[str, int]]:
+def read_jsonl(
+    path: str, cfg: DataConfig, encode_prompt: Callable[[str], list[int]]
+) -> tuple[list[dict], dict[str, int]]:
     """(records, skipped counts by reason) of a JSONL prompt file; see the module doc for errors."""
     if not os.path.isfile(path):
         raise DataError(path, None, "file not found (data.path)")

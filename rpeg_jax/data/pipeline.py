@@ -36,8 +36,17 @@ from rpeg_jax.data.tasks import make_records
 from rpeg_jax.data.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
 
 STATE_FORMAT = "rpeg_jax.data.pipeline/1"
-_FINGERPRINT_KEYS = ("task", "path", "split", "seed", "shuffle", "num_epochs", "prompts_per_step",
-                     "num_records", "digest")
+_FINGERPRINT_KEYS = (
+    "task",
+    "path",
+    "split",
+    "seed",
+    "shuffle",
+    "num_epochs",
+    "prompts_per_step",
+    "num_records",
+    "digest",
+)
 
 
 @dataclass(frozen=True)
@@ -68,9 +77,9 @@ def left_pad(prompt_tokens: Sequence[Sequence[int]], length: int, pad_id: int) -
         if n > length:
             raise ValueError(f"prompt {b} has {n} tokens, more than the {length} columns given")
         if n:
-            tokens[b, length - n:] = toks
-            positions[b, length - n:] = np.arange(n)
-            segments[b, length - n:] = 1
+            tokens[b, length - n :] = toks
+            positions[b, length - n :] = np.arange(n)
+            segments[b, length - n :] = 1
     return tokens, positions, segments
 
 
@@ -78,13 +87,21 @@ def _check_tokenizer(cfg: RunConfig, tok: Tokenizer) -> None:
     m = cfg.model
     if isinstance(tok, CharTokenizer):
         if m.vocab_size < tok.vocab_size:
-            raise ConfigError("model.vocab_size", m.vocab_size,
-                              f"the character tokenizer (data.tokenizer=null) needs >= {tok.vocab_size}")
+            raise ConfigError(
+                "model.vocab_size",
+                m.vocab_size,
+                f"the character tokenizer (data.tokenizer=null) needs >= {tok.vocab_size}",
+            )
     elif tok.vocab_size > m.vocab_size:
-        raise ConfigError("data.tokenizer", cfg.data.tokenizer,
-                          f"has {tok.vocab_size} tokens, more than model.vocab_size={m.vocab_size}")
+        raise ConfigError(
+            "data.tokenizer",
+            cfg.data.tokenizer,
+            f"has {tok.vocab_size} tokens, more than model.vocab_size={m.vocab_size}",
+        )
     if tok.eos_id != m.eos_id:
-        raise ConfigError("model.eos_id", m.eos_id, f"the tokenizer's eos id is {tok.eos_id}; set model.eos_id={tok.eos_id}")
+        raise ConfigError(
+            "model.eos_id", m.eos_id, f"the tokenizer's eos id is {tok.eos_id}; set model.eos_id={tok.eos_id}"
+        )
 
 
 def load_records(cfg: DataConfig, tok: Tokenizer, split: str = "train") -> tuple[list[dict], dict[str, int]]:
@@ -100,9 +117,12 @@ def load_records(cfg: DataConfig, tok: Tokenizer, split: str = "train") -> tuple
     for rec in records:
         rec["prompt_tokens"] = encode_prompt(rec["prompt"])
         if len(rec["prompt_tokens"]) > cfg.max_prompt_len:
-            raise ConfigError("data.max_prompt_len", cfg.max_prompt_len,
-                              f"task {cfg.task!r} with data.max_digits={cfg.max_digits} makes prompts of "
-                              f"{len(rec['prompt_tokens'])} tokens (e.g. {rec['prompt']!r})")
+            raise ConfigError(
+                "data.max_prompt_len",
+                cfg.max_prompt_len,
+                f"task {cfg.task!r} with data.max_digits={cfg.max_digits} makes prompts of "
+                f"{len(rec['prompt_tokens'])} tokens (e.g. {rec['prompt']!r})",
+            )
     return records, {}
 
 
@@ -116,31 +136,53 @@ def _digest(records: list[dict]) -> str:
 class PromptPipeline:
     """An iterator of PromptBatch with get_state/set_state (see the module doc)."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, records: list[dict], *, shard_index: int,
-                 shard_count: int, skipped: dict[str, int] | None = None, split: str = "train"):
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer: Tokenizer,
+        records: list[dict],
+        *,
+        shard_index: int,
+        shard_count: int,
+        skipped: dict[str, int] | None = None,
+        split: str = "train",
+    ):
         P = cfg.prompts_per_step
         if not 0 <= shard_index < shard_count:
             raise ValueError(f"shard_index={shard_index} must be in [0, shard_count={shard_count})")
         if P % shard_count:
-            raise ConfigError("data.prompts_per_step", P, f"must be divisible by the number of processes ({shard_count})")
+            raise ConfigError(
+                "data.prompts_per_step", P, f"must be divisible by the number of processes ({shard_count})"
+            )
         epochs = cfg.num_epochs
         if epochs is not None and len(records) * epochs < P:
-            raise ConfigError("data.prompts_per_step", P, f"exceeds the {len(records)} records x "
-                              f"data.num_epochs={epochs} available: not one batch")
+            raise ConfigError(
+                "data.prompts_per_step",
+                P,
+                f"exceeds the {len(records)} records x data.num_epochs={epochs} available: not one batch",
+            )
         self.cfg, self.tokenizer, self.records = cfg, tokenizer, records
         self.skipped = dict(skipped or {})  # bad JSONL lines skipped, by reason (data.on_bad_record=skip)
         self.shard_index, self.shard_count = shard_index, shard_count
         self.per_shard = P // shard_count
-        self.fingerprint = {"task": cfg.task, "path": cfg.path, "split": split, "seed": cfg.seed,
-                            "shuffle": cfg.shuffle, "num_epochs": epochs, "prompts_per_step": P,
-                            "num_records": len(records), "digest": _digest(records)}
+        self.fingerprint = {
+            "task": cfg.task,
+            "path": cfg.path,
+            "split": split,
+            "seed": cfg.seed,
+            "shuffle": cfg.shuffle,
+            "num_epochs": epochs,
+            "prompts_per_step": P,
+            "num_records": len(records),
+            "digest": _digest(records),
+        }
         lo = shard_index * self.per_shard
         ds = grain.MapDataset.source(records)
         if cfg.shuffle:
             ds = ds.shuffle(seed=cfg.seed)
         ds = ds.repeat(epochs)
         ds = ds.batch(P, drop_remainder=True, batch_fn=list)
-        self.dataset = ds.map(lambda batch: batch[lo:lo + self.per_shard])
+        self.dataset = ds.map(lambda batch: batch[lo : lo + self.per_shard])
         self._iter = self._new_iterator()
         self._step = 0
 
@@ -159,11 +201,14 @@ class PromptPipeline:
         P = self.cfg.prompts_per_step
         drop = ("id", "prompt", "prompt_tokens", "answer")
         return PromptBatch(
-            step=step, epoch=step * P / len(self.records),
-            ids=tuple(r["id"] for r in recs), prompts=tuple(r["prompt"] for r in recs),
+            step=step,
+            epoch=step * P / len(self.records),
+            ids=tuple(r["id"] for r in recs),
+            prompts=tuple(r["prompt"] for r in recs),
             prompt_tokens=tuple(tuple(r["prompt_tokens"]) for r in recs),
             answers=tuple(r["answer"] for r in recs),
-            records=tuple({k: v for k, v in r.items() if k not in drop} for r in recs))
+            records=tuple({k: v for k, v in r.items() if k not in drop} for r in recs),
+        )
 
     @property
     def num_records(self) -> int:
@@ -171,8 +216,12 @@ class PromptPipeline:
 
     def get_state(self) -> dict[str, Any]:
         """JSON-serialisable state; identical on every process (it counts global batches)."""
-        return {"format": STATE_FORMAT, "step": self._step, "grain": self._iter.get_state(),
-                "fingerprint": dict(self.fingerprint)}
+        return {
+            "format": STATE_FORMAT,
+            "step": self._step,
+            "grain": self._iter.get_state(),
+            "fingerprint": dict(self.fingerprint),
+        }
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Continue from a saved state; the data it was saved with must be the same."""
@@ -181,25 +230,34 @@ class PromptPipeline:
         saved = state["fingerprint"]
         for name in _FINGERPRINT_KEYS:
             if saved.get(name) != self.fingerprint[name]:
-                field = name if name in DataConfig.__dataclass_fields__ else (
-                    "path" if self.cfg.task == "jsonl" else "num_examples")  # num_records, digest
+                field = (
+                    name
+                    if name in DataConfig.__dataclass_fields__
+                    else ("path" if self.cfg.task == "jsonl" else "num_examples")
+                )  # num_records, digest
                 key = f"data.{field}"
-                raise ConfigError(key, self.fingerprint[name], f"the data iterator state being restored was "
-                                  f"saved with {name}={saved.get(name)!r}; a resumed run needs the same data")
+                raise ConfigError(
+                    key,
+                    self.fingerprint[name],
+                    f"the data iterator state being restored was "
+                    f"saved with {name}={saved.get(name)!r}; a resumed run needs the same data",
+                )
         self._iter = self._new_iterator()
         self._iter.set_state(state["grain"])
         self._step = int(state["step"])
 
 
-def build_pipeline(cfg: RunConfig, *, shard_index: int, shard_count: int, split: str = "train",
-                   tokenizer: Tokenizer | None = None) -> PromptPipeline:
+def build_pipeline(
+    cfg: RunConfig, *, shard_index: int, shard_count: int, split: str = "train", tokenizer: Tokenizer | None = None
+) -> PromptPipeline:
     """The prompt pipeline a run config asks for, validated (tokenizer vs model, prompt lengths,
     bad records) before anything is compiled. The runtime passes jax.process_index()/process_count()."""
     tok = tokenizer or load_tokenizer(cfg.data)
     _check_tokenizer(cfg, tok)
     records, skipped = load_records(cfg.data, tok, split)
-    return PromptPipeline(cfg.data, tok, records, shard_index=shard_index, shard_count=shard_count,
-                          skipped=skipped, split=split)
+    return PromptPipeline(
+        cfg.data, tok, records, shard_index=shard_index, shard_count=shard_count, skipped=skipped, split=split
+    )
 
 
 __all__ = ["PromptBatch", "PromptPipeline", "build_pipeline", "left_pad", "load_records"]

@@ -74,8 +74,11 @@ def registered_rewards() -> list[str]:
 
 def get_reward(name: str) -> RewardFn:
     if name not in _REGISTRY:
-        raise ConfigError("data.reward", name,
-                          f"unknown reward; registered: {', '.join(registered_rewards())}" + suggest(name, list(_REGISTRY)))
+        raise ConfigError(
+            "data.reward",
+            name,
+            f"unknown reward; registered: {', '.join(registered_rewards())}" + suggest(name, list(_REGISTRY)),
+        )
     return _REGISTRY[name]
 
 
@@ -91,8 +94,14 @@ def resolve_reward(cfg: DataConfig) -> tuple[str, RewardFn]:
     return name, get_reward(name)
 
 
-def make_samples(batch, completions: Sequence[Sequence[int]], tokenizer: Tokenizer, group_size: int = 1,
-                 stop_ids: Sequence[int] = (), lengths: Sequence[int] | None = None) -> list[Sample]:
+def make_samples(
+    batch,
+    completions: Sequence[Sequence[int]],
+    tokenizer: Tokenizer,
+    group_size: int = 1,
+    stop_ids: Sequence[int] = (),
+    lengths: Sequence[int] | None = None,
+) -> list[Sample]:
     """Samples for the B = len(batch) * group_size completions of a PromptBatch, grouped by prompt:
     row b belongs to prompt b // group_size (the runtime's group_ids). Each completion row (e.g.
     tokens_BxS[:, P:]) is first cut to lengths[b] when given (response_mask_BxR.sum(1)), then at
@@ -105,13 +114,21 @@ def make_samples(batch, completions: Sequence[Sequence[int]], tokenizer: Tokeniz
         if lengths is not None:
             ids = ids[: int(lengths[b])]
         cut = completion_ids(ids, tokenizer.eos_id, stop_ids)
-        out.append(Sample(prompt=batch.prompts[i], completion=tokenizer.decode(cut), completion_ids=tuple(cut),
-                          answer=batch.answers[i], record=batch.records[i]))
+        out.append(
+            Sample(
+                prompt=batch.prompts[i],
+                completion=tokenizer.decode(cut),
+                completion_ids=tuple(cut),
+                answer=batch.answers[i],
+                record=batch.records[i],
+            )
+        )
     return out
 
 
-def score(samples: Sequence[Sample], fn: RewardFn | str, on_error: str = "zero",
-          name: str | None = None) -> tuple[np.ndarray, int]:
+def score(
+    samples: Sequence[Sample], fn: RewardFn | str, on_error: str = "zero", name: str | None = None
+) -> tuple[np.ndarray, int]:
     """(rewards float32 [B], number of samples whose reward raised or was not finite)."""
     if isinstance(fn, str):
         name, fn = fn, get_reward(fn)
@@ -127,8 +144,9 @@ def score(samples: Sequence[Sample], fn: RewardFn | str, on_error: str = "zero",
                 raise ValueError(f"returned {r}")
         except Exception as e:  # a user reward may raise anything; it must not kill the run silently
             if on_error == "stop":
-                raise RewardError(f"reward {name!r} failed on sample {b} (prompt {sample.prompt!r}): "
-                                  f"{type(e).__name__}: {e}") from e
+                raise RewardError(
+                    f"reward {name!r} failed on sample {b} (prompt {sample.prompt!r}): {type(e).__name__}: {e}"
+                ) from e
             errors += 1
             r = 0.0
         rewards[b] = r
@@ -136,6 +154,7 @@ def score(samples: Sequence[Sample], fn: RewardFn | str, on_error: str = "zero",
 
 
 # ---- built-ins ---------------------------------------------------------------------------------
+
 
 def _task_reward(task_name: str) -> RewardFn:
     credit = TASKS[task_name].credit

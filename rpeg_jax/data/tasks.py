@@ -95,10 +95,12 @@ class Task:
 TASKS: dict[str, Task] = {
     "add": Task("add", _make_add, starts_with_credit, "a+b= -> the sum; 1 when the completion starts with it"),
     "copy": Task("copy", _make_string_task("c", lambda s: s), digit_credit, "c123= -> 123; per-position credit"),
-    "reverse": Task("reverse", _make_string_task("r", lambda s: s[::-1]), digit_credit,
-                    "r123= -> 321; per-position credit"),
-    "sort": Task("sort", _make_string_task("s", lambda s: "".join(sorted(s))), digit_credit,
-                 "s312= -> 123; per-position credit"),
+    "reverse": Task(
+        "reverse", _make_string_task("r", lambda s: s[::-1]), digit_credit, "r123= -> 321; per-position credit"
+    ),
+    "sort": Task(
+        "sort", _make_string_task("s", lambda s: "".join(sorted(s))), digit_credit, "s312= -> 123; per-position credit"
+    ),
 }
 
 

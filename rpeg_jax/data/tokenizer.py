@@ -61,8 +61,10 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         for i, ch in enumerate(text):
             if not self.encodable(ch):
-                raise ValueError(f"character {ch!r} (U+{ord(ch):04X}) at position {i} is not in the "
-                                 "character tokenizer's vocabulary (printable ASCII, tab, newline)")
+                raise ValueError(
+                    f"character {ch!r} (U+{ord(ch):04X}) at position {i} is not in the "
+                    "character tokenizer's vocabulary (printable ASCII, tab, newline)"
+                )
         return [ord(ch) for ch in text]
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -84,8 +86,9 @@ class HFTokenizer:
     above. eos is required; pad falls back to eos; bos may be absent.
     """
 
-    def __init__(self, path: str, *, bos_token: str | None = None, eos_token: str | None = None,
-                 pad_token: str | None = None):
+    def __init__(
+        self, path: str, *, bos_token: str | None = None, eos_token: str | None = None, pad_token: str | None = None
+    ):
         from tokenizers import Tokenizer as _HF
 
         if not os.path.isfile(path):

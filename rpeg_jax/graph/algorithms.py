@@ -13,8 +13,20 @@ from __future__ import annotations
 
 from rpeg_jax.config.model import ModelConfig
 from rpeg_jax.config.run import RunConfig
-from rpeg_jax.graph.ir import (DataNode, DataSpec, Graph, GraphError, ModelDims, Op, Stage, StageKind, StageOptions,
-                               StateKind, StateNode, Workload)
+from rpeg_jax.graph.ir import (
+    DataNode,
+    DataSpec,
+    Graph,
+    GraphError,
+    ModelDims,
+    Op,
+    Stage,
+    StageKind,
+    StageOptions,
+    StateKind,
+    StateNode,
+    Workload,
+)
 
 K = StageKind
 ADAM_STATE_BYTES = 8  # m and v in float32 per parameter
@@ -23,10 +35,20 @@ ADAM_STATE_BYTES = 8  # m and v in float32 per parameter
 def model_dims(m: ModelConfig, role: str, value_head: bool | None = None) -> ModelDims:
     vh = m.value_head if value_head is None else value_head
     n = m.num_params() + ((m.hidden_size + 1) if vh and not m.value_head else 0)
-    return ModelDims(role=role, num_params=n, num_layers=m.num_layers, hidden_size=m.hidden_size,
-                     num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_size,
-                     intermediate_size=m.intermediate_size, vocab_size=m.vocab_size,
-                     param_dtype=m.param_dtype, dtype=m.dtype, value_head=vh)
+    return ModelDims(
+        role=role,
+        num_params=n,
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_size,
+        intermediate_size=m.intermediate_size,
+        vocab_size=m.vocab_size,
+        param_dtype=m.param_dtype,
+        dtype=m.dtype,
+        value_head=vh,
+    )
 
 
 def sizes_of(cfg: RunConfig) -> dict[str, int]:
@@ -58,20 +80,30 @@ class _Builder:
 
     def __init__(self, cfg: RunConfig, algorithm: str):
         self.cfg, self.sizes = cfg, sizes_of(cfg)
-        self.g = Graph(sizes=self.sizes, attrs={"algorithm": algorithm, "staleness": 0,
-                                                     "placement": "colocated", "passes": []})
+        self.g = Graph(
+            sizes=self.sizes, attrs={"algorithm": algorithm, "staleness": 0, "placement": "colocated", "passes": []}
+        )
         self.actor = model_dims(cfg.model, "actor")
 
     def work(self, op: Op, models=(), **kw) -> Workload:
         s = self.sizes
-        return Workload(op=op, models=tuple(models), n_seqs=s["B"], prompt_len=s["P"],
-                        response_len=s["R"], group_size=s["G"], **kw)
+        return Workload(
+            op=op, models=tuple(models), n_seqs=s["B"], prompt_len=s["P"], response_len=s["R"], group_size=s["G"], **kw
+        )
 
     def state(self, kind: StateKind, nbytes: int = 0, **kw) -> None:
         self.g.add(StateNode(kind.value, kind, bytes=nbytes, **kw))
 
-    def stage(self, kind: StageKind, work: Workload, reads=(), writes=(), ins=(), outs=(),
-              options: StageOptions = StageOptions()):
+    def stage(
+        self,
+        kind: StageKind,
+        work: Workload,
+        reads=(),
+        writes=(),
+        ins=(),
+        outs=(),
+        options: StageOptions = StageOptions(),
+    ):
         """reads: (state, offset); writes: states (at t+1); ins/outs: data node names."""
         g = self.g
         g.add(Stage(kind.value, kind, workload=work, options=options))
@@ -114,24 +146,43 @@ def _common(cfg: RunConfig, algorithm: str, critic: bool) -> _Builder:
     b.state(StateKind.ACTOR_OPT, actor.num_params * ADAM_STATE_BYTES)
     b.state(StateKind.ROLLOUT_WEIGHTS, actor.param_bytes)
     b.state(StateKind.DATA_ITERATOR)
-    b.stage(K.GENERATE, b.work(Op.GENERATE, [actor], heads=("logp",)),
-            reads=[("rollout_weights", 0), ("data_iterator", 0)], writes=["data_iterator"],
-            outs=["completions", "behav_logp"])
+    b.stage(
+        K.GENERATE,
+        b.work(Op.GENERATE, [actor], heads=("logp",)),
+        reads=[("rollout_weights", 0), ("data_iterator", 0)],
+        writes=["data_iterator"],
+        outs=["completions", "behav_logp"],
+    )
     b.stage(K.REWARD, b.work(Op.HOST), ins=["completions"], outs=["rewards"])
     if use_ref:
         ref = model_dims(cfg.model, "reference")
         b.state(StateKind.REFERENCE, ref.param_bytes, frozen=True)
-        b.stage(K.REF_FORWARD, b.work(Op.FORWARD, [ref], heads=("logp",)),
-                reads=[("reference", 0)], ins=["completions"], outs=["ref_logp"])
-    b.stage(K.OLD_FORWARD, b.work(Op.FORWARD, [actor], heads=("logp",)),
-            reads=[("actor", 0)], ins=["completions"], outs=["old_logp"])
+        b.stage(
+            K.REF_FORWARD,
+            b.work(Op.FORWARD, [ref], heads=("logp",)),
+            reads=[("reference", 0)],
+            ins=["completions"],
+            outs=["ref_logp"],
+        )
+    b.stage(
+        K.OLD_FORWARD,
+        b.work(Op.FORWARD, [actor], heads=("logp",)),
+        reads=[("actor", 0)],
+        ins=["completions"],
+        outs=["old_logp"],
+    )
     adv_ins, adv_outs = ["completions", "rewards"], ["advantages"]
     if critic:
         cdims = model_dims(cfg.critic_model, "critic")
         b.state(StateKind.CRITIC, cdims.param_bytes)
         b.state(StateKind.CRITIC_OPT, cdims.num_params * ADAM_STATE_BYTES)
-        b.stage(K.CRITIC_FORWARD, b.work(Op.FORWARD, [cdims], heads=("values",)),
-                reads=[("critic", 0)], ins=["completions"], outs=["values"])
+        b.stage(
+            K.CRITIC_FORWARD,
+            b.work(Op.FORWARD, [cdims], heads=("values",)),
+            reads=[("critic", 0)],
+            ins=["completions"],
+            outs=["values"],
+        )
         adv_ins.append("values")
         adv_outs.append("returns")
         if rl.kl_in_reward and use_ref:
@@ -144,17 +195,30 @@ def _common(cfg: RunConfig, algorithm: str, critic: bool) -> _Builder:
         upd_ins.append("ref_logp")
     heads = ("logp", "entropy") if rl.entropy_coef > 0 else ("logp",)
     train = dict(epochs=rl.ppo_epochs, minibatches=rl.minibatches)
-    b.stage(K.ACTOR_UPDATE, b.work(Op.TRAIN, [actor], heads=heads, **train),
-            reads=[("actor", 0), ("actor_opt", 0)], writes=["actor", "actor_opt"], ins=upd_ins,
-            options=StageOptions(tis=rl.tis_cap is not None))
+    b.stage(
+        K.ACTOR_UPDATE,
+        b.work(Op.TRAIN, [actor], heads=heads, **train),
+        reads=[("actor", 0), ("actor_opt", 0)],
+        writes=["actor", "actor_opt"],
+        ins=upd_ins,
+        options=StageOptions(tis=rl.tis_cap is not None),
+    )
     if critic:
-        b.stage(K.CRITIC_UPDATE, b.work(Op.TRAIN, [cdims], heads=("values",), **train),
-                reads=[("critic", 0), ("critic_opt", 0)], writes=["critic", "critic_opt"],
-                ins=["completions", "values", "returns"])
+        b.stage(
+            K.CRITIC_UPDATE,
+            b.work(Op.TRAIN, [cdims], heads=("values",), **train),
+            reads=[("critic", 0), ("critic_opt", 0)],
+            writes=["critic", "critic_opt"],
+            ins=["completions", "values", "returns"],
+        )
     return b
 
 
 def _finish(b: _Builder) -> Graph:
-    b.stage(K.WEIGHT_SYNC, b.work(Op.TRANSFER, [b.actor], bytes_moved=b.actor.param_bytes),
-            reads=[("actor", 1)], writes=["rollout_weights"])
+    b.stage(
+        K.WEIGHT_SYNC,
+        b.work(Op.TRANSFER, [b.actor], bytes_moved=b.actor.param_bytes),
+        reads=[("actor", 1)],
+        writes=["rollout_weights"],
+    )
     return b.g.validate()

@@ -133,8 +133,9 @@ class KernelRegistry:
         for part in env.stage.parts:
             if part.kind not in self._single:
                 raise GraphError(part.name, f"no kernel registered for stage kind {part.kind.value!r}")
-            kernels.append(self._single[part.kind](StageEnv(part, env.plan, env.reads, env.writes,
-                                                            env.graph, env.context)))
+            kernels.append(
+                self._single[part.kind](StageEnv(part, env.plan, env.reads, env.writes, env.graph, env.context))
+            )
         outs = [p.name for p in env.writes]
 
         def fn(inputs):
@@ -150,10 +151,12 @@ class KernelRegistry:
 
 
 def stage_ports(graph: Graph, name: str) -> tuple[tuple[Port, ...], tuple[Port, ...]]:
-    reads = tuple(Port(e.port, e.src, e.offset, isinstance(graph.nodes[e.src], StateNode), e.stream)
-                  for e in graph.inputs(name))
-    writes = tuple(Port(e.port, e.dst, e.offset, isinstance(graph.nodes[e.dst], StateNode))
-                   for e in graph.outputs(name))
+    reads = tuple(
+        Port(e.port, e.src, e.offset, isinstance(graph.nodes[e.src], StateNode), e.stream) for e in graph.inputs(name)
+    )
+    writes = tuple(
+        Port(e.port, e.dst, e.offset, isinstance(graph.nodes[e.dst], StateNode)) for e in graph.outputs(name)
+    )
     return reads, writes
 
 
@@ -208,8 +211,7 @@ class Program:
         raise GraphError(name, "not in the compiled program")
 
 
-def compile_graph(graph: Graph, plan: Plan, registry: KernelRegistry,
-                  runtime: StageRuntime | None = None) -> Program:
+def compile_graph(graph: Graph, plan: Plan, registry: KernelRegistry, runtime: StageRuntime | None = None) -> Program:
     """Bind every stage of `graph` (checked against `plan`) to its program, in topological order."""
     plan.check(graph)
     runtime = runtime if runtime is not None else PlainRuntime()
@@ -221,7 +223,10 @@ def compile_graph(graph: Graph, plan: Plan, registry: KernelRegistry,
         cs = CompiledStage(st, env.plan, reads, writes, kernel, runtime=runtime)
         if kernel.jittable:
             fn = kernel.fn
-            cs._jitted = jax.jit(lambda donated, kept, fn=fn: fn({**donated, **kept}), donate_argnums=(0,),
-                                 compiler_options=dict(runtime.compiler_options) or None)
+            cs._jitted = jax.jit(
+                lambda donated, kept, fn=fn: fn({**donated, **kept}),
+                donate_argnums=(0,),
+                compiler_options=dict(runtime.compiler_options) or None,
+            )
         stages.append(cs)
     return Program(graph, plan, stages)

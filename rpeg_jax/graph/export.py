@@ -13,16 +13,28 @@ import json
 import re
 from typing import Any
 
-from rpeg_jax.graph.ir import (DataNode, DataSpec, Edge, Graph, GraphError, ModelDims, Op, Stage,
-                               StageKind, StageOptions, StateKind, StateNode, Workload)
+from rpeg_jax.graph.ir import (
+    DataNode,
+    DataSpec,
+    Edge,
+    Graph,
+    GraphError,
+    ModelDims,
+    Op,
+    Stage,
+    StageKind,
+    StageOptions,
+    StateKind,
+    StateNode,
+    Workload,
+)
 
 FORMAT_VERSION = 2  # 2: typed stage options (StageOptions) instead of free attrs
 
 
 # ---- JSON -------------------------------------------------------------------------------------
 def _spec_to(s: DataSpec | None) -> dict | None:
-    return None if s is None else {"dims": list(s.dims), "shape": list(s.shape), "dtype": s.dtype,
-                                   "axes": list(s.axes)}
+    return None if s is None else {"dims": list(s.dims), "shape": list(s.shape), "dtype": s.dtype, "axes": list(s.axes)}
 
 
 def _spec_from(d: dict | None) -> DataSpec | None:
@@ -50,15 +62,28 @@ def _work_from(d: dict | None) -> Workload | None:
 
 
 def _stage_to(s: Stage) -> dict:
-    return {"type": "stage", "name": s.name, "kind": s.kind.value, "workload": _work_to(s.workload),
-            "placement": s.placement, "microbatches": s.microbatches,
-            "parts": [_stage_to(p) for p in s.parts], "options": dataclasses.asdict(s.options)}
+    return {
+        "type": "stage",
+        "name": s.name,
+        "kind": s.kind.value,
+        "workload": _work_to(s.workload),
+        "placement": s.placement,
+        "microbatches": s.microbatches,
+        "parts": [_stage_to(p) for p in s.parts],
+        "options": dataclasses.asdict(s.options),
+    }
 
 
 def _stage_from(d: dict) -> Stage:
-    return Stage(d["name"], StageKind(d["kind"]), workload=_work_from(d["workload"]),
-                 placement=d["placement"], microbatches=d["microbatches"],
-                 parts=tuple(_stage_from(p) for p in d["parts"]), options=_options_from(d["options"], d["name"]))
+    return Stage(
+        d["name"],
+        StageKind(d["kind"]),
+        workload=_work_from(d["workload"]),
+        placement=d["placement"],
+        microbatches=d["microbatches"],
+        parts=tuple(_stage_from(p) for p in d["parts"]),
+        options=_options_from(d["options"], d["name"]),
+    )
 
 
 def _options_from(d: dict, stage: str) -> StageOptions:
@@ -74,8 +99,14 @@ def _node_to(n) -> dict:
         return _stage_to(n)
     if isinstance(n, DataNode):
         return {"type": "data", "name": n.name, "spec": _spec_to(n.spec)}
-    return {"type": "state", "name": n.name, "kind": n.kind.value, "bytes": n.bytes, "frozen": n.frozen,
-            "placement": n.placement}
+    return {
+        "type": "state",
+        "name": n.name,
+        "kind": n.kind.value,
+        "bytes": n.bytes,
+        "frozen": n.frozen,
+        "placement": n.placement,
+    }
 
 
 def _node_from(d: dict):
@@ -85,27 +116,45 @@ def _node_from(d: dict):
     if kind == "data":
         return DataNode(d["name"], _spec_from(d["spec"]))
     if kind == "state":
-        return StateNode(d["name"], StateKind(d["kind"]), bytes=d["bytes"], frozen=d["frozen"],
-                         placement=d["placement"])
+        return StateNode(
+            d["name"], StateKind(d["kind"]), bytes=d["bytes"], frozen=d["frozen"], placement=d["placement"]
+        )
     raise GraphError(str(d.get("name")), f"unknown node type {kind!r} in JSON")
 
 
 def graph_to_dict(g: Graph) -> dict[str, Any]:
-    return {"format": "rpeg", "version": FORMAT_VERSION, "sizes": g.sizes, "attrs": g.attrs,
-            "nodes": [_node_to(n) for n in g.nodes.values()],
-            "edges": [{"src": e.src, "dst": e.dst, "offset": e.offset, "port": e.port,
-                       "expect": _spec_to(e.expect), "stream": e.stream} for e in g.edges]}
+    return {
+        "format": "rpeg",
+        "version": FORMAT_VERSION,
+        "sizes": g.sizes,
+        "attrs": g.attrs,
+        "nodes": [_node_to(n) for n in g.nodes.values()],
+        "edges": [
+            {
+                "src": e.src,
+                "dst": e.dst,
+                "offset": e.offset,
+                "port": e.port,
+                "expect": _spec_to(e.expect),
+                "stream": e.stream,
+            }
+            for e in g.edges
+        ],
+    }
 
 
 def graph_from_dict(d: dict[str, Any]) -> Graph:
     if d.get("format") != "rpeg" or d.get("version") != FORMAT_VERSION:
-        raise GraphError("json", f"not an RPEG v{FORMAT_VERSION} document "
-                                 f"(format={d.get('format')!r}, version={d.get('version')!r})")
+        raise GraphError(
+            "json", f"not an RPEG v{FORMAT_VERSION} document (format={d.get('format')!r}, version={d.get('version')!r})"
+        )
     g = Graph(sizes=dict(d["sizes"]), attrs=dict(d["attrs"]))
     for n in d["nodes"]:
         g.add(_node_from(n))
-    g.edges = [Edge(e["src"], e["dst"], offset=e["offset"], port=e["port"], expect=_spec_from(e["expect"]),
-                    stream=e["stream"]) for e in d["edges"]]
+    g.edges = [
+        Edge(e["src"], e["dst"], offset=e["offset"], port=e["port"], expect=_spec_from(e["expect"]), stream=e["stream"])
+        for e in d["edges"]
+    ]
     return g
 
 
@@ -169,8 +218,11 @@ def _dot_q(s: str) -> str:
 def to_dot(g: Graph) -> str:
     title = f"RPEG {g.attrs.get('algorithm', '')} passes: {', '.join(g.attrs.get('passes', [])) or 'none'}"
     out = ["digraph rpeg {", "  rankdir=LR;", f"  label={_dot_q(title)};", "  node [fontname=Helvetica];"]
-    shapes = {Stage: 'shape=box, style="rounded,filled", fillcolor="#dbe9f6"',
-              DataNode: "shape=note", StateNode: 'shape=cylinder, style=filled, fillcolor="#f6ecd9"'}
+    shapes = {
+        Stage: 'shape=box, style="rounded,filled", fillcolor="#dbe9f6"',
+        DataNode: "shape=note",
+        StateNode: 'shape=cylinder, style=filled, fillcolor="#f6ecd9"',
+    }
     for name, n in g.nodes.items():
         label = "\\n".join(line.replace("\\", "\\\\").replace('"', '\\"') for line in _label(g, name))
         out.append(f'  {_dot_q(name)} [{shapes[type(n)]}, label="{label}"];')

@@ -69,10 +69,15 @@ class StageKind(str, enum.Enum):
 
 # verl's `timing_s/<name>` for each stage kind, so step breakdowns compare apples to apples.
 TIMING_NAMES: dict[StageKind, str] = {
-    StageKind.GENERATE: "gen", StageKind.REWARD: "reward", StageKind.REF_FORWARD: "ref",
-    StageKind.OLD_FORWARD: "old_log_prob", StageKind.CRITIC_FORWARD: "values",
-    StageKind.ADVANTAGE: "adv", StageKind.ACTOR_UPDATE: "update_actor",
-    StageKind.CRITIC_UPDATE: "update_critic", StageKind.WEIGHT_SYNC: "update_weights",
+    StageKind.GENERATE: "gen",
+    StageKind.REWARD: "reward",
+    StageKind.REF_FORWARD: "ref",
+    StageKind.OLD_FORWARD: "old_log_prob",
+    StageKind.CRITIC_FORWARD: "values",
+    StageKind.ADVANTAGE: "adv",
+    StageKind.ACTOR_UPDATE: "update_actor",
+    StageKind.CRITIC_UPDATE: "update_critic",
+    StageKind.WEIGHT_SYNC: "update_weights",
 }
 
 
@@ -388,8 +393,10 @@ class Graph:
 
     def describe(self) -> str:
         """A plain-text listing: one line per stage with inputs and outputs."""
-        lines = [f"RPEG {self.attrs.get('algorithm', '?')}  sizes {self.sizes}  knobs "
-                 f"{ {k: v for k, v in self.attrs.items() if k != 'algorithm'} }"]
+        lines = [
+            f"RPEG {self.attrs.get('algorithm', '?')}  sizes {self.sizes}  knobs "
+            f"{ {k: v for k, v in self.attrs.items() if k != 'algorithm'} }"
+        ]
         for s in self.stages():
             ins = ", ".join(_edge_label(e, e.src) for e in self.inputs(s.name))
             outs = ", ".join(_edge_label(e, e.dst) for e in self.outputs(s.name))
@@ -456,8 +463,9 @@ def _check_data(g: Graph) -> None:
             raise GraphError(d.name, f"spec {d.spec} has inconsistent dims/shape/axes")
         for e in writers + readers:
             if e.offset != 0:
-                raise GraphError(d.name, f"data edge {e.src}->{e.dst} has version offset {e.offset}; "
-                                         "data lives within one step")
+                raise GraphError(
+                    d.name, f"data edge {e.src}->{e.dst} has version offset {e.offset}; data lives within one step"
+                )
             if e.expect is not None and e.expect != d.spec:
                 stage = e.dst if e.src == d.name else e.src
                 raise GraphError(stage, f"port {e.port!r} expects {e.expect} but {d.name!r} is {d.spec}")
@@ -494,8 +502,11 @@ def _check_stages(g: Graph) -> None:
             if e.stream:
                 src = g.nodes[g.producer(e.src)]
                 if src.microbatches != st.microbatches:
-                    raise GraphError(st.name, f"streams {e.src!r} from {src.name!r} with "
-                                              f"{src.microbatches} pieces but runs {st.microbatches}")
+                    raise GraphError(
+                        st.name,
+                        f"streams {e.src!r} from {src.name!r} with "
+                        f"{src.microbatches} pieces but runs {st.microbatches}",
+                    )
 
 
 def _check_staleness(g: Graph) -> None:

@@ -21,8 +21,18 @@ import dataclasses
 import functools
 from typing import Callable, Sequence
 
-from rpeg_jax.graph.ir import (DataNode, Edge, Graph, GraphError, ModelDims, Stage, StageKind, StageOptions,
-                               StateKind, StateNode, replace)
+from rpeg_jax.graph.ir import (
+    DataNode,
+    Graph,
+    GraphError,
+    ModelDims,
+    Stage,
+    StageKind,
+    StageOptions,
+    StateKind,
+    StateNode,
+    replace,
+)
 
 K = StageKind
 # Stages that work sequence by sequence, so they can consume finished pieces of generation.
@@ -104,10 +114,12 @@ def bounded_async(g: Graph, k: int) -> Graph:
     if k < 0:
         raise GraphError(gen.name, f"staleness k={k} must be >= 0")
     if k > 0 and g.attrs.get("elided_old_forward"):
-        raise GraphError("old_forward", f"staleness k={k} needs the proximal policy recomputed; "
-                                        "do not elide old_forward")
-    g.edges = [dataclasses.replace(e, offset=-k) if (e.src, e.dst) == ("rollout_weights", gen.name)
-               else e for e in g.edges]
+        raise GraphError(
+            "old_forward", f"staleness k={k} needs the proximal policy recomputed; do not elide old_forward"
+        )
+    g.edges = [
+        dataclasses.replace(e, offset=-k) if (e.src, e.dst) == ("rollout_weights", gen.name) else e for e in g.edges
+    ]
     holder, upd = _part(g, K.ACTOR_UPDATE)
     has_behav = any(e.src == "behav_logp" and e.port == "behav_logp" for e in g.inputs(holder.name))
     if k > 0:
@@ -121,8 +133,9 @@ def bounded_async(g: Graph, k: int) -> Graph:
         if g.has("rollout_buffer"):
             g.remove("rollout_buffer")
         if has_behav and not upd.options.tis:
-            g.edges = [e for e in g.edges if not (e.src == "behav_logp" and e.dst == holder.name
-                                                  and e.port == "behav_logp")]
+            g.edges = [
+                e for e in g.edges if not (e.src == "behav_logp" and e.dst == holder.name and e.port == "behav_logp")
+            ]
     g.attrs["staleness"] = k
     return g
 
@@ -136,8 +149,10 @@ def share_actor_critic(g: Graph) -> Graph:
     if g.attrs.get("shared"):
         return g
     if not g.has("critic"):
-        raise GraphError("critic", f"share_actor_critic needs a critic (rl.algorithm=ppo); this graph "
-                                   f"is {g.attrs.get('algorithm')!r}")
+        raise GraphError(
+            "critic",
+            f"share_actor_critic needs a critic (rl.algorithm=ppo); this graph is {g.attrs.get('algorithm')!r}",
+        )
     cf = _plain(g, K.CRITIC_FORWARD, "share_actor_critic")
     cu = _plain(g, K.CRITIC_UPDATE, "share_actor_critic")
     old = _plain(g, K.OLD_FORWARD, "share_actor_critic")
@@ -148,8 +163,10 @@ def share_actor_critic(g: Graph) -> Graph:
         _rewire(g, cf.name, old.name, src=False)
         g.remove(cf.name)
     else:  # values from the shared backbone, reading the actor
-        g.edges = [dataclasses.replace(e, src="actor", port="actor") if (e.src, e.dst) == ("critic", cf.name)
-                   else e for e in g.edges]
+        g.edges = [
+            dataclasses.replace(e, src="actor", port="actor") if (e.src, e.dst) == ("critic", cf.name) else e
+            for e in g.edges
+        ]
     _rewire(g, cu.name, au.name, src=False)  # the update reads values and returns
     g.remove(cu.name)
     for name in ("critic", "critic_opt"):
@@ -164,8 +181,7 @@ def share_actor_critic(g: Graph) -> Graph:
             g.replace_node(replace(st, workload=w, options=opts))
     for name, per_param in (("actor", None), ("actor_opt", 8), ("rollout_weights", None)):
         node = g.nodes[name]
-        g.replace_node(replace(node, bytes=shared.param_bytes if per_param is None
-                               else shared.num_params * per_param))
+        g.replace_node(replace(node, bytes=shared.param_bytes if per_param is None else shared.num_params * per_param))
     g.attrs["shared"] = True
     return g
 
@@ -191,8 +207,10 @@ def elide_old_forward(g: Graph) -> Graph:
     if k > 0:
         raise GraphError(old.name, f"with staleness k={k} the proximal policy must be recomputed")
     if "values" in old.workload.heads:
-        raise GraphError(old.name, "old_forward also yields values (shared backbone); apply "
-                                   "elide_old_forward before share_actor_critic")
+        raise GraphError(
+            old.name,
+            "old_forward also yields values (shared backbone); apply elide_old_forward before share_actor_critic",
+        )
     g.edges = [dataclasses.replace(e, src="behav_logp") if e.src == "old_logp" else e for e in g.edges]
     g.remove(old.name)
     g.remove("old_logp")
@@ -203,8 +221,11 @@ def elide_old_forward(g: Graph) -> Graph:
 def _one_step(st: Stage, pass_name: str) -> None:
     w = st.workload
     if w.epochs * w.minibatches != 1:
-        raise GraphError(st.name, f"{pass_name} needs one optimizer step per batch; this update takes "
-                                  f"epochs={w.epochs} x minibatches={w.minibatches} (rl.ppo_epochs, rl.minibatches)")
+        raise GraphError(
+            st.name,
+            f"{pass_name} needs one optimizer step per batch; this update takes "
+            f"epochs={w.epochs} x minibatches={w.minibatches} (rl.ppo_epochs, rl.minibatches)",
+        )
 
 
 @graph_pass
@@ -226,14 +247,18 @@ def proximal_from_update(g: Graph) -> Graph:
     if old is None:
         raise GraphError("old_forward", "no old_forward stage to replace")
     if "values" in old.workload.heads:
-        raise GraphError(old.name, "old_forward also yields values (shared backbone); apply "
-                                   "proximal_from_update before share_actor_critic")
+        raise GraphError(
+            old.name,
+            "old_forward also yields values (shared backbone); apply proximal_from_update before share_actor_critic",
+        )
     upd = _plain(g, K.ACTOR_UPDATE, "proximal_from_update")
     _one_step(upd, "proximal_from_update")
     others = [c for c in g.consumers("old_logp") if c != upd.name]
     if others:
-        raise GraphError(others[0], "reads π_old before the actor update (e.g. rl.kl_in_reward); "
-                                    "proximal_from_update cannot serve it")
+        raise GraphError(
+            others[0],
+            "reads π_old before the actor update (e.g. rl.kl_in_reward); proximal_from_update cannot serve it",
+        )
     g.remove(old.name)
     g.remove("old_logp")
     g.replace_node(replace(upd, options=dataclasses.replace(upd.options, proximal_from_update=True)))
@@ -261,8 +286,11 @@ def values_from_critic_update(g: Graph) -> Graph:
     upd = _plain(g, K.ACTOR_UPDATE if shared else K.CRITIC_UPDATE, "values_from_critic_update")
     adv = _plain(g, K.ADVANTAGE, "values_from_critic_update")
     if cf is None:
-        why = ("the shared backbone's values ride on old_forward; apply proximal_from_update or "
-               "elide_old_forward first") if shared else "needs critic_forward and critic_update (rl.algorithm=ppo)"
+        why = (
+            ("the shared backbone's values ride on old_forward; apply proximal_from_update or elide_old_forward first")
+            if shared
+            else "needs critic_forward and critic_update (rl.algorithm=ppo)"
+        )
         raise GraphError("critic_forward", why)
     _one_step(upd, "values_from_critic_update")
     others = [c for c in g.consumers("values") if c not in (adv.name, upd.name)]
@@ -285,8 +313,12 @@ def fuse(g: Graph, stages: Sequence[str], name: str | None = None) -> Graph:
 
     The fused stage keeps its constituents in `parts` (traces and the cost model show both);
     data produced and consumed only inside it become internal (options.internal)."""
-    if _already_fused(g, stages) or (name and isinstance(g.nodes.get(name), Stage) and g.nodes[name].parts
-                                     and set(g.nodes[name].constituents) == set(stages)):
+    if _already_fused(g, stages) or (
+        name
+        and isinstance(g.nodes.get(name), Stage)
+        and g.nodes[name].parts
+        and set(g.nodes[name].constituents) == set(stages)
+    ):
         return g
     members = _fusion_members(g, stages)
     parts = tuple(p for m in members for p in (m.parts or (m,)))
@@ -294,8 +326,11 @@ def fuse(g: Graph, stages: Sequence[str], name: str | None = None) -> Graph:
     first = members[0]
     for m in members[1:]:
         if (m.placement, m.microbatches) != (first.placement, first.microbatches):
-            raise GraphError(m.name, f"cannot fuse with {first.name!r}: placement/microbatches differ "
-                                     f"({m.placement}/{m.microbatches} vs {first.placement}/{first.microbatches})")
+            raise GraphError(
+                m.name,
+                f"cannot fuse with {first.name!r}: placement/microbatches differ "
+                f"({m.placement}/{m.microbatches} vs {first.placement}/{first.microbatches})",
+            )
     _check_no_path_outside(g, [m.name for m in members])
     internal = list(first.options.internal) if first.parts else []
     for m in members[1:]:
@@ -368,8 +403,9 @@ def microbatch(g: Graph, stage: str, n: int, stream: bool = True) -> Graph:
     if n < 1 or b % n:
         raise GraphError(stage, f"microbatches={n} must be >= 1 and divide the batch B={b}")
     if _is_kind(st, (K.GENERATE,)) and groups % n:
-        raise GraphError(stage, f"microbatches={n} must divide the prompts per step N={groups} "
-                                "(a GRPO group stays in one piece)")
+        raise GraphError(
+            stage, f"microbatches={n} must divide the prompts per step N={groups} (a GRPO group stays in one piece)"
+        )
     _set_pieces(g, st, n, stream)
     return g
 
@@ -385,8 +421,7 @@ def _set_pieces(g: Graph, st: Stage, n: int, stream: bool) -> None:
             cst = g.stage(c)
             flows = stream and n > 1 and _is_kind(cst, STREAMABLE)
             was = any(e.stream for e in g.edges if (e.src, e.dst) == (d, c))
-            g.edges = [dataclasses.replace(e, stream=flows) if (e.src, e.dst) == (d, c) else e
-                       for e in g.edges]
+            g.edges = [dataclasses.replace(e, stream=flows) if (e.src, e.dst) == (d, c) else e for e in g.edges]
             if flows or was:
                 _set_pieces(g, g.stage(c), n if flows else 1, stream)
 

@@ -32,8 +32,17 @@ from rpeg_jax.graph.ir import Graph, GraphError, Op, Stage
 
 # The plan's structure: pipeline knobs (shape the graph) and, for planner plans, settings it chose
 # in other sections (dotted config keys in plan.predicted["settings"]).
-KNOBS = ("staleness", "share_actor_critic", "fuse", "elide_old_forward", "microbatches", "placement",
-         "split_sizes", "proximal_from_update", "values_from_critic_update")
+KNOBS = (
+    "staleness",
+    "share_actor_critic",
+    "fuse",
+    "elide_old_forward",
+    "microbatches",
+    "placement",
+    "split_sizes",
+    "proximal_from_update",
+    "values_from_critic_update",
+)
 PLAN_SETTINGS = ("rl.micro_batches", "model.remat", "rollout.max_slots")
 PLAN_VERSION = 1
 
@@ -128,20 +137,30 @@ class Plan:
 
     # ---- (de)serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {"format": "rpeg-plan", "version": PLAN_VERSION, "num_devices": self.num_devices,
-                "source": self.source, "knobs": self.knobs, "predicted": self.predicted,
-                "groups": [{"name": g.name, "devices": list(g.devices)} for g in self.groups],
-                "stages": [dataclasses.asdict(s) for s in self.stages]}
+        return {
+            "format": "rpeg-plan",
+            "version": PLAN_VERSION,
+            "num_devices": self.num_devices,
+            "source": self.source,
+            "knobs": self.knobs,
+            "predicted": self.predicted,
+            "groups": [{"name": g.name, "devices": list(g.devices)} for g in self.groups],
+            "stages": [dataclasses.asdict(s) for s in self.stages],
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
         if d.get("format") != "rpeg-plan" or d.get("version") != PLAN_VERSION:
             raise GraphError("plan", f"not an rpeg-plan v{PLAN_VERSION} document")
         try:
-            return cls(num_devices=int(d["num_devices"]), source=d.get("source", "manual"),
-                       knobs=dict(d.get("knobs", {})), predicted=dict(d.get("predicted", {})),
-                       groups=tuple(DeviceGroup(g["name"], tuple(g["devices"])) for g in d["groups"]),
-                       stages=tuple(StagePlan(**s) for s in d["stages"])).check()
+            return cls(
+                num_devices=int(d["num_devices"]),
+                source=d.get("source", "manual"),
+                knobs=dict(d.get("knobs", {})),
+                predicted=dict(d.get("predicted", {})),
+                groups=tuple(DeviceGroup(g["name"], tuple(g["devices"])) for g in d["groups"]),
+                stages=tuple(StagePlan(**s) for s in d["stages"]),
+            ).check()
         except (KeyError, TypeError) as e:
             raise GraphError("plan", f"malformed plan: {e!r}") from None
 
@@ -216,8 +235,9 @@ def resolve_mesh(mesh: dict[str, int], size: int, group: str) -> dict[str, int]:
     fixed = _prod(v for v in out.values() if v != -1)
     if -1 in out.values():
         if size % fixed:
-            raise ConfigError("sharding.mesh", mesh, f"fixed axes ({fixed}) do not divide group "
-                                                     f"{group!r} of {size} devices")
+            raise ConfigError(
+                "sharding.mesh", mesh, f"fixed axes ({fixed}) do not divide group {group!r} of {size} devices"
+            )
         out = {a: (size // fixed if v == -1 else v) for a, v in out.items()}
     elif fixed != size:
         raise ConfigError("sharding.mesh", mesh, f"covers {fixed} devices but group {group!r} has {size}")
@@ -230,8 +250,11 @@ def groups_for(cfg: RunConfig, num_devices: int) -> tuple[DeviceGroup, ...]:
         return (DeviceGroup("all", tuple(range(num_devices))),)
     gen, train = p.split_sizes
     if gen + train != num_devices:
-        raise ConfigError("pipeline.split_sizes", list(p.split_sizes),
-                          f"generation + training = {gen + train} but there are {num_devices} devices")
+        raise ConfigError(
+            "pipeline.split_sizes",
+            list(p.split_sizes),
+            f"generation + training = {gen + train} but there are {num_devices} devices",
+        )
     return (DeviceGroup("gen", tuple(range(gen))), DeviceGroup("train", tuple(range(gen, gen + train))))
 
 
@@ -272,8 +295,11 @@ def config_for_plan(cfg: RunConfig, plan: Plan) -> tuple[RunConfig, dict[str, tu
     sections = {"pipeline": pipeline}
     for dotted, value in plan.predicted.get("settings", {}).items():
         if dotted not in PLAN_SETTINGS:
-            raise ConfigError("pipeline.plan", plan.source,
-                              f"sets {dotted!r}, not one of the settings a plan may carry ({', '.join(PLAN_SETTINGS)})")
+            raise ConfigError(
+                "pipeline.plan",
+                plan.source,
+                f"sets {dotted!r}, not one of the settings a plan may carry ({', '.join(PLAN_SETTINGS)})",
+            )
         section, name = dotted.split(".")
         current = sections.get(section, getattr(cfg, section))
         if getattr(current, name) != value:
@@ -308,14 +334,21 @@ def plan_from_config(cfg: RunConfig, num_devices: int, graph: Graph | None = Non
             raise GraphError(st.name, f"placed on {st.placement!r} but the plan's groups are {list(groups)}")
         mesh = resolve_mesh(cfg.sharding.mesh, groups[st.placement].size, st.placement)
         # `auto` resolved on the stage's mesh; an explicit preset as given
-        stages.append(StagePlan(st.name, st.placement, mesh, layout_rules(st, cfg, mesh, priced=False),
-                                st.microbatches))
-    return Plan(num_devices=num_devices, groups=tuple(groups.values()), stages=tuple(stages),
-                knobs=knobs_of(cfg.pipeline), source="manual").check(graph)
+        stages.append(
+            StagePlan(st.name, st.placement, mesh, layout_rules(st, cfg, mesh, priced=False), st.microbatches)
+        )
+    return Plan(
+        num_devices=num_devices,
+        groups=tuple(groups.values()),
+        stages=tuple(stages),
+        knobs=knobs_of(cfg.pipeline),
+        source="manual",
+    ).check(graph)
 
 
-def widen_generation(plan: Plan, graph: Graph, cfg: RunConfig, devices: tuple[int, ...],
-                     group: str = "gen_wide") -> Plan:
+def widen_generation(
+    plan: Plan, graph: Graph, cfg: RunConfig, devices: tuple[int, ...], group: str = "gen_wide"
+) -> Plan:
     """`plan` with every generating stage (one whose ops include GENERATE, fused or not) on a data
     mesh of `devices` (a new group `group`), every other stage where it was. The new group must
     nest with the plan's groups (contain them or sit inside them; Plan.check). The weight handoff
@@ -336,12 +369,12 @@ def widen_generation(plan: Plan, graph: Graph, cfg: RunConfig, devices: tuple[in
         if st is not None and Op.GENERATE in _ops(st):
             sp = dataclasses.replace(sp, group=group, mesh=mesh, rules=layout_rules(st, cfg, mesh, priced=False))
         stages.append(sp)
-    return dataclasses.replace(plan, num_devices=max(plan.num_devices, max(devices) + 1),
-                               groups=plan.groups + (wide,), stages=tuple(stages)).check(graph)
+    return dataclasses.replace(
+        plan, num_devices=max(plan.num_devices, max(devices) + 1), groups=plan.groups + (wide,), stages=tuple(stages)
+    ).check(graph)
 
 
-def plan_for_config(cfg: RunConfig, num_devices: int,
-                    planner: Callable[[RunConfig, int], Plan] | None = None) -> Plan:
+def plan_for_config(cfg: RunConfig, num_devices: int, planner: Callable[[RunConfig, int], Plan] | None = None) -> Plan:
     """Honour `pipeline.plan`: manual (plan_from_config), auto (the cost model's `planner`, which
     the caller passes in: graph never imports costmodel), or a plan JSON file (checked)."""
     source = cfg.pipeline.plan

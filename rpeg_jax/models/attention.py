@@ -32,8 +32,9 @@ def _group_heads(q_BxTxHxE, k_BxSxKxE):
     k_spec = explicit_spec(k_BxSxKxE) or (None,) * 4
     if q_spec[2] != k_spec[2]:
         q_BxTxHxE = jax.reshard(q_BxTxHxE, jax.P(q_spec[0], q_spec[1], k_spec[2], q_spec[3]))
-    return jnp.reshape(q_BxTxHxE, (b, t, kv, h // kv, e),
-                       out_sharding=jax.P(q_spec[0], q_spec[1], k_spec[2], None, q_spec[3]))
+    return jnp.reshape(
+        q_BxTxHxE, (b, t, kv, h // kv, e), out_sharding=jax.P(q_spec[0], q_spec[1], k_spec[2], None, q_spec[3])
+    )
 
 
 def gqa_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS) -> jax.Array:
@@ -44,11 +45,10 @@ def gqa_attention(q_BxTxHxE, k_BxSxKxE, v_BxSxKxE, mask_BxTxS) -> jax.Array:
     b, t, h, e = q_BxTxHxE.shape
     q = _group_heads(q_BxTxHxE, k_BxSxKxE)
     scores = jnp.einsum("btkge,bske->bkgts", q, k_BxSxKxE, preferred_element_type=jnp.float32)
-    scores = scores * (e ** -0.5)
+    scores = scores * (e**-0.5)
     scores = jnp.where(mask_BxTxS[:, None, None, :, :], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bske->btkge", probs.astype(v_BxSxKxE.dtype), v_BxSxKxE,
-                     preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkgts,bske->btkge", probs.astype(v_BxSxKxE.dtype), v_BxSxKxE, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, e).astype(q_BxTxHxE.dtype)
 
 

@@ -64,15 +64,16 @@ def _dense_explicit(x, w, contract, preferred_element_type, precision):
     devices (the output states its layout: x's leading dimensions, then w's output dimensions)."""
     w = compute_layout(w, x)
     xs, ws = _spec(x), _spec(w)
-    lead, inner = xs[:x.ndim - contract], xs[x.ndim - contract:]
+    lead, inner = xs[: x.ndim - contract], xs[x.ndim - contract :]
     used_lead = {a for e in lead for a in _names(e)}
     if ws[:contract] != inner:  # put w's contracted dimensions on x's layout
         w = jax.reshard(w, jax.P(*inner, *_drop(ws[contract:], {a for e in inner for a in _names(e)})))
         ws = _spec(w)
     out_spec = lead + _drop(ws[contract:], used_lead)
     dims = ((tuple(range(x.ndim - contract, x.ndim)), tuple(range(contract))), ((), ()))
-    return jax.lax.dot_general(x, w, dims, precision=precision, preferred_element_type=preferred_element_type,
-                               out_sharding=jax.P(*out_spec))
+    return jax.lax.dot_general(
+        x, w, dims, precision=precision, preferred_element_type=preferred_element_type, out_sharding=jax.P(*out_spec)
+    )
 
 
 def dense(x, w, contract: int = 1, *, preferred_element_type=None, precision=None):
@@ -80,14 +81,15 @@ def dense(x, w, contract: int = 1, *, preferred_element_type=None, precision=Non
 
     x [..., I1..Ic], w [I1..Ic, O...] -> [..., O...], computed as one [M, K] @ [K, N] product.
     """
-    lead, inner, out = x.shape[:x.ndim - contract], x.shape[x.ndim - contract:], w.shape[contract:]
+    lead, inner, out = x.shape[: x.ndim - contract], x.shape[x.ndim - contract :], w.shape[contract:]
     if inner != w.shape[:contract]:
         raise ValueError(f"dense: x {x.shape} and w {w.shape} disagree on the {contract} contracted axes")
     if explicitly_sharded(x, w):
         return _dense_explicit(x, w, contract, preferred_element_type, precision)
     k = math.prod(inner)
-    y = jnp.matmul(x.reshape(-1, k), w.reshape(k, -1), precision=precision,
-                   preferred_element_type=preferred_element_type)
+    y = jnp.matmul(
+        x.reshape(-1, k), w.reshape(k, -1), precision=precision, preferred_element_type=preferred_element_type
+    )
     return y.reshape(*lead, *out)
 
 

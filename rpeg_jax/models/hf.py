@@ -48,9 +48,11 @@ def config_from_hf(hf: dict, *, value_head: bool = False, dtype: str | None = No
         if kind != "llama3":
             raise ValueError(f"config.json: rope_scaling.rope_type={kind!r} is not supported (llama3)")
         rope_scaling = RopeScaling(
-            factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
             high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
     eos = hf.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
     ckpt_dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
@@ -60,16 +62,27 @@ def config_from_hf(hf: dict, *, value_head: bool = False, dtype: str | None = No
     if head_dim == hf["hidden_size"] // heads:
         head_dim = None  # canonical: implied by hidden_size / num_heads
     cfg = ModelConfig(
-        arch=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
-        intermediate_size=hf["intermediate_size"], rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta), rope_scaling=rope_scaling,
+        arch=arch,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        intermediate_size=hf["intermediate_size"],
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        rope_scaling=rope_scaling,
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qkv_bias=(arch == "qwen2"),
-        value_head=value_head, param_dtype=dtype, dtype=dtype,
-        bos_id=hf.get("bos_token_id") or 0, eos_id=eos if eos is not None else 0,
-        pad_id=hf.get("pad_token_id") if hf.get("pad_token_id") is not None else (eos or 0))
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=(arch == "qwen2"),
+        value_head=value_head,
+        param_dtype=dtype,
+        dtype=dtype,
+        bos_id=hf.get("bos_token_id") or 0,
+        eos_id=eos if eos is not None else 0,
+        pad_id=hf.get("pad_token_id") if hf.get("pad_token_id") is not None else (eos or 0),
+    )
     cfg.validate("config.json")
     return cfg
 
@@ -78,14 +91,23 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     if cfg.arch == "llama" and cfg.qkv_bias:
         raise ValueError("save_hf: model.qkv_bias=true with arch=llama has no HF equivalent (use arch=qwen2)")
     out = {
-        "architectures": [_ARCHS[cfg.arch]], "model_type": cfg.arch, "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "architectures": [_ARCHS[cfg.arch]],
+        "model_type": cfg.arch,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
         "intermediate_size": cfg.intermediate_size,
-        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
-        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_embeddings,
-        "hidden_act": "silu", "torch_dtype": cfg.param_dtype, "bos_token_id": cfg.bos_id,
-        "eos_token_id": cfg.eos_id, "pad_token_id": cfg.pad_id,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": cfg.param_dtype,
+        "bos_token_id": cfg.bos_id,
+        "eos_token_id": cfg.eos_id,
+        "pad_token_id": cfg.pad_id,
     }
     if cfg.head_dim is not None:
         out["head_dim"] = cfg.head_dim
@@ -93,9 +115,13 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         out.update(attention_bias=False, mlp_bias=False)
     if cfg.rope_scaling is not None:
         s = cfg.rope_scaling
-        out["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                               "high_freq_factor": s.high_freq_factor,
-                               "original_max_position_embeddings": s.original_max_position_embeddings}
+        out["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
     return out
 
 
@@ -138,9 +164,11 @@ def _layer_mapping(cfg: ModelConfig):
         ("w_down", "mlp.down_proj.weight", lambda w: w.T),
     ]
     if cfg.qkv_bias:
-        rows += [("bq", "self_attn.q_proj.bias", lambda b: b.reshape(H, E)),
-                 ("bk", "self_attn.k_proj.bias", lambda b: b.reshape(K, E)),
-                 ("bv", "self_attn.v_proj.bias", lambda b: b.reshape(K, E))]
+        rows += [
+            ("bq", "self_attn.q_proj.bias", lambda b: b.reshape(H, E)),
+            ("bk", "self_attn.k_proj.bias", lambda b: b.reshape(K, E)),
+            ("bv", "self_attn.v_proj.bias", lambda b: b.reshape(K, E)),
+        ]
     return rows
 
 
@@ -188,10 +216,16 @@ def hf_state(model: Transformer) -> dict:
     cfg = model.cfg
     out = {"model.embed_tokens.weight": model.embed[...], "model.norm.weight": model.final_norm[...]}
     inverse = {
-        "wq": lambda w: w.reshape(w.shape[0], -1).T, "wk": lambda w: w.reshape(w.shape[0], -1).T,
-        "wv": lambda w: w.reshape(w.shape[0], -1).T, "wo": lambda w: w.reshape(-1, w.shape[-1]).T,
-        "w_gate": lambda w: w.T, "w_up": lambda w: w.T, "w_down": lambda w: w.T,
-        "bq": lambda b: b.reshape(-1), "bk": lambda b: b.reshape(-1), "bv": lambda b: b.reshape(-1),
+        "wq": lambda w: w.reshape(w.shape[0], -1).T,
+        "wk": lambda w: w.reshape(w.shape[0], -1).T,
+        "wv": lambda w: w.reshape(w.shape[0], -1).T,
+        "wo": lambda w: w.reshape(-1, w.shape[-1]).T,
+        "w_gate": lambda w: w.T,
+        "w_up": lambda w: w.T,
+        "w_down": lambda w: w.T,
+        "bq": lambda b: b.reshape(-1),
+        "bk": lambda b: b.reshape(-1),
+        "bv": lambda b: b.reshape(-1),
     }
     for ours, suffix, _ in _layer_mapping(cfg):
         stacked = getattr(model.layers, ours)[...]

@@ -24,8 +24,7 @@ from rpeg_jax.config.model import ModelConfig
 from rpeg_jax.models.attention import DenseAttention
 from rpeg_jax.models.dense import compute_layout, dense, embed_lookup
 from rpeg_jax.models.rope import apply_rope, inv_frequencies, rope_tables
-from rpeg_jax.sharding.axes import (BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, SEQ, VOCAB,
-                                    constrain)
+from rpeg_jax.sharding.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, SEQ, VOCAB, constrain
 
 LAYER_PARAMS = ("attn_norm", "wq", "bq", "wk", "bk", "wv", "bv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
@@ -45,8 +44,14 @@ class Layers(nnx.Module):
     """All decoder layers' parameters, stacked over L."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        L, D, H, K, E, F = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
-                            cfg.head_size, cfg.intermediate_size)
+        L, D, H, K, E, F = (
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_size,
+            cfg.intermediate_size,
+        )
         pd = jnp_dtype(cfg.param_dtype)
         normal = nnx.initializers.normal(cfg.init_std)
 
@@ -120,8 +125,7 @@ class Transformer(nnx.Module):
         self.embed = nnx.Param(normal(rngs.params(), (V, D), pd), axes=(VOCAB, EMBED))
         self.layers = Layers(cfg, rngs)
         self.final_norm = nnx.Param(jnp.ones((D,), pd), axes=(EMBED,))
-        self.lm_head = None if cfg.tie_embeddings else nnx.Param(
-            normal(rngs.params(), (D, V), pd), axes=(EMBED, VOCAB))
+        self.lm_head = None if cfg.tie_embeddings else nnx.Param(normal(rngs.params(), (D, V), pd), axes=(EMBED, VOCAB))
         if cfg.value_head:
             self.value_w = nnx.Param(jnp.zeros((D,), pd), axes=(EMBED,))
             self.value_b = nnx.Param(jnp.zeros((), pd), axes=())
@@ -129,8 +133,7 @@ class Transformer(nnx.Module):
             self.value_w = self.value_b = None
 
     # ---- forward pieces -------------------------------------------------------------------
-    def hidden(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *, attention=None,
-               cache: Any = None):
+    def hidden(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *, attention=None, cache: Any = None):
         """Final-normed hidden states [B, T, D] (compute dtype) and the updated cache."""
         cfg = self.cfg
         tokens_BxT = jnp.asarray(tokens_BxT, jnp.int32)

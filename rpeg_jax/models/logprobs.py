@@ -32,8 +32,9 @@ def _chunk_logprobs(h_BxCxD, w_DxV, targets_BxC, temperature: float, with_entrop
     return logp, logz - jnp.sum(probs * logits, axis=-1)
 
 
-def chunked_logprobs(h_BxNxD, w_DxV, targets_BxN, *, chunk: int | None = None, temperature: float = 1.0,
-                     with_entropy: bool = False):
+def chunked_logprobs(
+    h_BxNxD, w_DxV, targets_BxN, *, chunk: int | None = None, temperature: float = 1.0, with_entropy: bool = False
+):
     """log softmax(h·W / temperature)[target] per position, optionally the entropy, float32 [B, N].
 
     Always a `lax.map` over chunks, even when one chunk covers all N positions: the map body is
@@ -67,9 +68,20 @@ def chunked_logprobs(h_BxNxD, w_DxV, targets_BxN, *, chunk: int | None = None, t
     return logp, (ent if with_entropy else None)
 
 
-def token_logprobs(model, tokens_BxT, positions_BxT, segment_ids_BxT, targets_BxT, *, start: int = 0,
-                   length: int | None = None, chunk: int | None = None, temperature: float = 1.0,
-                   with_entropy: bool = False, return_hidden: bool = False):
+def token_logprobs(
+    model,
+    tokens_BxT,
+    positions_BxT,
+    segment_ids_BxT,
+    targets_BxT,
+    *,
+    start: int = 0,
+    length: int | None = None,
+    chunk: int | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    return_hidden: bool = False,
+):
     """log p(targets[:, start+i] | tokens[:, :start+i+1]) for i < length, float32 [B, length].
 
     `targets_BxT` is usually the tokens shifted left by one. With `return_hidden` the final
@@ -82,6 +94,7 @@ def token_logprobs(model, tokens_BxT, positions_BxT, segment_ids_BxT, targets_Bx
     h, _ = model.hidden(tokens_BxT, positions_BxT, segment_ids_BxT)
     h = jax.lax.slice_in_dim(h, start, start + length, axis=1)
     tg = jax.lax.slice_in_dim(jnp.asarray(targets_BxT), start, start + length, axis=1)
-    logp, ent = chunked_logprobs(h, model.output_matrix(), tg, chunk=chunk, temperature=temperature,
-                                 with_entropy=with_entropy)
+    logp, ent = chunked_logprobs(
+        h, model.output_matrix(), tg, chunk=chunk, temperature=temperature, with_entropy=with_entropy
+    )
     return (logp, ent, h) if return_hidden else (logp, ent)

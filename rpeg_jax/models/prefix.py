@@ -57,8 +57,7 @@ class GroupPrefixAttention:
         return out, cache
 
 
-jax.tree_util.register_dataclass(GroupPrefixAttention, data_fields=["prompt_seg_NxP", "resp_seg_BxR"],
-                                 meta_fields=[])
+jax.tree_util.register_dataclass(GroupPrefixAttention, data_fields=["prompt_seg_NxP", "resp_seg_BxR"], meta_fields=[])
 
 
 def _prompt_mismatch(x_BxP, group_size: int):
@@ -76,8 +75,10 @@ def group_hidden(model, tokens_BxS, positions_BxS, segment_ids_BxS, *, response_
     r, g = response_len, group_size
     p = s - r
     if b % g or r < 2 or p < 1:
-        raise ValueError(f"group_hidden: batch {b} rows, group_size {g}, response_len {r}, prompt {p}: "
-                         f"needs B % group_size == 0, response_len >= 2 and a prompt column")
+        raise ValueError(
+            f"group_hidden: batch {b} rows, group_size {g}, response_len {r}, prompt {p}: "
+            f"needs B % group_size == 0, response_len >= 2 and a prompt column"
+        )
     cols = lambda x, lo, hi: jax.lax.slice_in_dim(jnp.asarray(x, jnp.int32), lo, hi, axis=1)  # noqa: E731
     prompt = [cols(x, 0, p) for x in (tokens_BxS, positions_BxS, segment_ids_BxS)]
     resp = [cols(x, p, s - 1) for x in (tokens_BxS, positions_BxS, segment_ids_BxS)]
@@ -93,16 +94,28 @@ def group_hidden(model, tokens_BxS, positions_BxS, segment_ids_BxS, *, response_
     return jnp.where(bad[:, None, None], jnp.nan, h_pred), bad
 
 
-def group_token_logprobs(model, tokens_BxS, positions_BxS, segment_ids_BxS, *, response_len: int,
-                         group_size: int, chunk: int | None = None, temperature: float = 1.0,
-                         with_entropy: bool = False, return_hidden: bool = False):
+def group_token_logprobs(
+    model,
+    tokens_BxS,
+    positions_BxS,
+    segment_ids_BxS,
+    *,
+    response_len: int,
+    group_size: int,
+    chunk: int | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    return_hidden: bool = False,
+):
     """`token_logprobs(..., targets=tokens shifted, start=P-1, length=R)` with the prompt computed
     once per group: log p(response token i | prompt, response[:i]) float32 [B, R] (NaN on rows
     whose prompt differs from their group's), optionally entropies and the predicting hidden states."""
-    h, _ = group_hidden(model, tokens_BxS, positions_BxS, segment_ids_BxS, response_len=response_len,
-                          group_size=group_size)
+    h, _ = group_hidden(
+        model, tokens_BxS, positions_BxS, segment_ids_BxS, response_len=response_len, group_size=group_size
+    )
     s = tokens_BxS.shape[1]
     targets = jax.lax.slice_in_dim(jnp.asarray(tokens_BxS, jnp.int32), s - response_len, s, axis=1)
-    logp, ent = chunked_logprobs(h, model.output_matrix(), targets, chunk=chunk, temperature=temperature,
-                                 with_entropy=with_entropy)
+    logp, ent = chunked_logprobs(
+        h, model.output_matrix(), targets, chunk=chunk, temperature=temperature, with_entropy=with_entropy
+    )
     return (logp, ent, h) if return_hidden else (logp, ent)

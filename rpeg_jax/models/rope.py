@@ -32,7 +32,8 @@ def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
     wavelen = 2 * math.pi / inv
     scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
     smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor)
+        s.high_freq_factor - s.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32)

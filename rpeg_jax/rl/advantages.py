@@ -33,15 +33,23 @@ def _group_stats(rewards_B, group_ids_B, group_size):
         if b % group_size:
             raise ValueError(f"rewards_B has {b} entries, not a multiple of rl.group_size={group_size}")
         g = r.reshape(b // group_size, group_size)
-        stats = (jnp.full_like(g, group_size), jnp.sum(g, 1, keepdims=True),
-                 jnp.max(g, 1, keepdims=True), jnp.min(g, 1, keepdims=True))
+        stats = (
+            jnp.full_like(g, group_size),
+            jnp.sum(g, 1, keepdims=True),
+            jnp.max(g, 1, keepdims=True),
+            jnp.min(g, 1, keepdims=True),
+        )
         return tuple(jnp.broadcast_to(s, g.shape).reshape(b) for s in stats)
     # B x B "same group" table: group ids may be any ints (global prompt ids), no segment count.
     # Rows keep the batch sharding; the columns (all of the batch) are gathered to every device.
     same = group_ids_B[:, None] == replicated(group_ids_B)[None, :]
     rr = jnp.broadcast_to(replicated(r)[None, :], same.shape)
-    return (jnp.sum(same, 1).astype(jnp.float32), jnp.sum(jnp.where(same, rr, 0.0), 1),
-            jnp.max(jnp.where(same, rr, -jnp.inf), 1), jnp.min(jnp.where(same, rr, jnp.inf), 1))
+    return (
+        jnp.sum(same, 1).astype(jnp.float32),
+        jnp.sum(jnp.where(same, rr, 0.0), 1),
+        jnp.max(jnp.where(same, rr, -jnp.inf), 1),
+        jnp.min(jnp.where(same, rr, jnp.inf), 1),
+    )
 
 
 def _group_sq_dev(rewards_B, mean_B, group_ids_B, group_size):
@@ -55,8 +63,9 @@ def _group_sq_dev(rewards_B, mean_B, group_ids_B, group_size):
     return jnp.sum(jnp.where(same, jnp.square(replicated(r)[None, :] - mean_B[:, None]), 0.0), 1)
 
 
-def grpo_advantages(rewards_B, *, group_ids_B=None, group_size: int | None = None,
-                    norm_by_std: bool = True, eps: float = 1e-6):
+def grpo_advantages(
+    rewards_B, *, group_ids_B=None, group_size: int | None = None, norm_by_std: bool = True, eps: float = 1e-6
+):
     """Sequence-level GRPO advantage A_B (float32). Groups: `group_ids_B` or contiguous of G."""
     n, s, hi, lo = _group_stats(rewards_B, group_ids_B, group_size)
     mean = s / n
@@ -128,8 +137,13 @@ def compute_advantages(batch: dict, cfg) -> tuple[dict, dict]:
             raise ValueError(f"rl.kl_in_reward=True needs rl.advantage=gae, not {est!r}")
         gid = batch.get("group_ids_B")
         if est == "grpo":
-            adv_B = grpo_advantages(batch["rewards_B"], group_ids_B=gid, group_size=cfg.group_size,
-                                    norm_by_std=cfg.norm_adv_by_std, eps=cfg.adv_eps)
+            adv_B = grpo_advantages(
+                batch["rewards_B"],
+                group_ids_B=gid,
+                group_size=cfg.group_size,
+                norm_by_std=cfg.norm_adv_by_std,
+                eps=cfg.adv_eps,
+            )
         else:
             adv_B = rloo_advantages(batch["rewards_B"], group_ids_B=gid, group_size=cfg.group_size)
         adv = where_mask(jnp.broadcast_to(adv_B[:, None], mask.shape), mask)

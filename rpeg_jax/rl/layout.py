@@ -53,9 +53,11 @@ def split_rows(x, n: int):
         return x.reshape((b // n, n) + rest).swapaxes(0, 1)
     devices = _axis_size(x, spec[0])
     if (b // n) % devices:
-        raise ValueError(f"cannot split a batch of {b} rows sharded over {devices} devices ({spec[0]!r}) into "
-                         f"{n} pieces: each piece of {b // n} rows must divide evenly over the devices "
-                         f"(lower rl.minibatches / rl.micro_batches or raise the batch size)")
+        raise ValueError(
+            f"cannot split a batch of {b} rows sharded over {devices} devices ({spec[0]!r}) into "
+            f"{n} pieces: each piece of {b // n} rows must divide evenly over the devices "
+            f"(lower rl.minibatches / rl.micro_batches or raise the batch size)"
+        )
     y = jax.lax.reshape(x, (b // n, n) + rest, out_sharding=jax.P(spec[0], None, *spec[1:]))
     return y.swapaxes(0, 1)
 

@@ -55,8 +55,17 @@ def wsum(x, w):
     return jnp.sum(jnp.where(w > 0, x, 0.0) * w)
 
 
-def ppo_token_loss(logp, old_logp, adv, mask, *, eps_low: float, eps_high: float,
-                   dual_clip: float | None = None, seq_ratio: bool = False):
+def ppo_token_loss(
+    logp,
+    old_logp,
+    adv,
+    mask,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None = None,
+    seq_ratio: bool = False,
+):
     """Per-token clipped-surrogate loss and its clip indicators (float32 [B, R] each)."""
     logp, old_logp, adv = (where_mask(x.astype(jnp.float32), mask) for x in (logp, old_logp, adv))
     log_ratio = logp - old_logp
@@ -118,21 +127,40 @@ def actor_objective(out: dict, mb: dict, cfg, loss_w, tok_w):
     response tokens make the loss NaN on purpose, so that the update's guard skips the step."""
     mask, logp = mb["response_mask_BxR"], out["logp"]
     old, adv = mb["old_logp_BxR"], mb["advantages_BxR"]
-    pg_tok, clipped, lower = ppo_token_loss(logp, old, adv, mask, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                                            dual_clip=cfg.dual_clip, seq_ratio=cfg.policy_loss == "gspo")
+    pg_tok, clipped, lower = ppo_token_loss(
+        logp,
+        old,
+        adv,
+        mask,
+        eps_low=cfg.eps_low,
+        eps_high=cfg.eps_high,
+        dual_clip=cfg.dual_clip,
+        seq_ratio=cfg.policy_loss == "gspo",
+    )
     checked = [logp, old, adv]
     metrics = {}
     if "behav_logp_BxR" in mb:
-        w, dropped, truncated = behaviour_weights(old, mb["behav_logp_BxR"], mask,
-                                                  cap=cfg.behav_weight_cap, tis_cap=cfg.tis_cap)
+        w, dropped, truncated = behaviour_weights(
+            old, mb["behav_logp_BxR"], mask, cap=cfg.behav_weight_cap, tis_cap=cfg.tis_cap
+        )
         pg_tok = pg_tok * w
         checked.append(mb["behav_logp_BxR"])
-        metrics.update({"actor/behav_weight_mean": wsum(w, tok_w), "actor/behav_dropped_frac": wsum(dropped, tok_w),
-                        "actor/tis_clipfrac": wsum(truncated, tok_w)})
+        metrics.update(
+            {
+                "actor/behav_weight_mean": wsum(w, tok_w),
+                "actor/behav_dropped_frac": wsum(dropped, tok_w),
+                "actor/tis_clipfrac": wsum(truncated, tok_w),
+            }
+        )
     pg_loss = wsum(pg_tok, loss_w)
     loss = pg_loss
-    metrics.update({"actor/pg_loss": pg_loss, "actor/pg_clipfrac": wsum(clipped, tok_w),
-                    "actor/ppo_kl": wsum(where_mask(old - logp, mask), tok_w)})
+    metrics.update(
+        {
+            "actor/pg_loss": pg_loss,
+            "actor/pg_clipfrac": wsum(clipped, tok_w),
+            "actor/ppo_kl": wsum(where_mask(old - logp, mask), tok_w),
+        }
+    )
     if cfg.dual_clip is not None:
         metrics["actor/pg_clipfrac_lower"] = wsum(lower, tok_w)
     use_kl_loss = cfg.kl_coef > 0 and not cfg.kl_in_reward
@@ -164,7 +192,10 @@ def critic_objective(out: dict, mb: dict, cfg, loss_w, tok_w):
     mask, v = mb["response_mask_BxR"], out["values"]
     vf_tok, clipped = value_token_loss(v, mb["values_BxR"], mb["returns_BxR"], mask, cfg.value_clip)
     vf_loss = wsum(vf_tok, loss_w)
-    metrics = {"critic/vf_loss": vf_loss, "critic/vf_clipfrac": wsum(clipped, tok_w),
-               "critic/vpred_mean": wsum(where_mask(v, mask), tok_w)}
+    metrics = {
+        "critic/vf_loss": vf_loss,
+        "critic/vf_clipfrac": wsum(clipped, tok_w),
+        "critic/vpred_mean": wsum(where_mask(v, mask), tok_w),
+    }
     ok = all_finite(mask, v, mb["values_BxR"], mb["returns_BxR"])
     return jnp.where(ok, vf_loss, jnp.nan), metrics

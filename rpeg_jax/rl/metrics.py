@@ -32,9 +32,16 @@ def batch_metrics(batch: dict, *, version=None, max_response_len: int | None = N
         out["reward/std"] = jnp.sqrt(masked_mean(jnp.square(r - mean), fin))
         out["reward/nonfinite"] = jnp.sum(~fin).astype(jnp.float32)
     length = jnp.sum(mask > 0, -1).astype(jnp.float32)
-    out.update({"response_length/mean": jnp.mean(length), "response_length/max": jnp.max(length),
-                "response_length/min": jnp.min(length),
-                "response_length/clip_ratio": jnp.mean((length >= (max_response_len or mask.shape[-1])).astype(jnp.float32))})
+    out.update(
+        {
+            "response_length/mean": jnp.mean(length),
+            "response_length/max": jnp.max(length),
+            "response_length/min": jnp.min(length),
+            "response_length/clip_ratio": jnp.mean(
+                (length >= (max_response_len or mask.shape[-1])).astype(jnp.float32)
+            ),
+        }
+    )
     for key, name in (("advantages_BxR", "advantages"), ("returns_BxR", "returns")):
         if key in batch:
             out.update(_stats(name, batch[key].astype(jnp.float32), mask))

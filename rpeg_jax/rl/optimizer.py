@@ -51,8 +51,13 @@ def make_optimizer(cfg, total_steps: int | None = None) -> optax.GradientTransfo
     mu_dtype = _DTYPES[cfg.mu_dtype] if cfg.mu_dtype is not None else None
     # float32 hyperparameters: inferred from bfloat16 params, b2 = 0.999 would round to 1.0.
     adamw = optax.inject_hyperparams(optax.adamw, static_args=("mu_dtype",), hyperparam_dtype=jnp.float32)(
-        learning_rate=make_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-        weight_decay=cfg.weight_decay, mu_dtype=mu_dtype)
+        learning_rate=make_schedule(cfg, total_steps),
+        b1=cfg.b1,
+        b2=cfg.b2,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        mu_dtype=mu_dtype,
+    )
     if cfg.grad_clip is None:
         return adamw
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)

@@ -59,11 +59,19 @@ def check_batch(batch: dict, needs, cfg, stage: str, group_size: int = 1) -> Non
         if k.endswith("_BxR") and shape[:2] != (b, r):
             raise ValueError(f"{stage}: batch[{k!r}] has shape {shape}, expected ({b}, {r}) like {MASK}")
     n = cfg.minibatches * cfg.micro_batches
-    check(b % n == 0, "rl.minibatches", cfg.minibatches,
-          f"a batch of B={b} sequences does not split into rl.minibatches={cfg.minibatches} x "
-          f"rl.micro_batches={cfg.micro_batches} equal pieces")
-    check(group_size == 1 or b % (n * group_size) == 0, "rl.group_size", group_size,
-          f"{stage}: a batch of B={b} rows does not split into {n} pieces of whole groups")
+    check(
+        b % n == 0,
+        "rl.minibatches",
+        cfg.minibatches,
+        f"a batch of B={b} sequences does not split into rl.minibatches={cfg.minibatches} x "
+        f"rl.micro_batches={cfg.micro_batches} equal pieces",
+    )
+    check(
+        group_size == 1 or b % (n * group_size) == 0,
+        "rl.group_size",
+        group_size,
+        f"{stage}: a batch of B={b} rows does not split into {n} pieces of whole groups",
+    )
 
 
 def _tree_where(ok, new, old):
@@ -88,8 +96,14 @@ def _minibatch_grads(grad_fn, params, mb, cfg, accum_dtype, group_size, rows=Fal
     grads, (losses, auxs) = jax.lax.scan(body, zeros, pieces)
     if rows:
         metrics, per_row = auxs
-        return (jnp.sum(losses), (jax.tree.map(lambda x: jnp.sum(x, 0), metrics),
-                                  jax.tree.map(lambda y: merge_rows(y, group_size), per_row)), grads)
+        return (
+            jnp.sum(losses),
+            (
+                jax.tree.map(lambda x: jnp.sum(x, 0), metrics),
+                jax.tree.map(lambda y: merge_rows(y, group_size), per_row),
+            ),
+            grads,
+        )
     return jnp.sum(losses), jax.tree.map(lambda x: jnp.sum(x, 0), auxs), grads
 
 
@@ -103,13 +117,15 @@ def _summarise(stats, opt_state, cfg, prefix):
         total = jnp.sum(jnp.where(ok, v, 0.0))
         out[k] = jnp.where(n_ok > 0, total / jnp.maximum(n_ok, 1.0), jnp.nan)
     nan_skipped = jnp.sum((~finite).astype(jnp.float32))
-    out.update({
-        f"{prefix}/lr": current_lr(opt_state),
-        f"{prefix}/updates": n_ok,
-        f"{prefix}/nan_skipped": nan_skipped,
-        f"{prefix}/empty_skipped": jnp.sum((finite & empty).astype(jnp.float32)),
-        f"{prefix}/nan_stop": (nan_skipped > 0).astype(jnp.float32) if cfg.on_nan == "stop" else jnp.float32(0),
-    })
+    out.update(
+        {
+            f"{prefix}/lr": current_lr(opt_state),
+            f"{prefix}/updates": n_ok,
+            f"{prefix}/nan_skipped": nan_skipped,
+            f"{prefix}/empty_skipped": jnp.sum((finite & empty).astype(jnp.float32)),
+            f"{prefix}/nan_stop": (nan_skipped > 0).astype(jnp.float32) if cfg.on_nan == "stop" else jnp.float32(0),
+        }
+    )
     if "actor/pg_clipfrac" in out:
         out["actor/clipfrac"] = out["actor/pg_clipfrac"]
     return out
@@ -119,12 +135,20 @@ def check_one_step(cfg, what: str) -> None:
     """The one-step rewrites are exact only when the update takes one optimizer step per batch."""
     for name in ("ppo_epochs", "minibatches"):
         v = getattr(cfg, name)
-        check(v == 1, f"rl.{name}", v, f"{what} needs one optimizer step per batch (rl.ppo_epochs=1, "
-                                       f"rl.minibatches=1)")
+        check(v == 1, f"rl.{name}", v, f"{what} needs one optimizer step per batch (rl.ppo_epochs=1, rl.minibatches=1)")
 
 
-def make_update(loss_fn, optimizer: optax.GradientTransformation, cfg, *, prefix: str,
-                needs=(MASK,), accum_dtype=jnp.float32, group_size: int = 1, rows: bool = False):
+def make_update(
+    loss_fn,
+    optimizer: optax.GradientTransformation,
+    cfg,
+    *,
+    prefix: str,
+    needs=(MASK,),
+    accum_dtype=jnp.float32,
+    group_size: int = 1,
+    rows: bool = False,
+):
     """Generic update step from `loss_fn(params, mb, loss_w_BxR, tok_w_BxR) -> (loss, metrics)`,
     whose metrics must be additive over micro-batches (sums weighted by tok_w or loss_w).
     group_size > 1: shuffles and splits keep groups of that many consecutive rows together.
@@ -180,8 +204,9 @@ def _proximal(out: dict, mb: dict, on: bool) -> dict:
     return {**mb, "old_logp_BxR": jax.lax.stop_gradient(out["logp"])} if on else mb
 
 
-def make_actor_update(policy_fn, optimizer, cfg, *, accum_dtype=jnp.float32, group_size: int = 1,
-                      proximal_from_update: bool = False):
+def make_actor_update(
+    policy_fn, optimizer, cfg, *, accum_dtype=jnp.float32, group_size: int = 1, proximal_from_update: bool = False
+):
     """Policy update (PPO/GRPO/GSPO surrogate, decoupled/TIS weights, KL and entropy terms)."""
     if proximal_from_update:
         check_one_step(cfg, "pipeline.proximal_from_update")
@@ -189,17 +214,22 @@ def make_actor_update(policy_fn, optimizer, cfg, *, accum_dtype=jnp.float32, gro
     def loss_fn(params, mb, loss_w, tok_w):
         out = policy_fn(params, mb)
         return actor_objective(out, _proximal(out, mb, proximal_from_update), cfg, loss_w, tok_w)
+
     needs = tuple(k for k in ACTOR_KEYS if not (proximal_from_update and k == "old_logp_BxR"))
-    return make_update(loss_fn, optimizer, cfg, prefix="actor", needs=needs, accum_dtype=accum_dtype,
-                       group_size=group_size)
+    return make_update(
+        loss_fn, optimizer, cfg, prefix="actor", needs=needs, accum_dtype=accum_dtype, group_size=group_size
+    )
 
 
 def make_critic_update(value_fn, optimizer, cfg, *, accum_dtype=jnp.float32, group_size: int = 1):
     """Separate critic: clipped value loss; value_fn(params, batch) -> {"values": [B, R]}."""
+
     def loss_fn(params, mb, loss_w, tok_w):
         return critic_objective(value_fn(params, mb), mb, cfg, loss_w, tok_w)
-    return make_update(loss_fn, optimizer, cfg, prefix="critic", needs=CRITIC_KEYS, accum_dtype=accum_dtype,
-                       group_size=group_size)
+
+    return make_update(
+        loss_fn, optimizer, cfg, prefix="critic", needs=CRITIC_KEYS, accum_dtype=accum_dtype, group_size=group_size
+    )
 
 
 def make_critic_values_update(value_fn, optimizer, cfg, *, accum_dtype=jnp.float32, group_size: int = 1):
@@ -214,8 +244,17 @@ def make_critic_values_update(value_fn, optimizer, cfg, *, accum_dtype=jnp.float
         mb = _own_values(out, mb, cfg)
         loss, metrics = critic_objective(out, mb, cfg, loss_w, tok_w)
         return loss, (metrics, {"values_BxR": mb["values_BxR"]})
-    return make_update(loss_fn, optimizer, cfg, prefix="critic", needs=(MASK, "rewards_B"),
-                       accum_dtype=accum_dtype, group_size=group_size, rows=True)
+
+    return make_update(
+        loss_fn,
+        optimizer,
+        cfg,
+        prefix="critic",
+        needs=(MASK, "rewards_B"),
+        accum_dtype=accum_dtype,
+        group_size=group_size,
+        rows=True,
+    )
 
 
 def _own_values(out: dict, mb: dict, cfg) -> dict:
@@ -225,8 +264,16 @@ def _own_values(out: dict, mb: dict, cfg) -> dict:
     return {**mb, "values_BxR": v, **adv}
 
 
-def make_actor_critic_update(policy_fn, optimizer, cfg, *, accum_dtype=jnp.float32, group_size: int = 1,
-                             proximal_from_update: bool = False, values_from_update: bool = False):
+def make_actor_critic_update(
+    policy_fn,
+    optimizer,
+    cfg,
+    *,
+    accum_dtype=jnp.float32,
+    group_size: int = 1,
+    proximal_from_update: bool = False,
+    values_from_update: bool = False,
+):
     """One backbone with policy and value heads: L = L_actor + c_v·L_v (policy_fn returns values).
 
     values_from_update (one optimizer step): V_old = sg(V) of this forward, the advantages and
@@ -244,8 +291,20 @@ def make_actor_critic_update(policy_fn, optimizer, cfg, *, accum_dtype=jnp.float
         v_loss, v_metrics = critic_objective(out, mb, cfg, loss_w, tok_w)
         loss, metrics = a_loss + cfg.vf_coef * v_loss, {**a_metrics, **v_metrics}
         return (loss, (metrics, {"values_BxR": mb["values_BxR"]})) if values_from_update else (loss, metrics)
+
     drop = ({"old_logp_BxR"} if proximal_from_update else set()) | (
-        {"advantages_BxR", "values_BxR", "returns_BxR"} if values_from_update else set())
-    needs = tuple(k for k in ACTOR_KEYS + CRITIC_KEYS[1:] if k not in drop) + (("rewards_B",) if values_from_update else ())
-    return make_update(loss_fn, optimizer, cfg, prefix="actor", needs=needs, accum_dtype=accum_dtype,
-                       group_size=group_size, rows=values_from_update)
+        {"advantages_BxR", "values_BxR", "returns_BxR"} if values_from_update else set()
+    )
+    needs = tuple(k for k in ACTOR_KEYS + CRITIC_KEYS[1:] if k not in drop) + (
+        ("rewards_B",) if values_from_update else ()
+    )
+    return make_update(
+        loss_fn,
+        optimizer,
+        cfg,
+        prefix="actor",
+        needs=needs,
+        accum_dtype=accum_dtype,
+        group_size=group_size,
+        rows=values_from_update,
+    )

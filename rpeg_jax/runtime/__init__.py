@@ -1,7 +1,7 @@
 """rpeg_jax.runtime: runs the compiled RPEG step after step (see runtime/trainer.py).
 
-    from rpeg_jax.runtime import train
-    summary = train(load_config("configs/default.yaml"))
+from rpeg_jax.runtime import train
+summary = train(load_config("configs/default.yaml"))
 """
 
 

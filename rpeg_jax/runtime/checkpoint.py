@@ -59,8 +59,7 @@ class Checkpointer:
 
     def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True):
         self.directory = os.path.abspath(directory)
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                               create=True)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
@@ -83,8 +82,10 @@ class Checkpointer:
 
     def restore(self, step: int, train_target: Any, buffer_target: Any = None) -> tuple[Any, dict, dict]:
         """(train arrays laid out like `train_target`, meta, buffer laid out like `buffer_target`)."""
-        items = {"train": ocp.args.StandardRestore(jax.tree.map(_abstract, train_target)),
-                 "meta": ocp.args.JsonRestore()}
+        items = {
+            "train": ocp.args.StandardRestore(jax.tree.map(_abstract, train_target)),
+            "meta": ocp.args.JsonRestore(),
+        }
         if buffer_target:
             items["buffer"] = ocp.args.StandardRestore(buffer_target)
         out = self._mngr.restore(step, args=ocp.args.Composite(**items))

@@ -37,8 +37,9 @@ class ExecutionError(RuntimeError):
 
 
 def tree_concat(pieces: list) -> Any:
-    return jax.tree.map(lambda *xs: np.concatenate(xs) if isinstance(xs[0], np.ndarray)
-                        else jax.numpy.concatenate(xs), *pieces)
+    return jax.tree.map(
+        lambda *xs: np.concatenate(xs) if isinstance(xs[0], np.ndarray) else jax.numpy.concatenate(xs), *pieces
+    )
 
 
 def tree_piece(value: Any, i: int, n: int) -> Any:
@@ -46,7 +47,7 @@ def tree_piece(value: Any, i: int, n: int) -> Any:
         b = x.shape[0]
         if b % n:
             raise ExecutionError(f"cannot split a batch of {b} into {n} pieces")
-        return x[i * b // n:(i + 1) * b // n]
+        return x[i * b // n : (i + 1) * b // n]
 
     return jax.tree.map(take, value)
 
@@ -121,8 +122,9 @@ class Executor:
         self.ahead = {cs.name: self._ahead(cs) for cs in program.stages}  # steps a stage runs ahead
         self.staleness = g.staleness
         if max(self.ahead.values(), default=0) != self.staleness:
-            raise ExecutionError(f"stages run {max(self.ahead.values())} steps ahead but the graph's "
-                                 f"staleness is k={self.staleness}")
+            raise ExecutionError(
+                f"stages run {max(self.ahead.values())} steps ahead but the graph's staleness is k={self.staleness}"
+            )
         self.done: set[tuple[str, int, int]] = set()
         self.events: dict[tuple[str, int, int], threading.Event] = defaultdict(threading.Event)
         self.metrics: dict[int, dict[str, float]] = defaultdict(dict)
@@ -134,8 +136,11 @@ class Executor:
 
     def _ahead(self, cs: CompiledStage) -> int:
         """How many steps ahead a stage may run: k for generation reading weights at t-k."""
-        offs = [p.offset for p in cs.reads if p.state and not isinstance(self.graph.nodes[p.node], DataNode)
-                and not self.graph.nodes[p.node].frozen]
+        offs = [
+            p.offset
+            for p in cs.reads
+            if p.state and not isinstance(self.graph.nodes[p.node], DataNode) and not self.graph.nodes[p.node].frozen
+        ]
         return max(0, -min(offs)) if offs else 0
 
     # ---- one slot ---------------------------------------------------------------------
@@ -156,8 +161,12 @@ class Executor:
         if len(by_group) == 1:
             self._run_group(next(iter(by_group)), self._sorted(next(iter(by_group.values()))), threaded=False)
         else:
-            threads = [threading.Thread(target=self._run_group, args=(gname, self._sorted(ts), True),
-                                        name=f"rpeg-{gname}", daemon=True) for gname, ts in by_group.items()]
+            threads = [
+                threading.Thread(
+                    target=self._run_group, args=(gname, self._sorted(ts), True), name=f"rpeg-{gname}", daemon=True
+                )
+                for gname, ts in by_group.items()
+            ]
             for th in threads:
                 th.start()
             for th in threads:
@@ -170,6 +179,7 @@ class Executor:
     def _sorted(self, tasks: list[Task]) -> list[Task]:
         """Earlier steps first, then pieces in order (streaming), single-piece stages after the
         pieces they wait for, then topological order."""
+
         def key(task: Task):
             cs = task.stage
             if cs.pieces > 1:
@@ -210,8 +220,11 @@ class Executor:
 
     def _inputs(self, task: Task, threaded: bool) -> tuple[dict, dict]:
         cs, t, g = task.stage, task.step, self.graph
-        inputs = {"_step": np.int32(t), "_piece": task.piece, "_pieces": cs.pieces} if not cs.kernel.jittable \
+        inputs = (
+            {"_step": np.int32(t), "_piece": task.piece, "_pieces": cs.pieces}
+            if not cs.kernel.jittable
             else {"_step": np.int32(t)}
+        )
         record = {}
         for dep in g.deps(cs.name):
             step = t + dep.step_offset
@@ -228,8 +241,7 @@ class Executor:
                 record[port.name] = version if not node.frozen else "frozen"
             else:
                 streamed = port.stream and self.store.pieces.get((port.node, t)) == cs.pieces
-                inputs[port.name] = self.store.get_data(port.node, t, task.piece if cs.pieces > 1 else None,
-                                                        cs.pieces)
+                inputs[port.name] = self.store.get_data(port.node, t, task.piece if cs.pieces > 1 else None, cs.pieces)
                 record[port.name] = (t, task.piece if (streamed or cs.pieces > 1) else "all")
         return inputs, record
 
@@ -269,8 +281,9 @@ class Executor:
         """Metrics already recorded for `steps` (those of stages that ran ahead), as floats."""
         return {str(s): {k: float(np.asarray(v)) for k, v in self.metrics.get(s, {}).items()} for s in steps}
 
-    def resume_at(self, step: int, buffered: list[int], pending: dict[str, dict[str, float]],
-                  next_ahead_step: dict[str, int]) -> None:
+    def resume_at(
+        self, step: int, buffered: list[int], pending: dict[str, dict[str, float]], next_ahead_step: dict[str, int]
+    ) -> None:
         """Continue from a checkpoint taken after `step` steps: the stages that run ahead have run
         already for the `buffered` steps (their outputs are back in the store)."""
         self.start = step

@@ -38,8 +38,15 @@ from rpeg_jax.graph.compile import Kernel, KernelRegistry, StageEnv
 from rpeg_jax.graph.ir import StageKind
 from rpeg_jax.models.logprobs import token_logprobs
 from rpeg_jax.models.prefix import group_hidden, group_token_logprobs
-from rpeg_jax.rl import (batch_metrics, compute_advantages, grad_dtype, make_actor_critic_update, make_actor_update,
-                         make_critic_update, make_critic_values_update)
+from rpeg_jax.rl import (
+    batch_metrics,
+    compute_advantages,
+    grad_dtype,
+    make_actor_critic_update,
+    make_actor_update,
+    make_critic_update,
+    make_critic_values_update,
+)
 from rpeg_jax.runtime import rollouts
 from rpeg_jax.sharding.axes import explicit_spec
 
@@ -81,12 +88,25 @@ def forward_fn(graphdef, *, temperature: float, logp: bool, entropy: bool, value
         args = (model, c["tokens_BxS"], c["positions_BxS"], c["segment_ids_BxS"])
         out = {"logp": None, "entropy": None, "values": None}
         if logp and group_size > 1:
-            lp, ent, h = group_token_logprobs(*args, response_len=r, group_size=group_size, temperature=temperature,
-                                              with_entropy=entropy, return_hidden=True)
+            lp, ent, h = group_token_logprobs(
+                *args,
+                response_len=r,
+                group_size=group_size,
+                temperature=temperature,
+                with_entropy=entropy,
+                return_hidden=True,
+            )
             out.update(logp=lp, entropy=ent)
         elif logp:
-            lp, ent, h = token_logprobs(*args, _shifted(c["tokens_BxS"]), start=start, length=r,
-                                        temperature=temperature, with_entropy=entropy, return_hidden=True)
+            lp, ent, h = token_logprobs(
+                *args,
+                _shifted(c["tokens_BxS"]),
+                start=start,
+                length=r,
+                temperature=temperature,
+                with_entropy=entropy,
+                return_hidden=True,
+            )
             out.update(logp=lp, entropy=ent)
         elif group_size > 1:
             h, _ = group_hidden(*args, response_len=r, group_size=group_size)
@@ -127,16 +147,29 @@ def _rl_batch(inputs: dict, ports: dict[str, str]) -> dict:
     return batch
 
 
-_BATCH_KEYS = {"old_logp": "old_logp_BxR", "behav_logp": "behav_logp_BxR", "ref_logp": "ref_logp_BxR",
-               "values": "values_BxR", "advantages": "advantages_BxR", "returns": "returns_BxR",
-               "rewards": "rewards_B"}
+_BATCH_KEYS = {
+    "old_logp": "old_logp_BxR",
+    "behav_logp": "behav_logp_BxR",
+    "ref_logp": "ref_logp_BxR",
+    "values": "values_BxR",
+    "advantages": "advantages_BxR",
+    "returns": "returns_BxR",
+    "rewards": "rewards_B",
+}
 
 
 # ---- device kernels ---------------------------------------------------------------------------
 def ref_forward(env: StageEnv) -> Kernel:
     ctx = env.context
-    fwd = scoring_fn(ctx.graphdefs["reference"], ctx.cfg.rl.group_size, _devices(env), temperature=ctx.temperature,
-                     logp=True, entropy=False, values=False)
+    fwd = scoring_fn(
+        ctx.graphdefs["reference"],
+        ctx.cfg.rl.group_size,
+        _devices(env),
+        temperature=ctx.temperature,
+        logp=True,
+        entropy=False,
+        values=False,
+    )
     return Kernel(lambda i: {"ref_logp": fwd(i["reference"], i["completions"])["logp"]})
 
 
@@ -144,8 +177,15 @@ def old_forward(env: StageEnv) -> Kernel:
     """π_old over the batch; with a shared backbone the same pass yields the values."""
     ctx = env.context
     want_values = "values" in env.stage.workload.heads  # a shared backbone (share_actor_critic)
-    fwd = scoring_fn(ctx.graphdefs["actor"], ctx.cfg.rl.group_size, _devices(env), temperature=ctx.temperature,
-                     logp=True, entropy=False, values=want_values)
+    fwd = scoring_fn(
+        ctx.graphdefs["actor"],
+        ctx.cfg.rl.group_size,
+        _devices(env),
+        temperature=ctx.temperature,
+        logp=True,
+        entropy=False,
+        values=want_values,
+    )
 
     def fn(i):
         out = fwd(i["actor"], i["completions"])
@@ -160,8 +200,15 @@ def old_forward(env: StageEnv) -> Kernel:
 def critic_forward(env: StageEnv) -> Kernel:
     ctx = env.context
     src = "critic" if env.stage.workload.models[0].role == "critic" else "actor"  # actor: shared backbone
-    fwd = scoring_fn(ctx.graphdefs[src], ctx.cfg.rl.group_size, _devices(env), temperature=ctx.temperature,
-                     logp=False, entropy=False, values=True)
+    fwd = scoring_fn(
+        ctx.graphdefs[src],
+        ctx.cfg.rl.group_size,
+        _devices(env),
+        temperature=ctx.temperature,
+        logp=False,
+        entropy=False,
+        values=True,
+    )
     return Kernel(lambda i: {"values": fwd(i[src], i["completions"])["values"]})
 
 
@@ -190,8 +237,14 @@ def _grouped_update(make, graphdef, optimizer, ctx, accum_dtype, devices, make_k
         g = shared_prompt_groups(batch, rl.group_size, rl.minibatches * rl.micro_batches, devices)
         if g not in updates:
             fwd = forward_fn(graphdef, temperature=ctx.temperature, group_size=g, **fwd_kw)
-            updates[g] = make(lambda params, mb: fwd(params, mb), optimizer, rl, accum_dtype=accum_dtype,
-                              group_size=g, **(make_kw or {}))
+            updates[g] = make(
+                lambda params, mb: fwd(params, mb),
+                optimizer,
+                rl,
+                accum_dtype=accum_dtype,
+                group_size=g,
+                **(make_kw or {}),
+            )
         return updates[g](params, opt_state, batch, rng)
 
     return update
@@ -203,9 +256,18 @@ def actor_update(env: StageEnv) -> Kernel:
     proximal = env.stage.option("proximal_from_update")  # graph pass proximal_from_update: π_old = sg(own logp)
     rl = ctx.cfg.rl
     make = make_actor_critic_update if shared else make_actor_update
-    update = _grouped_update(make, ctx.graphdefs["actor"], ctx.optimizers["actor"], ctx, grad_dtype(ctx.cfg.optim),
-                             _devices(env), make_kw={"proximal_from_update": proximal}, logp=True,
-                             entropy=rl.entropy_coef > 0, values=shared)
+    update = _grouped_update(
+        make,
+        ctx.graphdefs["actor"],
+        ctx.optimizers["actor"],
+        ctx,
+        grad_dtype(ctx.cfg.optim),
+        _devices(env),
+        make_kw={"proximal_from_update": proximal},
+        logp=True,
+        entropy=rl.entropy_coef > 0,
+        values=shared,
+    )
 
     def fn(i):
         batch = _rl_batch(i, _BATCH_KEYS)
@@ -219,9 +281,17 @@ def actor_update(env: StageEnv) -> Kernel:
 def _critic_updater(make, env: StageEnv):
     """The critic's grouped update built by `make` (make_critic_update / make_critic_values_update)."""
     ctx = env.context
-    return _grouped_update(make, ctx.graphdefs["critic"], ctx.optimizers["critic"], ctx,
-                           grad_dtype(ctx.cfg.critic_optim or ctx.cfg.optim), _devices(env), logp=False,
-                           entropy=False, values=True)
+    return _grouped_update(
+        make,
+        ctx.graphdefs["critic"],
+        ctx.optimizers["critic"],
+        ctx,
+        grad_dtype(ctx.cfg.critic_optim or ctx.cfg.optim),
+        _devices(env),
+        logp=False,
+        entropy=False,
+        values=True,
+    )
 
 
 def critic_update(env: StageEnv) -> Kernel:
@@ -251,8 +321,12 @@ def critic_values_update(env: StageEnv) -> Kernel | None:
         batch = _rl_batch(i, _BATCH_KEYS)
         params, opt_state, metrics, rows = update(i["critic"], i["critic_opt"], batch, None)
         out, adv_metrics = _advantages({**batch, **rows}, ctx, i["_step"])
-        return {"critic": params, "critic_opt": opt_state, "advantages": out["advantages_BxR"],
-                "metrics": {**adv_metrics, **metrics}}
+        return {
+            "critic": params,
+            "critic_opt": opt_state,
+            "advantages": out["advantages_BxR"],
+            "metrics": {**adv_metrics, **metrics},
+        }
 
     return Kernel(fn, donate=("critic", "critic_opt"))
 
@@ -266,9 +340,18 @@ def shared_values_update(env: StageEnv) -> Kernel | None:
         return None
     ctx = env.context
     kw = {"proximal_from_update": env.stage.option("proximal_from_update"), "values_from_update": True}
-    update = _grouped_update(make_actor_critic_update, ctx.graphdefs["actor"], ctx.optimizers["actor"], ctx,
-                             grad_dtype(ctx.cfg.optim), _devices(env), make_kw=kw, logp=True,
-                             entropy=ctx.cfg.rl.entropy_coef > 0, values=True)
+    update = _grouped_update(
+        make_actor_critic_update,
+        ctx.graphdefs["actor"],
+        ctx.optimizers["actor"],
+        ctx,
+        grad_dtype(ctx.cfg.optim),
+        _devices(env),
+        make_kw=kw,
+        logp=True,
+        entropy=ctx.cfg.rl.entropy_coef > 0,
+        values=True,
+    )
 
     def fn(i):
         batch = _rl_batch(i, _BATCH_KEYS)
@@ -291,8 +374,9 @@ def generate(env: StageEnv) -> Kernel:
         prompts = i["data_iterator"].get(step)
         if "rollout_buffer" in i:
             i["rollout_buffer"].admit(step, version)
-        comps, behav, metrics = rollouts.generate_piece(ctx, i["rollout_weights"], version, prompts, step,
-                                                        piece, pieces)
+        comps, behav, metrics = rollouts.generate_piece(
+            ctx, i["rollout_weights"], version, prompts, step, piece, pieces
+        )
         out = {"completions": comps, "behav_logp": behav, "data_iterator": i["data_iterator"], "metrics": metrics}
         if "rollout_buffer" in i:
             out["rollout_buffer"] = i["rollout_buffer"]
@@ -323,10 +407,17 @@ def weight_sync(env: StageEnv) -> Kernel:
 
 def default_registry() -> KernelRegistry:
     reg = KernelRegistry()
-    for kind, factory in ((K.GENERATE, generate), (K.REWARD, reward), (K.REF_FORWARD, ref_forward),
-                          (K.OLD_FORWARD, old_forward), (K.CRITIC_FORWARD, critic_forward),
-                          (K.ADVANTAGE, advantage), (K.ACTOR_UPDATE, actor_update),
-                          (K.CRITIC_UPDATE, critic_update), (K.WEIGHT_SYNC, weight_sync)):
+    for kind, factory in (
+        (K.GENERATE, generate),
+        (K.REWARD, reward),
+        (K.REF_FORWARD, ref_forward),
+        (K.OLD_FORWARD, old_forward),
+        (K.CRITIC_FORWARD, critic_forward),
+        (K.ADVANTAGE, advantage),
+        (K.ACTOR_UPDATE, actor_update),
+        (K.CRITIC_UPDATE, critic_update),
+        (K.WEIGHT_SYNC, weight_sync),
+    ):
         reg.register(kind, factory)
     reg.register_fused((K.ADVANTAGE, K.CRITIC_UPDATE), critic_values_update)
     reg.register_fused((K.ADVANTAGE, K.ACTOR_UPDATE), shared_values_update)

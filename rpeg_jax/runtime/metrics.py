@@ -28,8 +28,17 @@ def _plain(v: Any):
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str, *, enabled: bool = True, tensorboard: bool = True,
-                 progress: bool = True, total_steps: int = 0, start_step: int = 0, log_every: int = 1):
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        enabled: bool = True,
+        tensorboard: bool = True,
+        progress: bool = True,
+        total_steps: int = 0,
+        start_step: int = 0,
+        log_every: int = 1,
+    ):
         self.enabled, self.log_every = enabled, log_every
         self._jsonl = None
         self._tb = None
@@ -77,16 +86,24 @@ class _Progress:
     def __init__(self, total: int, start: int):
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-        self._p = Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
-                           TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                           TextColumn("{task.fields[info]}"), transient=False)
+        self._p = Progress(
+            TextColumn("[bold]step {task.completed}/{task.total}"),
+            BarColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            transient=False,
+        )
         self._task = self._p.add_task("train", total=total, completed=start, info="")
         self._p.start()
 
     def update(self, step: int, record: dict) -> None:
-        info = " ".join(f"{label}={record[k]:.3g}" for k, label in (("reward/mean", "reward"),
-                                                                    ("timing_s/step", "s/step"))
-                        if isinstance(record.get(k), float))
+        info = " ".join(
+            f"{label}={record[k]:.3g}"
+            for k, label in (("reward/mean", "reward"), ("timing_s/step", "s/step"))
+            if isinstance(record.get(k), float)
+        )
         self._p.update(self._task, completed=step, info=info)
 
     def close(self) -> None:

@@ -21,7 +21,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from rpeg_jax.config.run import RunConfig
 from rpeg_jax.graph.compile import CompiledStage
@@ -72,8 +73,11 @@ class Placement:
 
     def state_layout(self, name: str) -> StageLayout:
         """Layout a state node is kept in: the stage writing it (reference: its forward)."""
-        kind = {"critic": StageKind.CRITIC_UPDATE, "critic_opt": StageKind.CRITIC_UPDATE,
-                "reference": StageKind.REF_FORWARD}.get(name, StageKind.ACTOR_UPDATE)
+        kind = {
+            "critic": StageKind.CRITIC_UPDATE,
+            "critic_opt": StageKind.CRITIC_UPDATE,
+            "reference": StageKind.REF_FORWARD,
+        }.get(name, StageKind.ACTOR_UPDATE)
         return self.layout_of(kind)
 
     # ---- state -----------------------------------------------------------------------------------
@@ -95,8 +99,14 @@ class Placement:
         with mesh_scope(mesh):
             state = jax.jit(tx.init)(params)
         replicated = NamedSharding(mesh, P())
-        return jax.tree.map(lambda x: x if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
-                            else jax.device_put(x, replicated), state)
+        return jax.tree.map(
+            lambda x: (
+                x
+                if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+                else jax.device_put(x, replicated)
+            ),
+            state,
+        )
 
     # ---- data ------------------------------------------------------------------------------------
     def batch_sharding(self, layout: StageLayout, shape) -> NamedSharding:
@@ -130,8 +140,9 @@ class Placement:
         layout = self.generate
         if not self.multi:
             return self.resharder(params, self.shardings(layout, "rollout", params))
-        full = self.resharder(params, jax.tree.map(
-            lambda x: NamedSharding(x.sharding.mesh, P()), params))  # gather a full copy everywhere
+        full = self.resharder(
+            params, jax.tree.map(lambda x: NamedSharding(x.sharding.mesh, P()), params)
+        )  # gather a full copy everywhere
         local = layout.mesh
 
         def localise(x):

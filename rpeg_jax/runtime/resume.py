@@ -38,17 +38,23 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int) -> None:
         raise RuntimeError(f"checkpoint of step {step} would hold state versions {versions}: not a step boundary")
     prompts = store.latest("data_iterator")[1]
     buffered = list(range(step, step + k))
-    meta = {"step": step, "versions": versions, "staleness": k,
-            "data_iterator": prompts.state_before(step) if k else prompts.state(),
-            "next_ahead_step": dict(ex.next_ahead_step), "buffer_steps": buffered,
-            "buffer_specs": {}, "pending_metrics": ex.pending_metrics(buffered)}
+    meta = {
+        "step": step,
+        "versions": versions,
+        "staleness": k,
+        "data_iterator": prompts.state_before(step) if k else prompts.state(),
+        "next_ahead_step": dict(ex.next_ahead_step),
+        "buffer_steps": buffered,
+        "buffer_specs": {},
+        "pending_metrics": ex.pending_metrics(buffered),
+    }
     if "rollout_buffer" in store.state:
         meta["admitted"] = {str(s): v for s, v in store.latest("rollout_buffer")[1].admitted.items()}
     buffer = {}
     for s in meta["buffer_steps"]:
         for node in BUFFERED:
             value = store.get_data(node, s)
-            for key, arr in (value.items() if isinstance(value, dict) else [("", value)]):
+            for key, arr in value.items() if isinstance(value, dict) else [("", value)]:
                 if not key.startswith("host_"):
                     name = f"{s}/{node}/{key}"
                     buffer[name] = arr
@@ -64,13 +70,19 @@ def restore(ckpt: Checkpointer, store: Store, ex: Executor, ctx) -> int:
     target = {name: store.latest(name)[1] for name in TRAIN_STATES if name in store.state}
     layout = ctx.placement.train
     meta_only = ckpt.restore_meta(step)
-    buffer_target = {name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype),
-                                                sharding=ctx.placement.batch_sharding(layout, tuple(shape)))
-                     for name, (shape, dtype) in meta_only.get("buffer_specs", {}).items()}
+    buffer_target = {
+        name: jax.ShapeDtypeStruct(
+            tuple(shape), np.dtype(dtype), sharding=ctx.placement.batch_sharding(layout, tuple(shape))
+        )
+        for name, (shape, dtype) in meta_only.get("buffer_specs", {}).items()
+    }
     if meta_only.get("staleness", ex.staleness) != ex.staleness:
-        raise ConfigError("pipeline.staleness", ex.staleness,
-                          f"the newest checkpoint (step {step}) was written at staleness k={meta_only['staleness']}; "
-                          f"resume with that plan or start a new train.run_dir")
+        raise ConfigError(
+            "pipeline.staleness",
+            ex.staleness,
+            f"the newest checkpoint (step {step}) was written at staleness k={meta_only['staleness']}; "
+            f"resume with that plan or start a new train.run_dir",
+        )
     train, meta, buffer = ckpt.restore(step, target, buffer_target or None)
     for name, value in train.items():
         store.put_state(name, meta["versions"][name], value)
@@ -83,8 +95,16 @@ def restore(ckpt: Checkpointer, store: Store, ex: Executor, ctx) -> int:
         batch = prompts.get(s)
         arrays = {k.split("/", 2)[2]: v for k, v in buffer.items() if k.startswith(f"{s}/completions/")}
         comps = dict(arrays)
-        comps.update(host_fields(ctx, batch, 0, len(batch.prompt_tokens), ctx.placement.host_rows(arrays["tokens_BxS"]),
-                                 ctx.placement.host_rows(arrays["response_mask_BxR"])))
+        comps.update(
+            host_fields(
+                ctx,
+                batch,
+                0,
+                len(batch.prompt_tokens),
+                ctx.placement.host_rows(arrays["tokens_BxS"]),
+                ctx.placement.host_rows(arrays["response_mask_BxR"]),
+            )
+        )
         store.put_data("completions", s, comps)
         store.put_data("behav_logp", s, buffer[f"{s}/behav_logp/"])
     store.put_state("data_iterator", step + len(buffered), prompts)

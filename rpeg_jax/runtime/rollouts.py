@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from rpeg_jax.data.rewards import Sample, score as score_samples
+from rpeg_jax.data.rewards import Sample
+from rpeg_jax.data.rewards import score as score_samples
 from rpeg_jax.data.tokenizer import completion_ids
 from rpeg_jax.sampling import SamplingParams
 
@@ -82,8 +83,9 @@ class RolloutBuffer:
 
     def admit(self, step: int, version: int) -> None:
         if step - version > self.staleness:
-            raise StalenessError(f"rollout for step {step} with weights version {version} exceeds the "
-                                 f"staleness bound k={self.staleness}")
+            raise StalenessError(
+                f"rollout for step {step} with weights version {version} exceeds the staleness bound k={self.staleness}"
+            )
         self.admitted[step] = version
         for s in [s for s in self.admitted if s < step - self.staleness - 1]:
             del self.admitted[s]
@@ -122,30 +124,43 @@ def generate_piece(ctx, params, version: int, batch, step: int, piece: int, piec
     versions = np.full((B, R), version, np.int32)
     for b, (p, c) in enumerate(rows):
         lp, lr = len(p), len(c.tokens)
-        tokens[b, P - lp:P] = p
-        tokens[b, P:P + lr] = c.tokens
-        positions[b, P - lp:P + lr] = np.arange(lp + lr)
-        segments[b, P - lp:P + lr] = 1
+        tokens[b, P - lp : P] = p
+        tokens[b, P : P + lr] = c.tokens
+        positions[b, P - lp : P + lr] = np.arange(lp + lr)
+        segments[b, P - lp : P + lr] = 1
         mask[b, :lr] = 1.0
         behav[b, :lr] = c.logprobs
         versions[b, :lr] = c.policy_versions
     gid = np.repeat(np.arange(lo, hi, dtype=np.int32) + ctx.prompt_offset, G)
-    comps = {"tokens_BxS": tokens, "positions_BxS": positions, "segment_ids_BxS": segments,
-             "response_mask_BxR": mask, "versions_BxR": versions, "group_ids_B": gid}
+    comps = {
+        "tokens_BxS": tokens,
+        "positions_BxS": positions,
+        "segment_ids_BxS": segments,
+        "response_mask_BxR": mask,
+        "versions_BxR": versions,
+        "group_ids_B": gid,
+    }
     comps = {k: ctx.placement.put_batch(v) for k, v in comps.items()}
     comps.update(host_fields(ctx, batch, lo, hi, tokens, mask))
     new_tokens = int(mask.sum())
-    metrics = {"perf/gen_tokens_per_s": new_tokens / gen_s if gen_s > 0 else 0.0,
-               "rollout/preemptions": float(sum(c.num_preemptions for _, c in rows)),
-               "rollout/weights_version": float(version)}
+    metrics = {
+        "perf/gen_tokens_per_s": new_tokens / gen_s if gen_s > 0 else 0.0,
+        "rollout/preemptions": float(sum(c.num_preemptions for _, c in rows)),
+        "rollout/weights_version": float(version),
+    }
     return comps, ctx.placement.put_batch(behav), metrics
 
 
 def host_fields(ctx, batch, lo: int, hi: int, tokens: np.ndarray, mask: np.ndarray) -> dict:
     """Host-side fields of prompts [lo, hi) of a PromptBatch, G rows each (for the reward)."""
     pi = np.repeat(np.arange(lo, hi), ctx.cfg.rl.group_size)
-    return {"host_tokens": tokens, "host_mask": mask, "host_prompt": _objects(batch.prompts, pi),
-            "host_answer": _objects(batch.answers, pi), "host_record": _objects(batch.records, pi)}
+    return {
+        "host_tokens": tokens,
+        "host_mask": mask,
+        "host_prompt": _objects(batch.prompts, pi),
+        "host_answer": _objects(batch.answers, pi),
+        "host_record": _objects(batch.records, pi),
+    }
 
 
 def _objects(values, index) -> np.ndarray:
@@ -164,13 +179,22 @@ def score(ctx, comps: dict) -> tuple[Any, dict]:
     stop_ids = tuple(ctx.cfg.rollout.stop_token_ids)
     samples = []
     for b in range(tokens.shape[0]):
-        ids = completion_ids(tokens[b, :lengths[b]].tolist(), tok.eos_id, stop_ids)
-        samples.append(Sample(prompt=comps["host_prompt"][b], completion=tok.decode(ids), completion_ids=tuple(ids),
-                              answer=comps["host_answer"][b], record=comps["host_record"][b]))
+        ids = completion_ids(tokens[b, : lengths[b]].tolist(), tok.eos_id, stop_ids)
+        samples.append(
+            Sample(
+                prompt=comps["host_prompt"][b],
+                completion=tok.decode(ids),
+                completion_ids=tuple(ids),
+                answer=comps["host_answer"][b],
+                record=comps["host_record"][b],
+            )
+        )
     t0 = time.perf_counter()
     rewards, errors = score_samples(samples, ctx.reward_fn, ctx.cfg.data.reward_on_error, ctx.reward_name)
-    return ctx.placement.put_batch(rewards), {"reward/errors": float(errors),
-                                    "timing_s/reward_fn": time.perf_counter() - t0}
+    return ctx.placement.put_batch(rewards), {
+        "reward/errors": float(errors),
+        "timing_s/reward_fn": time.perf_counter() - t0,
+    }
 
 
 @jax.jit
@@ -180,9 +204,14 @@ def _token_stats(versions_BxR, mask_BxR, segment_ids_BxS):
     resp = mask_BxR.sum(1)
     seq = segment_ids_BxS.sum(1).astype(jnp.float32)
     prompt = seq - resp
-    return {"min_version": jnp.min(jnp.where(m, versions_BxR, jnp.iinfo(jnp.int32).max)),
-            "resp": resp.sum(), "prompt": prompt.sum(), "seq": seq.sum(),
-            "resp_ctx": (resp * (prompt + resp / 2.0)).sum(), "prompt_sq": (prompt * prompt / 2.0).sum()}
+    return {
+        "min_version": jnp.min(jnp.where(m, versions_BxR, jnp.iinfo(jnp.int32).max)),
+        "resp": resp.sum(),
+        "prompt": prompt.sum(),
+        "seq": seq.sum(),
+        "resp_ctx": (resp * (prompt + resp / 2.0)).sum(),
+        "prompt_sq": (prompt * prompt / 2.0).sum(),
+    }
 
 
 def token_stats(comps: dict) -> dict[str, float]:
@@ -194,8 +223,10 @@ def assert_staleness(stats: dict, step: int, k: int) -> None:
     """Every consumed token was produced by weights version >= step - k (the staleness/*
     metrics come from rl.batch_metrics)."""
     if stats["resp"] and step - stats["min_version"] > k:
-        raise StalenessError(f"step {step} consumed tokens of weights version {int(stats['min_version'])}: "
-                             f"staleness {int(step - stats['min_version'])} exceeds k={k}")
+        raise StalenessError(
+            f"step {step} consumed tokens of weights version {int(stats['min_version'])}: "
+            f"staleness {int(step - stats['min_version'])} exceeds k={k}"
+        )
 
 
 def _matmul_weights(m) -> tuple[int, int]:
@@ -212,8 +243,11 @@ def generation_flops(cfg, stats: dict) -> float:
     m = cfg.model
     body, head = _matmul_weights(m)
     attn = 4 * m.num_layers * m.num_heads * m.head_size
-    return (2.0 * (body + head) * stats["resp"] + 2.0 * body * stats["prompt"] / cfg.rl.group_size
-            + attn * stats["resp_ctx"])
+    return (
+        2.0 * (body + head) * stats["resp"]
+        + 2.0 * body * stats["prompt"] / cfg.rl.group_size
+        + attn * stats["resp_ctx"]
+    )
 
 
 def pass_flops(m, stats: dict, group_size: int, *, logits: bool = True) -> float:

@@ -70,8 +70,9 @@ def _model(cfg_model, path: str | None, seed: int, layout, value_head: bool = Fa
         graphdef, params = nnx.split(model, nnx.Param)
         return nnx.merge(graphdef, jax.device_put(params, layout.params(params)))
     mcfg = dataclasses.replace(cfg_model, value_head=value_head or cfg_model.value_head)
-    return shard_model(lambda: Transformer(mcfg, rngs=nnx.Rngs(params=seed)), layout.mesh, layout.rules,
-                       list(layout.overrides))
+    return shard_model(
+        lambda: Transformer(mcfg, rngs=nnx.Rngs(params=seed)), layout.mesh, layout.rules, list(layout.overrides)
+    )
 
 
 def build_models(cfg: RunConfig, graph: Graph, placement: Placement) -> dict[str, nnx.Module]:
@@ -101,17 +102,26 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
     batch = cfg.data.prompts_per_step * cfg.rl.group_size // jax.process_count()
     max_seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     scfg = SamplerConfig.from_rollout(cfg.rollout, max_slots=batch, max_seq_len=max_seq, seed=cfg.train.seed)
-    sampler = Sampler(nnx.merge(split["actor"][0], rollout_params), scfg, tokenizer=pipeline.tokenizer,
-                      mesh=placement.generate.mesh)
+    sampler = Sampler(
+        nnx.merge(split["actor"][0], rollout_params), scfg, tokenizer=pipeline.tokenizer, mesh=placement.generate.mesh
+    )
     reward_name, reward_fn = resolve_reward(cfg.data)
     ctx = RuntimeContext(
-        cfg=cfg, graphdefs={k: v[0] for k, v in split.items()}, optimizers=optimizers, sampler=sampler,
-        tokenizer=pipeline.tokenizer, reward_name=reward_name, reward_fn=reward_fn,
+        cfg=cfg,
+        graphdefs={k: v[0] for k, v in split.items()},
+        optimizers=optimizers,
+        sampler=sampler,
+        tokenizer=pipeline.tokenizer,
+        reward_name=reward_name,
+        reward_fn=reward_fn,
         temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
         update_key=jax.random.key(cfg.train.seed + 12345),
-        fixed_shapes=cfg.pipeline.microbatches > 1, placement=placement,
+        fixed_shapes=cfg.pipeline.microbatches > 1,
+        placement=placement,
         prompt_offset=jax.process_index() * (cfg.data.prompts_per_step // jax.process_count()),
-        data_skipped=dict(pipeline.skipped), compiler_options=xla_flags.train_compiler_options())
+        data_skipped=dict(pipeline.skipped),
+        compiler_options=xla_flags.train_compiler_options(),
+    )
     store = Store(keep_versions=graph.staleness + 2)  # generation reads t - k while training writes t + 1
     store.put_state("actor", 0, split["actor"][1])
     store.put_state("actor_opt", 0, placement.init_opt_state(optimizers["actor"], split["actor"][1]))

@@ -40,12 +40,21 @@ class Tracer:
 
     def write_chrome(self, path: str) -> None:
         groups = sorted({s.group for s in self.spans})
-        events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": g}}
-                  for i, g in enumerate(groups)]
+        events = [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": g}} for i, g in enumerate(groups)
+        ]
         for s in self.spans:
-            events.append({"name": s.name, "ph": "X", "pid": 0, "tid": groups.index(s.group),
-                           "ts": s.start * 1e6, "dur": max(0.0, s.end - s.start) * 1e6,
-                           "args": {"step": s.step}})
+            events.append(
+                {
+                    "name": s.name,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": groups.index(s.group),
+                    "ts": s.start * 1e6,
+                    "dur": max(0.0, s.end - s.start) * 1e6,
+                    "args": {"step": s.step},
+                }
+            )
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
@@ -68,8 +77,14 @@ class Tracer:
         names = sorted({s.name for s in spans})
         for s in spans:
             row = groups.index(s.group)
-            ax.barh(row, s.end - s.start, left=s.start - t0, color=colors(names.index(s.name) % 10),
-                    edgecolor="black", linewidth=0.5)
+            ax.barh(
+                row,
+                s.end - s.start,
+                left=s.start - t0,
+                color=colors(names.index(s.name) % 10),
+                edgecolor="black",
+                linewidth=0.5,
+            )
             ax.text(s.start - t0, row, f" {s.name}", va="center", fontsize=7)
         ax.set_yticks(range(len(groups)), groups)
         ax.set_xlabel("seconds")

@@ -71,8 +71,9 @@ def choose_plan(cfg: RunConfig, plan: Plan | None = None) -> tuple[RunConfig, Pl
     return cfg, plan
 
 
-def train(cfg: RunConfig, *, plan: Plan | None = None, registry=None, on_step=None,
-          keep_state: bool = False) -> dict[str, Any]:
+def train(
+    cfg: RunConfig, *, plan: Plan | None = None, registry=None, on_step=None, keep_state: bool = False
+) -> dict[str, Any]:
     """Run cfg.train.steps RL steps (resuming when allowed). `on_step(step, metrics)` is called
     after each step's metrics are written (and its checkpoint, if any, is committed); with
     `keep_state` the summary holds the final state values under "state"."""
@@ -98,9 +99,14 @@ def train(cfg: RunConfig, *, plan: Plan | None = None, registry=None, on_step=No
         if chief:
             _write_trace(cfg, tracer, plan, last)
         if stop.signal_name:
-            log.warning("stopped by %s after step %d: %s; run the same command to resume", stop.signal_name, last,
-                        f"checkpoint of step {last} in {ckpt.directory}" if last > start
-                        else "no step ran, nothing new to save")
+            log.warning(
+                "stopped by %s after step %d: %s; run the same command to resume",
+                stop.signal_name,
+                last,
+                f"checkpoint of step {last} in {ckpt.directory}"
+                if last > start
+                else "no step ran, nothing new to save",
+            )
     out = {"steps": last, "interrupted": stop.signal_name is not None, "run_dir": cfg.train.run_dir}
     if keep_state:
         out["state"] = {n: store.latest(n)[1] for n in TRAIN_STATES if n in store.state}
@@ -108,13 +114,29 @@ def train(cfg: RunConfig, *, plan: Plan | None = None, registry=None, on_step=No
     return out
 
 
-def _loop(cfg: RunConfig, ctx: RuntimeContext, executor: Executor, store: Store, plan: Plan, ckpt: Checkpointer,
-          stop: StopSignals, start: int, chief: bool, on_step) -> int:
+def _loop(
+    cfg: RunConfig,
+    ctx: RuntimeContext,
+    executor: Executor,
+    store: Store,
+    plan: Plan,
+    ckpt: Checkpointer,
+    stop: StopSignals,
+    start: int,
+    chief: bool,
+    on_step,
+) -> int:
     """Steps start..train.steps-1, one executor slot each, until a stop is agreed; returns the
     number of whole steps done."""
-    writer = MetricsWriter(cfg.train.run_dir, enabled=chief, tensorboard=cfg.train.tensorboard,
-                           progress=cfg.train.progress, total_steps=cfg.train.steps, start_step=start,
-                           log_every=cfg.train.log_every)
+    writer = MetricsWriter(
+        cfg.train.run_dir,
+        enabled=chief,
+        tensorboard=cfg.train.tensorboard,
+        progress=cfg.train.progress,
+        total_steps=cfg.train.steps,
+        start_step=start,
+        log_every=cfg.train.log_every,
+    )
     peak = _peak_flops(cfg)
     last = start
     try:
@@ -163,8 +185,9 @@ class StopSignals:
         if self.signal_name is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
-        log.warning("%s: stopping after the step in flight (Ctrl-C again stops at once, without a checkpoint)",
-                    self.signal_name)
+        log.warning(
+            "%s: stopping after the step in flight (Ctrl-C again stops at once, without a checkpoint)", self.signal_name
+        )
 
     def agreed(self) -> bool:
         requested = self.signal_name is not None
@@ -187,8 +210,7 @@ def _peak_flops(cfg: RunConfig) -> float | None:
     return hw.peak(cfg.model.dtype) * (1 if hw.shared_host else n)
 
 
-def _step_metrics(cfg, ctx: RuntimeContext, ex: Executor, store: Store, plan: Plan, t: int,
-                  peak: float | None) -> dict:
+def _step_metrics(cfg, ctx: RuntimeContext, ex: Executor, store: Store, plan: Plan, t: int, peak: float | None) -> dict:
     m = {k: v for k, v in jax.device_get(ex.metrics.pop(t, {})).items()}
     stats = rollouts.token_stats(store.get_data("completions", t))
     rollouts.assert_staleness(stats, t, ex.staleness)

@@ -13,5 +13,13 @@ from rpeg_jax.sampling.allocator import OutOfPages, PageAllocator, ShardedPages
 from rpeg_jax.sampling.sampler import Sampler
 from rpeg_jax.sampling.types import Completion, RequestOutput, SamplerConfig, SamplingParams
 
-__all__ = ["OutOfPages", "PageAllocator", "ShardedPages", "Sampler", "Completion", "RequestOutput", "SamplerConfig",
-           "SamplingParams"]
+__all__ = [
+    "OutOfPages",
+    "PageAllocator",
+    "ShardedPages",
+    "Sampler",
+    "Completion",
+    "RequestOutput",
+    "SamplerConfig",
+    "SamplingParams",
+]

@@ -64,7 +64,7 @@ class PageAllocator:
         out = np.full((len(slots), width), NULL_PAGE, np.int32)
         for row, s in enumerate(slots):
             pages = self.slot_pages[s][:width]
-            out[row, :len(pages)] = pages
+            out[row, : len(pages)] = pages
         return out
 
     # ---- mutations ----------------------------------------------------------------------------
@@ -141,7 +141,8 @@ class PageAllocator:
         for s, pages in enumerate(self.slot_pages):
             for i, p in enumerate(pages):
                 assert count[p] == 1 or i < self.shared_prefix[s], (
-                    f"page {p} is shared but writable by slot {s} (index {i} >= prefix {self.shared_prefix[s]})")
+                    f"page {p} is shared but writable by slot {s} (index {i} >= prefix {self.shared_prefix[s]})"
+                )
 
 
 class ShardedPages:
@@ -161,8 +162,9 @@ class ShardedPages:
         self.num_shards, self.page_size, self.max_slots = num_shards, page_size, max_slots
         self.slots_per_shard = max_slots // num_shards
         self.pages_per_shard = pages_per_shard
-        self.allocs = [PageAllocator(pages_per_shard, page_size, self.slots_per_shard, debug)
-                       for _ in range(num_shards)]
+        self.allocs = [
+            PageAllocator(pages_per_shard, page_size, self.slots_per_shard, debug) for _ in range(num_shards)
+        ]
 
     # ---- slot -> shard ------------------------------------------------------------------------
     def shard(self, slot: int) -> int:
@@ -199,7 +201,7 @@ class ShardedPages:
         for row, s in enumerate(slots):
             a, i = self._local(s)
             pages = a.slot_pages[i][:width]
-            out[row, :len(pages)] = pages
+            out[row, : len(pages)] = pages
         return out
 
     def pages(self, slot: int) -> list[int]:

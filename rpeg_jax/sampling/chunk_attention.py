@@ -63,7 +63,7 @@ def _get(buf, layer):
 
 def _put(buf, layer, x):
     if isinstance(buf, tuple):
-        return buf[:layer] + (x,) + buf[layer + 1:]
+        return buf[:layer] + (x,) + buf[layer + 1 :]
     return jax.lax.dynamic_update_index_in_dim(buf, x, layer, 0)
 
 
@@ -74,7 +74,7 @@ def attend_dense_t(q_BxHxE, kt_KxBxExC, v_KxBxCxE, kv_len_B):
     kh, c = kt_KxBxExC.shape[0], kt_KxBxExC.shape[3]
     g = h // kh
     q = q_BxHxE.reshape(b, kh, g, e).swapaxes(0, 1).astype(kt_KxBxExC.dtype)  # [K, B, G, E]
-    s = jnp.einsum("kbge,kbec->kbgc", q, kt_KxBxExC, preferred_element_type=jnp.float32) * (e ** -0.5)
+    s = jnp.einsum("kbge,kbec->kbgc", q, kt_KxBxExC, preferred_element_type=jnp.float32) * (e**-0.5)
     valid_BxC = jnp.arange(c, dtype=jnp.int32)[None, :] < kv_len_B[:, None]
     s = jnp.where(valid_BxC[None, :, None, :], s, NEG_INF)
     p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
@@ -102,8 +102,9 @@ class ChunkAttention:
         # numpy indexing: (rows, col) separated by a slice put the update's dims first ([B, K, E]);
         # adjacent, in place ([K, B, E]).
         kt_l = _get(kt, layer).at[:, rows, :, self.col_B].set(k_BxTxKxE[:, 0].astype(kt[0].dtype), mode="drop")
-        v_l = _get(vb, layer).at[:, rows, self.col_B].set(
-            v_BxTxKxE[:, 0].swapaxes(0, 1).astype(vb[0].dtype), mode="drop")
+        v_l = (
+            _get(vb, layer).at[:, rows, self.col_B].set(v_BxTxKxE[:, 0].swapaxes(0, 1).astype(vb[0].dtype), mode="drop")
+        )
         out = attend_dense_t(q_BxTxHxE[:, 0], kt_l, v_l, self.kv_len_B)[:, None]
         return out, (_put(kt, layer, kt_l), _put(vb, layer, v_l))
 

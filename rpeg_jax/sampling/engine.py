@@ -77,8 +77,8 @@ def _per_shard(fn, mesh, in_specs, out_specs):
     def local(*args):
         with use_resolver(None):
             return fn(*args)
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={DATA},
-                         check_vma=False)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={DATA}, check_vma=False)
 
 
 @functools.partial(jax.jit, static_argnames=("fwd", "mesh", "heads_sharded"), donate_argnames=("pools",))
@@ -89,7 +89,8 @@ def prefill(fwd, params, pools, tokens_BxT, lengths_B, table_BxW, *, mesh=None, 
     `heads_sharded`: the pools' kv heads are split over a mesh axis (paged_attention.gather_pages)."""
     body = functools.partial(_prefill, fwd, heads_sharded=heads_sharded)
     return _per_shard(body, mesh, (P(), _POOL, _ROWS, _ROWS, _ROWS), _POOL)(
-        params, pools, tokens_BxT, lengths_B, table_BxW)
+        params, pools, tokens_BxT, lengths_B, table_BxW
+    )
 
 
 def _prefill(fwd, params, pools, tokens_BxT, lengths_B, table_BxW, *, heads_sharded: bool):
@@ -110,8 +111,19 @@ def fork_pages(pools, src_N, dst_N, *, mesh=None):
     return _per_shard(body, mesh, (_POOL, _ROWS, _ROWS), _POOL)(pools, src_N, dst_N)
 
 
-def _decode_step(fwd, params, cache, st: DecodeState, keys_Bx2, token_B, pos_B, active_B, attention: str,
-                 block_pages: int, heads_sharded: bool):
+def _decode_step(
+    fwd,
+    params,
+    cache,
+    st: DecodeState,
+    keys_Bx2,
+    token_B,
+    pos_B,
+    active_B,
+    attention: str,
+    block_pages: int,
+    heads_sharded: bool,
+):
     """One step for every slot: write K/V at pos, attend, sample the token at pos + 1. `cache` is the
     pools, or the chunk buffers (kt, v) for the "chunk" attention (the pools are flushed after)."""
     pos_Bx1 = pos_B[:, None]
@@ -122,27 +134,42 @@ def _decode_step(fwd, params, cache, st: DecodeState, keys_Bx2, token_B, pos_B, 
     else:
         num_pages, page_size = cache[0].shape[2], cache[0].shape[3]
         page, off = write_targets(st.table_BxW, pos_Bx1, active_B[:, None], num_pages, page_size)
-        attn = PagedAttention(page, off, st.table_BxW, pos_Bx1, kv_len_B, block_pages if attention == "blocked" else 0,
-                              heads_sharded)
+        attn = PagedAttention(
+            page, off, st.table_BxW, pos_Bx1, kv_len_B, block_pages if attention == "blocked" else 0, heads_sharded
+        )
     h, cache = fwd.hidden(params, token_B[:, None], pos_Bx1, attn, cache)
     logits_BxV = fwd.logits(params, h[:, 0])
-    new_B, logp_B = sample(logits_BxV, keys_Bx2, pos_B + 1, st.temperature_B, st.top_k_B, st.top_p_B,
-                           st.min_p_B)
+    new_B, logp_B = sample(logits_BxV, keys_Bx2, pos_B + 1, st.temperature_B, st.top_k_B, st.top_p_B, st.min_p_B)
     return cache, new_B, logp_B
 
 
-@functools.partial(jax.jit, static_argnames=("fwd", "chunk", "attention", "block_pages", "mesh", "heads_sharded"),
-                   donate_argnames=("pools",))
-def decode_chunk(fwd, params, pools, st: DecodeState, num_steps, *, chunk: int, attention: str = "gather",
-                 block_pages: int = 4, mesh=None, heads_sharded: bool = False):
+@functools.partial(
+    jax.jit,
+    static_argnames=("fwd", "chunk", "attention", "block_pages", "mesh", "heads_sharded"),
+    donate_argnames=("pools",),
+)
+def decode_chunk(
+    fwd,
+    params,
+    pools,
+    st: DecodeState,
+    num_steps,
+    *,
+    chunk: int,
+    attention: str = "gather",
+    block_pages: int = 4,
+    mesh=None,
+    heads_sharded: bool = False,
+):
     """Up to min(num_steps, chunk) decode steps in one while_loop; exits early once every slot has
     stopped (stop id sampled or end reached). `attention`: "gather" (gather the pages every step),
     "blocked" (online softmax over blocks of `block_pages` pages) or "chunk" (gather them once into
     dense buffers for the whole chunk, sampling/chunk_attention.py). Returns (pools, ChunkResult).
     With `mesh` (a sharded pool) every data shard runs its own loop over its slots and local pages
     (no collective over `data`; a shard exits when its own slots stop) and `steps` is int32 [D]."""
-    body = functools.partial(_decode_chunk, fwd, chunk=chunk, attention=attention, block_pages=block_pages,
-                             heads_sharded=heads_sharded)
+    body = functools.partial(
+        _decode_chunk, fwd, chunk=chunk, attention=attention, block_pages=block_pages, heads_sharded=heads_sharded
+    )
     if mesh is not None:
         body = _steps_per_shard(body)
     out_specs = (_POOL, ChunkResult(P(None, DATA), P(None, DATA), _ROWS, _ROWS, _ROWS, _ROWS))
@@ -153,11 +180,13 @@ def _steps_per_shard(body):
     def f(*args):
         pools, res = body(*args)
         return pools, res._replace(steps=res.steps[None])
+
     return f
 
 
-def _decode_chunk(fwd, params, pools, st: DecodeState, num_steps, *, chunk: int, attention: str, block_pages: int,
-                  heads_sharded: bool):
+def _decode_chunk(
+    fwd, params, pools, st: DecodeState, num_steps, *, chunk: int, attention: str, block_pages: int, heads_sharded: bool
+):
     b = st.token_B.shape[0]
     keys_Bx2 = sequence_keys(st.seed_B, st.prompt_id_B, st.sample_id_B)
     limit = jnp.minimum(num_steps, chunk)
@@ -172,8 +201,9 @@ def _decode_chunk(fwd, params, pools, st: DecodeState, num_steps, *, chunk: int,
 
     def body(carry):
         step, cache, token_B, pos_B, active_B, tok_KxB, logp_KxB = carry
-        cache, new_B, logp_B = _decode_step(fwd, params, cache, st, keys_Bx2, token_B, pos_B, active_B,
-                                            attention, block_pages, heads_sharded)
+        cache, new_B, logp_B = _decode_step(
+            fwd, params, cache, st, keys_Bx2, token_B, pos_B, active_B, attention, block_pages, heads_sharded
+        )
         stopped = jnp.any(new_B[:, None] == st.stop_ids_BxN, axis=1) | (pos_B + 2 >= st.end_B)
         tok_KxB = tok_KxB.at[step].set(jnp.where(active_B, new_B, -1))
         logp_KxB = logp_KxB.at[step].set(jnp.where(active_B, logp_B, 0.0))
@@ -181,8 +211,15 @@ def _decode_chunk(fwd, params, pools, st: DecodeState, num_steps, *, chunk: int,
         pos_B = jnp.where(active_B, pos_B + 1, pos_B)
         return step + 1, cache, token_B, pos_B, active_B & ~stopped, tok_KxB, logp_KxB
 
-    init = (jnp.zeros((), jnp.int32), cache, st.token_B, st.pos_B, st.active_B,
-            jnp.full((chunk, b), -1, jnp.int32), jnp.zeros((chunk, b), jnp.float32))
+    init = (
+        jnp.zeros((), jnp.int32),
+        cache,
+        st.token_B,
+        st.pos_B,
+        st.active_B,
+        jnp.full((chunk, b), -1, jnp.int32),
+        jnp.zeros((chunk, b), jnp.float32),
+    )
     steps, cache, token_B, pos_B, active_B, tok_KxB, logp_KxB = jax.lax.while_loop(cond, body, init)
     if attention == "chunk":  # written: positions [pos at the start, pos now) of every slot
         pools = flush_chunk(pools, cache, st.table_BxW, st.pos_B, pos_B, chunk)
@@ -191,8 +228,9 @@ def _decode_chunk(fwd, params, pools, st: DecodeState, num_steps, *, chunk: int,
     return pools, ChunkResult(tok_KxB, logp_KxB, steps, token_B, pos_B, active_B)
 
 
-def make_pools(num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype,
-               sharding: Any = None):
+def make_pools(
+    num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype, sharding: Any = None
+):
     """Zero-initialised (k_pool, v_pool), each [L, K, P, S, E], optionally placed with `sharding`."""
     shape = (num_layers, kv_heads, num_pages, page_size, head_dim)
     if sharding is None:

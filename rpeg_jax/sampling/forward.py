@@ -73,15 +73,19 @@ def _split(params, num_layers: int, transposed: bool):
     def layer(p):
         d = p["wq"].shape[0]
         qkv = [p[n].reshape(d, -1) for n in ("wq", "wk", "wv")]
-        lp = dict(attn_norm=p["attn_norm"], mlp_norm=p["mlp_norm"], wqkv=t(jnp.concatenate(qkv, axis=1)),
-                  wo=t(p["wo"].reshape(-1, d)), w_gu=t(jnp.concatenate([p["w_gate"], p["w_up"]], axis=1)),
-                  w_down=t(p["w_down"]))
+        lp = dict(
+            attn_norm=p["attn_norm"],
+            mlp_norm=p["mlp_norm"],
+            wqkv=t(jnp.concatenate(qkv, axis=1)),
+            wo=t(p["wo"].reshape(-1, d)),
+            w_gu=t(jnp.concatenate([p["w_gate"], p["w_up"]], axis=1)),
+            w_down=t(p["w_down"]),
+        )
         if p.get("bq") is not None:
             lp["bqkv"] = jnp.concatenate([p[n].reshape(-1) for n in ("bq", "bk", "bv")])
         return lp
 
-    per_layer = tuple(layer({n: w[i] for n, w in flat["layers"].items() if w is not None})
-                      for i in range(num_layers))
+    per_layer = tuple(layer({n: w[i] for n, w in flat["layers"].items() if w is not None}) for i in range(num_layers))
     return dict(embed=flat["embed"], final_norm=flat["final_norm"], out=t(out), layers=per_layer)
 
 

@@ -35,8 +35,7 @@ NEG_INF = -1e30  # finite, as in the model's attention: masked scores, never NaN
 def write_pages(pool_LxKxPxSxE, layer, x_BxTxKxE, page_BxT, offset_BxT):
     """Scatter x into `pool[layer, :, page, offset]`; rows whose page is out of range (>= P) are
     dropped, which is how padding and inactive sequences avoid writing (never to page 0)."""
-    return pool_LxKxPxSxE.at[layer, :, page_BxT, offset_BxT].set(
-        x_BxTxKxE.astype(pool_LxKxPxSxE.dtype), mode="drop")
+    return pool_LxKxPxSxE.at[layer, :, page_BxT, offset_BxT].set(x_BxTxKxE.astype(pool_LxKxPxSxE.dtype), mode="drop")
 
 
 def gather_pages(pool_LxKxPxSxE, layer, table_BxW, batched_heads: bool = False):
@@ -67,7 +66,7 @@ def _scores(q_BxTxHxE, k_KxBxCxE, q_pos_BxT, kv_len_B, col0=0):
     q_KxBxQxE = q_BxTxHxE.reshape(b, t, kh, g, e).transpose(2, 0, 3, 1, 4).reshape(kh, b, g * t, e)
     # K as the left operand: contraction over its minor axis is a standard (fast) product layout.
     s = jnp.einsum("kbce,kbqe->kbcq", k_KxBxCxE, q_KxBxQxE, preferred_element_type=jnp.float32)
-    s = (s * (e ** -0.5)).reshape(kh, b, c, g, t)
+    s = (s * (e**-0.5)).reshape(kh, b, c, g, t)
     col_C = col0 + jnp.arange(c, dtype=jnp.int32)
     valid_BxC = col_C[None, :] < kv_len_B[:, None]
     mask = (valid_BxC[:, :, None] & (col_C[None, :, None] <= q_pos_BxT[:, None, :]))[:, :, None, :]
@@ -104,8 +103,9 @@ def attend_pages(q_BxTxHxE, k_pool, v_pool, layer, table_BxW, q_pos_BxT, kv_len_
     return dense_attention(q_BxTxHxE, k, v, q_pos_BxT, kv_len_B)
 
 
-def attend_blocked(q_BxTxHxE, k_pool, v_pool, layer, table_BxW, q_pos_BxT, kv_len_B, *, block_pages: int,
-                   batched_heads: bool = False):
+def attend_blocked(
+    q_BxTxHxE, k_pool, v_pool, layer, table_BxW, q_pos_BxT, kv_len_B, *, block_pages: int, batched_heads: bool = False
+):
     """The "blocked" implementation: a loop over blocks of `block_pages` pages with an online
     softmax (flash-decoding without split-K). The trip count is dynamic, ceil(max kv_len / block), so
     each step reads only the pages the longest sequence needs, whatever the table width; each
@@ -128,8 +128,11 @@ def attend_blocked(q_BxTxHxE, k_pool, v_pool, layer, table_BxW, q_pos_BxT, kv_le
         pv = _weighted_values(p, v, valid)
         return m_new, l * corr + jnp.sum(p, axis=2), acc * corr[..., None] + pv
 
-    init = (jnp.full((kh, b, g, t), NEG_INF, jnp.float32), jnp.zeros((kh, b, g, t), jnp.float32),
-            jnp.zeros((kh, b, g, t, e), jnp.float32))
+    init = (
+        jnp.full((kh, b, g, t), NEG_INF, jnp.float32),
+        jnp.zeros((kh, b, g, t), jnp.float32),
+        jnp.zeros((kh, b, g, t, e), jnp.float32),
+    )
     _, l, acc = jax.lax.fori_loop(0, n, body, init)
     out = acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]  # l = 0: padding row -> 0
     return _to_heads(out, q_BxTxHxE)

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Sequence as Seq
+from typing import Any
+from typing import Sequence as Seq
 
 import jax
 import jax.numpy as jnp
@@ -64,16 +65,24 @@ def width_bucket(need: int, lo: int, growth: float) -> int:
 class Sampler:
     """Generation engine over one model shape; see the module docstring."""
 
-    def __init__(self, model: nnx.Module, config: SamplerConfig | None = None, *, tokenizer: Any = None,
-                 mesh: jax.sharding.Mesh | None = None):
+    def __init__(
+        self,
+        model: nnx.Module,
+        config: SamplerConfig | None = None,
+        *,
+        tokenizer: Any = None,
+        mesh: jax.sharding.Mesh | None = None,
+    ):
         cfg = config or SamplerConfig()
         cfg.validate()
         mcfg = model.cfg
         self.cfg, self.model_cfg, self.tokenizer = cfg, mcfg, tokenizer
         self.max_seq_len = cfg.max_seq_len or mcfg.max_position_embeddings
         if self.max_seq_len > mcfg.max_position_embeddings:
-            raise ValueError(f"sampler.max_seq_len={self.max_seq_len}: exceeds model.max_position_embeddings="
-                             f"{mcfg.max_position_embeddings}")
+            raise ValueError(
+                f"sampler.max_seq_len={self.max_seq_len}: exceeds model.max_position_embeddings="
+                f"{mcfg.max_position_embeddings}"
+            )
         per_seq = -(-self.max_seq_len // cfg.page_size)
         graphdef, params = as_params(model)
         self.sharding = SamplerSharding(mesh or mesh_of(params), mcfg.num_kv_heads, cfg.max_slots, cfg.kv_pool)
@@ -81,12 +90,17 @@ class Sampler:
         slots = cfg.max_slots // d
         # num_pages is the GLOBAL count (every shard's null page included); each shard gets an equal
         # ceil(num_pages / D) pages (the total is rounded up to a multiple of D).
-        per_shard = -(-cfg.num_pages // d) if cfg.num_pages else (
-            1 + slots * per_seq + math.ceil(cfg.watermark * slots * per_seq))
+        per_shard = (
+            -(-cfg.num_pages // d)
+            if cfg.num_pages
+            else (1 + slots * per_seq + math.ceil(cfg.watermark * slots * per_seq))
+        )
         if per_shard - 1 < per_seq:
             where = f" ({per_shard} per shard of the pool split over data={d})" if d > 1 else ""
-            raise ValueError(f"sampler.num_pages={cfg.num_pages or per_shard * d}{where}: cannot hold one sequence of "
-                             f"max_seq_len={self.max_seq_len} tokens ({per_seq} pages of {cfg.page_size} + the null page)")
+            raise ValueError(
+                f"sampler.num_pages={cfg.num_pages or per_shard * d}{where}: cannot hold one sequence of "
+                f"max_seq_len={self.max_seq_len} tokens ({per_seq} pages of {cfg.page_size} + the null page)"
+            )
         # (shape checks above run before anything is compiled; placing params moves no data)
         params = self.sharding.place_params(params)
         self._signature = ParamSignature.of(params)
@@ -94,8 +108,9 @@ class Sampler:
         # What the device functions read: the params themselves (model forward; the caller must not
         # donate them afterwards) or per-layer copies (split forward).
         self._weights = self._fwd.prepare(params)
-        self._attention = cfg.attention if cfg.attention != "auto" else (
-            "chunk" if jax.default_backend() == "cpu" else "gather")
+        self._attention = (
+            cfg.attention if cfg.attention != "auto" else ("chunk" if jax.default_backend() == "cpu" else "gather")
+        )
         self.num_pages = per_shard * d  # global, with the D null pages
         self.pages_per_shard = per_shard
         # The widest table any sequence needs; the last width bucket is capped here, not rounded up
@@ -103,18 +118,37 @@ class Sampler:
         self.max_width = per_seq
         self.eos_ids = tuple(cfg.eos_token_ids if cfg.eos_token_ids is not None else (mcfg.eos_id,))
         kv_dtype = jnp.dtype(cfg.kv_dtype or mcfg.dtype)
-        self.pools = engine.make_pools(mcfg.num_layers, self.num_pages, cfg.page_size, mcfg.num_kv_heads,
-                                       mcfg.head_size, kv_dtype, self.sharding.pools)
+        self.pools = engine.make_pools(
+            mcfg.num_layers,
+            self.num_pages,
+            cfg.page_size,
+            mcfg.num_kv_heads,
+            mcfg.head_size,
+            kv_dtype,
+            self.sharding.pools,
+        )
         self.alloc = ShardedPages(d, per_shard, cfg.page_size, cfg.max_slots, debug=cfg.debug_checks)
         self.sched = Scheduler(self.alloc, math.ceil(cfg.watermark * (per_shard - 1)))
         self.version, self._pending = 0, None
         self._calls = 0
-        self._stats = dict(new_tokens=0, prefill_tokens=0, chunks=0, decode_steps=0, pages_peak=0,
-                           shard_pages_peak=0, recompiles=0, xla_compiles=0, generate_s=0.0, last_tokens_per_s=0.0, page_copies=0)
+        self._stats = dict(
+            new_tokens=0,
+            prefill_tokens=0,
+            chunks=0,
+            decode_steps=0,
+            pages_peak=0,
+            shard_pages_peak=0,
+            recompiles=0,
+            xla_compiles=0,
+            generate_s=0.0,
+            last_tokens_per_s=0.0,
+            page_copies=0,
+        )
 
     # ---- public API ---------------------------------------------------------------------------
-    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | None = None, *,
-                 prompt_ids: Seq[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Seq[Seq[int]], params: SamplingParams | None = None, *, prompt_ids: Seq[int] | None = None
+    ) -> list[RequestOutput]:
         """Sample params.n completions of every prompt; returns one RequestOutput per prompt.
         `prompt_ids` (default 0..len-1) name each prompt's random stream together with params.seed."""
         t0 = time.perf_counter()
@@ -127,8 +161,9 @@ class Sampler:
         self._stats["last_tokens_per_s"] = n_new / dt if dt > 0 else 0.0
         return self._outputs(prompts, seqs)
 
-    def submit(self, prompts: Seq[Seq[int]], params: SamplingParams | None = None, *,
-               prompt_ids: Seq[int] | None = None) -> list[Sequence]:
+    def submit(
+        self, prompts: Seq[Seq[int]], params: SamplingParams | None = None, *, prompt_ids: Seq[int] | None = None
+    ) -> list[Sequence]:
         """Queue prompts (streaming use: then call `step()` until the sequences finish)."""
         params = params or SamplingParams()
         params.validate()
@@ -143,8 +178,12 @@ class Sampler:
             self._check_prompt(i, p, params)
         all_seqs = []
         for i, p in enumerate(prompts):
-            seqs = [Sequence(request=i, sample_index=j, prompt=p, end=len(p) + params.max_new_tokens,
-                             opts=(opts, prompt_ids[i])) for j in range(params.n)]
+            seqs = [
+                Sequence(
+                    request=i, sample_index=j, prompt=p, end=len(p) + params.max_new_tokens, opts=(opts, prompt_ids[i])
+                )
+                for j in range(params.n)
+            ]
             self.sched.submit(seqs)
             all_seqs += seqs
         return all_seqs
@@ -187,11 +226,17 @@ class Sampler:
         fullest shard's peak, `pages_peak`: the peak of the sum)."""
         s = dict(self._stats)
         shards = self.alloc.num_shards
-        s.update(pages_total=self.num_pages - shards, pages_used=self.alloc.num_used,
-                 page_usage=self.alloc.num_used / (self.num_pages - shards), pool_shards=shards,
-                 shard_pages_total=self.pages_per_shard - 1, shard_pages_used=self.alloc.used_per_shard(),
-                 preemptions=self.sched.num_preemptions, policy_version=self.version,
-                 tokens_per_s=s["new_tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0)
+        s.update(
+            pages_total=self.num_pages - shards,
+            pages_used=self.alloc.num_used,
+            page_usage=self.alloc.num_used / (self.num_pages - shards),
+            pool_shards=shards,
+            shard_pages_total=self.pages_per_shard - 1,
+            shard_pages_used=self.alloc.used_per_shard(),
+            preemptions=self.sched.num_preemptions,
+            policy_version=self.version,
+            tokens_per_s=s["new_tokens"] / s["generate_s"] if s["generate_s"] > 0 else 0.0,
+        )
         return s
 
     # ---- device calls -------------------------------------------------------------------------
@@ -216,11 +261,17 @@ class Sampler:
             table = np.zeros((d * r_b, w_b), np.int32)
             for i, rows in enumerate(per):
                 for r, (slot, toks) in enumerate(rows, start=i * r_b):
-                    tokens[r, :len(toks)], lengths[r] = toks, len(toks)
+                    tokens[r, : len(toks)], lengths[r] = toks, len(toks)
                     table[r] = self.alloc.table([slot], w_b)[0]
-            self.pools = self._device(engine.prefill, self._fwd, self._weights, self.pools,
-                                      *self.sharding.put_rows(tokens, lengths, table), mesh=mesh,
-                                      heads_sharded=self.sharding.heads_sharded)
+            self.pools = self._device(
+                engine.prefill,
+                self._fwd,
+                self._weights,
+                self.pools,
+                *self.sharding.put_rows(tokens, lengths, table),
+                mesh=mesh,
+                heads_sharded=self.sharding.heads_sharded,
+            )
             self._stats["prefill_tokens"] += int(lengths.sum())
         if plan.copies:
             per = [[(src, dst) for sh, src, dst in plan.copies if sh == i] for i in range(d)]
@@ -229,17 +280,26 @@ class Sampler:
             dst = np.full((d * n,), self.pages_per_shard, np.int32)  # out of range: dropped
             for i, pairs in enumerate(per):
                 if pairs:
-                    src[i * n:i * n + len(pairs)], dst[i * n:i * n + len(pairs)] = zip(*pairs)
+                    src[i * n : i * n + len(pairs)], dst[i * n : i * n + len(pairs)] = zip(*pairs)
             self.pools = self._device(engine.fork_pages, self.pools, *self.sharding.put_pages(src, dst), mesh=mesh)
             self._stats["page_copies"] += len(plan.copies)
 
     def _decode(self, k: int) -> list[Sequence]:
         seqs = self.sched.running_seqs()
         st = self._decode_state(seqs, k)
-        self.pools, res = self._device(engine.decode_chunk, self._fwd, self._weights, self.pools, st,
-                                       jnp.int32(k), chunk=self.cfg.chunk_steps, attention=self._attention,
-                                       block_pages=self.cfg.block_pages, mesh=self.sharding.shard_mesh,
-                                       heads_sharded=self.sharding.heads_sharded)
+        self.pools, res = self._device(
+            engine.decode_chunk,
+            self._fwd,
+            self._weights,
+            self.pools,
+            st,
+            jnp.int32(k),
+            chunk=self.cfg.chunk_steps,
+            attention=self._attention,
+            block_pages=self.cfg.block_pages,
+            mesh=self.sharding.shard_mesh,
+            heads_sharded=self.sharding.heads_sharded,
+        )
         toks, logps, steps = jax.device_get((res.tokens_KxB, res.logprobs_KxB, res.steps))
         steps = int(np.max(steps))  # one count per shard with a sharded pool (shards loop on their own)
         self._stats["chunks"] += 1
@@ -279,22 +339,45 @@ class Sampler:
     def _decode_state(self, seqs: list[Sequence], k: int) -> engine.DecodeState:
         b, cfg = self.cfg.max_slots, self.cfg
         w = self._width(k)
-        a = dict(token=np.zeros(b, np.int32), pos=np.zeros(b, np.int32), active=np.zeros(b, bool),
-                 end=np.zeros(b, np.int32), stop=np.full((b, cfg.max_stop_ids), -1, np.int32),
-                 temp=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32),
-                 min_p=np.zeros(b, np.float32), seed=np.zeros(b, np.int32), pid=np.zeros(b, np.int32),
-                 sid=np.zeros(b, np.int32))
+        a = dict(
+            token=np.zeros(b, np.int32),
+            pos=np.zeros(b, np.int32),
+            active=np.zeros(b, bool),
+            end=np.zeros(b, np.int32),
+            stop=np.full((b, cfg.max_stop_ids), -1, np.int32),
+            temp=np.zeros(b, np.float32),
+            top_k=np.zeros(b, np.int32),
+            top_p=np.ones(b, np.float32),
+            min_p=np.zeros(b, np.float32),
+            seed=np.zeros(b, np.int32),
+            pid=np.zeros(b, np.int32),
+            sid=np.zeros(b, np.int32),
+        )
         for s in seqs:
             o, pid = s.opts
             i = s.slot
             a["token"][i], a["pos"][i], a["active"][i], a["end"][i] = s.known()[-1], s.pos, True, s.end
-            a["stop"][i, :len(o.stop_ids)] = o.stop_ids
+            a["stop"][i, : len(o.stop_ids)] = o.stop_ids
             a["temp"][i], a["top_k"][i], a["top_p"][i], a["min_p"][i] = o.temperature, o.top_k, o.top_p, o.min_p
             a["seed"][i], a["pid"][i], a["sid"][i] = o.seed, pid, s.sample_index
         table = self.alloc.table(range(b), w)
-        return self.sharding.put_state(engine.DecodeState(
-            a["token"], a["pos"], a["active"], a["end"], table, a["stop"], a["temp"], a["top_k"], a["top_p"],
-            a["min_p"], a["seed"], a["pid"], a["sid"]))
+        return self.sharding.put_state(
+            engine.DecodeState(
+                a["token"],
+                a["pos"],
+                a["active"],
+                a["end"],
+                table,
+                a["stop"],
+                a["temp"],
+                a["top_k"],
+                a["top_p"],
+                a["min_p"],
+                a["seed"],
+                a["pid"],
+                a["sid"],
+            )
+        )
 
     # ---- helpers ------------------------------------------------------------------------------
     def _swap(self, params, version: int) -> None:
@@ -306,19 +389,28 @@ class Sampler:
         if not p:
             raise ValueError(f"generate: prompts[{i}] is empty (a prompt needs at least one token, e.g. bos)")
         if min(p) < 0 or max(p) >= v:
-            raise ValueError(f"generate: prompts[{i}] has token ids outside [0, vocab_size={v}): "
-                             f"min {min(p)}, max {max(p)}")
+            raise ValueError(
+                f"generate: prompts[{i}] has token ids outside [0, vocab_size={v}): min {min(p)}, max {max(p)}"
+            )
         if len(p) + params.max_new_tokens > self.max_seq_len:
-            raise ValueError(f"generate: prompts[{i}] length {len(p)} + max_new_tokens={params.max_new_tokens} "
-                             f"exceeds sampler.max_seq_len={self.max_seq_len}")
+            raise ValueError(
+                f"generate: prompts[{i}] length {len(p)} + max_new_tokens={params.max_new_tokens} "
+                f"exceeds sampler.max_seq_len={self.max_seq_len}"
+            )
 
     def _outputs(self, prompts, seqs: list[Sequence]) -> list[RequestOutput]:
         outs = [RequestOutput(prompt_index=i, prompt_tokens=list(p)) for i, p in enumerate(prompts)]
         for s in seqs:
-            outs[s.request].completions.append(Completion(
-                tokens=np.asarray(s.tokens, np.int32), logprobs=np.asarray(s.logprobs, np.float32),
-                finish_reason=s.finish_reason, policy_versions=np.asarray(s.versions, np.int32),
-                num_preemptions=s.preemptions, sample_index=s.sample_index))
+            outs[s.request].completions.append(
+                Completion(
+                    tokens=np.asarray(s.tokens, np.int32),
+                    logprobs=np.asarray(s.logprobs, np.float32),
+                    finish_reason=s.finish_reason,
+                    policy_versions=np.asarray(s.versions, np.int32),
+                    num_preemptions=s.preemptions,
+                    sample_index=s.sample_index,
+                )
+            )
         for o in outs:
             o.completions.sort(key=lambda c: c.sample_index)
         return outs
@@ -328,8 +420,12 @@ class _Options:
     """Resolved per-request settings shared by the request's sequences."""
 
     def __init__(self, params: SamplingParams, seed: int, stop_ids: tuple[int, ...], matcher: StopMatcher):
-        self.temperature, self.top_k, self.top_p, self.min_p = (params.temperature, params.top_k, params.top_p,
-                                                               params.min_p)
+        self.temperature, self.top_k, self.top_p, self.min_p = (
+            params.temperature,
+            params.top_k,
+            params.top_p,
+            params.min_p,
+        )
         self.seed, self.stop_ids, self.matcher = seed, stop_ids, matcher
 
     @classmethod
@@ -340,9 +436,11 @@ class _Options:
                 raise ValueError(f"sampling_params.stop_token_ids: {t} outside [0, vocab_size={v})")
         ids = tuple(dict.fromkeys((() if params.ignore_eos else sampler.eos_ids) + tuple(params.stop_token_ids)))
         if len(ids) > sampler.cfg.max_stop_ids:
-            raise ValueError(f"sampling_params.stop_token_ids: {len(ids)} stop ids (with eos) exceed "
-                             f"sampler.max_stop_ids={sampler.cfg.max_stop_ids}")
-        if not -(2 ** 31) <= seed < 2 ** 31:
+            raise ValueError(
+                f"sampling_params.stop_token_ids: {len(ids)} stop ids (with eos) exceed "
+                f"sampler.max_stop_ids={sampler.cfg.max_stop_ids}"
+            )
+        if not -(2**31) <= seed < 2**31:
             raise ValueError(f"sampling_params.seed={seed}: must fit in int32")
         return cls(params, seed, ids, StopMatcher(params.stop, sampler.tokenizer))
 

@@ -117,7 +117,7 @@ class Scheduler:
     def submit(self, seqs: list[Sequence], front: bool = False) -> None:
         """Queue sequences as groups of at most one shard's slots (a larger n is split)."""
         cap = self.alloc.slots_per_shard
-        groups = [Group(seqs[i:i + cap]) for i in range(0, len(seqs), cap)]
+        groups = [Group(seqs[i : i + cap]) for i in range(0, len(seqs), cap)]
         if front:
             self.waiting.extendleft(reversed(groups))
         else:
@@ -135,8 +135,9 @@ class Scheduler:
             if not open_:
                 break
             # Balance: most free slots, then most free pages; prefer a shard the group fits in.
-            d = max(open_, key=lambda d: (need + self.watermark_pages <= budget[d], len(self.free_slots[d]),
-                                          budget[d], -d))
+            d = max(
+                open_, key=lambda d: (need + self.watermark_pages <= budget[d], len(self.free_slots[d]), budget[d], -d)
+            )
             if need + self.watermark_pages > budget[d]:
                 idle = [e for e in open_ if not any(x.shard == e for x in self.running)]
                 if not idle:

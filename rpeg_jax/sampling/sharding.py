@@ -34,7 +34,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 def _axis(mesh, name: str, size: int) -> str | None:
@@ -78,10 +79,15 @@ class SamplerSharding:
 
         def one(x):
             sh = getattr(x, "sharding", None)
-            if isinstance(sh, NamedSharding) and sh.mesh != self.mesh and sh.mesh.devices.shape == self.mesh.devices.shape \
-                    and (sh.mesh.devices == self.mesh.devices).all():
+            if (
+                isinstance(sh, NamedSharding)
+                and sh.mesh != self.mesh
+                and sh.mesh.devices.shape == self.mesh.devices.shape
+                and (sh.mesh.devices == self.mesh.devices).all()
+            ):
                 return jax.device_put(x, NamedSharding(self.mesh, sh.spec))
             return x
+
         return jax.tree.map(one, params)
 
     def _put(self, x, axis: str | None) -> Any:

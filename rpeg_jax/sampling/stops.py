@@ -16,8 +16,10 @@ class StopMatcher:
         self.token_seqs = [tuple(int(t) for t in s) for s in stops if not isinstance(s, str)]
         self.strings = [s for s in stops if isinstance(s, str)]
         if self.strings and tokenizer is None:
-            raise ValueError(f"sampling_params.stop={self.strings!r}: stop strings need a tokenizer "
-                             "(Sampler(model, config, tokenizer=...) with a .decode(ids) method)")
+            raise ValueError(
+                f"sampling_params.stop={self.strings!r}: stop strings need a tokenizer "
+                "(Sampler(model, config, tokenizer=...) with a .decode(ids) method)"
+            )
         self.tokenizer = tokenizer
 
     def __bool__(self) -> bool:
@@ -31,7 +33,7 @@ class StopMatcher:
         first = len(tokens) - n_new
         for end in range(first + 1, len(tokens) + 1):  # keep-length candidates, earliest first
             for q in self.token_seqs:
-                if end >= len(q) and tuple(tokens[end - len(q):end]) == q:
+                if end >= len(q) and tuple(tokens[end - len(q) : end]) == q:
                     return end
         if self.strings:
             decode = self.tokenizer.decode

@@ -32,8 +32,10 @@ import jax.numpy as jnp
 
 def sequence_keys(seed_B, prompt_id_B, sample_id_B):
     """Per-sequence base keys (raw uint32 [B, 2])."""
+
     def one(seed, pid, sid):
         return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), pid), sid)
+
     return jax.vmap(one)(seed_B, prompt_id_B, sample_id_B)
 
 

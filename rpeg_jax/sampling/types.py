@@ -59,8 +59,17 @@ class SamplerConfig:
     debug_checks: bool = False  # check allocator invariants after every operation
 
     def validate(self, path: str = "sampler") -> None:
-        for name in ("page_size", "max_slots", "chunk_steps", "min_chunk_steps", "max_stop_ids", "min_prefill_len", "min_prefill_rows",
-                     "min_table_width", "block_pages"):
+        for name in (
+            "page_size",
+            "max_slots",
+            "chunk_steps",
+            "min_chunk_steps",
+            "max_stop_ids",
+            "min_prefill_len",
+            "min_prefill_rows",
+            "min_table_width",
+            "block_pages",
+        ):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= 1, f"{path}.{name}", v, "must be an int >= 1")
         if self.num_pages is not None:
@@ -69,23 +78,48 @@ class SamplerConfig:
             check(self.max_seq_len >= 2, f"{path}.max_seq_len", self.max_seq_len, "must be >= 2")
         check(0.0 <= self.watermark < 1.0, f"{path}.watermark", self.watermark, "must be in [0, 1)")
         check(self.table_width_growth > 1.0, f"{path}.table_width_growth", self.table_width_growth, "must be > 1")
-        check(self.on_weight_update in ("finish", "recompute"), f"{path}.on_weight_update",
-              self.on_weight_update, "must be 'finish' or 'recompute'")
-        check(self.forward in ("auto", "model", "split", "split_t"), f"{path}.forward", self.forward,
-              "must be 'auto', 'model', 'split' or 'split_t'")
-        check(self.kv_pool in ("sharded", "replicated"), f"{path}.kv_pool", self.kv_pool,
-              "must be 'sharded' or 'replicated'")
-        check(self.attention in ("auto", "gather", "blocked", "chunk"), f"{path}.attention", self.attention,
-              "must be 'auto', 'gather', 'blocked' or 'chunk'")
+        check(
+            self.on_weight_update in ("finish", "recompute"),
+            f"{path}.on_weight_update",
+            self.on_weight_update,
+            "must be 'finish' or 'recompute'",
+        )
+        check(
+            self.forward in ("auto", "model", "split", "split_t"),
+            f"{path}.forward",
+            self.forward,
+            "must be 'auto', 'model', 'split' or 'split_t'",
+        )
+        check(
+            self.kv_pool in ("sharded", "replicated"),
+            f"{path}.kv_pool",
+            self.kv_pool,
+            "must be 'sharded' or 'replicated'",
+        )
+        check(
+            self.attention in ("auto", "gather", "blocked", "chunk"),
+            f"{path}.attention",
+            self.attention,
+            "must be 'auto', 'gather', 'blocked' or 'chunk'",
+        )
 
     @classmethod
-    def from_rollout(cls, r: RolloutConfig, *, max_slots: int, max_seq_len: int | None = None,
-                     **overrides) -> "SamplerConfig":
+    def from_rollout(
+        cls, r: RolloutConfig, *, max_slots: int, max_seq_len: int | None = None, **overrides
+    ) -> "SamplerConfig":
         """Engine settings from the run config's rollout section."""
-        kw = dict(page_size=r.page_size, num_pages=r.num_pages, max_slots=r.max_slots or max_slots,
-                  max_seq_len=max_seq_len, chunk_steps=r.chunk_steps, min_chunk_steps=r.min_chunk_steps,
-                  watermark=r.watermark,
-                  on_weight_update=r.on_weight_update, attention=r.attention, kv_pool=r.kv_pool)
+        kw = dict(
+            page_size=r.page_size,
+            num_pages=r.num_pages,
+            max_slots=r.max_slots or max_slots,
+            max_seq_len=max_seq_len,
+            chunk_steps=r.chunk_steps,
+            min_chunk_steps=r.min_chunk_steps,
+            watermark=r.watermark,
+            on_weight_update=r.on_weight_update,
+            attention=r.attention,
+            kv_pool=r.kv_pool,
+        )
         return cls(**{**kw, **overrides})
 
 
@@ -111,17 +145,31 @@ class SamplingParams:
         check(isinstance(self.top_k, int) and self.top_k >= 0, f"{path}.top_k", self.top_k, "must be an int >= 0")
         check(0.0 < self.top_p <= 1.0, f"{path}.top_p", self.top_p, "must be in (0, 1]")
         check(0.0 <= self.min_p < 1.0, f"{path}.min_p", self.min_p, "must be in [0, 1)")
-        check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, f"{path}.max_new_tokens",
-              self.max_new_tokens, "must be an int >= 1")
+        check(
+            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+            f"{path}.max_new_tokens",
+            self.max_new_tokens,
+            "must be an int >= 1",
+        )
         for s in self.stop:
-            ok = (isinstance(s, str) and s) or (isinstance(s, (tuple, list)) and s and all(isinstance(t, int) for t in s))
+            ok = (isinstance(s, str) and s) or (
+                isinstance(s, (tuple, list)) and s and all(isinstance(t, int) for t in s)
+            )
             check(bool(ok), f"{path}.stop", s, "each stop sequence must be a non-empty str or tuple of token ids")
 
     @classmethod
     def from_rollout(cls, r: RolloutConfig, *, n: int = 1, seed: int | None = None) -> "SamplingParams":
-        return cls(n=n, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p,
-                   max_new_tokens=r.max_new_tokens, stop_token_ids=tuple(r.stop_token_ids),
-                   ignore_eos=r.ignore_eos, seed=seed)
+        return cls(
+            n=n,
+            temperature=r.temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            min_p=r.min_p,
+            max_new_tokens=r.max_new_tokens,
+            stop_token_ids=tuple(r.stop_token_ids),
+            ignore_eos=r.ignore_eos,
+            seed=seed,
+        )
 
 
 FinishReason = Literal["stop", "length"]

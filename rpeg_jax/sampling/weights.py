@@ -24,9 +24,11 @@ def as_params(obj: Any) -> tuple[Any, Any]:
     if isinstance(obj, nnx.Module):
         graphdef, params, rest = nnx.split(obj, nnx.Param, ...)
         if jax.tree.leaves(rest):
-            raise ValueError("sampler: the model has non-Param state "
-                             f"({[jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(rest)[0]]});"
-                             " only nnx.Param variables are supported")
+            raise ValueError(
+                "sampler: the model has non-Param state "
+                f"({[jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(rest)[0]]});"
+                " only nnx.Param variables are supported"
+            )
         return graphdef, params
     return None, obj
 
@@ -53,8 +55,10 @@ class ParamSignature:
         if other.treedef != self.treedef:
             mine = {p for p, _ in self.leaves}
             theirs = {p for p, _ in other.leaves}
-            raise ValueError(f"update_weights: parameter tree differs from the compiled one "
-                             f"(missing {sorted(mine - theirs)[:5]}, unexpected {sorted(theirs - mine)[:5]})")
+            raise ValueError(
+                f"update_weights: parameter tree differs from the compiled one "
+                f"(missing {sorted(mine - theirs)[:5]}, unexpected {sorted(theirs - mine)[:5]})"
+            )
         names = ("shape", "dtype", "weak_type", "sharding")
         for (path, want), (_, got) in zip(self.leaves, other.leaves):
             if got[0] == "not a jax.Array":
@@ -62,8 +66,10 @@ class ParamSignature:
             for name, w, g in zip(names, want, got):
                 same = w == g or (name == "sharding" and g.is_equivalent_to(w, len(want[0])))
                 if not same:
-                    raise ValueError(f"update_weights: {path}: {name} {g} differs from the compiled {w} "
-                                     "(new weights must match the sampler's to avoid recompiling)")
+                    raise ValueError(
+                        f"update_weights: {path}: {name} {g} differs from the compiled {w} "
+                        "(new weights must match the sampler's to avoid recompiling)"
+                    )
 
 
 class CompileCounter:
@@ -81,4 +87,3 @@ class CompileCounter:
             self.count += 1
         elif event == BACKEND_COMPILE_EVENT:
             self.backend += 1
-

@@ -14,17 +14,64 @@ Model code imports only rpeg_jax.sharding.axes (LOGICAL_AXES, constrain, use_res
 
 from rpeg_jax.sharding.axes import LOGICAL_AXES, constrain, use_resolver
 from rpeg_jax.sharding.layouts import StageLayout, layout_for, load_extensions, stage_layout
-from rpeg_jax.sharding.mesh import MESH_AXES, MeshError, abstract_mesh, canonical_spec, make_mesh, mesh_scope, sub_meshes
+from rpeg_jax.sharding.mesh import (
+    MESH_AXES,
+    MeshError,
+    abstract_mesh,
+    canonical_spec,
+    make_mesh,
+    mesh_scope,
+    sub_meshes,
+)
 from rpeg_jax.sharding.params import ParamInfo, param_infos, param_shardings, param_specs, shard_model, shard_params
 from rpeg_jax.sharding.reshard import Resharder, ReshardPlan, reshard_bytes, reshard_bytes_abstract
-from rpeg_jax.sharding.rules import (PRESETS, Rule, Rules, ShardingError, activation_resolver, get_rules,
-                                     register_rules, resolve)
+from rpeg_jax.sharding.rules import (
+    PRESETS,
+    Rule,
+    Rules,
+    ShardingError,
+    activation_resolver,
+    get_rules,
+    register_rules,
+    resolve,
+)
 from rpeg_jax.sharding.tactics import ParamContext, load_plugins, parse_overrides, tactic
 
 __all__ = [
-    "LOGICAL_AXES", "constrain", "use_resolver", "StageLayout", "layout_for", "load_extensions", "stage_layout",
-    "MESH_AXES", "MeshError", "abstract_mesh", "canonical_spec", "make_mesh", "mesh_scope", "sub_meshes", "ParamInfo",
-    "param_infos", "param_shardings", "param_specs", "shard_model", "shard_params", "Resharder", "ReshardPlan",
-    "reshard_bytes", "reshard_bytes_abstract", "PRESETS", "Rule", "Rules", "ShardingError", "activation_resolver", "get_rules",
-    "register_rules", "resolve", "ParamContext", "load_plugins", "parse_overrides", "tactic",
+    "LOGICAL_AXES",
+    "constrain",
+    "use_resolver",
+    "StageLayout",
+    "layout_for",
+    "load_extensions",
+    "stage_layout",
+    "MESH_AXES",
+    "MeshError",
+    "abstract_mesh",
+    "canonical_spec",
+    "make_mesh",
+    "mesh_scope",
+    "sub_meshes",
+    "ParamInfo",
+    "param_infos",
+    "param_shardings",
+    "param_specs",
+    "shard_model",
+    "shard_params",
+    "Resharder",
+    "ReshardPlan",
+    "reshard_bytes",
+    "reshard_bytes_abstract",
+    "PRESETS",
+    "Rule",
+    "Rules",
+    "ShardingError",
+    "activation_resolver",
+    "get_rules",
+    "register_rules",
+    "resolve",
+    "ParamContext",
+    "load_plugins",
+    "parse_overrides",
+    "tactic",
 ]

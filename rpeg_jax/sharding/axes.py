@@ -14,14 +14,24 @@ from typing import Any, Callable, Sequence
 
 # The logical axes used by rpeg_jax models (parameters and activations).
 BATCH, SEQ, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS = (
-    "batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
+    "batch",
+    "seq",
+    "embed",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "mlp",
+    "vocab",
+    "layers",
+)
 LOGICAL_AXES = (BATCH, SEQ, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS)
 
 Axes = tuple[str | None, ...]
 
 # A resolver: (logical axes of an activation, its shape) -> a sharding (or None to leave it).
 _ACTIVE: contextvars.ContextVar[Callable[[Axes, tuple[int, ...]], Any] | None] = contextvars.ContextVar(
-    "rpeg_activation_resolver", default=None)
+    "rpeg_activation_resolver", default=None
+)
 
 
 @contextlib.contextmanager

@@ -63,54 +63,77 @@ def first_host(nodelist: str) -> str:
     return prefix + first
 
 
-def resolve_spec(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-                 env: Mapping[str, str] | None = None) -> DistributedSpec:
+def resolve_spec(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> DistributedSpec:
     """Decide coordinator / number of processes / process id (see the module docstring)."""
     env = os.environ if env is None else env
     if coordinator is not None or num_processes is not None or process_id is not None:
-        missing = [n for n, v in (("coordinator", coordinator), ("num_processes", num_processes),
-                                  ("process_id", process_id)) if v is None]
+        missing = [
+            n
+            for n, v in (("coordinator", coordinator), ("num_processes", num_processes), ("process_id", process_id))
+            if v is None
+        ]
         if missing and num_processes != 1:
-            raise DistributedInitError(f"distributed: {', '.join(missing)} missing; give coordinator, "
-                                       f"num_processes and process_id together")
+            raise DistributedInitError(
+                f"distributed: {', '.join(missing)} missing; give coordinator, num_processes and process_id together"
+            )
         return DistributedSpec(coordinator, int(num_processes or 1), int(process_id or 0), "flags")
     if "JAX_COORDINATOR_ADDRESS" in env and "JAX_NUM_PROCESSES" in env:
-        return DistributedSpec(env["JAX_COORDINATOR_ADDRESS"], int(env["JAX_NUM_PROCESSES"]),
-                               int(env.get("JAX_PROCESS_ID", "0")), "jax-env")
+        return DistributedSpec(
+            env["JAX_COORDINATOR_ADDRESS"],
+            int(env["JAX_NUM_PROCESSES"]),
+            int(env.get("JAX_PROCESS_ID", "0")),
+            "jax-env",
+        )
     ntasks = int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1")))
     if "SLURM_JOB_ID" in env and ntasks > 1:
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
         if not nodes:
             raise DistributedInitError("SLURM job without SLURM_STEP_NODELIST/SLURM_JOB_NODELIST")
-        port = (env.get("RPEG_COORDINATOR_PORT") or env.get("JAX_COORDINATOR_PORT")
-                or str(int(env["SLURM_JOB_ID"]) % 2**12 + (65535 - 2**12 + 1)))
+        port = (
+            env.get("RPEG_COORDINATOR_PORT")
+            or env.get("JAX_COORDINATOR_PORT")
+            or str(int(env["SLURM_JOB_ID"]) % 2**12 + (65535 - 2**12 + 1))
+        )
         return DistributedSpec(f"{first_host(nodes)}:{port}", ntasks, int(env["SLURM_PROCID"]), "slurm")
     return DistributedSpec(None, 1, 0, "single")
 
 
-def initialize(spec: DistributedSpec, heartbeat_timeout_s: float, initialization_timeout_s: float,
-               cpu_collectives: str = "gloo") -> None:
+def initialize(
+    spec: DistributedSpec, heartbeat_timeout_s: float, initialization_timeout_s: float, cpu_collectives: str = "gloo"
+) -> None:
     """`jax.distributed.initialize` for `spec` (no-op for one process). Any failure raises
     DistributedInitError naming the coordinator, the process and where they came from."""
     if not spec.multi:
         return
     import jax
 
-    where = (f"coordinator={spec.coordinator}, num_processes={spec.num_processes}, process_id={spec.process_id} "
-             f"(from {spec.source})")
+    where = (
+        f"coordinator={spec.coordinator}, num_processes={spec.num_processes}, process_id={spec.process_id} "
+        f"(from {spec.source})"
+    )
     if spec.process_id != 0:  # JAX aborts the process on a connect timeout; report it ourselves first
         wait_for_coordinator(spec.coordinator, initialization_timeout_s, where)
     try:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
         jax.distributed.initialize(
-            spec.coordinator, spec.num_processes, spec.process_id,
+            spec.coordinator,
+            spec.num_processes,
+            spec.process_id,
             initialization_timeout=max(1, math.ceil(initialization_timeout_s)),
             # JAX's own detection is the backstop; ours (Watchdog) reports first, by name.
             heartbeat_timeout_seconds=max(2, math.ceil(1.5 * heartbeat_timeout_s + 5)),
-            shutdown_timeout_seconds=max(2, math.ceil(heartbeat_timeout_s)))
+            shutdown_timeout_seconds=max(2, math.ceil(heartbeat_timeout_s)),
+        )
     except Exception as e:
-        raise DistributedInitError(f"jax.distributed.initialize failed for {where}: {type(e).__name__}: "
-                                   f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from e
+        raise DistributedInitError(
+            f"jax.distributed.initialize failed for {where}: {type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}"
+        ) from e
 
 
 def wait_for_coordinator(address: str, timeout_s: float, where: str = "") -> None:
@@ -126,9 +149,11 @@ def wait_for_coordinator(address: str, timeout_s: float, where: str = "") -> Non
         except OSError as e:
             last = e
             time.sleep(0.2)
-    raise DistributedInitError(f"coordinator {address} not reachable within {timeout_s:g} s "
-                               f"(distributed.initialization_timeout_s) for {where or address}: "
-                               f"{type(last).__name__}: {last}")
+    raise DistributedInitError(
+        f"coordinator {address} not reachable within {timeout_s:g} s "
+        f"(distributed.initialization_timeout_s) for {where or address}: "
+        f"{type(last).__name__}: {last}"
+    )
 
 
 def _client():
@@ -144,8 +169,16 @@ class Watchdog:
     """Heartbeats through the coordination service's key-value store; ends the process with
     EXIT_PEER_LOST and a message naming the lost process(es) when a peer goes silent."""
 
-    def __init__(self, process_id: int, num_processes: int, timeout_s: float, client: Any = None,
-                 interval_s: float | None = None, exit_fn=os._exit, stream=None):
+    def __init__(
+        self,
+        process_id: int,
+        num_processes: int,
+        timeout_s: float,
+        client: Any = None,
+        interval_s: float | None = None,
+        exit_fn=os._exit,
+        stream=None,
+    ):
         self.pid, self.n, self.timeout = process_id, num_processes, float(timeout_s)
         self.interval = interval_s or max(0.05, min(2.0, self.timeout / 6))
         self.client = client if client is not None else _client()
@@ -200,14 +233,20 @@ class Watchdog:
                     seen[p] = (beats.get(p), now)
             lost = [p for p in seen if p not in done and now - seen[p][1] > self.timeout]
             if lost:
-                self._lose(lost, f"no heartbeat for {max(now - seen[p][1] for p in lost):.1f} s > "
-                                 f"distributed.heartbeat_timeout_s={self.timeout:g}")
+                self._lose(
+                    lost,
+                    f"no heartbeat for {max(now - seen[p][1] for p in lost):.1f} s > "
+                    f"distributed.heartbeat_timeout_s={self.timeout:g}",
+                )
 
     def _lose(self, lost: list[int], why: str) -> None:
         self.lost = lost
         names = ", ".join(str(p) for p in lost)
-        print(f"rpeg: lost process {names} of {self.n} ({why}); process {self.pid} exits with code "
-              f"{EXIT_PEER_LOST}", file=self.stream, flush=True)
+        print(
+            f"rpeg: lost process {names} of {self.n} ({why}); process {self.pid} exits with code {EXIT_PEER_LOST}",
+            file=self.stream,
+            flush=True,
+        )
         self._stop.set()
         self.exit_fn(EXIT_PEER_LOST)
 
@@ -233,8 +272,9 @@ def _signal_name(rc: int) -> str:
     return f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
 
 
-def spawn_local(cmd: list[str], num_processes: int, devices_per_process: int, grace_s: float,
-                env: Mapping[str, str] | None = None) -> int:
+def spawn_local(
+    cmd: list[str], num_processes: int, devices_per_process: int, grace_s: float, env: Mapping[str, str] | None = None
+) -> int:
     """Run `cmd + [--coordinator 127.0.0.1:PORT --num-processes N --process-id i]` N times on
     this machine with `devices_per_process` CPU devices each (gloo collectives). Returns 0 if
     all succeed, else the first failure's code; a process still running `grace_s` after the
@@ -245,8 +285,13 @@ def spawn_local(cmd: list[str], num_processes: int, devices_per_process: int, gr
     base = dict(os.environ if env is None else env)
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", base.get("XLA_FLAGS", ""))
     base.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices_per_process}")
-    procs = [subprocess.Popen(cmd + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(num_processes),
-                                     "--process-id", str(i)], env=base) for i in range(num_processes)]
+    procs = [
+        subprocess.Popen(
+            cmd + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(num_processes), "--process-id", str(i)],
+            env=base,
+        )
+        for i in range(num_processes)
+    ]
     first: tuple[int, int] | None = None
     deadline = None
     try:
@@ -255,13 +300,20 @@ def spawn_local(cmd: list[str], num_processes: int, devices_per_process: int, gr
                 rc = p.poll()
                 if rc not in (None, 0) and first is None:
                     first, deadline = (i, rc), time.monotonic() + grace_s
-                    print(f"rpeg launch: process {i} of {num_processes} failed ({_signal_name(rc)})",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"rpeg launch: process {i} of {num_processes} failed ({_signal_name(rc)})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             if deadline is not None and time.monotonic() > deadline:
                 for i, p in enumerate(procs):
                     if p.poll() is None:
-                        print(f"rpeg launch: process {i} still running {grace_s:g} s after process {first[0]} "
-                              f"failed; killing it", file=sys.stderr, flush=True)
+                        print(
+                            f"rpeg launch: process {i} still running {grace_s:g} s after process {first[0]} "
+                            f"failed; killing it",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         p.kill()
             time.sleep(0.1)
     except KeyboardInterrupt:

@@ -75,8 +75,15 @@ class StageLayout:
             yield
 
 
-def layout_for(mesh_spec: dict[str, int], rules: str | Rules, cfg: ShardingConfig, devices: Sequence[Any] | None = None,
-               *, num_devices: int | None = None, role: str = "train") -> StageLayout:
+def layout_for(
+    mesh_spec: dict[str, int],
+    rules: str | Rules,
+    cfg: ShardingConfig,
+    devices: Sequence[Any] | None = None,
+    *,
+    num_devices: int | None = None,
+    role: str = "train",
+) -> StageLayout:
     """A stage layout on `devices` (default all) or, with `num_devices`, on an abstract mesh."""
     load_extensions(cfg)
     key = "sharding.generate_rules" if role == "generate" else "sharding.train_rules"
@@ -94,8 +101,9 @@ def layout_for(mesh_spec: dict[str, int], rules: str | Rules, cfg: ShardingConfi
     return StageLayout(role, mesh, get_rules(rules, key), tuple(parse_overrides(cfg.overrides)))
 
 
-def stage_layout(cfg: ShardingConfig, role: str, devices: Sequence[Any] | None = None, *,
-                 num_devices: int | None = None) -> StageLayout:
+def stage_layout(
+    cfg: ShardingConfig, role: str, devices: Sequence[Any] | None = None, *, num_devices: int | None = None
+) -> StageLayout:
     """The layout of training ("train") or generation ("generate") stages from the config."""
     if role not in ROLES:
         raise ValueError(f"role {role!r}: must be one of {ROLES}")

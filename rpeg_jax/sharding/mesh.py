@@ -49,12 +49,13 @@ def fill_spec(spec: MeshSpec, num_devices: int) -> dict[str, int]:
     fixed = math.prod(v for v in spec.values() if v != -1)
     if fill:
         if num_devices % fixed:
-            raise MeshError(f"mesh {spec}: the fixed axes use {fixed} devices, which does not divide "
-                            f"the {num_devices} devices available, so axis {fill[0]!r}=-1 cannot fill them")
+            raise MeshError(
+                f"mesh {spec}: the fixed axes use {fixed} devices, which does not divide "
+                f"the {num_devices} devices available, so axis {fill[0]!r}=-1 cannot fill them"
+            )
         spec[fill[0]] = num_devices // fixed
     elif fixed != num_devices:
-        raise MeshError(f"mesh {spec} uses {fixed} devices but {num_devices} are given; "
-                        f"set one axis to -1 to fill")
+        raise MeshError(f"mesh {spec} uses {fixed} devices but {num_devices} are given; set one axis to -1 to fill")
     return spec
 
 
@@ -62,8 +63,12 @@ def _device_key(d: Any) -> tuple[int, int]:
     return (int(getattr(d, "process_index", 0)), int(d.id))
 
 
-def device_grid(spec: MeshSpec, devices: Sequence[Any], devices_per_node: int | None = None,
-                all_devices: Sequence[Any] | None = None) -> np.ndarray:
+def device_grid(
+    spec: MeshSpec,
+    devices: Sequence[Any],
+    devices_per_node: int | None = None,
+    all_devices: Sequence[Any] | None = None,
+) -> np.ndarray:
     """The devices arranged as an array of the mesh shape (pure: works on any objects with `id`
     and `process_index`). With `devices_per_node`, raises MeshError if a tensor group would span
     nodes; a device's node is its position in `all_devices` (default `devices`), in (process, id)
@@ -79,8 +84,9 @@ def device_grid(spec: MeshSpec, devices: Sequence[Any], devices_per_node: int | 
     return grid
 
 
-def check_within_node(grid: np.ndarray, names: list[str], axis: str, ordered: Sequence[Any],
-                      devices_per_node: int) -> None:
+def check_within_node(
+    grid: np.ndarray, names: list[str], axis: str, ordered: Sequence[Any], devices_per_node: int
+) -> None:
     """Raise MeshError unless every group of devices along mesh `axis` sits on one node (node =
     position in (process, id) order // devices_per_node)."""
     node = {id(d): i // devices_per_node for i, d in enumerate(ordered)}
@@ -88,9 +94,11 @@ def check_within_node(grid: np.ndarray, names: list[str], axis: str, ordered: Se
     for g in groups:
         nodes = {node[id(d)] for d in g}
         if len(nodes) > 1:
-            raise MeshError(f"mesh axis {axis!r} of size {len(g)} spans nodes {sorted(nodes)} with "
-                            f"{devices_per_node} devices per node; choose a {axis} size that divides "
-                            f"{devices_per_node} so its collectives stay on the intra-node link")
+            raise MeshError(
+                f"mesh axis {axis!r} of size {len(g)} spans nodes {sorted(nodes)} with "
+                f"{devices_per_node} devices per node; choose a {axis} size that divides "
+                f"{devices_per_node} so its collectives stay on the intra-node link"
+            )
 
 
 def _axis_types(names: Sequence[str], axis_types: str | Sequence[Any]):
@@ -104,8 +112,13 @@ def _axis_types(names: Sequence[str], axis_types: str | Sequence[Any]):
     return tuple(axis_types)
 
 
-def make_mesh(spec: MeshSpec, devices: Sequence[Any] | None = None, *, axis_types: str | Sequence[Any] = "auto",
-              devices_per_node: int | None = None):
+def make_mesh(
+    spec: MeshSpec,
+    devices: Sequence[Any] | None = None,
+    *,
+    axis_types: str | Sequence[Any] = "auto",
+    devices_per_node: int | None = None,
+):
     """A `jax.sharding.Mesh` of shape `spec` (one axis may be -1) over `devices` (default: all
     global devices). `axis_types` is 'auto' (the partitioner propagates shardings; models
     annotate with `constrain`) or 'explicit' (sharding in types; `jax.reshard`)."""
@@ -152,13 +165,18 @@ def split_devices(groups: Sequence[tuple[str, int]], devices: Sequence[Any]) -> 
         sizes[rest[0]] = len(ordered) - fixed
     out, start = {}, 0
     for name, n in sizes.items():
-        out[name] = ordered[start:start + n]
+        out[name] = ordered[start : start + n]
         start += n
     return out
 
 
-def sub_meshes(groups: Mapping[str, tuple[int, MeshSpec]], devices: Sequence[Any] | None = None, *,
-               axis_types: str | Sequence[Any] = "auto", devices_per_node: int | None = None) -> dict[str, Any]:
+def sub_meshes(
+    groups: Mapping[str, tuple[int, MeshSpec]],
+    devices: Sequence[Any] | None = None,
+    *,
+    axis_types: str | Sequence[Any] = "auto",
+    devices_per_node: int | None = None,
+) -> dict[str, Any]:
     """Disjoint meshes for a split placement: `{"train": (6, {"fsdp": -1}), "generate": (-1,
     {"data": -1, "tensor": 2})}` -> {name: Mesh}. Groups take contiguous device ranges in the
     order given, so a group whose size is a multiple of the node size owns whole nodes."""
@@ -166,8 +184,10 @@ def sub_meshes(groups: Mapping[str, tuple[int, MeshSpec]], devices: Sequence[Any
 
     devices = list(jax.devices() if devices is None else devices)
     parts = split_devices([(name, n) for name, (n, _) in groups.items()], devices)
-    return {name: make_mesh(groups[name][1], parts[name], axis_types=axis_types, devices_per_node=devices_per_node)
-            for name in groups}
+    return {
+        name: make_mesh(groups[name][1], parts[name], axis_types=axis_types, devices_per_node=devices_per_node)
+        for name in groups
+    }
 
 
 def mesh_scope(mesh):

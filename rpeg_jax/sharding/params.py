@@ -68,8 +68,9 @@ def _axes_of(leaf: Any) -> tuple[str | None, ...] | None:
 
 def _info(keypath, leaf) -> ParamInfo:
     value = _value(leaf) if _is_variable(leaf) else leaf
-    return ParamInfo(path_name(keypath), tuple(getattr(value, "shape", ())), getattr(value, "dtype", None),
-                     _axes_of(leaf))
+    return ParamInfo(
+        path_name(keypath), tuple(getattr(value, "shape", ())), getattr(value, "dtype", None), _axes_of(leaf)
+    )
 
 
 def _as_tree(tree: Any) -> Any:
@@ -94,8 +95,9 @@ def param_infos(tree: Any) -> list[ParamInfo]:
     return [_info(p, leaf) for p, leaf in flat]
 
 
-def param_specs(tree: Any, mesh: Any, rules: Rules, overrides: Sequence[Any] = (), *,
-                unmatched_ok: bool = False) -> Any:
+def param_specs(
+    tree: Any, mesh: Any, rules: Rules, overrides: Sequence[Any] = (), *, unmatched_ok: bool = False
+) -> Any:
     """A tree of PartitionSpecs for `tree` on `mesh` (Mesh or AbstractMesh): the first override
     whose pattern matches a parameter's whole path decides it, else the logical-axis rules.
     Override patterns that match nothing, or only parameters that earlier patterns took, raise
@@ -128,14 +130,24 @@ def report_unused(compiled: Sequence[Override], matched: dict[int, list[str]], d
         if not matched[o.index]:
             raise ConfigError(o.key, o.pattern, "pattern matches no parameter")
         if not decided[o.index]:
-            takers = sorted({x.pattern for x in compiled if x.index < o.index
-                             and any(x.regex.fullmatch(n) for n in matched[o.index])})
-            raise ConfigError(o.key, o.pattern, f"conflicts with earlier override(s) {takers}, which already "
-                              f"decide every parameter it matches ({', '.join(matched[o.index][:4])})")
+            takers = sorted(
+                {
+                    x.pattern
+                    for x in compiled
+                    if x.index < o.index and any(x.regex.fullmatch(n) for n in matched[o.index])
+                }
+            )
+            raise ConfigError(
+                o.key,
+                o.pattern,
+                f"conflicts with earlier override(s) {takers}, which already "
+                f"decide every parameter it matches ({', '.join(matched[o.index][:4])})",
+            )
 
 
-def param_shardings(tree: Any, mesh: Any, rules: Rules, overrides: Sequence[Any] = (), *,
-                    unmatched_ok: bool = False) -> Any:
+def param_shardings(
+    tree: Any, mesh: Any, rules: Rules, overrides: Sequence[Any] = (), *, unmatched_ok: bool = False
+) -> Any:
     """Like `param_specs`, with NamedSharding(mesh, spec) leaves (mesh must be concrete)."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
@@ -151,8 +163,9 @@ def shard_params(params: Any, shardings: Any) -> Any:
     return jax.device_put(params, shardings)
 
 
-def shard_model(make_model: Callable[[], Any], mesh: Any, rules: Rules, overrides: Sequence[Any] = (), *,
-                unmatched_ok: bool = False):
+def shard_model(
+    make_model: Callable[[], Any], mesh: Any, rules: Rules, overrides: Sequence[Any] = (), *, unmatched_ok: bool = False
+):
     """Build an nnx model directly in its sharded layout: the init runs under jit with
     out_shardings, so each device only ever holds its own shards."""
     import jax
@@ -188,13 +201,16 @@ def bytes_per_device(info: ParamInfo, spec: Any, mesh: Any) -> int:
     return math.prod(shard_shape(info.shape, spec, mesh)) * itemsize
 
 
-def param_table(tree: Any, mesh: Any, rules: Rules, overrides: Sequence[Any] = (), *,
-                unmatched_ok: bool = False) -> list[tuple[ParamInfo, Any, int]]:
+def param_table(
+    tree: Any, mesh: Any, rules: Rules, overrides: Sequence[Any] = (), *, unmatched_ok: bool = False
+) -> list[tuple[ParamInfo, Any, int]]:
     """[(ParamInfo, PartitionSpec, bytes per device)] for every parameter (for `rpeg shardings`)."""
     import jax
     from jax.sharding import PartitionSpec
 
-    specs = jax.tree.leaves(param_specs(tree, mesh, rules, overrides, unmatched_ok=unmatched_ok),
-                            is_leaf=lambda x: isinstance(x, PartitionSpec))
+    specs = jax.tree.leaves(
+        param_specs(tree, mesh, rules, overrides, unmatched_ok=unmatched_ok),
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
     infos = param_infos(tree)
     return [(i, s, bytes_per_device(i, s, mesh)) for i, s in zip(infos, specs)]

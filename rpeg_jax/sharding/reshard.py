@@ -58,8 +58,10 @@ class ReshardPlan:
     methods: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
-        return (f"reshard: {len(self.leaves)} arrays, {self.bytes_total / 2**20:.2f} MiB, "
-                f"{self.bytes_moved / 2**20:.2f} MiB moved, methods {self.methods}")
+        return (
+            f"reshard: {len(self.leaves)} arrays, {self.bytes_total / 2**20:.2f} MiB, "
+            f"{self.bytes_moved / 2**20:.2f} MiB moved, methods {self.methods}"
+        )
 
 
 def _broadcast_shardings(dst: Any, tree: Any) -> list[Any]:
@@ -134,8 +136,15 @@ def _blocks(shape: tuple[int, ...], spec: Any, sizes: dict[str, int]) -> list[tu
     return out
 
 
-def reshard_bytes_abstract(shape: tuple[int, ...], itemsize: int, src_spec: Any, src_sizes: dict[str, int],
-                           dst_spec: Any, dst_sizes: dict[str, int], shared_devices: bool) -> int:
+def reshard_bytes_abstract(
+    shape: tuple[int, ...],
+    itemsize: int,
+    src_spec: Any,
+    src_sizes: dict[str, int],
+    dst_spec: Any,
+    dst_sizes: dict[str, int],
+    shared_devices: bool,
+) -> int:
     """`bytes_received` without devices (for meshes larger than the machine): the two
     meshes are either over the same devices in the same order (`shared_devices`, a colocated
     layout change) or over disjoint devices (a split placement)."""
@@ -154,7 +163,8 @@ class _Transfer:
 
     def __init__(self, shape: tuple[int, ...], dtype: Any, src: Any, dst: Any):
         import jax
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
 
         self.shape, self.dtype, self.dst = shape, dtype, dst
         a, b = _devices(src), _devices(dst)
@@ -264,8 +274,9 @@ class Resharder:
             moved = bytes_received(shape, dtype, src, dst)
             if src == dst or src.is_equivalent_to(dst, len(shape)):
                 leaf = LeafPlan("keep", nbytes, 0)
-            elif self.method == "device_put" or (self.method == "auto" and (
-                    src.device_set == dst.device_set or not multi)):
+            elif self.method == "device_put" or (
+                self.method == "auto" and (src.device_set == dst.device_set or not multi)
+            ):
                 leaf = LeafPlan("device_put", nbytes, moved)
             else:
                 leaf = LeafPlan("collective", nbytes, moved, _Transfer(shape, dtype, src, dst))

@@ -114,8 +114,9 @@ def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def resolve(axes: Sequence[str | None], shape: Sequence[int], mesh: Any, rules: Rules, name: str = "array",
-            strict: bool = True):
+def resolve(
+    axes: Sequence[str | None], shape: Sequence[int], mesh: Any, rules: Rules, name: str = "array", strict: bool = True
+):
     """Logical `axes` of an array of `shape` -> a PartitionSpec on `mesh` (Mesh or AbstractMesh),
     by the semantics in the module docstring. `strict=False` treats "error" as "replicate"
     (activations). Raises ShardingError naming `name`."""
@@ -142,7 +143,9 @@ def resolve(axes: Sequence[str | None], shape: Sequence[int], mesh: Any, rules: 
                 raise ShardingError(
                     f"{name}: dimension {dim} (logical axis {logical!r}, size {size}) is not divisible by mesh "
                     f"axis {'x'.join(live)} (size {ways}) in rules {rules.name!r}; change the mesh, or give the "
-                    f"rule indivisible='replicate', or add an override for {name!r}", value=name)
+                    f"rule indivisible='replicate', or add an override for {name!r}",
+                    value=name,
+                )
             break  # replicate
         used.update(chosen)
         spec.append(_entry(chosen))
@@ -170,8 +173,11 @@ def register_rules(name: str, data: Iterable[Any] | Rules, origin: str | None = 
     rules = Rules(rules.rules, name)
     origin = origin or _caller_module()
     if name in PRESETS and _ORIGIN.get(name) != origin:
-        raise ShardingError(f"rules {name!r} registered twice: by {_ORIGIN.get(name)} and by {origin}",
-                            key="sharding.plugins", value=name)
+        raise ShardingError(
+            f"rules {name!r} registered twice: by {_ORIGIN.get(name)} and by {origin}",
+            key="sharding.plugins",
+            value=name,
+        )
     PRESETS[name], _ORIGIN[name] = rules, origin
     return rules
 

@@ -73,8 +73,11 @@ def tactic(name: str, *, origin: str | None = None):
     def register(fn: Tactic) -> Tactic:
         where = origin or getattr(fn, "__module__", None) or _caller_module()
         if name in TACTICS and _ORIGIN[name] != where:
-            raise ShardingError(f"tactic {name!r} registered twice: by {_ORIGIN[name]} and by {where}",
-                                key="sharding.plugins", value=name)
+            raise ShardingError(
+                f"tactic {name!r} registered twice: by {_ORIGIN[name]} and by {where}",
+                key="sharding.plugins",
+                value=name,
+            )
         TACTICS[name], _ORIGIN[name] = fn, where
         return fn
 
@@ -127,7 +130,7 @@ def parse_partition(text: str):
     if body.startswith("P(") or body.startswith("PartitionSpec("):
         if not body.endswith(")"):
             raise ValueError(f"unbalanced parentheses in {text!r}")
-        body = body[body.index("(") + 1:-1]
+        body = body[body.index("(") + 1 : -1]
     entries, depth, cur = [], 0, ""
     for ch in body:
         depth += ch == "("
@@ -189,8 +192,15 @@ def parse_overrides(items: Sequence[Sequence[str]]) -> list[Override]:
             out.append(Override(i, pattern, action, regex, TACTICS[action], None))
             continue
         if not _looks_like_partition(action):
-            raise ConfigError(key, action, "neither a known tactic (" + ", ".join(TACTICS) + ")"
-                              + suggest(action, list(TACTICS)) + " nor a partition like 'P(fsdp, None)'")
+            raise ConfigError(
+                key,
+                action,
+                "neither a known tactic ("
+                + ", ".join(TACTICS)
+                + ")"
+                + suggest(action, list(TACTICS))
+                + " nor a partition like 'P(fsdp, None)'",
+            )
         try:
             out.append(Override(i, pattern, action, regex, None, parse_partition(action)))
         except ValueError as e:
@@ -210,28 +220,39 @@ def check_spec(spec: Any, ctx: ParamContext, source: str):
 
     sizes = ctx.mesh_sizes
     if not isinstance(spec, PartitionSpec):
-        raise ShardingError(f"{source} gave {spec!r} for {ctx.name!r}; a tactic must return a PartitionSpec",
-                            key=source, value=ctx.name)
+        raise ShardingError(
+            f"{source} gave {spec!r} for {ctx.name!r}; a tactic must return a PartitionSpec", key=source, value=ctx.name
+        )
     entries = tuple(spec)
     if len(entries) > len(ctx.shape):
-        raise ShardingError(f"{source}: {spec} has {len(entries)} entries but parameter {ctx.name!r} has shape "
-                            f"{ctx.shape}", key=source, value=ctx.name)
+        raise ShardingError(
+            f"{source}: {spec} has {len(entries)} entries but parameter {ctx.name!r} has shape {ctx.shape}",
+            key=source,
+            value=ctx.name,
+        )
     used: set[str] = set()
     for dim, entry in enumerate(entries):
         axes = mesh_axes_tuple(entry)
         for a in axes:
             if a not in sizes:
-                raise ShardingError(f"{source}: mesh axis {a!r} in {spec} for {ctx.name!r} is not in the mesh "
-                                    f"{sizes}", key=source, value=ctx.name)
+                raise ShardingError(
+                    f"{source}: mesh axis {a!r} in {spec} for {ctx.name!r} is not in the mesh {sizes}",
+                    key=source,
+                    value=ctx.name,
+                )
             if a in used:
-                raise ShardingError(f"{source}: mesh axis {a!r} used twice in {spec} for {ctx.name!r}",
-                                    key=source, value=ctx.name)
+                raise ShardingError(
+                    f"{source}: mesh axis {a!r} used twice in {spec} for {ctx.name!r}", key=source, value=ctx.name
+                )
             used.add(a)
         ways = 1
         for a in axes:
             ways *= sizes[a]
         if ctx.shape[dim] % ways:
-            raise ShardingError(f"{source}: dimension {dim} of {ctx.name!r} (logical axis {ctx.axes[dim]!r}, size "
-                                f"{ctx.shape[dim]}) is not divisible by mesh axis {'x'.join(axes)} (size {ways})",
-                                key=source, value=ctx.name)
+            raise ShardingError(
+                f"{source}: dimension {dim} of {ctx.name!r} (logical axis {ctx.axes[dim]!r}, size "
+                f"{ctx.shape[dim]}) is not divisible by mesh axis {'x'.join(axes)} (size {ways})",
+                key=source,
+                value=ctx.name,
+            )
     return PartitionSpec(*entries, *([None] * (len(ctx.shape) - len(entries))))
