@@ -16,6 +16,7 @@ from rpeg_jax.graph.passes import (
     microbatch,
     place,
     share_actor_critic,
+    values_from_critic_update,
 )
 
 SIZES = ["data.prompts_per_step=4", "rl.group_size=2", "data.max_prompt_len=5", "rollout.max_new_tokens=7"]
@@ -281,7 +282,7 @@ def test_apply_pipeline_every_legal_combination():
         g = apply_pipeline(base, cfg.pipeline)
         seen += 1
         assert apply_pipeline(g, cfg.pipeline) == g  # idempotent as a whole
-        assert g.attrs["staleness"] == k
+        assert g.staleness == k
         removed = ({"old_forward"} if elide else set()) | ({"critic_forward", "critic_update"} if share else set())
         if share and elide:
             removed.discard("critic_forward")  # values then come from a forward of the shared backbone
@@ -289,3 +290,14 @@ def test_apply_pipeline_every_legal_combination():
         gen = g.find(StageKind.GENERATE)
         assert gen.microbatches == mb and gen.placement == ("all" if placement == "colocated" else "gen")
     assert seen > 40
+
+
+def test_fusing_a_fused_stage_keeps_what_it_computes():
+    """values_from_critic_update's fused advantage+critic_update computes the values itself; fusing
+    it again (with the actor update) must keep that option, or the kernels would compose the parts
+    and nothing would produce the values."""
+    g = values_from_critic_update(ppo())
+    again = fuse(g, ["advantage+critic_update", "actor_update"])
+    (st,) = [s for s in again.stages() if s.parts and len(s.parts) == 3]
+    assert st.options.values_from_update and st.effective_options.values_from_update
+    assert "values" in st.options.internal

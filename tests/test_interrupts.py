@@ -27,37 +27,52 @@ from rpeg_jax.runtime.trainer import train
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = BASE + ["train.steps=4"]
 
-# The patch: wraps the executor's task runner and step-end hook, then runs the launcher as a user would.
+# The patch: signals sent from inside the target stage's call (CompiledStage.__call__), or between
+# steps (the executor's end-of-step hook), and a marker of where the handler ran; then the launcher
+# runs as a user would start it.
 _DRIVER = textwrap.dedent("""
     import os, runpy, signal, sys, threading
-    from rpeg_jax.runtime import executor as E
+    from rpeg_jax.graph import compile as C
+    from rpeg_jax.runtime import executor as E, trainer as T
     point, step, sig = sys.argv[1], int(sys.argv[2]), getattr(signal, sys.argv[3])
-    fired = []
+    where = {"stage": None, "step": None, "fired": False}
 
-    def fire(delay):
-        fired.append(point)
-        if delay:  # from another thread while the main thread is inside the call
-            threading.Timer(delay, os.kill, (os.getpid(), sig)).start()
-        else:
-            os.kill(os.getpid(), sig)
+    handle = T.StopSignals._handle
+    def patched_handle(self, signum, frame):
+        print(f"[driver] handled inside {where['stage']} of step {where['step']}", file=sys.stderr, flush=True)
+        return handle(self, signum, frame)
 
     run_task = E.Executor._run_task
     def patched_run_task(self, task, threaded):
-        name = task.stage.name
-        hit = task.step == step and ((point == "compile" and task.stage.kernel.jittable)
-                                     or (point == "generate" and name == "generate")
-                                     or (point == "update" and "actor_update" in name))
-        if hit and not fired:
-            fire(0.02)
+        where["step"] = task.step
         return run_task(self, task, threaded)
 
+    call = C.CompiledStage.__call__
+    def patched_call(self, inputs):
+        where["stage"] = self.name
+        target = where["step"] == step and not where["fired"] and (
+            (point == "compile" and self.kernel.jittable) or (point == "generate" and self.name == "generate")
+            or (point == "update" and "actor_update" in self.name))
+        if target:
+            where["fired"] = True
+            if point == "compile":  # lands while the program traces and compiles (no compilation cache)
+                threading.Timer(0.05, os.kill, (os.getpid(), sig)).start()
+            else:
+                os.kill(os.getpid(), sig)
+        try:
+            return call(self, inputs)
+        finally:
+            where["stage"] = None
+
     forget_before = E.Executor.forget_before
-    def patched_forget_before(self, t):  # called after step t's metrics (and checkpoint) are written
-        if point == "between" and t + 1 == step and not fired:
-            fire(0)
+    def patched_forget_before(self, t):  # after step t's metrics (and checkpoint) are written
+        if point == "between" and t + 1 == step and not where["fired"]:
+            where["fired"] = True
+            os.kill(os.getpid(), sig)
         return forget_before(self, t)
 
-    E.Executor._run_task, E.Executor.forget_before = patched_run_task, patched_forget_before
+    T.StopSignals._handle, E.Executor._run_task = patched_handle, patched_run_task
+    C.CompiledStage.__call__, E.Executor.forget_before = patched_call, patched_forget_before
     sys.argv = ["launch/multihost.py"] + sys.argv[4:]
     runpy.run_path(os.path.join(ROOT, "launch", "multihost.py"), run_name="__main__")
 """).replace("ROOT", repr(ROOT))
@@ -74,30 +89,40 @@ def uninterrupted(tmp_path_factory):
     return out
 
 
-# (point, step the signal is sent in, signal, staleness k, the step the checkpoint must be of)
+# (point, step the signal is sent in, signal, staleness k, checkpoint_every, where the handler runs,
+#  the step the checkpoint must be of)
 CASES = [
-    ("compile", 0, "SIGINT", 0, 1),  # during the first XLA compile: step 0 finishes first
-    ("generate", 1, "SIGINT", 0, 2),
-    ("update", 2, "SIGTERM", 0, 3),  # what SLURM sends before it kills a job
-    ("between", 2, "SIGINT", 0, 2),  # after step 2's metrics: nothing of step 3 has run
-    ("generate", 2, "SIGINT", 1, 2),  # k = 1: slot 1 generates step 2 ahead; its rollouts are buffered
+    ("compile", 0, "SIGINT", 0, 0, "old_forward of step 0", 1),  # the first XLA compile: step 0 finishes first
+    ("generate", 1, "SIGINT", 0, 0, "generate of step 1", 2),
+    ("update", 2, "SIGTERM", 0, 0, "actor_update of step 2", 3),  # what SLURM sends before it kills a job
+    ("between", 2, "SIGINT", 0, 0, "None of step", 2),  # after step 2's metrics: nothing of step 3 has run
+    ("update", 1, "SIGINT", 0, 1, "actor_update of step 1", 2),  # step 2 is also a periodic checkpoint
+    ("generate", 2, "SIGINT", 1, 0, "generate of step 2", 2),  # k = 1: slot 1 makes step 2's rollouts ahead
+    ("update", 1, "SIGINT", 1, 1, "actor_update of step 1", 2),  # k = 1, periodic checkpoint, rollouts buffered
+    ("between", 2, "SIGTERM", 1, 0, "None of step", 2),
 ]
 
 
-@pytest.mark.parametrize("point,step,signame,k,stopped", CASES, ids=[f"{c[0]}-k{c[3]}" for c in CASES])
+@pytest.mark.parametrize(
+    "point,step,signame,k,every,inside,stopped", CASES, ids=[f"{c[0]}-k{c[3]}-every{c[4]}" for c in CASES]
+)
 def test_a_signal_stops_at_a_step_boundary_and_resumes_exactly(
-    tmp_path, uninterrupted, point, step, signame, k, stopped
+    tmp_path, uninterrupted, point, step, signame, k, every, inside, stopped
 ):
-    overrides = TINY + [f"pipeline.staleness={k}", f"train.run_dir={tmp_path}"]
+    overrides = TINY + [f"pipeline.staleness={k}", f"train.checkpoint_every={every}", f"train.run_dir={tmp_path}"]
+    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"} if point == "compile" else None
     proc = subprocess.run(
         [sys.executable, "-c", _DRIVER, point, str(step), signame, *overrides],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=ROOT,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    handled = [line for line in proc.stderr.splitlines() if line.startswith("[driver] handled inside")]
+    assert len(handled) == 1 and inside in handled[0], proc.stderr[-3000:]
     said = [line for line in proc.stderr.splitlines() if "stopped by" in line]
     assert len(said) == 1 and f"stopped by {signame} after step {stopped}:" in said[0], proc.stderr[-3000:]
     assert Checkpointer(str(tmp_path / "checkpoints")).latest_step() == stopped
@@ -119,7 +144,9 @@ def test_a_second_ctrl_c_stops_at_once_without_a_new_checkpoint(tmp_path):
     """The impatient path: the first SIGINT asks for a stop at the boundary, the second one during
     the same step ends the process (exit 130 from the launcher, one line); the run directory keeps
     only checkpoints that were committed whole."""
-    driver = _DRIVER.replace("fire(0.02)", "fire(0); os.kill(os.getpid(), sig)")
+    once = "        else:\n            os.kill(os.getpid(), sig)\n"
+    assert once in _DRIVER
+    driver = _DRIVER.replace(once, once + "            os.kill(os.getpid(), sig)\n")
     overrides = TINY + ["train.checkpoint_every=1", f"train.run_dir={tmp_path}"]
     proc = subprocess.run(
         [sys.executable, "-c", driver, "generate", "2", "SIGINT", *overrides],

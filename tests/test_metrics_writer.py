@@ -36,6 +36,13 @@ def test_log_every_sets_the_tensorboard_and_console_cadence_not_the_jsonl(tmp_pa
     w.close()
     assert w._tb.steps == [3, 6, 7] and w._bar.steps == [3, 6, 7]
     assert [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == list(range(1, 8))
+    # A run that stops before its last step still shows the newest step it wrote, once.
+    w = MetricsWriter(str(tmp_path / "stopped"), tensorboard=False, progress=False, log_every=3)
+    w._tb, w._bar = Recorder(), Recorder()
+    for step in range(1, 5):
+        w.write(step, {"loss": float(step)})
+    w.close()
+    assert w._tb.steps == [3, 4] and w._bar.steps == [3, 4]
 
 
 def test_mfu_is_useful_flops_over_the_profile_peak(tmp_path, monkeypatch):

@@ -53,7 +53,8 @@ def test_proximal_from_update_drops_old_forward_also_under_staleness():
     st = v.stage("advantage+actor_update")
     assert st.options.values_from_update and set(st.options.internal) == {"advantages", "returns", "values"}
     assert st.parts[1].options.proximal_from_update and st.parts[1].options.value_loss
-    assert st.option("value_loss") and st.option("proximal_from_update")  # found on the fused stage's part
+    assert st.effective_options.value_loss and st.effective_options.proximal_from_update  # from its parts
+    assert not st.options.value_loss and st.effective_options.internal == st.options.internal
 
 
 def test_values_from_critic_update_fuses_gae_into_the_critic_update():

@@ -2,6 +2,7 @@
 under another config runs with the plan's knobs, and the run's config.yaml says so."""
 
 import dataclasses
+import json
 import os
 
 import jax
@@ -72,3 +73,42 @@ def test_resuming_under_another_staleness_names_the_key(tmp_path):
     train(load_config(None, common + ["pipeline.staleness=1", "train.steps=1"]))
     with pytest.raises(ConfigError, match="pipeline.staleness"):
         train(load_config(None, common + ["train.steps=2"]))
+
+
+def test_a_plan_file_with_an_unknown_knob_or_other_pieces_is_refused(tmp_path):
+    good = plan_from_config(load_config(None, TINY), jax.device_count())
+    for name, plan in (
+        ("typo", dataclasses.replace(good, knobs={**good.knobs, "stalenes": 1})),
+        (
+            "pieces",
+            dataclasses.replace(good, stages=(dataclasses.replace(good.stages[0], microbatches=4),) + good.stages[1:]),
+        ),
+    ):
+        path = tmp_path / f"{name}.json"
+        path.write_text(plan.to_json())
+        with pytest.raises(ConfigError, match="pipeline.plan"):
+            plan_for_config(load_config(None, TINY + [f"pipeline.plan={path}"]), jax.device_count())
+
+
+def test_a_resume_under_another_structure_is_a_config_error_naming_the_knob(tmp_path):
+    common = HELPER_TINY + ["rl.algorithm=ppo", f"train.run_dir={tmp_path}"]
+    train(load_config(None, common + ["train.steps=1"]))
+    with pytest.raises(ConfigError, match="pipeline.share_actor_critic"):
+        train(load_config(None, common + ["train.steps=2", "pipeline.share_actor_critic=true"]))
+
+
+def test_an_auto_plan_resumes_with_the_runs_own_plan(tmp_path, monkeypatch):
+    import rpeg_jax.runtime.trainer as trainer
+
+    common = TINY + ["pipeline.plan=auto", "costmodel.hardware=cpu", f"train.run_dir={tmp_path}"]
+    train(load_config(None, common + ["train.steps=1"]))
+    first = (tmp_path / "plan.json").read_text()
+
+    def no_planning(*a, **k):
+        raise AssertionError("a resumed auto run planned again")
+
+    monkeypatch.setattr(trainer, "cost_model_planner", no_planning)
+    out = train(load_config(None, common + ["train.steps=2"]))
+    assert out["steps"] == 2
+    again = json.loads((tmp_path / "plan.json").read_text())
+    assert again["knobs"] == json.loads(first)["knobs"] and again["stages"] == json.loads(first)["stages"]

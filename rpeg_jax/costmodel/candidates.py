@@ -103,7 +103,7 @@ def _best_train(st, roles: Roles, busy, lay: np.ndarray, trained: list[ModelShap
 
 def _best_forward(st, busy, lay: np.ndarray, models: list[ModelShape]):
     d, f, t = (lay[:, i : i + 1].astype(np.float64) for i in range(3))
-    micros = [1, 2, 4, 8, 16, 32]
+    micros = [1]  # the runtime's scoring forwards run the whole batch as one program (no micro-batching)
     micro = np.array(micros, np.float64)[None, :]
     times = []
     trans = np.zeros((len(lay), len(micros)))

@@ -140,7 +140,7 @@ def useful_flops(st: S.Setting, g: Graph) -> float:
 def _part_time(kind: StageKind, tab: dict, graph: Graph) -> np.ndarray:
     shared = bool(graph.attrs.get("shared"))
     if kind == StageKind.GENERATE:
-        k = int(graph.attrs.get("staleness", 0))
+        k = graph.staleness
         return tab[f"t_gen_k{k}"] if k else tab["t_gen"]
     if kind == StageKind.REWARD:
         return tab["t_reward"]
@@ -179,7 +179,7 @@ def durations(ctx: Context, graph: Graph, tab: dict) -> tuple[dict, dict]:
             extra = t - _part_time(StageKind.GENERATE, tab, graph)
             per = tab[f"t_gen_p{m}"] + extra / m
             dur[s.name], pieces[s.name] = m * per, [per] * m
-        elif not graph.attrs.get("staleness"):  # continuous admission: pieces finish along one batch
+        elif not graph.staleness:  # continuous admission: pieces finish along one batch
             qs = [tab["gen_q"][:, (8 * j) // m - 1] for j in range(1, m)]
             marks = [np.zeros_like(t)] + qs + [tab["t_gen"]]
             extra = t - tab["t_gen"]
@@ -444,8 +444,6 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
             "model.remat": lay["train"]["remat"],
             "rollout.max_slots": lay["generate"]["slots"] * lay["generate"]["replicas"] // ctx.processes,
         },
-        # Priced, not applied: the runtime's scoring forwards run the batch in one piece.
-        "forward_micro_batches": lay["forward"]["micro_batches"],
     }
     return Plan(
         num_devices=ctx.N,

@@ -49,7 +49,7 @@ class Program:
 
 def unroll(g: Graph, shared_resource: bool = False, steps: int | None = None) -> Program:
     """Tasks of `steps` consecutive RL steps in issue order (see the module docstring)."""
-    k = int(g.attrs.get("staleness", 0))
+    k = g.staleness
     steps = steps or 4 * (k + 1) + 2
     order = g.topo_order()
     topo = {n: i for i, n in enumerate(order)}

@@ -209,6 +209,16 @@ class StageOptions:
     internal: tuple[str, ...] = ()  # fused stage: data produced and consumed inside its one program
 
 
+def merge_options(options, internal: tuple[str, ...] = ()) -> StageOptions:
+    """One StageOptions whose flags are on where any of `options` has them on."""
+    flags = {
+        f.name: any(getattr(o, f.name) for o in options)
+        for f in dataclasses.fields(StageOptions)
+        if f.name != "internal"
+    }
+    return StageOptions(**flags, internal=tuple(internal))
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str
@@ -219,10 +229,11 @@ class Stage:
     parts: tuple[Stage, ...] = ()  # FUSED: constituents, in execution order
     options: StageOptions = StageOptions()
 
-    def option(self, name: str) -> Any:
-        """An option set on the stage itself or, for a fused stage, on one of its parts."""
-        own = getattr(self.options, name)
-        return own or next((getattr(p.options, name) for p in self.parts if getattr(p.options, name)), own)
+    @property
+    def effective_options(self) -> StageOptions:
+        """What the stage computes: its own options with its parts' switched-on flags (a fused
+        stage does what its parts do); `internal` is the stage's own."""
+        return merge_options((self.options, *(p.options for p in self.parts)), self.options.internal)
 
     @property
     def constituents(self) -> tuple[str, ...]:

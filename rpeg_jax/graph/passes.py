@@ -28,9 +28,9 @@ from rpeg_jax.graph.ir import (
     ModelDims,
     Stage,
     StageKind,
-    StageOptions,
     StateKind,
     StateNode,
+    merge_options,
     replace,
 )
 
@@ -203,7 +203,7 @@ def elide_old_forward(g: Graph) -> Graph:
     old = _plain(g, K.OLD_FORWARD, "elide_old_forward")
     if old is None:
         raise GraphError("old_forward", "no old_forward stage to elide")
-    k = g.attrs.get("staleness", 0)
+    k = g.staleness
     if k > 0:
         raise GraphError(old.name, f"with staleness k={k} the proximal policy must be recomputed")
     if "values" in old.workload.heads:
@@ -354,7 +354,9 @@ def fuse(g: Graph, stages: Sequence[str], name: str | None = None) -> Graph:
             internal.append(d)
             g.remove(d)
     if internal:
-        g.replace_node(replace(g.nodes[fname], options=StageOptions(internal=tuple(internal))))
+        g.replace_node(replace(g.nodes[fname], options=merge_options([m.options for m in members], internal)))
+    elif any(m.parts for m in members):  # a fused member's own options (e.g. values_from_update) carry over
+        g.replace_node(replace(g.nodes[fname], options=merge_options([m.options for m in members])))
     return g
 
 

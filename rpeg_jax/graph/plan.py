@@ -93,7 +93,10 @@ class Plan:
 
     def pipeline_config(self, base: PipelineConfig | None = None) -> PipelineConfig:
         """`base` with this plan's structural knobs (so the graph matches the plan)."""
-        kn = {k: tuple(v) if isinstance(v, list) else v for k, v in self.knobs.items() if k in KNOBS}
+        unknown = sorted(set(self.knobs) - set(KNOBS))
+        if unknown:
+            raise GraphError("plan", f"unknown knobs {unknown}; a plan's knobs are {', '.join(KNOBS)}")
+        kn = {k: tuple(v) if isinstance(v, list) else v for k, v in self.knobs.items()}
         out = dataclasses.replace(base or PipelineConfig(), **kn)
         out.validate("pipeline")
         return out
@@ -133,6 +136,13 @@ class Plan:
                 raise GraphError(n, "stage has no plan entry")
             for n in set(names) - want:
                 raise GraphError(n, "plan entry for a stage the graph does not have")
+            for s in self.stages:
+                if s.microbatches != graph.stage(s.stage).microbatches:
+                    raise GraphError(
+                        s.stage,
+                        f"planned in {s.microbatches} pieces but the graph runs it in "
+                        f"{graph.stage(s.stage).microbatches} (pipeline.microbatches)",
+                    )
         return self
 
     # ---- (de)serialisation ---------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rpeg_jax.config.rl import RLConfig
 from rpeg_jax.rl.kl import kl_estimate
 from rpeg_jax.rl.layout import replicated
 from rpeg_jax.rl.masked import masked_mean, masked_whiten, where_mask
@@ -126,7 +127,7 @@ def gae(rewards_BxR, values_BxR, mask_BxR, *, gamma: float, lam: float):
     return adv, where_mask(adv + values_BxR.astype(jnp.float32), mask_BxR)
 
 
-def compute_advantages(batch: dict, cfg) -> tuple[dict, dict]:
+def compute_advantages(batch: dict, cfg: RLConfig) -> tuple[dict, dict]:
     """The advantage stage: batch (rewards_B, response_mask_BxR, ...) -> ({advantages_BxR,
     returns_BxR}, metrics). `cfg` is an RLConfig. GRPO/RLOO returns equal the advantages (as verl)."""
     mask = batch["response_mask_BxR"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rpeg_jax.config.rl import RLConfig
 from rpeg_jax.rl.kl import kl_estimate
 from rpeg_jax.rl.masked import masked_count, where_mask
 
@@ -119,7 +120,7 @@ def all_finite(mask, *arrays):
     return ok
 
 
-def actor_objective(out: dict, mb: dict, cfg, loss_w, tok_w):
+def actor_objective(out: dict, mb: dict, cfg: RLConfig, loss_w, tok_w):
     """Actor loss (pg - c_e·H + β·KL) for one (micro-)batch and its additive metrics.
 
     `out` = policy_fn output (logp, optional entropy); `mb` holds response_mask_BxR,
@@ -185,7 +186,7 @@ def actor_objective(out: dict, mb: dict, cfg, loss_w, tok_w):
     return loss, metrics
 
 
-def critic_objective(out: dict, mb: dict, cfg, loss_w, tok_w):
+def critic_objective(out: dict, mb: dict, cfg: RLConfig, loss_w, tok_w):
     """Value loss for one (micro-)batch: needs out['values'], values_BxR (old), returns_BxR."""
     if out.get("values") is None:
         raise ValueError("the critic/shared update needs the forward function to return 'values'")

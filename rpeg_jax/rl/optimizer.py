@@ -15,15 +15,18 @@ import jax.numpy as jnp
 import optax
 import optax.tree_utils as otu
 
+from rpeg_jax.config.optim import OptimConfig
+from rpeg_jax.config.rl import RLConfig
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def optimizer_steps(rl_steps: int, rl_cfg) -> int:
+def optimizer_steps(rl_steps: int, rl_cfg: RLConfig) -> int:
     """Optimizer steps in a run of `rl_steps` RL steps (each: ppo_epochs × minibatches updates)."""
     return max(1, rl_steps * rl_cfg.ppo_epochs * rl_cfg.minibatches)
 
 
-def make_schedule(cfg, total_steps: int | None = None):
+def make_schedule(cfg: OptimConfig, total_steps: int | None = None):
     """lr(t) for optimizer step t (0-based): linear warmup lr·(t+1)/W for t < W, then constant, or
     cosine / linear decay to lr·min_lr_ratio at t = decay_steps (default total_steps), flat after."""
     warmup = cfg.warmup_steps
@@ -46,7 +49,7 @@ def make_schedule(cfg, total_steps: int | None = None):
     return schedule
 
 
-def make_optimizer(cfg, total_steps: int | None = None) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig, total_steps: int | None = None) -> optax.GradientTransformation:
     """clip_by_global_norm(grad_clip) -> AdamW(schedule, b1, b2, eps, weight_decay, mu_dtype)."""
     mu_dtype = _DTYPES[cfg.mu_dtype] if cfg.mu_dtype is not None else None
     # float32 hyperparameters: inferred from bfloat16 params, b2 = 0.999 would round to 1.0.
@@ -63,7 +66,7 @@ def make_optimizer(cfg, total_steps: int | None = None) -> optax.GradientTransfo
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
 
 
-def grad_dtype(cfg):
+def grad_dtype(cfg: OptimConfig):
     """The jnp dtype micro-batch gradients are accumulated in (OptimConfig.grad_dtype)."""
     return _DTYPES[cfg.grad_dtype]
 

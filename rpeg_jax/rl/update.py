@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import optax
 
 from rpeg_jax.config.base import check
+from rpeg_jax.config.rl import RLConfig
 from rpeg_jax.rl.advantages import compute_advantages
 from rpeg_jax.rl.layout import group_permutation, merge_rows, permute_tree, split_tree
 from rpeg_jax.rl.losses import actor_objective, agg_weights, critic_objective
@@ -46,7 +47,7 @@ ACTOR_KEYS = (MASK, "advantages_BxR", "old_logp_BxR")
 CRITIC_KEYS = (MASK, "values_BxR", "returns_BxR")
 
 
-def check_batch(batch: dict, needs, cfg, stage: str, group_size: int = 1) -> None:
+def check_batch(batch: dict, needs, cfg: RLConfig, stage: str, group_size: int = 1) -> None:
     """Shapes and keys, checked while tracing (before compiling); errors name the field."""
     missing = [k for k in needs if k not in batch]
     if missing:
@@ -78,7 +79,7 @@ def _tree_where(ok, new, old):
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
-def _minibatch_grads(grad_fn, params, mb, cfg, accum_dtype, group_size, rows=False):
+def _minibatch_grads(grad_fn, params, mb, cfg: RLConfig, accum_dtype, group_size, rows=False):
     """(loss, summed metrics, grads) of one minibatch, accumulated over micro-batches.
     rows: the aux is (metrics, {key: [b, ...]}); the per-row arrays are put back in row order."""
     loss_w, tok_w = agg_weights(mb[MASK], cfg.loss_agg, cfg.loss_agg_norm)
@@ -107,7 +108,7 @@ def _minibatch_grads(grad_fn, params, mb, cfg, accum_dtype, group_size, rows=Fal
     return jnp.sum(losses), jax.tree.map(lambda x: jnp.sum(x, 0), auxs), grads
 
 
-def _summarise(stats, opt_state, cfg, prefix):
+def _summarise(stats, opt_state, cfg: RLConfig, prefix):
     """Per-step stats [epochs, minibatches] -> scalar metrics (means over applied steps)."""
     ok, finite, empty = (stats.pop(k).reshape(-1) for k in ("ok", "finite", "empty"))
     n_ok = jnp.sum(ok.astype(jnp.float32))
@@ -131,7 +132,7 @@ def _summarise(stats, opt_state, cfg, prefix):
     return out
 
 
-def check_one_step(cfg, what: str) -> None:
+def check_one_step(cfg: RLConfig, what: str) -> None:
     """The one-step rewrites are exact only when the update takes one optimizer step per batch."""
     for name in ("ppo_epochs", "minibatches"):
         v = getattr(cfg, name)
@@ -221,7 +222,7 @@ def make_actor_update(
     )
 
 
-def make_critic_update(value_fn, optimizer, cfg, *, accum_dtype=jnp.float32, group_size: int = 1):
+def make_critic_update(value_fn, optimizer, cfg: RLConfig, *, accum_dtype=jnp.float32, group_size: int = 1):
     """Separate critic: clipped value loss; value_fn(params, batch) -> {"values": [B, R]}."""
 
     def loss_fn(params, mb, loss_w, tok_w):
@@ -232,7 +233,7 @@ def make_critic_update(value_fn, optimizer, cfg, *, accum_dtype=jnp.float32, gro
     )
 
 
-def make_critic_values_update(value_fn, optimizer, cfg, *, accum_dtype=jnp.float32, group_size: int = 1):
+def make_critic_values_update(value_fn, optimizer, cfg: RLConfig, *, accum_dtype=jnp.float32, group_size: int = 1):
     """values_from_critic_update: the critic's one optimizer step with V_old = stop_gradient(V) of
     its own forward and the returns computed from it by GAE inside the loss (returns are per row
     and never whitened, so each micro-batch computes its own). update(...) -> (params, opt_state,
@@ -257,7 +258,7 @@ def make_critic_values_update(value_fn, optimizer, cfg, *, accum_dtype=jnp.float
     )
 
 
-def _own_values(out: dict, mb: dict, cfg) -> dict:
+def _own_values(out: dict, mb: dict, cfg: RLConfig) -> dict:
     """values_from_critic_update: V_old = sg(V) of this forward, advantages and returns from it."""
     v = jax.lax.stop_gradient(out["values"])
     adv = compute_advantages({**mb, "values_BxR": v}, cfg)[0]

@@ -62,6 +62,12 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
 
+    @staticmethod
+    def has_checkpoint(directory: str) -> bool:
+        """Whether `directory` holds a committed checkpoint (orbax names a committed step's folder
+        by its number; one being written carries a temporary suffix)."""
+        return os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory))
+
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
 

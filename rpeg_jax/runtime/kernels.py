@@ -252,8 +252,9 @@ def _grouped_update(make, graphdef, optimizer, ctx, accum_dtype, devices, make_k
 
 def actor_update(env: StageEnv) -> Kernel:
     ctx = env.context
-    shared = env.stage.option("value_loss")
-    proximal = env.stage.option("proximal_from_update")  # graph pass proximal_from_update: π_old = sg(own logp)
+    opts = env.stage.effective_options
+    shared = opts.value_loss
+    proximal = opts.proximal_from_update  # graph pass proximal_from_update: π_old = sg(own logp)
     rl = ctx.cfg.rl
     make = make_actor_critic_update if shared else make_actor_update
     update = _grouped_update(
@@ -339,7 +340,7 @@ def shared_values_update(env: StageEnv) -> Kernel | None:
     if not env.stage.options.values_from_update:
         return None
     ctx = env.context
-    kw = {"proximal_from_update": env.stage.option("proximal_from_update"), "values_from_update": True}
+    kw = {"proximal_from_update": env.stage.effective_options.proximal_from_update, "values_from_update": True}
     update = _grouped_update(
         make_actor_critic_update,
         ctx.graphdefs["actor"],

@@ -40,6 +40,7 @@ class MetricsWriter:
         log_every: int = 1,
     ):
         self.enabled, self.log_every = enabled, log_every
+        self._unshown: dict[str, Any] | None = None  # the newest record not yet on TensorBoard / the bar
         self._jsonl = None
         self._tb = None
         self._bar = None
@@ -56,14 +57,19 @@ class MetricsWriter:
 
     def write(self, step: int, metrics: dict[str, Any], last: bool = False) -> None:
         """Record step `step`: always to metrics.jsonl; to TensorBoard and the bar when `step` is a
-        multiple of log_every or `last`."""
+        multiple of log_every or `last` (a run that stops early gets its last step there on close)."""
         if not self.enabled:
             return
         # '+' joins fused stage names; TensorBoard tags do not allow it, so keys use '_' throughout
         record = {"step": step, **{k.replace("+", "_"): _plain(v) for k, v in sorted(metrics.items())}}
         self._jsonl.write(json.dumps(record) + "\n")
-        if step % self.log_every and not last:
-            return
+        self._unshown = record
+        if step % self.log_every == 0 or last:
+            self._show(record)
+
+    def _show(self, record: dict[str, Any]) -> None:
+        self._unshown = None
+        step = record["step"]
         if self._tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -72,6 +78,8 @@ class MetricsWriter:
             self._bar.update(step, record)
 
     def close(self) -> None:
+        if self._unshown is not None:
+            self._show(self._unshown)
         if self._jsonl:
             self._jsonl.close()
         if self._tb:

@@ -41,7 +41,7 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int) -> None:
     meta = {
         "step": step,
         "versions": versions,
-        "staleness": k,
+        "knobs": dict(ex.program.plan.knobs),  # the structure the state belongs to (checked on restore)
         "data_iterator": prompts.state_before(step) if k else prompts.state(),
         "next_ahead_step": dict(ex.next_ahead_step),
         "buffer_steps": buffered,
@@ -76,13 +76,15 @@ def restore(ckpt: Checkpointer, store: Store, ex: Executor, ctx) -> int:
         )
         for name, (shape, dtype) in meta_only.get("buffer_specs", {}).items()
     }
-    if meta_only.get("staleness", ex.staleness) != ex.staleness:
-        raise ConfigError(
-            "pipeline.staleness",
-            ex.staleness,
-            f"the newest checkpoint (step {step}) was written at staleness k={meta_only['staleness']}; "
-            f"resume with that plan or start a new train.run_dir",
-        )
+    ours = ex.program.plan.knobs
+    for knob, theirs in meta_only.get("knobs", {}).items():
+        if ours.get(knob) != theirs:  # another structure: other state trees, other buffers
+            raise ConfigError(
+                f"pipeline.{knob}",
+                ours.get(knob),
+                f"the newest checkpoint (step {step}) of this run was written with {knob}={theirs}; "
+                f"resume with that plan (the run's plan.json) or start a new train.run_dir",
+            )
     train, meta, buffer = ckpt.restore(step, target, buffer_target or None)
     for name, value in train.items():
         store.put_state(name, meta["versions"][name], value)

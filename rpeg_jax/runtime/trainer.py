@@ -20,6 +20,7 @@ non-finite parameters never reach a checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -62,6 +63,12 @@ def expected_failures() -> tuple[type[BaseException], ...]:
 def choose_plan(cfg: RunConfig, plan: Plan | None = None) -> tuple[RunConfig, Plan]:
     """The plan for this run (`plan`, else pipeline.plan: manual | auto | a file) and the config it
     implies: the plan's structural knobs and settings replace the config's (each change logged)."""
+    if plan is None and cfg.pipeline.plan == "auto" and _resumable(cfg):
+        # A resumed run continues under the plan it was checkpointed with: planning again could
+        # choose another structure, which the checkpoint cannot continue.
+        saved = os.path.join(cfg.train.run_dir, "plan.json")
+        log.info("resuming: pipeline.plan=auto takes the run's own plan %s", saved)
+        cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, plan=saved))
     if plan is None:
         planner = cost_model_planner if cfg.pipeline.plan == "auto" else None
         plan = plan_for_config(cfg, jax.device_count(), planner=planner)
@@ -69,6 +76,16 @@ def choose_plan(cfg: RunConfig, plan: Plan | None = None) -> tuple[RunConfig, Pl
     for key, (given, chosen) in changed.items():
         log.info("the plan (%s) sets %s=%s (the config had %s)", plan.source, key, chosen, given)
     return cfg, plan
+
+
+def _resumable(cfg: RunConfig) -> bool:
+    """Whether train.resume=auto will continue from a checkpoint of this run directory."""
+    d = cfg.train.run_dir
+    return (
+        cfg.train.resume == "auto"
+        and os.path.isfile(os.path.join(d, "plan.json"))
+        and Checkpointer.has_checkpoint(os.path.join(d, "checkpoints"))
+    )
 
 
 def train(
@@ -91,14 +108,15 @@ def train(
         executor = Executor(program, store, tracer=tracer)
         try:  # the checkpointer is closed (its saves in flight committed) on every way out
             start = resume.restore(ckpt, store, executor, ctx) if cfg.train.resume == "auto" else 0
-            last = _loop(cfg, ctx, executor, store, plan, ckpt, stop, start, chief, on_step)
-            if last > start:
+            last, saved = _loop(cfg, ctx, executor, store, plan, ckpt, stop, start, chief, on_step)
+            if last > start and last != saved:
                 resume.save(ckpt, store, executor, last)
         finally:
             ckpt.close()
         if chief:
             _write_trace(cfg, tracer, plan, last)
-        if stop.signal_name:
+        stopped = stop.signal_name is not None and last < cfg.train.steps  # a signal in the last step stops nothing
+        if stopped and chief:
             log.warning(
                 "stopped by %s after step %d: %s; run the same command to resume",
                 stop.signal_name,
@@ -107,7 +125,7 @@ def train(
                 if last > start
                 else "no step ran, nothing new to save",
             )
-    out = {"steps": last, "interrupted": stop.signal_name is not None, "run_dir": cfg.train.run_dir}
+    out = {"steps": last, "interrupted": stopped, "run_dir": cfg.train.run_dir}
     if keep_state:
         out["state"] = {n: store.latest(n)[1] for n in TRAIN_STATES if n in store.state}
         out["consumed"] = dict(executor.consumed)  # (stage, step, piece) -> {port: version | (step, piece)}
@@ -125,9 +143,9 @@ def _loop(
     start: int,
     chief: bool,
     on_step,
-) -> int:
+) -> tuple[int, int | None]:
     """Steps start..train.steps-1, one executor slot each, until a stop is agreed; returns the
-    number of whole steps done."""
+    number of whole steps done and the step of the last checkpoint it wrote (None: none)."""
     writer = MetricsWriter(
         cfg.train.run_dir,
         enabled=chief,
@@ -138,7 +156,7 @@ def _loop(
         log_every=cfg.train.log_every,
     )
     peak = _peak_flops(cfg)
-    last = start
+    last, saved = start, None
     try:
         for t in range(start, cfg.train.steps):
             if stop.agreed():
@@ -151,13 +169,14 @@ def _loop(
                 raise TrainingStopped(f"step {t + 1}: non-finite loss or gradient and rl.on_nan=stop")
             if cfg.train.checkpoint_every and last % cfg.train.checkpoint_every == 0 and last < cfg.train.steps:
                 resume.save(ckpt, store, executor, last)
+                saved = last
             executor.forget_before(t)
             if on_step is not None:
                 ckpt.wait()
                 on_step(last, metrics)
     finally:
         writer.close()
-    return last
+    return last, saved
 
 
 # ---- stopping ----------------------------------------------------------------------------------
@@ -185,9 +204,11 @@ class StopSignals:
         if self.signal_name is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
-        log.warning(
-            "%s: stopping after the step in flight (Ctrl-C again stops at once, without a checkpoint)", self.signal_name
-        )
+        if jax.process_index() == 0:
+            log.warning(
+                "%s: stopping after the step in flight (Ctrl-C again stops at once, without a checkpoint)",
+                self.signal_name,
+            )
 
     def agreed(self) -> bool:
         requested = self.signal_name is not None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -294,8 +295,17 @@ def spawn_local(
     ]
     first: tuple[int, int] | None = None
     deadline = None
-    try:
-        while any(p.poll() is None for p in procs):
+    interrupts = 0
+
+    def forward_sigterm(signum, frame):  # SIGTERM to the launcher (a scheduler's stop) reaches every child
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, forward_sigterm)
+    while any(p.poll() is None for p in procs):
+        try:
             for i, p in enumerate(procs):
                 rc = p.poll()
                 if rc not in (None, 0) and first is None:
@@ -316,11 +326,22 @@ def spawn_local(
                         )
                         p.kill()
             time.sleep(0.1)
-    except KeyboardInterrupt:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        raise
+        except KeyboardInterrupt:
+            # Ctrl-C reaches the children too (one process group): each stops at the next step
+            # boundary and writes its checkpoint, so keep waiting; a second Ctrl-C ends them now.
+            interrupts += 1
+            if interrupts > 1:
+                for p in procs:
+                    if p.poll() is None:
+                        p.terminate()
+                for p in procs:
+                    p.wait()
+                return 130
+            print(
+                "rpeg launch: Ctrl-C: the processes stop after the step in flight (again: at once)",
+                file=sys.stderr,
+                flush=True,
+            )
     if first is None:
         bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode]
         first = bad[0] if bad else None
