@@ -28,6 +28,7 @@ from rpeg_jax.graph.ir import (
     ModelDims,
     Stage,
     StageKind,
+    StageOptions,
     StateKind,
     StateNode,
     merge_options,
@@ -353,10 +354,10 @@ def fuse(g: Graph, stages: Sequence[str], name: str | None = None) -> Graph:
         if all(c == fname for c in g.consumers(d)):
             internal.append(d)
             g.remove(d)
-    if internal:
-        g.replace_node(replace(g.nodes[fname], options=merge_options([m.options for m in members], internal)))
-    elif any(m.parts for m in members):  # a fused member's own options (e.g. values_from_update) carry over
-        g.replace_node(replace(g.nodes[fname], options=merge_options([m.options for m in members])))
+    # A fused member's own options (e.g. values_from_update) carry over; plain members keep theirs as parts.
+    own = merge_options([m.options for m in members if m.parts], internal)
+    if own != StageOptions():
+        g.replace_node(replace(g.nodes[fname], options=own))
     return g
 
 
