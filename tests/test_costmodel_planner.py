@@ -56,7 +56,8 @@ def test_choose_plan_default_config_is_a_checked_plan():
     plan.check(g)
     times = P.predicted_stage_times(plan)
     assert set(times) == set(g.stage_names()) and all(t >= 0 for t in times.values())
-    for key in ("step_time_s", "memory_per_gpu_gb", "utilization", "settings", "stage_s"):
+    assert set(plan.settings) == {"rl.micro_batches", "model.remat", "rollout.max_slots", "rollout.admission"}
+    for key in ("step_time_s", "memory_per_gpu_gb", "utilization", "stage_s"):
         assert key in plan.predicted
     again = Plan.from_json(plan.to_json())
     assert again.stages == plan.stages and again.knobs == plan.knobs
@@ -277,7 +278,7 @@ def test_mesh_axes_divide_the_batches_they_shard(hw):
         assert B % m == 0 and cfg.data.prompts_per_step % m == 0, p.label
         assert piece % gen["replicas"] == 0, (p.label, gen)
         assert piece % (tr["data"] * tr["fsdp"]) == 0 and piece % (fw["data"] * fw["fsdp"]) == 0, p.label
-        assert p.plan.predicted["settings"]["rollout.max_slots"] % gen["replicas"] == 0
+        assert p.plan.settings["rollout.max_slots"] % gen["replicas"] == 0
     # 7 does not divide 128 sequences: no 7-device generation group or 7-way mesh.
     sizes = {p.layout["generate"]["replicas"] for p in _candidates(res)}
     assert 7 not in sizes
@@ -290,7 +291,7 @@ def test_several_processes_stay_colocated_with_per_process_generation():
     for p in _candidates(res):
         assert p.knobs["placement"] == "colocated" and p.layout["groups"] == {"all": 8}
         assert p.layout["generate"]["tensor"] == 1
-    s = res.chosen.plan.predicted["settings"]
+    s = res.chosen.plan.settings
     assert s["rollout.max_slots"] == res.chosen.layout["generate"]["slots"] * 8 // 2 <= B // 2
     assert res.chosen.plan.predicted["processes"] == 2
     with pytest.raises(GraphError, match="processes"):

@@ -46,10 +46,10 @@ def test_config_for_plan_reports_each_value_the_plan_changes():
     same, nothing = config_for_plan(cfg, plan)
     assert nothing == {} and same == cfg
     # A planner's settings outside the pipeline section come along too, checked by name.
-    tuned = dataclasses.replace(plan, predicted={"settings": {"rl.micro_batches": 2}})
+    tuned = dataclasses.replace(plan, settings={"rl.micro_batches": 2})
     assert config_for_plan(base, tuned)[0].rl.micro_batches == 2
     with pytest.raises(ConfigError, match="optim.lr"):
-        config_for_plan(base, dataclasses.replace(plan, predicted={"settings": {"optim.lr": 1.0}}))
+        config_for_plan(base, dataclasses.replace(plan, settings={"optim.lr": 1.0}))
 
 
 def test_choose_plan_applies_a_plan_file_and_a_given_plan_alike(tmp_path):

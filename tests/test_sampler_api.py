@@ -155,6 +155,65 @@ def test_weight_update_policies_for_in_flight_sequences(llama, policy):
     assert sampler.version == 1
 
 
+def test_continue_policy_keeps_the_kv_and_samples_on_with_the_new_weights(llama):
+    """Partial rollout: the swap lands between chunks without draining or preempting anything;
+    tokens before it keep version 0, after it version 1. Reference points: with the same weights
+    under a new version the run is the uninterrupted one token for token (the KV was kept); with
+    other weights the continuation differs both from finishing on the old weights and from
+    recomputing the prefix's KV with the new ones (the kept prefix KV is the old weights')."""
+    prompts = prompts_of([5, 8])
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=20, seed=5, ignore_eos=True)
+
+    def run(policy, weights):
+        cfg = SamplerConfig(page_size=4, max_slots=8, chunk_steps=8, on_weight_update=policy, **FIXED)
+        sampler = Sampler(llama, cfg)
+        seqs = sampler.submit(prompts, params)
+        sampler.step()
+        sampler.update_weights(weights)
+        assert sampler.version == 1  # swapped at once, whatever runs
+        while any(s.finish_reason is None for s in seqs):
+            sampler.step()
+        return seqs
+
+    old = Sampler(llama, SamplerConfig(page_size=4, max_slots=8, chunk_steps=8, **FIXED)).generate(prompts, params)
+    same = run("continue", nnx_params(llama))
+    for s, o in zip(same, old):
+        assert s.tokens == o.completions[0].tokens.tolist() and s.preemptions == 0
+        assert s.versions == [0] * 8 + [1] * 12
+        np.testing.assert_allclose(s.logprobs, o.completions[0].logprobs, atol=1e-6)
+    new = perturbed(llama)
+    cont, recomputed = run("continue", new), run("recompute", new)
+    for c, r, o in zip(cont, recomputed, old):
+        assert c.preemptions == 0 and c.versions == [0] * 8 + [1] * 12 and c.tokens[:8] == r.tokens[:8]
+        assert abs(c.logprobs[8] - r.logprobs[8]) > 1e-4  # prefix KV of the old weights vs recomputed
+        assert abs(c.logprobs[8] - o.completions[0].logprobs[8]) > 1e-4  # new weights vs old
+
+
+def test_abort_frees_queued_and_running_sequences(llama):
+    sampler = Sampler(llama, BASE)
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=20, seed=1, ignore_eos=True)
+    first = sampler.submit(prompts_of([5]), params)
+    second = sampler.submit(prompts_of([6, 7]), params)  # 12 sequences for 8 slots: one group waits
+    sampler.step()
+    running = [s for s in first + second if s.slot >= 0]
+    assert len(running) == 8 and any(s.slot < 0 for s in second)
+    used = sampler.stats()["pages_used"]
+    sampler.abort(first + second[4:])
+    assert all(s.finish_reason == "abort" and s.slot < 0 for s in first + second[4:])
+    assert 0 < sampler.stats()["pages_used"] < used and len(sampler.sched.running_seqs()) == 4
+    assert not sampler.sched.waiting  # the queued group left the queue
+    while any(s.finish_reason is None for s in second[:4]):
+        sampler.step()
+    assert all(len(s.tokens) == 20 for s in second[:4])
+    assert sampler.sched.idle() and sampler.stats()["pages_used"] == 0
+
+
+def nnx_params(model):
+    from flax import nnx
+
+    return nnx.split(model, nnx.Param)[1]
+
+
 def test_compile_count_constant_across_request_shapes_after_warmup(llama):
     # Warm-up: each request shape once, greedy (this compiles the shape buckets: prefill rows x
     # lengths, page-table widths). Alone, a single small warm-up left buckets the later requests

@@ -24,11 +24,27 @@ class RolloutConfig:
     min_chunk_steps: int = 8  # chunks end early where the page-table width bucket grows, not before
     #                           this many steps (= chunk_steps: one chunk per call when K allows)
     watermark: float = 0.01  # fraction of pages kept free when admitting groups
-    on_weight_update: Literal["finish", "recompute"] = "finish"
+    on_weight_update: Literal["auto", "finish", "recompute", "continue"] = "auto"  # sequences in flight when
+    #   new weights arrive: finish on the old ones, recompute their KV with the new, or continue (partial
+    #   rollout); auto = finish with admission=step, continue with admission=continuous
+    admission: Literal["step", "continuous"] = "step"  # step: each RL step samples its prompts to the end;
+    #   continuous (pipeline.staleness k >= 1): one engine across steps keeps max_slots sequences in flight,
+    #   a step's batch is the first groups to complete (runtime/admission.py)
+    stale_groups: Literal["requeue", "drop"] = "requeue"  # continuous: a group whose oldest token would be
+    #   older than the bound k when consumed is generated again from its prompt, or dropped
+    forced_lengths: tuple[float, float, int, int] | None = None  # benchmarks (R2): each response stops at
+    #   its own length, lognormal (median, sigma) clipped to [min, max] tokens, seeded per sequence; eos ignored
     attention: Literal["auto", "gather", "blocked", "chunk"] = "auto"  # decode attention over pages
     #   (sampling/types.py): auto = "chunk" on CPU, "gather" elsewhere
     kv_pool: Literal["sharded", "replicated"] = "sharded"  # KV page pool over the generation mesh's data
     #   axis: one pool per data shard, or every device holding all pages (sampling/sharding.py)
+
+    @property
+    def weight_update_policy(self) -> str:
+        """on_weight_update with auto resolved for the admission mode."""
+        if self.on_weight_update != "auto":
+            return self.on_weight_update
+        return "continue" if self.admission == "continuous" else "finish"
 
     def validate(self, path: str) -> None:
         check(self.max_new_tokens >= 1, key(path, "max_new_tokens"), self.max_new_tokens, "must be >= 1")
@@ -50,6 +66,21 @@ class RolloutConfig:
             self.attention,
             "must be 'auto', 'gather', 'blocked' or 'chunk'",
         )
+        if self.forced_lengths is not None:
+            median, sigma, lo, hi = self.forced_lengths
+            check(
+                median > 0 and sigma >= 0 and 1 <= lo <= hi <= self.max_new_tokens,
+                key(path, "forced_lengths"),
+                list(self.forced_lengths),
+                f"must be (median > 0, sigma >= 0, 1 <= min <= max <= max_new_tokens={self.max_new_tokens})",
+            )
+        if self.admission == "continuous":
+            check(
+                self.weight_update_policy in ("continue", "recompute"),
+                key(path, "on_weight_update"),
+                self.on_weight_update,
+                "admission=continuous keeps sequences in flight across weight updates: use continue or recompute",
+            )
         check(
             self.kv_pool in ("sharded", "replicated"),
             key(path, "kv_pool"),

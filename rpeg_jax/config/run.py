@@ -59,6 +59,20 @@ class RunConfig:
         )
         if p.share_actor_critic:
             check(r.algorithm == "ppo", "pipeline.share_actor_critic", True, "needs a critic: set rl.algorithm=ppo")
+        if self.rollout.admission == "continuous":
+            check(
+                p.staleness >= 1,
+                "rollout.admission",
+                "continuous",
+                "sequences run on across weight updates, so it needs a staleness bound: set pipeline.staleness >= 1",
+            )
+            check(
+                p.microbatches == 1,
+                "rollout.admission",
+                "continuous",
+                f"a step's batch is the first groups to complete; pipeline.microbatches={p.microbatches} "
+                f"(streamed pieces) needs admission=step",
+            )
         for sid in self.rollout.stop_token_ids:
             check(
                 0 <= sid < m.vocab_size,

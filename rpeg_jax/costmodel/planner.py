@@ -437,19 +437,22 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
         "hardware": ctx.hw.name,
         "processes": ctx.processes,
         "clock": clock_of(ctx.hw),
-        # The sampler's max_slots is per process over its replicas (slots per replica x replicas).
-        # Config values the run takes from the plan (graph/plan.config_for_plan).
-        "settings": {
-            "rl.micro_batches": lay["train"]["micro_batches"],
-            "model.remat": lay["train"]["remat"],
-            "rollout.max_slots": lay["generate"]["slots"] * lay["generate"]["replicas"] // ctx.processes,
-        },
+    }
+    # Config values the run takes from the plan (graph/plan.config_for_plan). The sampler's max_slots
+    # is per process over its replicas (slots per replica x replicas). The planner prices step-wise
+    # admission (continuous admission is not in its search space yet).
+    settings = {
+        "rl.micro_batches": lay["train"]["micro_batches"],
+        "model.remat": lay["train"]["remat"],
+        "rollout.max_slots": lay["generate"]["slots"] * lay["generate"]["replicas"] // ctx.processes,
+        "rollout.admission": "step",
     }
     return Plan(
         num_devices=ctx.N,
         groups=groups,
         stages=tuple(entries),
         knobs=knobs_of(pipe),
+        settings=settings,
         source="planner",
         predicted=predicted,
     ).check(graph)

@@ -118,7 +118,7 @@ def _layout_of(plan: Plan, pipe, cfg: RunConfig) -> dict:
             "'gen' and 'train'); this plan's stages also run on other groups",
         )
     graph = apply_pipeline(build_graph(cfg), pipe)
-    s = plan.predicted.get("settings", {})
+    s = plan.settings
     out = {
         "groups": {},
         "generate": {},

@@ -319,6 +319,14 @@ class Graph:
         """k: generation at step t reads the actor of version t - k (0: synchronous on-policy)."""
         return int(self.attrs.get("staleness", 0))
 
+    @property
+    def generation_ahead(self) -> int:
+        """Steps generation runs ahead of training: generate reads rollout_weights at t - ahead
+        (ahead = k, or 0 under continuous admission; 0 without a generate stage)."""
+        gen = self.find(StageKind.GENERATE)
+        offs = [e.offset for e in self.inputs(gen.name) if e.src == "rollout_weights"] if gen is not None else []
+        return -min(offs) if offs else 0
+
     def stages(self) -> list[Stage]:
         return [self.nodes[n] for n in self.topo_order()]
 
@@ -522,13 +530,8 @@ def _check_stages(g: Graph) -> None:
 
 def _check_staleness(g: Graph) -> None:
     """The generate edge reads rollout_weights at t - k, and a rollout buffer exists iff k >= 1."""
-    k = g.staleness
-    if g.has("rollout_buffer") != (k > 0):
-        raise GraphError("rollout_buffer", f"staleness k={k} needs a rollout buffer exactly when k >= 1")
-    gen = g.find(StageKind.GENERATE)
-    if gen is None:
-        return
-    for e in g.inputs(gen.name):
-        node = g.nodes[e.src]
-        if isinstance(node, StateNode) and node.kind == StateKind.ROLLOUT_WEIGHTS and e.offset != -k:
-            raise GraphError(gen.name, f"reads {e.src}@t{e.offset:+d} but staleness k={k} needs t-{k}")
+    k, ahead = g.staleness, g.generation_ahead
+    if not 0 <= ahead <= k:
+        raise GraphError("generate", f"runs {ahead} steps ahead, outside [0, staleness k={k}]")
+    if g.has("rollout_buffer") != (ahead > 0):
+        raise GraphError("rollout_buffer", f"generation {ahead} steps ahead needs a rollout buffer exactly when >= 1")

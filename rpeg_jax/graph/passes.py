@@ -100,39 +100,44 @@ def _rewire(g: Graph, old: str, new: str, *, src: bool) -> None:
 
 # ---- passes -----------------------------------------------------------------------------------
 @graph_pass
-def bounded_async(g: Graph, k: int) -> Graph:
-    """Generate at step t reads the actor at version t-k (k = 0: synchronous on-policy RL).
+def bounded_async(g: Graph, k: int, ahead: int | None = None) -> Graph:
+    """Bound every consumed token's staleness by k (k = 0: synchronous on-policy RL).
 
-    k becomes the graph's `staleness` (the one value every reader of the bound uses). For k >= 1
-    a rollout buffer (checkpointed state) holds the rollouts made ahead of their update: the
-    runtime admits a rollout only while it will be consumed within k versions. The actor update
+    k becomes the graph's `staleness` (the one value every reader of the bound uses). Generation
+    runs `ahead` steps ahead of training (default k: generate at step t reads the actor at version
+    t - k, a whole step's batch generated ahead). With ahead < k (continuous admission,
+    runtime/admission.py: ahead 0) generate reads the newest weights and sequences may run on
+    across up to k weight updates. For ahead >= 1 a rollout buffer (checkpointed state) holds the
+    rollouts made ahead of their update: the runtime admits a rollout only while it will be
+    consumed within k versions. For k >= 1 the actor update
     takes behaviour logprobs and applies the decoupled-PPO correction (rl/losses.py, whenever
     behav_logp is in its batch): ratio to the proximal π_old (recomputed, or the update's own with
     proximal_from_update), weighted by π_old/π_behav capped at rl.behav_weight_cap."""
     gen = _plain(g, K.GENERATE, "bounded_async")
     if gen is None or not g.has("rollout_weights"):
         raise GraphError("generate", "bounded_async needs a generate stage reading rollout_weights")
-    if k < 0:
-        raise GraphError(gen.name, f"staleness k={k} must be >= 0")
+    ahead = k if ahead is None else ahead
+    if k < 0 or not 0 <= ahead <= k:
+        raise GraphError(gen.name, f"staleness k={k} must be >= 0 and generation ahead={ahead} in [0, k]")
     if k > 0 and g.attrs.get("elided_old_forward"):
         raise GraphError(
             "old_forward", f"staleness k={k} needs the proximal policy recomputed; do not elide old_forward"
         )
     g.edges = [
-        dataclasses.replace(e, offset=-k) if (e.src, e.dst) == ("rollout_weights", gen.name) else e for e in g.edges
+        dataclasses.replace(e, offset=-ahead) if (e.src, e.dst) == ("rollout_weights", gen.name) else e for e in g.edges
     ]
     holder, upd = _part(g, K.ACTOR_UPDATE)
     has_behav = any(e.src == "behav_logp" and e.port == "behav_logp" for e in g.inputs(holder.name))
+    if ahead > 0 and not g.has("rollout_buffer"):
+        g.add(StateNode("rollout_buffer", StateKind.ROLLOUT_BUFFER, placement=gen.placement))
+        g.connect("rollout_buffer", gen.name)
+        g.connect(gen.name, "rollout_buffer", offset=1)
+    elif ahead == 0 and g.has("rollout_buffer"):
+        g.remove("rollout_buffer")
     if k > 0:
-        if not g.has("rollout_buffer"):
-            g.add(StateNode("rollout_buffer", StateKind.ROLLOUT_BUFFER, placement=gen.placement))
-            g.connect("rollout_buffer", gen.name)
-            g.connect(gen.name, "rollout_buffer", offset=1)
         if not has_behav:
             g.connect("behav_logp", holder.name, port="behav_logp", expect=g.nodes["behav_logp"].spec)
     else:
-        if g.has("rollout_buffer"):
-            g.remove("rollout_buffer")
         if has_behav and not upd.options.tis:
             g.edges = [
                 e for e in g.edges if not (e.src == "behav_logp" and e.dst == holder.name and e.port == "behav_logp")
@@ -466,8 +471,9 @@ def fuse_named(g: Graph, fusion: str) -> Graph:
     raise GraphError("pipeline.fuse", f"unknown fusion {fusion!r} (forwards | advantage)")
 
 
-def apply_pipeline(g: Graph, pipeline) -> Graph:
-    """Apply the passes a PipelineConfig asks for, in the legal order (see module docstring)."""
+def apply_pipeline(g: Graph, pipeline, admission: str = "step") -> Graph:
+    """Apply the passes a PipelineConfig asks for, in the legal order (see module docstring).
+    `admission` (rollout.admission): continuous generation does not run ahead of training."""
     if pipeline.elide_old_forward:
         g = elide_old_forward(g)
     if pipeline.proximal_from_update:
@@ -477,7 +483,7 @@ def apply_pipeline(g: Graph, pipeline) -> Graph:
     if pipeline.values_from_critic_update:
         g = values_from_critic_update(g)
     if pipeline.staleness:
-        g = bounded_async(g, pipeline.staleness)
+        g = bounded_async(g, pipeline.staleness, 0 if admission == "continuous" else None)
     for fusion in pipeline.fuse:
         g = fuse_named(g, fusion)
     if pipeline.microbatches > 1:

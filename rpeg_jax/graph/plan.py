@@ -30,8 +30,8 @@ from rpeg_jax.config.run import RunConfig
 from rpeg_jax.config.sharding import MESH_AXES, rules_for_mesh
 from rpeg_jax.graph.ir import Graph, GraphError, Op, Stage
 
-# The plan's structure: pipeline knobs (shape the graph) and, for planner plans, settings it chose
-# in other sections (dotted config keys in plan.predicted["settings"]).
+# The plan's structure: pipeline knobs (they shape the graph) and settings in other sections (dotted
+# config keys in Plan.settings): the admission mode of the rollout engine, and what the planner chose.
 KNOBS = (
     "staleness",
     "share_actor_critic",
@@ -43,7 +43,7 @@ KNOBS = (
     "proximal_from_update",
     "values_from_critic_update",
 )
-PLAN_SETTINGS = ("rl.micro_batches", "model.remat", "rollout.max_slots")
+PLAN_SETTINGS = ("rl.micro_batches", "model.remat", "rollout.max_slots", "rollout.admission")
 PLAN_VERSION = 1
 
 
@@ -72,6 +72,7 @@ class Plan:
     groups: tuple[DeviceGroup, ...]
     stages: tuple[StagePlan, ...]
     knobs: dict[str, Any] = field(default_factory=dict)  # the pipeline knobs (KNOBS)
+    settings: dict[str, Any] = field(default_factory=dict)  # dotted config keys of PLAN_SETTINGS
     source: str = "manual"  # manual | planner | a file path
     predicted: dict[str, Any] = field(default_factory=dict)  # planner's breakdown (step_time_s, ...)
 
@@ -153,6 +154,7 @@ class Plan:
             "num_devices": self.num_devices,
             "source": self.source,
             "knobs": self.knobs,
+            "settings": self.settings,
             "predicted": self.predicted,
             "groups": [{"name": g.name, "devices": list(g.devices)} for g in self.groups],
             "stages": [dataclasses.asdict(s) for s in self.stages],
@@ -167,6 +169,7 @@ class Plan:
                 num_devices=int(d["num_devices"]),
                 source=d.get("source", "manual"),
                 knobs=dict(d.get("knobs", {})),
+                settings=dict(d.get("settings", {})),
                 predicted=dict(d.get("predicted", {})),
                 groups=tuple(DeviceGroup(g["name"], tuple(g["devices"])) for g in d["groups"]),
                 stages=tuple(StagePlan(**s) for s in d["stages"]),
@@ -303,7 +306,7 @@ def config_for_plan(cfg: RunConfig, plan: Plan) -> tuple[RunConfig, dict[str, tu
         if old != new:
             changed[f"pipeline.{k}"] = (old, new)
     sections = {"pipeline": pipeline}
-    for dotted, value in plan.predicted.get("settings", {}).items():
+    for dotted, value in plan.settings.items():
         if dotted not in PLAN_SETTINGS:
             raise ConfigError(
                 "pipeline.plan",
@@ -328,7 +331,7 @@ def graph_for_plan(cfg: RunConfig, plan: Plan | None = None) -> Graph:
     from rpeg_jax.graph.passes import apply_pipeline
 
     pipeline = plan.pipeline_config(cfg.pipeline) if plan is not None else cfg.pipeline
-    return apply_pipeline(build_graph(cfg), pipeline)
+    return apply_pipeline(build_graph(cfg), pipeline, cfg.rollout.admission)
 
 
 def plan_from_config(cfg: RunConfig, num_devices: int, graph: Graph | None = None) -> Plan:
@@ -352,6 +355,7 @@ def plan_from_config(cfg: RunConfig, num_devices: int, graph: Graph | None = Non
         groups=tuple(groups.values()),
         stages=tuple(stages),
         knobs=knobs_of(cfg.pipeline),
+        settings={"rollout.admission": cfg.rollout.admission},
         source="manual",
     ).check(graph)
 

@@ -121,9 +121,11 @@ class Executor:
         self.order = {cs.name: i for i, cs in enumerate(program.stages)}
         self.ahead = {cs.name: self._ahead(cs) for cs in program.stages}  # steps a stage runs ahead
         self.staleness = g.staleness
-        if max(self.ahead.values(), default=0) != self.staleness:
+        self.generation_ahead = max(self.ahead.values(), default=0)
+        if self.generation_ahead != g.generation_ahead or self.generation_ahead > self.staleness:
             raise ExecutionError(
-                f"stages run {max(self.ahead.values())} steps ahead but the graph's staleness is k={self.staleness}"
+                f"stages run {self.generation_ahead} steps ahead; the graph's generation runs "
+                f"{g.generation_ahead} ahead under staleness k={self.staleness}"
             )
         self.done: set[tuple[str, int, int]] = set()
         self.events: dict[tuple[str, int, int], threading.Event] = defaultdict(threading.Event)

@@ -365,19 +365,25 @@ def shared_values_update(env: StageEnv) -> Kernel | None:
 
 # ---- host kernels -----------------------------------------------------------------------------
 def generate(env: StageEnv) -> Kernel:
-    """Sample G completions of each prompt of the step with the weights of version t-k."""
+    """Sample G completions of each prompt of the step with the weights of version t - ahead; under
+    continuous admission, the first groups to complete in the engine that outlives the step."""
     ctx = env.context
     weights_offset = next(p.offset for p in env.reads if p.node == "rollout_weights")
 
     def fn(i: dict[str, Any]) -> dict[str, Any]:
         step, piece, pieces = int(i["_step"]), i["_piece"], i["_pieces"]
         version = max(0, step + weights_offset)
-        prompts = i["data_iterator"].get(step)
         if "rollout_buffer" in i:
             i["rollout_buffer"].admit(step, version)
-        comps, behav, metrics = rollouts.generate_piece(
-            ctx, i["rollout_weights"], version, prompts, step, piece, pieces
-        )
+        if ctx.engine is not None:
+            comps, behav, metrics = rollouts.continuous_batch(
+                ctx, i["rollout_weights"], version, i["data_iterator"], step
+            )
+        else:
+            prompts = i["data_iterator"].get(step)
+            comps, behav, metrics = rollouts.generate_piece(
+                ctx, i["rollout_weights"], version, prompts, step, piece, pieces
+            )
         out = {"completions": comps, "behav_logp": behav, "data_iterator": i["data_iterator"], "metrics": metrics}
         if "rollout_buffer" in i:
             out["rollout_buffer"] = i["rollout_buffer"]

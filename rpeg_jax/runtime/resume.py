@@ -30,8 +30,9 @@ BUFFERED = ("completions", "behav_logp")
 
 def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int) -> None:
     """Checkpoint the run after `step` completed steps (call only between steps: every state is
-    then at version `step`, and under staleness k the rollouts of steps step..step+k-1 are buffered)."""
-    k = ex.staleness
+    then at version `step`, and with generation k steps ahead the rollouts of steps step..step+k-1
+    are buffered)."""
+    k = ex.generation_ahead
     train = {name: store.latest(name)[1] for name in TRAIN_STATES if name in store.state}
     versions = {n: store.latest(n)[0] for n in TRAIN_STATES if n in store.state}
     if any(v != step for v in versions.values()):
@@ -41,7 +42,7 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int) -> None:
     meta = {
         "step": step,
         "versions": versions,
-        "knobs": dict(ex.program.plan.knobs),  # the structure the state belongs to (checked on restore)
+        "knobs": {**ex.program.plan.knobs, **ex.program.plan.settings},  # the structure (checked on restore)
         "data_iterator": prompts.state_before(step) if k else prompts.state(),
         "next_ahead_step": dict(ex.next_ahead_step),
         "buffer_steps": buffered,
@@ -76,11 +77,11 @@ def restore(ckpt: Checkpointer, store: Store, ex: Executor, ctx) -> int:
         )
         for name, (shape, dtype) in meta_only.get("buffer_specs", {}).items()
     }
-    ours = ex.program.plan.knobs
+    ours = {**ex.program.plan.knobs, **ex.program.plan.settings}
     for knob, theirs in meta_only.get("knobs", {}).items():
         if ours.get(knob) != theirs:  # another structure: other state trees, other buffers
             raise ConfigError(
-                f"pipeline.{knob}",
+                knob if "." in knob else f"pipeline.{knob}",
                 ours.get(knob),
                 f"the newest checkpoint (step {step}) of this run was written with {knob}={theirs}; "
                 f"resume with that plan (the run's plan.json) or start a new train.run_dir",

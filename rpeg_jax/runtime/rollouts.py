@@ -29,6 +29,7 @@ from jax.experimental import multihost_utils
 from rpeg_jax.data.rewards import Sample
 from rpeg_jax.data.rewards import score as score_samples
 from rpeg_jax.data.tokenizer import completion_ids
+from rpeg_jax.runtime.admission import Group, forced_lengths, rollout_seed
 from rpeg_jax.sampling import SamplingParams
 
 LENGTH_BUCKET = 8
@@ -91,10 +92,6 @@ class RolloutBuffer:
             del self.admitted[s]
 
 
-def rollout_seed(base: int, step: int) -> int:
-    return (base * 1_000_003 + step * 7919 + 17) % (2**31 - 1)
-
-
 def generate_piece(ctx, params, version: int, batch, step: int, piece: int, pieces: int):
     """Sample piece `piece` of step `step` and lay it out; returns (completions, behav_logp, metrics)."""
     n = len(batch.prompt_tokens)
@@ -105,12 +102,70 @@ def generate_piece(ctx, params, version: int, batch, step: int, piece: int, piec
     G = cfg.rl.group_size
     sp = SamplingParams.from_rollout(cfg.rollout, n=G, seed=rollout_seed(cfg.train.seed, step))
     prompts = [list(p) for p in batch.prompt_tokens[lo:hi]]
+    lengths = None
+    if cfg.rollout.forced_lengths is not None:  # the same draw as continuous admission's first attempt
+        draw = forced_lengths(cfg.rollout.forced_lengths, cfg.train.seed, G)
+        lengths = [draw(Group(0, step, i, 0, [], {}), 0) for i in range(lo, hi)]
+    before = sampler.stats()
     t0 = time.perf_counter()
-    outs = sampler.generate(prompts, sp, prompt_ids=[ctx.prompt_offset + i for i in range(lo, hi)])
+    outs = sampler.generate(prompts, sp, prompt_ids=[ctx.prompt_offset + i for i in range(lo, hi)], lengths=lengths)
     gen_s = time.perf_counter() - t0
     rows = [(o.prompt_tokens, c) for o in outs for c in o.completions]
-    fixed = ctx.fixed_shapes
-    longest = np.array([max(len(p) for p, _ in rows), max(len(c.tokens) for _, c in rows)])
+    gids = np.repeat(np.arange(lo, hi, dtype=np.int32) + ctx.prompt_offset, G)
+    host = {k: [getattr(batch, a)[i] for i in range(lo, hi)] for k, a in HOST_FIELDS}
+    comps, behav, new_tokens = lay_out(ctx, rows, gids, host)
+    metrics = {
+        "perf/gen_tokens_per_s": new_tokens / gen_s if gen_s > 0 else 0.0,
+        "rollout/preemptions": float(sum(c.num_preemptions for _, c in rows)),
+        "rollout/weights_version": float(version),
+        "rollout/occupancy": _occupancy(before, sampler.stats()),
+    }
+    return comps, behav, metrics
+
+
+def continuous_batch(ctx, params, version: int, prompts, step: int):
+    """Step `step`'s batch from the engine that outlives the step (runtime/admission.py): the first
+    groups to complete that meet the staleness bound; returns (completions, behav_logp, metrics)."""
+    engine = ctx.engine
+    t0 = time.perf_counter()
+    groups, st = engine.next_batch(step, version, params, prompts)
+    gen_s = time.perf_counter() - t0
+    G = ctx.cfg.rl.group_size
+    rows = [(g.prompt, s) for g in groups for s in sorted(g.seqs, key=lambda s: s.sample_index)]
+    gids = np.repeat(np.array([g.gid for g in groups], np.int32), G)
+    host = {k: [g.host[k] for g in groups] for k, _ in HOST_FIELDS}
+    comps, behav, new_tokens = lay_out(ctx, rows, gids, host)
+    metrics = {
+        "perf/gen_tokens_per_s": new_tokens / gen_s if gen_s > 0 else 0.0,
+        "rollout/preemptions": float(sum(s.preemptions for _, s in rows)),
+        "rollout/weights_version": float(version),
+        "rollout/occupancy": st.occupancy,
+        "rollout/requeued": float(st.requeued),
+        "rollout/dropped": float(st.dropped),
+        "rollout/in_flight": float(engine.in_flight_sequences()),
+        "rollout/decode_steps": float(st.decode_steps),
+    }
+    return comps, behav, metrics
+
+
+def _occupancy(before: dict, after: dict) -> float:
+    """Mean fraction of busy slots over the decode steps between two sampler.stats()."""
+    slots = after["slot_steps"] - before["slot_steps"]
+    return (after["busy_slot_steps"] - before["busy_slot_steps"]) / slots if slots else 0.0
+
+
+HOST_FIELDS = (("prompt", "prompts"), ("answer", "answers"), ("record", "records"))
+
+
+def lay_out(ctx, rows, gids: np.ndarray, host: dict[str, list]) -> tuple[dict, Any, int]:
+    """Rows (prompt tokens, completion with .tokens/.logprobs and per-token versions) -> the rollout
+    layout (module docstring) as this process's share of global arrays, plus host fields; returns
+    (completions, behav_logp, new tokens)."""
+    cfg, fixed = ctx.cfg, ctx.fixed_shapes
+    toks = [np.asarray(c.tokens, np.int32) for _, c in rows]
+    lps = [np.asarray(c.logprobs, np.float32) for _, c in rows]
+    vers = [np.asarray(getattr(c, "policy_versions", getattr(c, "versions", None)), np.int32) for _, c in rows]
+    longest = np.array([max(len(p) for p, _ in rows), max(len(t) for t in toks)])
     if jax.process_count() > 1:  # every process must lay its rows out with the same P and R
         longest = multihost_utils.process_allgather(longest).max(axis=0)
     P = bucket(int(longest[0]), cfg.data.max_prompt_len if fixed else None)
@@ -121,46 +176,38 @@ def generate_piece(ctx, params, version: int, batch, step: int, piece: int, piec
     segments = np.zeros((B, P + R), np.int32)
     mask = np.zeros((B, R), np.float32)
     behav = np.zeros((B, R), np.float32)
-    versions = np.full((B, R), version, np.int32)
-    for b, (p, c) in enumerate(rows):
-        lp, lr = len(p), len(c.tokens)
+    versions = np.zeros((B, R), np.int32)
+    for b, (p, _) in enumerate(rows):
+        lp, lr = len(p), len(toks[b])
         tokens[b, P - lp : P] = p
-        tokens[b, P : P + lr] = c.tokens
+        tokens[b, P : P + lr] = toks[b]
         positions[b, P - lp : P + lr] = np.arange(lp + lr)
         segments[b, P - lp : P + lr] = 1
         mask[b, :lr] = 1.0
-        behav[b, :lr] = c.logprobs
-        versions[b, :lr] = c.policy_versions
-    gid = np.repeat(np.arange(lo, hi, dtype=np.int32) + ctx.prompt_offset, G)
+        behav[b, :lr] = lps[b]
+        versions[b, :lr] = vers[b]
     comps = {
         "tokens_BxS": tokens,
         "positions_BxS": positions,
         "segment_ids_BxS": segments,
         "response_mask_BxR": mask,
         "versions_BxR": versions,
-        "group_ids_B": gid,
+        "group_ids_B": gids,
     }
     comps = {k: ctx.placement.put_batch(v) for k, v in comps.items()}
-    comps.update(host_fields(ctx, batch, lo, hi, tokens, mask))
-    new_tokens = int(mask.sum())
-    metrics = {
-        "perf/gen_tokens_per_s": new_tokens / gen_s if gen_s > 0 else 0.0,
-        "rollout/preemptions": float(sum(c.num_preemptions for _, c in rows)),
-        "rollout/weights_version": float(version),
-    }
-    return comps, ctx.placement.put_batch(behav), metrics
+    comps.update(_host_columns(ctx.cfg.rl.group_size, host, tokens, mask))
+    return comps, ctx.placement.put_batch(behav), int(mask.sum())
+
+
+def _host_columns(G: int, host: dict[str, list], tokens: np.ndarray, mask: np.ndarray) -> dict:
+    pi = np.repeat(np.arange(len(host["prompt"])), G)
+    return {"host_tokens": tokens, "host_mask": mask, **{f"host_{k}": _objects(v, pi) for k, v in host.items()}}
 
 
 def host_fields(ctx, batch, lo: int, hi: int, tokens: np.ndarray, mask: np.ndarray) -> dict:
     """Host-side fields of prompts [lo, hi) of a PromptBatch, G rows each (for the reward)."""
-    pi = np.repeat(np.arange(lo, hi), ctx.cfg.rl.group_size)
-    return {
-        "host_tokens": tokens,
-        "host_mask": mask,
-        "host_prompt": _objects(batch.prompts, pi),
-        "host_answer": _objects(batch.answers, pi),
-        "host_record": _objects(batch.records, pi),
-    }
+    host = {k: [getattr(batch, a)[i] for i in range(lo, hi)] for k, a in HOST_FIELDS}
+    return _host_columns(ctx.cfg.rl.group_size, host, tokens, mask)
 
 
 def _objects(values, index) -> np.ndarray:

@@ -26,10 +26,11 @@ from rpeg_jax.graph.plan import Plan
 from rpeg_jax.models import Transformer, load_hf
 from rpeg_jax.rl import make_optimizer, optimizer_steps
 from rpeg_jax.runtime import xla_flags
+from rpeg_jax.runtime.admission import ContinuousRollouts, forced_lengths
 from rpeg_jax.runtime.executor import Store
 from rpeg_jax.runtime.placement import Placement
 from rpeg_jax.runtime.rollouts import RolloutBuffer, StepPrompts
-from rpeg_jax.sampling import Sampler, SamplerConfig
+from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
 from rpeg_jax.sharding import shard_model
 
 
@@ -52,6 +53,7 @@ class RuntimeContext:
     placement: Placement
     prompt_offset: int = 0  # this process's first prompt index within a step's batch
     data_skipped: dict[str, int] = field(default_factory=dict)  # bad JSONL lines skipped at start-up, by reason
+    engine: ContinuousRollouts | None = None  # rollout.admission=continuous: the engine across steps
     compiler_options: dict[str, str] = field(default_factory=dict)  # stage programs' XLA options (xla_flags)
 
     # ---- graph.compile.StageRuntime ----------------------------------------------------------------
@@ -106,6 +108,20 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
         nnx.merge(split["actor"][0], rollout_params), scfg, tokenizer=pipeline.tokenizer, mesh=placement.generate.mesh
     )
     reward_name, reward_fn = resolve_reward(cfg.data)
+    engine = None
+    if cfg.rollout.admission == "continuous":
+        r, G = cfg.rollout, cfg.rl.group_size
+        engine = ContinuousRollouts(
+            sampler,
+            groups_per_step=cfg.data.prompts_per_step // jax.process_count(),
+            group_size=G,
+            staleness=graph.staleness,
+            stale_groups=r.stale_groups,
+            sampling=SamplingParams.from_rollout(r, n=G, seed=0),
+            seed=cfg.train.seed,
+            prompt_offset=jax.process_index() * (cfg.data.prompts_per_step // jax.process_count()),
+            lengths=forced_lengths(r.forced_lengths, cfg.train.seed, G) if r.forced_lengths else None,
+        )
     ctx = RuntimeContext(
         cfg=cfg,
         graphdefs={k: v[0] for k, v in split.items()},
@@ -120,6 +136,7 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
         placement=placement,
         prompt_offset=jax.process_index() * (cfg.data.prompts_per_step // jax.process_count()),
         data_skipped=dict(pipeline.skipped),
+        engine=engine,
         compiler_options=xla_flags.train_compiler_options(),
     )
     store = Store(keep_versions=graph.staleness + 2)  # generation reads t - k while training writes t + 1

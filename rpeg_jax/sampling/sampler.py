@@ -143,16 +143,24 @@ class Sampler:
             generate_s=0.0,
             last_tokens_per_s=0.0,
             page_copies=0,
+            busy_slot_steps=0,  # decode steps x slots that produced a token (occupancy = busy / slot_steps)
+            slot_steps=0,
         )
 
     # ---- public API ---------------------------------------------------------------------------
     def generate(
-        self, prompts: Seq[Seq[int]], params: SamplingParams | None = None, *, prompt_ids: Seq[int] | None = None
+        self,
+        prompts: Seq[Seq[int]],
+        params: SamplingParams | None = None,
+        *,
+        prompt_ids: Seq[int] | None = None,
+        lengths: Seq[Seq[int]] | None = None,
     ) -> list[RequestOutput]:
         """Sample params.n completions of every prompt; returns one RequestOutput per prompt.
-        `prompt_ids` (default 0..len-1) name each prompt's random stream together with params.seed."""
+        `prompt_ids` (default 0..len-1) name each prompt's random stream together with params.seed;
+        `lengths[i][j]` (optional) caps completion j of prompt i below params.max_new_tokens."""
         t0 = time.perf_counter()
-        seqs = self.submit(prompts, params, prompt_ids=prompt_ids)
+        seqs = self.submit(prompts, params, prompt_ids=prompt_ids, lengths=lengths)
         while any(s.finish_reason is None for s in seqs):
             self.step()
         dt = time.perf_counter() - t0
@@ -162,9 +170,15 @@ class Sampler:
         return self._outputs(prompts, seqs)
 
     def submit(
-        self, prompts: Seq[Seq[int]], params: SamplingParams | None = None, *, prompt_ids: Seq[int] | None = None
+        self,
+        prompts: Seq[Seq[int]],
+        params: SamplingParams | None = None,
+        *,
+        prompt_ids: Seq[int] | None = None,
+        lengths: Seq[Seq[int]] | None = None,
     ) -> list[Sequence]:
-        """Queue prompts (streaming use: then call `step()` until the sequences finish)."""
+        """Queue prompts (streaming use: then call `step()` until the sequences finish; `abort`
+        takes queued or running sequences back out)."""
         params = params or SamplingParams()
         params.validate()
         prompts = [list(map(int, p)) for p in prompts]
@@ -176,12 +190,18 @@ class Sampler:
         opts = _Options.build(self, params, seed)
         for i, p in enumerate(prompts):
             self._check_prompt(i, p, params)
+        news = [[params.max_new_tokens] * params.n for _ in prompts] if lengths is None else lengths
+        for i, row in enumerate(news):
+            ok = len(row) == params.n and all(1 <= int(n) <= params.max_new_tokens for n in row)
+            if len(news) != len(prompts) or not ok:
+                raise ValueError(
+                    f"generate: lengths[{i}]={list(row)}: need {params.n} lengths in [1, max_new_tokens="
+                    f"{params.max_new_tokens}] for each of the {len(prompts)} prompts"
+                )
         all_seqs = []
         for i, p in enumerate(prompts):
             seqs = [
-                Sequence(
-                    request=i, sample_index=j, prompt=p, end=len(p) + params.max_new_tokens, opts=(opts, prompt_ids[i])
-                )
+                Sequence(request=i, sample_index=j, prompt=p, end=len(p) + int(news[i][j]), opts=(opts, prompt_ids[i]))
                 for j in range(params.n)
             ]
             self.sched.submit(seqs)
@@ -207,18 +227,24 @@ class Sampler:
         """Swap in new weights (same tree, shapes, dtypes, shardings: no recompile; else ValueError).
         In-flight sequences follow config.on_weight_update: "finish" (default) lets them finish with
         the old weights before the new ones serve anything; "recompute" drops their KV and
-        recomputes it with the new weights (tokens so far keep their versions)."""
+        recomputes it with the new weights; "continue" swaps at once, the sequences go on from the
+        KV the old weights made (partial rollout). Tokens so far keep their versions."""
         _, new = as_params(params)
         new = self.sharding.place_params(new)
         self._signature.check(new)
         version = self.version + 1 if version is None else int(version)
-        if not self.sched.running:
+        if not self.sched.running or self.cfg.on_weight_update == "continue":
             self._swap(new, version)
         elif self.cfg.on_weight_update == "recompute":
             self.sched.preempt_all()
             self._swap(new, version)
         else:
             self._pending = (new, version)
+
+    def abort(self, seqs: Seq[Sequence]) -> None:
+        """Take sequences out of the engine, queued or running (their slots and pages are freed);
+        finished ones are left as they are. Their finish_reason becomes "abort"."""
+        self.sched.abort([s for s in seqs if s.finish_reason is None])
 
     def stats(self) -> dict:
         """Throughput, page usage, preemptions and compile counts so far. Page counts exclude the
@@ -304,6 +330,8 @@ class Sampler:
         steps = int(np.max(steps))  # one count per shard with a sharded pool (shards loop on their own)
         self._stats["chunks"] += 1
         self._stats["decode_steps"] += int(steps)
+        self._stats["slot_steps"] += int(steps) * self.cfg.max_slots
+        self._stats["busy_slot_steps"] += int((toks[:steps] >= 0).sum())
         done = []
         for s in seqs:
             col = toks[:steps, s.slot]

@@ -220,6 +220,18 @@ class Scheduler:
         self._release(s)
         self.running = [g for g in self.running if any(x.slot >= 0 for x in g.seqs)]
 
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Remove sequences: running ones free their slot and pages, queued ones leave the queue."""
+        gone = {id(s) for s in seqs}
+        for s in seqs:
+            if s.slot >= 0:
+                self.finish(s, "abort")
+            else:
+                s.finish_reason = "abort"
+        for g in list(self.waiting):
+            g.seqs = [s for s in g.seqs if id(s) not in gone]
+        self.waiting = collections.deque(g for g in self.waiting if g.seqs)
+
     def preempt_all(self) -> list[Sequence]:
         """Requeue every running sequence (weights changed under them: recompute policy)."""
         out = []

@@ -31,7 +31,8 @@ class SamplerConfig:
     min_chunk_steps: int = 8  # a chunk ends early where the page-table width bucket grows, but
     #                           not before this many steps (= chunk_steps: never end early)
     watermark: float = 0.01  # fraction of pages kept free when admitting groups
-    on_weight_update: Literal["finish", "recompute"] = "finish"  # policy for in-flight sequences
+    on_weight_update: Literal["finish", "recompute", "continue"] = "finish"  # policy for in-flight
+    #   sequences when weights change: finish them on the old weights, recompute their KV, or continue
     attention: Literal["auto", "gather", "blocked", "chunk"] = "auto"  # decode attention over pages:
     #   "gather" the table's pages every step then dense attention; "blocked": an online-softmax loop
     #   over blocks of pages that stops at the longest sequence; "chunk": gather the pages once per
@@ -79,10 +80,10 @@ class SamplerConfig:
         check(0.0 <= self.watermark < 1.0, f"{path}.watermark", self.watermark, "must be in [0, 1)")
         check(self.table_width_growth > 1.0, f"{path}.table_width_growth", self.table_width_growth, "must be > 1")
         check(
-            self.on_weight_update in ("finish", "recompute"),
+            self.on_weight_update in ("finish", "recompute", "continue"),
             f"{path}.on_weight_update",
             self.on_weight_update,
-            "must be 'finish' or 'recompute'",
+            "must be 'finish', 'recompute' or 'continue'",
         )
         check(
             self.forward in ("auto", "model", "split", "split_t"),
@@ -116,7 +117,7 @@ class SamplerConfig:
             chunk_steps=r.chunk_steps,
             min_chunk_steps=r.min_chunk_steps,
             watermark=r.watermark,
-            on_weight_update=r.on_weight_update,
+            on_weight_update=r.weight_update_policy,
             attention=r.attention,
             kv_pool=r.kv_pool,
         )
@@ -167,12 +168,12 @@ class SamplingParams:
             min_p=r.min_p,
             max_new_tokens=r.max_new_tokens,
             stop_token_ids=tuple(r.stop_token_ids),
-            ignore_eos=r.ignore_eos,
+            ignore_eos=r.ignore_eos or r.forced_lengths is not None,  # forced lengths run to their own end
             seed=seed,
         )
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass

@@ -1,0 +1,209 @@
+"""Continuous admission (rollout.admission=continuous): one generation engine that outlives the step.
+
+With the default `rollout.admission: step`, every RL step samples its own prompts to completion, so
+the decode batch drains while the longest responses finish (the tail). Here the sampler keeps up to
+`max_slots` sequences in flight across RL steps instead:
+
+- Whole GRPO groups (the prompt prefilled once, its pages shared) are admitted from the data stream
+  whenever slots free; the stream is the data pipeline's prompts in order, step after step.
+- The batch of step t is the first `data.prompts_per_step` groups to complete, in the order of the
+  decode chunk they completed in and then of admission. Groups that complete beyond that wait for
+  the next step.
+- A new actor version is installed between decode chunks without draining the engine
+  (rollout.on_weight_update: `continue` keeps the sequences' KV, `recompute` rebuilds it with the
+  new weights); every token keeps the version that produced it, and the learner's decoupled-PPO
+  correction uses the per-token behaviour logprobs.
+- The bound, per token: a group enters the update of step t (trainer version t) only if every one
+  of its tokens was produced by a version >= t - k (k = the graph's staleness). A group that can no
+  longer meet it, in flight or completed, is re-queued (its prompt generated again, with a fresh
+  random stream) or dropped (the next prompt of the stream takes its place), as
+  rollout.stale_groups says, and counted.
+
+Generation does not run ahead of training here (the graph's generate stage reads the newest
+weights, graph/passes.bounded_async(k, ahead=0)): what the asynchrony buys is that sequences run
+on across weight updates, so the engine stays full instead of draining every step.
+
+Everything is a function of the seeds, the data order and the decode-chunk count, never of timing:
+runs are reproducible. Called by: runtime/kernels.py (the generate stage), runtime/setup.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rpeg_jax.sampling import SamplingParams
+from rpeg_jax.sampling.scheduler import Sequence
+
+
+@dataclass(eq=False)
+class Group:
+    """One prompt's G sequences in the engine, and where the prompt came from in the data stream."""
+
+    gid: int  # admission order over the whole run (stable across requeues: the group's identity)
+    data_step: int  # the data pipeline step the prompt was drawn from
+    index: int  # its index in that step's PromptBatch (this process's share)
+    attempt: int  # 0, then 1, 2, ... each time it is re-queued
+    prompt: list[int]
+    host: dict[str, Any]  # prompt text, answer, record (for the reward)
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest version among the group's tokens (None: no token yet)."""
+        vs = [s.versions[0] for s in self.seqs if s.versions]
+        return min(vs) if vs else None
+
+
+@dataclass
+class StepStats:
+    """What one `next_batch` call did (logged as rollout/* metrics)."""
+
+    requeued: int = 0
+    dropped: int = 0
+    decode_steps: int = 0
+    busy_slot_steps: int = 0
+    slot_steps: int = 0
+
+    @property
+    def occupancy(self) -> float:
+        return self.busy_slot_steps / self.slot_steps if self.slot_steps else 0.0
+
+
+class ContinuousRollouts:
+    """The engine's host state across steps: the data stream's position, the groups in flight and
+    the completed groups not yet consumed."""
+
+    def __init__(
+        self,
+        sampler,
+        *,
+        groups_per_step: int,
+        group_size: int,
+        staleness: int,
+        stale_groups: str,
+        sampling: SamplingParams,
+        seed: int,
+        prompt_offset: int,
+        lengths=None,
+    ):
+        self.sampler = sampler
+        self.groups_per_step, self.group_size, self.staleness = groups_per_step, group_size, staleness
+        self.stale_groups, self.sampling, self.seed, self.prompt_offset = stale_groups, sampling, seed, prompt_offset
+        self.lengths = lengths  # (group, attempt) -> per-sequence max new tokens, or None (forced lengths)
+        self.in_flight: list[Group] = []
+        self.done: list[Group] = []
+        self.next_gid = 0
+        self.data_step, self.data_index = 0, 0  # the next prompt of the stream
+        self.retry: list[Group] = []  # re-queued groups, admitted before new prompts
+
+    # ---- the step's batch ---------------------------------------------------------------------
+    def next_batch(self, step: int, version: int, params, prompts) -> tuple[list[Group], StepStats]:
+        """The first groups_per_step groups to complete that step `step` may consume, with the
+        engine on weights `version` (installed between chunks, without draining)."""
+        stats = StepStats()
+        if self.sampler.version != version:
+            self.sampler.update_weights(params, version)
+        floor = step - self.staleness  # the oldest version step `step` may consume
+        self.done = [g for g in self.done if self._keep(g, floor, stats)]
+        for g in [g for g in self.in_flight if not self._fresh_enough(g, floor)]:
+            self.sampler.abort(g.seqs)
+            self.in_flight.remove(g)
+            self._stale(g, stats)
+        before = self.sampler.stats()
+        while len(self.done) < self.groups_per_step:
+            self._top_up(prompts)
+            finished = self.sampler.step()
+            if finished:
+                self._collect(floor, stats)
+        after = self.sampler.stats()
+        stats.decode_steps = after["decode_steps"] - before["decode_steps"]
+        stats.busy_slot_steps = after["busy_slot_steps"] - before["busy_slot_steps"]
+        stats.slot_steps = after["slot_steps"] - before["slot_steps"]
+        batch, self.done = self.done[: self.groups_per_step], self.done[self.groups_per_step :]
+        return batch, stats
+
+    def in_flight_sequences(self) -> int:
+        return sum(1 for g in self.in_flight for s in g.seqs if s.finish_reason is None)
+
+    # ---- bookkeeping --------------------------------------------------------------------------
+    def _fresh_enough(self, g: Group, floor: int) -> bool:
+        oldest = g.oldest_version
+        return oldest is None or oldest >= floor
+
+    def _keep(self, g: Group, floor: int, stats: StepStats) -> bool:
+        if self._fresh_enough(g, floor):
+            return True
+        self._stale(g, stats)
+        return False
+
+    def _stale(self, g: Group, stats: StepStats) -> None:
+        """A group that can no longer meet the bound: generate its prompt again, or drop it."""
+        if self.stale_groups == "requeue":
+            stats.requeued += 1
+            self.retry.append(dataclasses.replace(g, attempt=g.attempt + 1, seqs=[]))
+        else:
+            stats.dropped += 1
+
+    def _collect(self, floor: int, stats: StepStats) -> None:
+        """Move complete groups from in flight to done (in admission order within this chunk)."""
+        for g in [g for g in self.in_flight if g.complete]:
+            self.in_flight.remove(g)
+            if self._keep(g, floor, stats):
+                self.done.append(g)
+
+    def _top_up(self, prompts) -> None:
+        """Queue whole groups until every slot is taken and one group waits for the next to free."""
+        cap = self.sampler.cfg.max_slots + self.group_size
+        while self.in_flight_sequences() + self.group_size <= cap:
+            g = self.retry.pop(0) if self.retry else self._draw(prompts)
+            self._submit(g)
+
+    def _draw(self, prompts) -> Group:
+        batch = prompts.get(self.data_step)
+        i = self.data_index
+        g = Group(
+            gid=self.next_gid,
+            data_step=self.data_step,
+            index=i,
+            attempt=0,
+            prompt=[int(t) for t in batch.prompt_tokens[i]],
+            host={"prompt": batch.prompts[i], "answer": batch.answers[i], "record": batch.records[i]},
+        )
+        self.next_gid += 1
+        self.data_index += 1
+        if self.data_index == len(batch.prompt_tokens):
+            self.data_step, self.data_index = self.data_step + 1, 0
+        return g
+
+    def _submit(self, g: Group) -> None:
+        seed = rollout_seed(self.seed + 7919 * g.attempt, g.data_step)
+        sp = dataclasses.replace(self.sampling, n=self.group_size, seed=seed)
+        lengths = None if self.lengths is None else [self.lengths(g, g.attempt)]
+        g.seqs = self.sampler.submit([g.prompt], sp, prompt_ids=[self.prompt_offset + g.index], lengths=lengths)
+        self.in_flight.append(g)
+
+
+def rollout_seed(base: int, step: int) -> int:
+    """The sampler seed of a data step's prompts (each prompt's stream is (seed, prompt id))."""
+    return (base * 1_000_003 + step * 7919 + 17) % (2**31 - 1)
+
+
+def forced_lengths(spec: tuple[float, float, int, int], seed: int, group_size: int):
+    """Per-sequence response lengths from a lognormal (median, sigma) clipped to [lo, hi], drawn from
+    a stream of (seed, data step, index, attempt, sample): the benchmark workloads' long tail (R2)."""
+    median, sigma, lo, hi = spec
+
+    def lengths(g: Group, attempt: int) -> list[int]:
+        rng = np.random.default_rng([seed, g.data_step, g.index, attempt])
+        draw = np.exp(np.log(median) + sigma * rng.standard_normal(group_size))
+        return [int(x) for x in np.clip(np.round(draw), lo, hi)]
+
+    return lengths
