@@ -44,7 +44,9 @@ TINY = [
     "pipeline.plan=manual",
 ]
 PPO = TINY + ["rl.algorithm=ppo", "rl.kl_coef=0.04"]
-SKIP = ("timing_s/", "perf/", "predicted_s/", "pred_error/")
+# Not results: times, rates, the model's predictions, and how full the engine's decode batch was
+# (rollout/occupancy depends on how generation is split into pieces and processes).
+SKIP = ("timing_s/", "perf/", "predicted_s/", "pred_error/", "rollout/occupancy")
 ATOL = 2e-5  # float32: the same math in a different program/shape
 
 

@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import SKIP
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(ROOT, "launch", "multihost.py")
@@ -67,10 +68,7 @@ def _metrics(path):
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     # timings and what derives from them (throughput, predicted-vs-measured) differ run to run
-    return [
-        {k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/", "predicted_s/", "pred_error/"))}
-        for r in rows
-    ]
+    return [{k: v for k, v in r.items() if not k.startswith(SKIP)} for r in rows]
 
 
 @pytest.mark.multihost  # two training runs: ~1.5 min of CPU; in the default run (`make test`)
