@@ -241,7 +241,7 @@ def family_table(ctx: Context, graph: Graph, placement: str, cache: dict, allocs
             allocs,
             placement,
             c.tensor_sizes,
-            c.max_staleness,
+            max(c.max_staleness, ctx.cfg.pipeline.staleness),  # the config's own bound is priced too
             c.continuous_admission,
             gen_t,
         )
@@ -439,13 +439,13 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
         "clock": clock_of(ctx.hw),
     }
     # Config values the run takes from the plan (graph/plan.config_for_plan). The sampler's max_slots
-    # is per process over its replicas (slots per replica x replicas). The planner prices step-wise
-    # admission (continuous admission is not in its search space yet).
+    # is per process over its replicas (slots per replica x replicas). The admission mode is the
+    # config's (the search does not choose it; it prices step-wise admission either way).
     settings = {
         "rl.micro_batches": lay["train"]["micro_batches"],
         "model.remat": lay["train"]["remat"],
         "rollout.max_slots": lay["generate"]["slots"] * lay["generate"]["replicas"] // ctx.processes,
-        "rollout.admission": "step",
+        "rollout.admission": ctx.cfg.rollout.admission,
     }
     return Plan(
         num_devices=ctx.N,

@@ -37,6 +37,8 @@ def structural_options(ctx, placement: str, share: bool) -> list[PipelineConfig]
     ks = list(range(0, c.max_staleness + 1))
     if placement == "colocated" and not c.continuous_admission:
         ks = [0]
+    if cfg.pipeline.staleness or cfg.rollout.admission == "continuous":
+        ks = [cfg.pipeline.staleness]  # a bound the config sets is the user's: plan around it
     # Eliding old_forward (k = 0 only) removes a forward over the batch: π_old = behav_logp.
     elides = [False] + ([True] if c.search_elide_old_forward and sampler_is_trainer(cfg) else [])
     if cfg.pipeline.elide_old_forward:

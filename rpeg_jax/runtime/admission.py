@@ -130,6 +130,36 @@ class ContinuousRollouts:
         batch, self.done = self.done[: self.groups_per_step], self.done[self.groups_per_step :]
         return batch, stats
 
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def restart(self) -> None:
+        """Take every group in flight or completed but not consumed out of the engine; they go to the
+        front of the retry queue in admission order, with the same attempt, and are generated again
+        from their prompts. Called at every checkpoint, so the run that goes on and a run resumed
+        from the checkpoint continue from the same state (the KV of sequences in flight, which the
+        checkpoint does not hold, is what this gives up)."""
+        for g in self.in_flight:
+            self.sampler.abort(g.seqs)
+        back = sorted(self.in_flight + self.done, key=lambda g: g.gid)
+        self.retry = [dataclasses.replace(g, seqs=[]) for g in back] + self.retry
+        self.in_flight, self.done = [], []
+
+    def state(self) -> dict:
+        """After restart(): the data stream's position and the retry queue (JSON)."""
+        assert not self.in_flight and not self.done, "restart() first"
+        keep = ("gid", "data_step", "index", "attempt", "prompt", "host")
+        return {
+            "data_step": self.data_step,
+            "data_index": self.data_index,
+            "next_gid": self.next_gid,
+            "retry": [{k: getattr(g, k) for k in keep} for g in self.retry],
+        }
+
+    def load(self, state: dict) -> None:
+        self.data_step, self.data_index = int(state["data_step"]), int(state["data_index"])
+        self.next_gid = int(state["next_gid"])
+        self.retry = [Group(**{**g, "prompt": [int(t) for t in g["prompt"]]}) for g in state["retry"]]
+        self.in_flight, self.done = [], []
+
     def in_flight_sequences(self) -> int:
         return sum(1 for g in self.in_flight for s in g.seqs if s.finish_reason is None)
 

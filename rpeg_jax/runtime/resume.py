@@ -28,10 +28,12 @@ TRAIN_STATES = ("actor", "actor_opt", "critic", "critic_opt")
 BUFFERED = ("completions", "behav_logp")
 
 
-def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int) -> None:
+def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None) -> None:
     """Checkpoint the run after `step` completed steps (call only between steps: every state is
     then at version `step`, and with generation k steps ahead the rollouts of steps step..step+k-1
-    are buffered)."""
+    are buffered). Under continuous admission the `engine` restarts its groups first (they are
+    generated again from their prompts, here and after a resume alike) and its queue and data
+    position are saved."""
     k = ex.generation_ahead
     train = {name: store.latest(name)[1] for name in TRAIN_STATES if name in store.state}
     versions = {n: store.latest(n)[0] for n in TRAIN_STATES if n in store.state}
@@ -44,11 +46,17 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int) -> None:
         "versions": versions,
         "knobs": {**ex.program.plan.knobs, **ex.program.plan.settings},  # the structure (checked on restore)
         "data_iterator": prompts.state_before(step) if k else prompts.state(),
+        "engine": None,
         "next_ahead_step": dict(ex.next_ahead_step),
         "buffer_steps": buffered,
         "buffer_specs": {},
         "pending_metrics": ex.pending_metrics(buffered),
     }
+    if engine is not None:
+        engine.restart()
+        meta["engine"] = engine.state()
+        d = engine.data_step  # the stream resumes by drawing this data step again
+        meta["data_iterator"] = prompts.state_before(d) if d in prompts.before else prompts.state()
     if "rollout_buffer" in store.state:
         meta["admitted"] = {str(s): v for s, v in store.latest("rollout_buffer")[1].admitted.items()}
     buffer = {}
@@ -110,6 +118,10 @@ def restore(ckpt: Checkpointer, store: Store, ex: Executor, ctx) -> int:
         )
         store.put_data("completions", s, comps)
         store.put_data("behav_logp", s, buffer[f"{s}/behav_logp/"])
+    if ctx.engine is not None:
+        if meta.get("engine") is None:
+            raise ConfigError("rollout.admission", "continuous", f"checkpoint {step} holds no engine state")
+        ctx.engine.load(meta["engine"])
     store.put_state("data_iterator", step + len(buffered), prompts)
     if "admitted" in meta and "rollout_buffer" in store.state:
         buf = store.latest("rollout_buffer")[1]

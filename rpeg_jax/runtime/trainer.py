@@ -110,7 +110,7 @@ def train(
             start = resume.restore(ckpt, store, executor, ctx) if cfg.train.resume == "auto" else 0
             last, saved = _loop(cfg, ctx, executor, store, plan, ckpt, stop, start, chief, on_step)
             if last > start and last != saved:
-                resume.save(ckpt, store, executor, last)
+                resume.save(ckpt, store, executor, last, ctx.engine)
         finally:
             ckpt.close()
         if chief:
@@ -168,7 +168,7 @@ def _loop(
             if metrics.get("actor/nan_stop", 0) or metrics.get("critic/nan_stop", 0):
                 raise TrainingStopped(f"step {t + 1}: non-finite loss or gradient and rl.on_nan=stop")
             if cfg.train.checkpoint_every and last % cfg.train.checkpoint_every == 0 and last < cfg.train.steps:
-                resume.save(ckpt, store, executor, last)
+                resume.save(ckpt, store, executor, last, ctx.engine)
                 saved = last
             executor.forget_before(t)
             if on_step is not None:
