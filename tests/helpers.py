@@ -315,3 +315,17 @@ def shard(model, mesh):
         return v.replace(jax.device_put(v.get_value(), NamedSharding(mesh, spec)))
 
     return nnx.merge(graphdef, jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+# A training process that dies as a crashed host does (SIGKILL, no cleanup) after step argv[1]:
+# `python -c KILLER N key=value ...`.
+KILLER = """
+import os, signal, sys
+from rpeg_jax.config import load_config
+from rpeg_jax.runtime.trainer import train
+stop = int(sys.argv[1])
+def on_step(step, metrics):
+    if step == stop:
+        os.kill(os.getpid(), signal.SIGKILL)
+train(load_config(None, sys.argv[2:]), on_step=on_step)
+"""

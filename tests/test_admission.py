@@ -7,12 +7,11 @@ function of the seeds (two runs are identical), and bad settings are refused by 
 import os
 import subprocess
 import sys
-import textwrap
 
 import jax
 import numpy as np
 import pytest
-from helpers import SKIP, TINY
+from helpers import KILLER, SKIP, TINY
 
 from rpeg_jax.config import ConfigError, load_config
 from rpeg_jax.runtime.metrics import read_metrics
@@ -86,18 +85,6 @@ def test_bad_continuous_settings_name_the_key(overrides, key):
         load_config(None, TINY + overrides)
 
 
-_KILLER = textwrap.dedent("""
-    import os, signal, sys
-    from rpeg_jax.config import load_config
-    from rpeg_jax.runtime.trainer import train
-    stop = int(sys.argv[1])
-    def on_step(step, metrics):
-        if step == stop:
-            os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, as a crashed host
-    train(load_config(None, sys.argv[2:]), on_step=on_step)
-""")
-
-
 @pytest.mark.parametrize("k", [1, 2])
 def test_resume_with_sequences_in_flight_is_exact(tmp_path, k):
     """Train 2N steps straight vs N, kill -9, resume to 2N: the same metrics and parameters. At a
@@ -108,7 +95,7 @@ def test_resume_with_sequences_in_flight_is_exact(tmp_path, k):
     want = train(load_config(None, common + [f"train.run_dir={tmp_path / 'straight'}"]), keep_state=True)
     crash = tmp_path / "crashed"
     proc = subprocess.run(
-        [sys.executable, "-c", _KILLER, str(n), *common, f"train.run_dir={crash}"],
+        [sys.executable, "-c", KILLER, str(n), *common, f"train.run_dir={crash}"],
         capture_output=True,
         text=True,
         timeout=600,

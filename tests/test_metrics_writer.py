@@ -5,6 +5,7 @@ profile's peak."""
 import os
 
 import yaml
+from helpers import TINY
 
 from rpeg_jax.config import load_config
 from rpeg_jax.runtime.metrics import MetricsWriter, read_metrics
@@ -47,25 +48,7 @@ def test_log_every_sets_the_tensorboard_and_console_cadence_not_the_jsonl(tmp_pa
 
 def test_mfu_is_useful_flops_over_the_profile_peak(tmp_path, monkeypatch):
     monkeypatch.setenv("RPEG_CACHE", str(tmp_path / "no-calibration"))  # the shipped profile, not a fitted copy
-    cfg = load_config(
-        None,
-        [
-            "model.num_layers=2",
-            "model.hidden_size=64",
-            "model.num_heads=4",
-            "model.num_kv_heads=2",
-            "model.intermediate_size=128",
-            "data.prompts_per_step=4",
-            "rl.group_size=4",
-            "rollout.max_new_tokens=6",
-            "train.tensorboard=false",
-            "train.progress=false",
-            "pipeline.plan=manual",
-            "costmodel.hardware=cpu",
-            "train.steps=2",
-            f"train.run_dir={tmp_path / 'run'}",
-        ],
-    )
+    cfg = load_config(None, TINY + ["costmodel.hardware=cpu", "train.steps=2", f"train.run_dir={tmp_path / 'run'}"])
     train(cfg)
     with open(os.path.join(ROOT, "configs", "hardware", "cpu.yaml")) as f:
         prof = yaml.safe_load(f)

@@ -6,12 +6,11 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import jax
 import numpy as np
 import pytest
-from helpers import PPO, SKIP, TINY, assert_rewritten, assert_same_run, run
+from helpers import KILLER, PPO, SKIP, TINY, assert_rewritten, assert_same_run, run
 
 from rpeg_jax.config import load_config
 from rpeg_jax.graph.plan import graph_for_plan, plan_for_config, plan_from_config, widen_generation
@@ -128,18 +127,6 @@ def test_staleness_zero_is_synchronous(tmp_path):
     assert all(r["staleness/max"] == 0.0 and r["rollout/weights_version"] == r["step"] - 1 for r in metrics)
 
 
-_KILLER = textwrap.dedent("""
-    import os, signal, sys
-    from rpeg_jax.config import load_config
-    from rpeg_jax.runtime.trainer import train
-    stop = int(sys.argv[1])
-    def on_step(step, metrics):
-        if step == stop:
-            os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, as a crashed host
-    train(load_config(None, sys.argv[2:]), on_step=on_step)
-""")
-
-
 @pytest.mark.parametrize("k", [0, 1])
 def test_resume_after_sigkill_is_exact(tmp_path, k):
     n = 2
@@ -147,7 +134,7 @@ def test_resume_after_sigkill_is_exact(tmp_path, k):
     straight = load_config(None, common + [f"train.run_dir={tmp_path / 'straight'}"])
     want = train(straight, keep_state=True)
     crash_dir = tmp_path / "crashed"
-    args = [sys.executable, "-c", _KILLER, str(n)] + common + [f"train.run_dir={crash_dir}"]
+    args = [sys.executable, "-c", KILLER, str(n)] + common + [f"train.run_dir={crash_dir}"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**os.environ})
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert Checkpointer(str(crash_dir / "checkpoints")).latest_step() == n
