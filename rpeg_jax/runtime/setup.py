@@ -18,6 +18,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from rpeg_jax.config.base import ConfigError
 from rpeg_jax.config.run import RunConfig
 from rpeg_jax.data.pipeline import build_pipeline
 from rpeg_jax.data.rewards import resolve_reward
@@ -110,6 +111,13 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
     reward_name, reward_fn = resolve_reward(cfg.data)
     engine = None
     if cfg.rollout.admission == "continuous":
+        if jax.process_count() > 1:  # every process has its own engine; a checkpoint holds one engine state
+            raise ConfigError(
+                "rollout.admission",
+                "continuous",
+                "runs on one process for now (each process's "
+                "engine state is not checkpointed yet); use admission=step with several processes",
+            )
         r, G = cfg.rollout, cfg.rl.group_size
         engine = ContinuousRollouts(
             sampler,
