@@ -277,3 +277,16 @@ def test_configs_from_the_run_configs_rollout_section():
         sc.attention,
         sc.seed,
     ) == (8, 99, 12, 40, 16, 16, 0.05, "recompute", "blocked", 9)
+
+
+def test_per_sequence_lengths_cap_each_completion_and_bad_ones_are_named(llama):
+    sampler = Sampler(llama, BASE)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, seed=3, ignore_eos=True)
+    outs = sampler.generate(prompts_of([5, 6]), params, lengths=[[3, 10], [1, 7]])
+    assert [[len(c.tokens) for c in o.completions] for o in outs] == [[3, 10], [1, 7]]
+    with pytest.raises(ValueError, match="lengths has 1 entries for 2 prompts"):
+        sampler.submit(prompts_of([5, 6]), params, lengths=[[3, 3]])
+    with pytest.raises(ValueError, match=r"lengths\[1\]=\[3, 11\]"):
+        sampler.submit(prompts_of([5, 6]), params, lengths=[[3, 3], [3, 11]])
+    with pytest.raises(ValueError, match=r"lengths\[0\]=\[3\]"):
+        sampler.submit(prompts_of([5, 6]), params, lengths=[[3], [3, 3]])

@@ -191,12 +191,13 @@ class Sampler:
         for i, p in enumerate(prompts):
             self._check_prompt(i, p, params)
         news = [[params.max_new_tokens] * params.n for _ in prompts] if lengths is None else lengths
+        if len(news) != len(prompts):
+            raise ValueError(f"generate: lengths has {len(news)} entries for {len(prompts)} prompts")
         for i, row in enumerate(news):
-            ok = len(row) == params.n and all(1 <= int(n) <= params.max_new_tokens for n in row)
-            if len(news) != len(prompts) or not ok:
+            if len(row) != params.n or not all(1 <= int(n) <= params.max_new_tokens for n in row):
                 raise ValueError(
                     f"generate: lengths[{i}]={list(row)}: need {params.n} lengths in [1, max_new_tokens="
-                    f"{params.max_new_tokens}] for each of the {len(prompts)} prompts"
+                    f"{params.max_new_tokens}]"
                 )
         all_seqs = []
         for i, p in enumerate(prompts):
