@@ -69,12 +69,13 @@ class StepStats:
     requeued: int = 0
     dropped: int = 0
     decode_steps: int = 0
-    busy_slot_steps: int = 0
-    slot_steps: int = 0
+    occupancy: float = 0.0
 
-    @property
-    def occupancy(self) -> float:
-        return self.busy_slot_steps / self.slot_steps if self.slot_steps else 0.0
+
+def occupancy(before: dict, after: dict) -> float:
+    """Mean fraction of busy slots over the decode steps between two Sampler.stats()."""
+    slots = after["slot_steps"] - before["slot_steps"]
+    return (after["busy_slot_steps"] - before["busy_slot_steps"]) / slots if slots else 0.0
 
 
 class ContinuousRollouts:
@@ -97,7 +98,7 @@ class ContinuousRollouts:
         self.sampler = sampler
         self.groups_per_step, self.group_size, self.staleness = groups_per_step, group_size, staleness
         self.stale_groups, self.sampling, self.seed, self.prompt_offset = stale_groups, sampling, seed, prompt_offset
-        self.lengths = lengths  # (group, attempt) -> per-sequence max new tokens, or None (forced lengths)
+        self.lengths = lengths  # (data step, index, attempt) -> per-sequence max new tokens (forced), or None
         self.in_flight: list[Group] = []
         self.done: list[Group] = []
         self.next_gid = 0
@@ -125,8 +126,7 @@ class ContinuousRollouts:
                 self._collect(floor, stats)
         after = self.sampler.stats()
         stats.decode_steps = after["decode_steps"] - before["decode_steps"]
-        stats.busy_slot_steps = after["busy_slot_steps"] - before["busy_slot_steps"]
-        stats.slot_steps = after["slot_steps"] - before["slot_steps"]
+        stats.occupancy = occupancy(before, after)
         batch, self.done = self.done[: self.groups_per_step], self.done[self.groups_per_step :]
         return batch, stats
 
@@ -216,7 +216,7 @@ class ContinuousRollouts:
     def _submit(self, g: Group) -> None:
         seed = rollout_seed(self.seed + 7919 * g.attempt, g.data_step)
         sp = dataclasses.replace(self.sampling, n=self.group_size, seed=seed)
-        lengths = None if self.lengths is None else [self.lengths(g, g.attempt)]
+        lengths = None if self.lengths is None else [self.lengths(g.data_step, g.index, g.attempt)]
         g.seqs = self.sampler.submit([g.prompt], sp, prompt_ids=[self.prompt_offset + g.index], lengths=lengths)
         self.in_flight.append(g)
 
@@ -231,8 +231,8 @@ def forced_lengths(spec: tuple[float, float, int, int], seed: int, group_size: i
     a stream of (seed, data step, index, attempt, sample): the benchmark workloads' long tail (R2)."""
     median, sigma, lo, hi = spec
 
-    def lengths(g: Group, attempt: int) -> list[int]:
-        rng = np.random.default_rng([seed, g.data_step, g.index, attempt])
+    def lengths(data_step: int, index: int, attempt: int) -> list[int]:
+        rng = np.random.default_rng([seed, data_step, index, attempt])
         draw = np.exp(np.log(median) + sigma * rng.standard_normal(group_size))
         return [int(x) for x in np.clip(np.round(draw), lo, hi)]
 

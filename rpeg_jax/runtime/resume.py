@@ -41,22 +41,23 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None)
         raise RuntimeError(f"checkpoint of step {step} would hold state versions {versions}: not a step boundary")
     prompts = store.latest("data_iterator")[1]
     buffered = list(range(step, step + k))
+    if engine is not None:  # the stream resumes by drawing the engine's next data step again
+        engine.restart()
+        d = engine.data_step
+        data_state = prompts.state_before(d) if d in prompts.before else prompts.state()
+    else:  # with generation ahead, the buffered steps' prompts are drawn again on restore
+        data_state = prompts.state_before(step) if k else prompts.state()
     meta = {
         "step": step,
         "versions": versions,
-        "knobs": {**ex.program.plan.knobs, **ex.program.plan.settings},  # the structure (checked on restore)
-        "data_iterator": prompts.state_before(step) if k else prompts.state(),
-        "engine": None,
+        "structure": {**ex.program.plan.knobs, **ex.program.plan.settings},  # checked on restore
+        "data_iterator": data_state,
+        "engine": engine.state() if engine is not None else None,
         "next_ahead_step": dict(ex.next_ahead_step),
         "buffer_steps": buffered,
         "buffer_specs": {},
         "pending_metrics": ex.pending_metrics(buffered),
     }
-    if engine is not None:
-        engine.restart()
-        meta["engine"] = engine.state()
-        d = engine.data_step  # the stream resumes by drawing this data step again
-        meta["data_iterator"] = prompts.state_before(d) if d in prompts.before else prompts.state()
     if "rollout_buffer" in store.state:
         meta["admitted"] = {str(s): v for s, v in store.latest("rollout_buffer")[1].admitted.items()}
     buffer = {}
@@ -86,7 +87,7 @@ def restore(ckpt: Checkpointer, store: Store, ex: Executor, ctx) -> int:
         for name, (shape, dtype) in meta_only.get("buffer_specs", {}).items()
     }
     ours = {**ex.program.plan.knobs, **ex.program.plan.settings}
-    for knob, theirs in meta_only.get("knobs", {}).items():
+    for knob, theirs in meta_only.get("structure", {}).items():
         if ours.get(knob) != theirs:  # another structure: other state trees, other buffers
             raise ConfigError(
                 knob if "." in knob else f"pipeline.{knob}",

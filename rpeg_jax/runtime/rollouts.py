@@ -29,7 +29,7 @@ from jax.experimental import multihost_utils
 from rpeg_jax.data.rewards import Sample
 from rpeg_jax.data.rewards import score as score_samples
 from rpeg_jax.data.tokenizer import completion_ids
-from rpeg_jax.runtime.admission import Group, forced_lengths, rollout_seed
+from rpeg_jax.runtime.admission import forced_lengths, occupancy, rollout_seed
 from rpeg_jax.sampling import SamplingParams
 
 LENGTH_BUCKET = 8
@@ -105,20 +105,21 @@ def generate_piece(ctx, params, version: int, batch, step: int, piece: int, piec
     lengths = None
     if cfg.rollout.forced_lengths is not None:  # the same draw as continuous admission's first attempt
         draw = forced_lengths(cfg.rollout.forced_lengths, cfg.train.seed, G)
-        lengths = [draw(Group(0, step, i, 0, [], {}), 0) for i in range(lo, hi)]
+        lengths = [draw(step, i, 0) for i in range(lo, hi)]
     before = sampler.stats()
     t0 = time.perf_counter()
     outs = sampler.generate(prompts, sp, prompt_ids=[ctx.prompt_offset + i for i in range(lo, hi)], lengths=lengths)
     gen_s = time.perf_counter() - t0
-    rows = [(o.prompt_tokens, c) for o in outs for c in o.completions]
+    done = [(o.prompt_tokens, c) for o in outs for c in o.completions]
+    rows = [(p, c.tokens, c.logprobs, c.policy_versions) for p, c in done]
     gids = np.repeat(np.arange(lo, hi, dtype=np.int32) + ctx.prompt_offset, G)
     host = {k: [getattr(batch, a)[i] for i in range(lo, hi)] for k, a in HOST_FIELDS}
     comps, behav, new_tokens = lay_out(ctx, rows, gids, host)
     metrics = {
         "perf/gen_tokens_per_s": new_tokens / gen_s if gen_s > 0 else 0.0,
-        "rollout/preemptions": float(sum(c.num_preemptions for _, c in rows)),
+        "rollout/preemptions": float(sum(c.num_preemptions for _, c in done)),
         "rollout/weights_version": float(version),
-        "rollout/occupancy": _occupancy(before, sampler.stats()),
+        "rollout/occupancy": occupancy(before, sampler.stats()),
     }
     return comps, behav, metrics
 
@@ -131,13 +132,14 @@ def continuous_batch(ctx, params, version: int, prompts, step: int):
     groups, st = engine.next_batch(step, version, params, prompts)
     gen_s = time.perf_counter() - t0
     G = ctx.cfg.rl.group_size
-    rows = [(g.prompt, s) for g in groups for s in sorted(g.seqs, key=lambda s: s.sample_index)]
+    seqs = [(g.prompt, s) for g in groups for s in sorted(g.seqs, key=lambda s: s.sample_index)]
+    rows = [(p, s.tokens, s.logprobs, s.versions) for p, s in seqs]
     gids = np.repeat(np.array([g.gid for g in groups], np.int32), G)
     host = {k: [g.host[k] for g in groups] for k, _ in HOST_FIELDS}
     comps, behav, new_tokens = lay_out(ctx, rows, gids, host)
     metrics = {
         "perf/gen_tokens_per_s": new_tokens / gen_s if gen_s > 0 else 0.0,
-        "rollout/preemptions": float(sum(s.preemptions for _, s in rows)),
+        "rollout/preemptions": float(sum(s.preemptions for _, s in seqs)),
         "rollout/weights_version": float(version),
         "rollout/occupancy": st.occupancy,
         "rollout/requeued": float(st.requeued),
@@ -148,24 +150,18 @@ def continuous_batch(ctx, params, version: int, prompts, step: int):
     return comps, behav, metrics
 
 
-def _occupancy(before: dict, after: dict) -> float:
-    """Mean fraction of busy slots over the decode steps between two sampler.stats()."""
-    slots = after["slot_steps"] - before["slot_steps"]
-    return (after["busy_slot_steps"] - before["busy_slot_steps"]) / slots if slots else 0.0
-
-
 HOST_FIELDS = (("prompt", "prompts"), ("answer", "answers"), ("record", "records"))
 
 
 def lay_out(ctx, rows, gids: np.ndarray, host: dict[str, list]) -> tuple[dict, Any, int]:
-    """Rows (prompt tokens, completion with .tokens/.logprobs and per-token versions) -> the rollout
+    """Rows (prompt tokens, response tokens, their logprobs, their policy versions) -> the rollout
     layout (module docstring) as this process's share of global arrays, plus host fields; returns
     (completions, behav_logp, new tokens)."""
     cfg, fixed = ctx.cfg, ctx.fixed_shapes
-    toks = [np.asarray(c.tokens, np.int32) for _, c in rows]
-    lps = [np.asarray(c.logprobs, np.float32) for _, c in rows]
-    vers = [np.asarray(getattr(c, "policy_versions", getattr(c, "versions", None)), np.int32) for _, c in rows]
-    longest = np.array([max(len(p) for p, _ in rows), max(len(t) for t in toks)])
+    toks = [np.asarray(t, np.int32) for _, t, _, _ in rows]
+    lps = [np.asarray(lp, np.float32) for _, _, lp, _ in rows]
+    vers = [np.asarray(v, np.int32) for _, _, _, v in rows]
+    longest = np.array([max(len(r[0]) for r in rows), max(len(t) for t in toks)])
     if jax.process_count() > 1:  # every process must lay its rows out with the same P and R
         longest = multihost_utils.process_allgather(longest).max(axis=0)
     P = bucket(int(longest[0]), cfg.data.max_prompt_len if fixed else None)
@@ -177,7 +173,7 @@ def lay_out(ctx, rows, gids: np.ndarray, host: dict[str, list]) -> tuple[dict, A
     mask = np.zeros((B, R), np.float32)
     behav = np.zeros((B, R), np.float32)
     versions = np.zeros((B, R), np.int32)
-    for b, (p, _) in enumerate(rows):
+    for b, (p, *_) in enumerate(rows):
         lp, lr = len(p), len(toks[b])
         tokens[b, P - lp : P] = p
         tokens[b, P : P + lr] = toks[b]
