@@ -31,6 +31,9 @@ class SamplerConfig:
     min_chunk_steps: int = 8  # a chunk ends early where the page-table width bucket grows, but
     #                           not before this many steps (= chunk_steps: never end early)
     watermark: float = 0.01  # fraction of pages kept free when admitting groups
+    release_slots: bool = False  # end a decode chunk (after min_chunk_steps) once the first waiting
+    #   group's worth of slots has freed, so it is admitted without idling to the chunk's end (set
+    #   under continuous admission, where a group always waits; the sampled tokens do not change)
     on_weight_update: Literal["finish", "recompute", "continue"] = "finish"  # policy for in-flight
     #   sequences when weights change: finish them on the old weights, recompute their KV, or continue
     attention: Literal["auto", "gather", "blocked", "chunk"] = "auto"  # decode attention over pages:
@@ -117,6 +120,7 @@ class SamplerConfig:
             chunk_steps=r.chunk_steps,
             min_chunk_steps=r.min_chunk_steps,
             watermark=r.watermark,
+            release_slots=r.admission == "continuous",
             on_weight_update=r.weight_update_policy,
             attention=r.attention,
             kv_pool=r.kv_pool,
