@@ -99,6 +99,16 @@ def build_models(cfg: RunConfig, graph: Graph, placement: Placement) -> dict[str
     return models
 
 
+def sampler_config(cfg: RunConfig) -> SamplerConfig:
+    """The sampler's engine settings: the rollout section, this process's share of a step's batch as
+    slots, and the model's end ids (eos_id + eos_ids, from generation_config.json with model.path)."""
+    batch = cfg.data.prompts_per_step * cfg.rl.group_size // jax.process_count()
+    max_seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    return SamplerConfig.from_rollout(
+        cfg.rollout, max_slots=batch, max_seq_len=max_seq, seed=cfg.train.seed, eos_token_ids=cfg.model.end_ids
+    )
+
+
 def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Store]:
     pipeline = build_pipeline(cfg, shard_index=jax.process_index(), shard_count=jax.process_count())
     placement = Placement(cfg, graph, plan)
@@ -109,11 +119,7 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
     if "critic" in models:
         optimizers["critic"] = make_optimizer(cfg.critic_optim or cfg.optim, total)
     rollout_params = placement.to_rollout(split["actor"][1])
-    batch = cfg.data.prompts_per_step * cfg.rl.group_size // jax.process_count()
-    max_seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-    scfg = SamplerConfig.from_rollout(
-        cfg.rollout, max_slots=batch, max_seq_len=max_seq, seed=cfg.train.seed, eos_token_ids=cfg.model.end_ids
-    )
+    scfg = sampler_config(cfg)
     sampler = Sampler(
         nnx.merge(split["actor"][0], rollout_params), scfg, tokenizer=pipeline.tokenizer, mesh=placement.generate.mesh
     )
