@@ -279,7 +279,7 @@ def no_plan_fits(ctx: Context) -> NoPlanFits:
     if state > budget:
         return NoPlanFits(
             f"the parameters and Adam moments alone need {state / GB:.2f} GB per device even sharded over "
-            f"all {ctx.N} devices; the budget is {budget / GB:.2f} GB per device ({of}); "
+            f"all {ctx.N} device{'s' if ctx.N > 1 else ''}; the budget is {budget / GB:.2f} GB per device ({of}); "
             f"use a smaller model, {more}, or raise costmodel.memory_budget"
         )
     free = dataclasses.replace(ctx, st=dataclasses.replace(ctx.st, budget_bytes=np.inf))
