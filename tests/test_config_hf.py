@@ -211,3 +211,15 @@ def test_bad_checkpoints_are_one_line_exit_2(tmp_path, capsys, case, change, mes
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"config error: model.path={path!r}: ")
     assert message in err
+
+
+def test_eos_lists_in_config_json_and_generation_config():
+    from rpeg_jax.config.hf import model_fields
+
+    llama31 = {**raw("llama_tiny"), "eos_token_id": [2, 9, 11]}  # Llama 3.1 writes the list in config.json
+    f = model_fields(llama31)
+    assert (f["eos_id"], f["eos_ids"], f["pad_id"]) == (2, (9, 11), 0)
+    f = model_fields(llama31, {"eos_token_id": 7})  # generation_config.json wins (transformers' generate)
+    assert (f["eos_id"], f["eos_ids"]) == (2, (7,))
+    f = model_fields({**raw("qwen2_tiny"), "pad_token_id": None}, {"eos_token_id": [2, 2, 5]})
+    assert (f["eos_id"], f["eos_ids"], f["pad_id"]) == (2, (5,), 2)  # no pad: eos pads
