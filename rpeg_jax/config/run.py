@@ -2,8 +2,10 @@
 
     cfg = load_config("configs/default.yaml", ["rl.kl_coef=0.04", "train.steps=10"])
 
-Presets may name a base with `base: other.yaml` (resolved relative to the file). Validation is
-complete before anything is compiled; errors are `ConfigError` (one line: key and value).
+Presets may name a base with `base: other.yaml` (resolved relative to the file). `model.path`
+(`critic.path`) fills that section from the checkpoint's config.json (config/hf.py) before
+validation. Validation is complete before anything is compiled; errors are `ConfigError` (one
+line: key and value).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from rpeg_jax.config.base import ConfigError, build, check, suggest, to_dict
 from rpeg_jax.config.costmodel import CostModelConfig
 from rpeg_jax.config.data import DataConfig
 from rpeg_jax.config.distributed import DistributedConfig
+from rpeg_jax.config.hf import resolve_checkpoint
 from rpeg_jax.config.model import ModelConfig, resolve_preset
 from rpeg_jax.config.optim import OptimConfig
 from rpeg_jax.config.pipeline import PipelineConfig
@@ -216,9 +219,12 @@ def from_dict(data: dict) -> RunConfig:
     for name in data:
         if name not in sections:
             raise ConfigError(name, data[name], "unknown section" + suggest(name, sections))
-    for name in ("model", "critic"):
+    for name in ("model", "critic"):  # a checkpoint path defines the shape, else a preset may
         if isinstance(data.get(name), dict):
-            data[name] = resolve_preset(data[name], name)
+            given = data[name]
+            data[name] = (
+                resolve_checkpoint(given, name) if given.get("path") is not None else resolve_preset(given, name)
+            )
     return build(RunConfig, data)
 
 

@@ -92,15 +92,19 @@ def _check_tokenizer(cfg: RunConfig, tok: Tokenizer) -> None:
                 m.vocab_size,
                 f"the character tokenizer (data.tokenizer=null) needs >= {tok.vocab_size}",
             )
-    elif tok.vocab_size > m.vocab_size:
+    elif tok.vocab_size > m.vocab_size:  # with model.path the vocabulary is the checkpoint's (config/hf.py)
+        vocab = f"model.path={m.path}'s vocab_size" if m.path else "model.vocab_size"
         raise ConfigError(
             "data.tokenizer",
             cfg.data.tokenizer,
-            f"has {tok.vocab_size} tokens, more than model.vocab_size={m.vocab_size}",
+            f"has {tok.vocab_size} tokens, more than {vocab}={m.vocab_size}",
         )
-    if tok.eos_id != m.eos_id:
+    if tok.eos_id not in m.end_ids:  # e.g. Llama 3: config.json's eos is <|end_of_text|>, the tokenizer's <|eot_id|>
+        ids = f"model.eos_id={m.eos_id}" + (f", model.eos_ids={list(m.eos_ids)}" if m.eos_ids else "")
         raise ConfigError(
-            "model.eos_id", m.eos_id, f"the tokenizer's eos id is {tok.eos_id}; set model.eos_id={tok.eos_id}"
+            "model.eos_id",
+            m.eos_id,
+            f"the tokenizer's eos id is {tok.eos_id}, not {ids}; set model.eos_id={tok.eos_id}",
         )
 
 

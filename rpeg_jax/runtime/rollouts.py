@@ -224,7 +224,7 @@ def score(ctx, comps: dict) -> tuple[Any, dict]:
     R = comps["host_mask"].shape[1]
     tokens = comps["host_tokens"][:, -R:]
     lengths = comps["host_mask"].sum(1).astype(int)
-    stop_ids = tuple(ctx.cfg.rollout.stop_token_ids)
+    stop_ids = (*ctx.cfg.model.end_ids, *ctx.cfg.rollout.stop_token_ids)  # where the sampler stopped
     samples = []
     for b in range(tokens.shape[0]):
         ids = completion_ids(tokens[b, : lengths[b]].tolist(), tok.eos_id, stop_ids)
