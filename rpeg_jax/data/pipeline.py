@@ -59,7 +59,7 @@ class PromptBatch:
     step: int  # global batch index t (0-based) this came from
     epoch: float  # records consumed / dataset size, at the start of this batch
     ids: tuple[str, ...]
-    prompts: tuple[str, ...]  # prompt texts
+    prompts: tuple[str, ...]  # prompt texts as the model sees them (chat template applied: prompt_text)
     prompt_tokens: tuple[tuple[int, ...], ...]  # token ids, bos first when the tokenizer has one
     answers: tuple[str | None, ...]
     records: tuple[dict[str, Any], ...]  # each record's other fields (task, operands, JSONL extras)
