@@ -223,3 +223,26 @@ def test_eos_lists_in_config_json_and_generation_config():
     assert (f["eos_id"], f["eos_ids"]) == (2, (7,))
     f = model_fields({**raw("qwen2_tiny"), "pad_token_id": None}, {"eos_token_id": [2, 2, 5]})
     assert (f["eos_id"], f["eos_ids"], f["pad_id"]) == (2, (5,), 2)  # no pad: eos pads
+
+
+def test_the_checkpoints_tokenizer_is_the_default_tokenizer(tmp_path):
+    """data.tokenizer not given: model.path's tokenizer.json (its ids are the embeddings' rows);
+    given: that one; a checkpoint without tokenizer.json keeps the built-in one (None)."""
+    ckpt = copy_of(tmp_path)
+    assert load_config(None, [f"model.path={ckpt}"]).data.tokenizer is None
+    shutil.copy(TOKENIZER, os.path.join(ckpt, "tokenizer.json"))
+    assert load_config(None, [f"model.path={ckpt}"]).data.tokenizer == os.path.join(ckpt, "tokenizer.json")
+    assert load_config(None, [f"model.path={ckpt}", f"data.tokenizer={TOKENIZER}"]).data.tokenizer == TOKENIZER
+    assert load_config(None, []).data.tokenizer is None
+
+
+def test_a_jsonl_run_bounds_prompts_by_the_models_positions_unless_given():
+    """data.max_prompt_len not given with task=jsonl: 512 (verl's default) or what the model's
+    positions leave beside max_new_tokens; given: as given; built-in tasks keep the field's default."""
+    base = ["data.task=jsonl", "data.path=x.jsonl"]
+    cfg = load_config(None, base + [f"model.path={os.path.join(HF, 'llama_tiny')}", "rollout.max_new_tokens=8"])
+    assert cfg.data.max_prompt_len == raw("llama_tiny")["max_position_embeddings"] - 8 == 120
+    cfg = load_config(None, base + ["model.preset=tiny", "rollout.max_new_tokens=8"])
+    assert cfg.data.max_prompt_len == min(512, cfg.model.max_position_embeddings - 8)
+    assert load_config(None, base + ["data.max_prompt_len=40"]).data.max_prompt_len == 40
+    assert load_config(None, []).data.max_prompt_len == 32

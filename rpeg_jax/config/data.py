@@ -29,7 +29,8 @@ class DataConfig:
     prompt_field: str = "prompt"  # JSONL key of the prompt: text or a list of {role, content} messages ("a.b" nests)
     answer_field: str | None = "answer"  # JSONL key of the reference answer; None: records carry none
     id_field: str | None = None  # JSONL key of a record id; None -> "<file>:<line>"
-    tokenizer: str | None = None  # tokenizer.json path; None -> the built-in character tokenizer
+    tokenizer: str | None = None  # tokenizer.json path; None -> model.path's tokenizer.json when it has one,
+    #   else the built-in character tokenizer
     bos_token: str | None = None  # tokenizer.json only; None -> tokenizer_config.json, then common names
     eos_token: str | None = None
     pad_token: str | None = None  # None -> found like bos/eos, else the eos token
@@ -50,7 +51,8 @@ class DataConfig:
     num_examples: int = 4096  # size of a built-in task's generated dataset
     min_digits: int = 1  # built-in tasks: operand/string length range, the difficulty knob (data/tasks.py)
     max_digits: int = 3
-    max_prompt_len: int = 32  # tokens incl. bos; longer prompts are an error (or skipped)
+    max_prompt_len: int = 32  # tokens incl. bos; longer prompts are an error (or skipped). Not given with
+    #   task=jsonl: 512 (verl's default), fewer if the model's positions leave less beside max_new_tokens
 
     def longest_prompt(self) -> int:
         """Tokens of the longest prompt this source gives (bos included): a built-in task's under

@@ -225,7 +225,36 @@ def from_dict(data: dict) -> RunConfig:
             data[name] = (
                 resolve_checkpoint(given, name) if given.get("path") is not None else resolve_preset(given, name)
             )
-    return build(RunConfig, data)
+    data = _checkpoint_tokenizer(data)
+    cfg = build(RunConfig, data)
+    if cfg.data.task == "jsonl" and "max_prompt_len" not in (data.get("data") or {}):
+        cfg = _jsonl_prompt_len(cfg)
+    return cfg
+
+
+JSONL_PROMPT_LEN = 512  # verl's data.max_prompt_length default
+
+
+def _jsonl_prompt_len(cfg: RunConfig) -> RunConfig:
+    """data.max_prompt_len not given for a JSONL file (not read at config time): 512 tokens (verl's
+    default), or what the model's positions leave beside rollout.max_new_tokens if fewer. Prompts
+    are padded to the batch's longest, so a generous bound costs only the sampler's page budget."""
+    room = cfg.model.max_position_embeddings - cfg.rollout.max_new_tokens
+    n = max(1, min(JSONL_PROMPT_LEN, room))
+    out = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_prompt_len=n))
+    out.validate()
+    return out
+
+
+def _checkpoint_tokenizer(data: dict) -> dict:
+    """data.tokenizer not given and model.path holds a tokenizer.json: that one (a checkpoint's
+    tokenizer belongs to its embeddings; the built-in character tokenizer does not)."""
+    model, section = data.get("model") or {}, data.get("data") or {}
+    path = model.get("path") if isinstance(model, dict) else None
+    if path is None or not isinstance(section, dict) or section.get("tokenizer") is not None:
+        return data
+    file = os.path.join(str(path), "tokenizer.json")
+    return {**data, "data": {**section, "tokenizer": file}} if os.path.isfile(file) else data
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
