@@ -21,6 +21,7 @@ from rpeg_jax.config.base import ConfigError, build, check, suggest, to_dict
 from rpeg_jax.config.costmodel import CostModelConfig
 from rpeg_jax.config.data import DataConfig
 from rpeg_jax.config.distributed import DistributedConfig
+from rpeg_jax.config.eval import EvalConfig
 from rpeg_jax.config.hf import resolve_checkpoint
 from rpeg_jax.config.model import ModelConfig, resolve_preset
 from rpeg_jax.config.optim import OptimConfig
@@ -48,6 +49,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     costmodel: CostModelConfig = field(default_factory=CostModelConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self, path: str = "") -> None:
         """Checks that span sections (each section validated itself already)."""

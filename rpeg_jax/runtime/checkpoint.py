@@ -97,6 +97,21 @@ class Checkpointer:
         out = self._mngr.restore(step, args=ocp.args.Composite(**items))
         return out["train"], dict(out["meta"]), dict(out["buffer"]) if buffer_target else {}
 
+    def restore_state(self, step: int, name: str, target: Any) -> Any:
+        """One train state (e.g. "actor") of checkpoint `step`, laid out like `target`; the other
+        states and items are not read (runtime/evaluation.py restores the actor's params alone)."""
+        tree = {name: jax.tree.map(_abstract, target)}
+        args = ocp.args.PyTreeRestore(
+            tree,
+            restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), tree),
+            partial_restore=True,
+        )
+        reader = ocp.PyTreeCheckpointer()  # the "train" item alone, by its folder
+        try:
+            return reader.restore(os.path.join(self.directory, str(step), "train"), args=args)[name]
+        finally:
+            reader.close()
+
     def wait(self) -> None:
         self._mngr.wait_until_finished()
 

@@ -85,12 +85,18 @@ def _model(cfg_model, path: str | None, seed: int, layout, value_head: bool = Fa
     )
 
 
+def build_actor(cfg: RunConfig, graph: Graph, placement: Placement) -> nnx.Module:
+    """The initial actor (model.path, else a random init from train.seed) in its training layout, with
+    a value head when the backbone is shared (runtime/evaluation.py builds it alone)."""
+    shared = bool(graph.attrs.get("shared"))
+    return _model(cfg.model, cfg.model.path, cfg.train.seed, placement.state_layout("actor"), shared)
+
+
 def build_models(cfg: RunConfig, graph: Graph, placement: Placement) -> dict[str, nnx.Module]:
     """actor (+ value head when the backbone is shared), reference (the initial actor's weights,
     separate buffers) when β > 0, and a separate critic for PPO without sharing."""
-    shared = bool(graph.attrs.get("shared"))
     seed = cfg.train.seed
-    models = {"actor": _model(cfg.model, cfg.model.path, seed, placement.state_layout("actor"), shared)}
+    models = {"actor": build_actor(cfg, graph, placement)}
     if graph.has(StateKind.REFERENCE.value):
         models["reference"] = _model(cfg.model, cfg.model.path, seed, placement.state_layout("reference"))
     if graph.has(StateKind.CRITIC.value):
@@ -101,7 +107,8 @@ def build_models(cfg: RunConfig, graph: Graph, placement: Placement) -> dict[str
 
 def sampler_config(cfg: RunConfig) -> SamplerConfig:
     """The sampler's engine settings: the rollout section, this process's share of a step's batch as
-    slots, and the model's end ids (eos_id + eos_ids, from generation_config.json with model.path)."""
+    slots, and the model's end ids (eos_id + eos_ids, from generation_config.json with model.path).
+    The evaluation sampler (runtime/evaluation.py) has the same, so the two share compiled programs."""
     batch = cfg.data.prompts_per_step * cfg.rl.group_size // jax.process_count()
     max_seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     return SamplerConfig.from_rollout(
