@@ -93,6 +93,13 @@ def test_metrics_equal_float64_recomputation_from_the_files(evaluated):
     assert any(len(set(ln["completions"])) > 1 for ln in lines)
 
 
+def test_one_sample_has_mean_only_per_source():
+    from rpeg_jax.runtime.evaluation import val_metrics
+
+    got = val_metrics(["a", "b", "a"], np.array([[1.0], [0.5], [0.0]]), 1.0)
+    assert got == {"val-core/a/reward/mean@1": 0.5, "val-core/b/reward/mean@1": 0.5}  # no pass@1
+
+
 def test_greedy_evaluation_equals_the_greedy_sampler(tmp_path):
     from flax import nnx
 

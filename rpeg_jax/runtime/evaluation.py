@@ -12,6 +12,7 @@ r_ij the reward of sample j of prompt i (verl's trainer/ppo/metric_utils.process
       share of prompts that any of their N samples solves. Not verl's best@N/mean, which is a
       bootstrap estimate (1000 resamples with replacement) of E[max of N rewards] and is
       below max_j r_ij; pass@N with n = N samples needs no estimator.
+  val-aux/reward/errors            = samples whose reward raised (scored 0, as in training);
   timing_s/testing                 = seconds the evaluation took (verl's name).
 Results per prompt go to <run_dir>/eval/step_<step>.jsonl, one line per prompt in file order: id,
 data_source, prompt_text (the prompt as rendered for the model, a chat template applied),
