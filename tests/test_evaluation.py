@@ -109,9 +109,10 @@ def test_greedy_evaluation_equals_the_greedy_sampler(tmp_path):
     from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
 
     path = write_eval_file(tmp_path / "held_out.jsonl")
-    over = BASE + eval_overrides(path, temperature=0.0, n=3, every=0)
+    over = BASE + eval_overrides(path, temperature=0.0, n=3, every=0, max_prompts=3)
     r = run(tmp_path, "greedy", over, steps=0)  # step 0 only: the initial policy
     lines = read_jsonl(os.path.join(r.run_dir, "eval", "step_0.jsonl"))
+    assert [ln["prompt_text"] for ln in lines] == ["1+2=", "4+9=", "7+16="]  # the file's first 3 of 5
     cfg = load_config(None, over)
     graphdef, _ = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(params=0)), nnx.Param)
     model = nnx.merge(graphdef, r.state["actor"])
