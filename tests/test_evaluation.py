@@ -189,3 +189,35 @@ def test_bad_inputs_are_one_line_exit_2(evaluated, tmp_path, capsys):
     _one_line_exit_2(["eval", "--step", "1", *over], capsys, "--step=1", "checkpoints")
     _one_line_exit_2(["eval", *BASE, f"eval.path={tmp_path / 'none.jsonl'}"], capsys, "eval.path", "not found")
     _one_line_exit_2(["eval", *BASE, "eval.every=2"], capsys, "eval.every=2", "eval.path")
+
+
+def test_message_prompts_are_evaluated_as_rendered_by_the_chat_template(tmp_path):
+    """An instruct checkpoint (model.path, its chat_template.jinja): prompt_text is the template's
+    rendering, equal to transformers' apply_chat_template text (tests/fixtures/chat/expected.json)."""
+    from fixtures.checkpoint import write_qwen2_checkpoint
+
+    with open(os.path.join(os.path.dirname(__file__), "fixtures", "chat", "expected.json"), encoding="utf-8") as f:
+        expected = json.load(f)
+    names = ("user", "system_user")
+    ckpt = write_qwen2_checkpoint(tmp_path / "ckpt", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
+    path = tmp_path / "chat_eval.jsonl"
+    path.write_text("".join(json.dumps({"prompt": expected["conversations"][n], "answer": "42"}) + "\n" for n in names))
+    over = [
+        f"model.path={ckpt}",
+        "data.task=jsonl",
+        f"data.path={path}",
+        "data.prompts_per_step=2",
+        "data.max_prompt_len=96",
+        "rl.group_size=2",
+        "rollout.max_new_tokens=4",
+        "train.tensorboard=false",
+        "train.progress=false",
+        "pipeline.plan=manual",
+        *eval_overrides(str(path), every=0, n=2),
+    ]
+    r = run(tmp_path, "chat", over, steps=0)
+    lines = read_jsonl(os.path.join(r.run_dir, "eval", "step_0.jsonl"))
+    want = [expected["families"]["qwen2_5"]["cases"][n]["generation"]["text"] for n in names]
+    assert [ln["prompt_text"] for ln in lines] == want
+    by_step = {m["step"]: m for m in r.metrics}
+    assert "val-core/chat_eval/reward/pass@2" in by_step[0]

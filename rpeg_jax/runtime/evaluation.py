@@ -55,7 +55,8 @@ from rpeg_jax.data.tokenizer import load_tokenizer
 from rpeg_jax.runtime.setup import sampler_config
 from rpeg_jax.sampling import Sampler, SamplingParams
 
-RECORD_KEYS = ("id", "prompt", "prompt_tokens", "answer")  # a record's own fields; the rest go to the reward
+RECORD_KEYS = ("id", "prompt", "prompt_tokens", "answer")  # a record's own fields; the rest (prompt_messages
+#   included) go to the reward, as the training pipeline passes them
 
 
 def eval_seed(base: int) -> int:
@@ -106,7 +107,7 @@ def load_eval_records(cfg: RunConfig, tokenizer) -> list[dict]:
     if d.answer_field is None:
         raise ConfigError("data.answer_field", None, f"evaluation ({e.path}) scores against answers: set the field")
     _check_answers(e.path, d.answer_field)
-    records, _ = load_records(dataclasses.replace(d, task="jsonl", path=e.path), tokenizer)
+    records, _ = load_records(dataclasses.replace(d, task="jsonl", path=e.path), tokenizer, model_path=cfg.model.path)
     records = records[: e.max_prompts] if e.max_prompts else records
     stem = os.path.splitext(os.path.basename(e.path))[0]
     for r in records:
