@@ -67,11 +67,9 @@ class RuntimeContext:
 
 
 def _model(cfg_model, path: str | None, seed: int, layout, value_head: bool = False):
-    """A model built directly in `layout` (sharded init), or loaded from a local HF checkpoint."""
-    if path:
-        model = load_hf(path, value_head=value_head, dtype=cfg_model.param_dtype)
-        graphdef, params = nnx.split(model, nnx.Param)
-        return nnx.merge(graphdef, jax.device_put(params, layout.params(params)))
+    """A model built directly in `layout`: a sharded init, or loaded from a local HF checkpoint."""
+    if path:  # each process reads only the slices of the files its devices hold
+        return load_hf(path, value_head=value_head, dtype=cfg_model.param_dtype, shardings=layout.params)
     mcfg = dataclasses.replace(cfg_model, value_head=value_head or cfg_model.value_head)
     return shard_model(
         lambda: Transformer(mcfg, rngs=nnx.Rngs(params=seed)), layout.mesh, layout.rules, list(layout.overrides)
