@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 from flax import nnx
 from helpers import HF, TINY, run
 
@@ -134,8 +135,16 @@ def test_bad_inputs_are_one_line_exit_2(trained, tmp_path, capsys):
     empty_run = tmp_path / "norun"
     empty_run.mkdir()
     shutil.copy(os.path.join(r.run_dir, "config.yaml"), empty_run / "config.yaml")
+    other = tmp_path / "othershape"  # the same checkpoints under a config.yaml of another model shape
+    other.mkdir()
+    with open(os.path.join(r.run_dir, "config.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    cfg["model"].update(path=None, intermediate_size=128)
+    (other / "config.yaml").write_text(yaml.safe_dump(cfg))
+    os.symlink(os.path.join(r.run_dir, "checkpoints"), other / "checkpoints")
     cases = [
         (["--run-dir", r.run_dir, "--out", str(full)], "exists and is not empty (pass --overwrite"),
+        (["--run-dir", str(other), "--out", str(tmp_path / "d")], "holds actor.layers.w_down as ((2, 160, 64)"),
         (["--run-dir", r.run_dir, "--step", "7", "--out", str(tmp_path / "a")], "step 7 is not in"),
         (["--run-dir", str(empty_run), "--out", str(tmp_path / "b")], "no checkpoint in"),
         (["--run-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path / "c")], "config.yaml not found"),
@@ -144,7 +153,7 @@ def test_bad_inputs_are_one_line_exit_2(trained, tmp_path, capsys):
         assert main(["export", *args]) == 2, args
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
-    assert not any(os.path.exists(tmp_path / n) for n in "abc")
+    assert not any(os.path.exists(tmp_path / n) for n in "abcd")
     assert main(["export", "--run-dir", r.run_dir, "--out", str(full), "--overwrite"]) == 0
     assert "model.safetensors" in os.listdir(full) and "x" not in os.listdir(full)
 

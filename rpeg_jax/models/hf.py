@@ -312,8 +312,9 @@ def _load(tensors: _Tensors, names: list[str] | str, layout: _Layout, shape, dty
 def load_hf(path: str, *, value_head: bool = False, dtype: str | None = None, shardings: Any = None) -> Transformer:
     """A Transformer with the weights of the local HF checkpoint at `path`, every parameter built
     directly in its sharding: each process reads from the files only the slices its own devices
-    hold (`jax.make_array_from_callback`), so neither a device nor the host ever holds the whole
-    model, nor a second copy of it.
+    hold (`jax.make_array_from_callback`), so a device holds only its own blocks and the host
+    never a second copy of the model (bench/NOTES.md, session 11: peak 1.19x the model's bytes
+    on 8 CPU devices, where the devices' 1x is host memory too).
 
     `shardings`: None (every parameter on the default device), a tree with one jax Sharding per
     parameter of the model's nnx.State (`nnx.split(model, nnx.Param)[1]`; a flat dict keyed by
