@@ -107,6 +107,20 @@ def test_export_copies_tokenizer_and_generation_config(trained, tmp_path):
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["intermediate_size"] == 160
+    # data.chat_template=PATH: the template the run rendered with is the export's chat_template.jinja
+    other = tmp_path / "other_template"
+    other.mkdir()
+    template = tmp_path / "mine.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    with open(os.path.join(r.run_dir, "config.yaml")) as f:
+        run_cfg = yaml.safe_load(f)
+    run_cfg["data"]["chat_template"] = str(template)
+    (other / "config.yaml").write_text(yaml.safe_dump(run_cfg))
+    os.symlink(os.path.join(r.run_dir, "checkpoints"), other / "checkpoints")
+    out2 = str(tmp_path / "hf2")
+    assert main(["export", "--run-dir", str(other), "--out", out2]) == 0
+    assert filecmp.cmp(template, os.path.join(out2, "chat_template.jinja"), shallow=False)
+    assert filecmp.cmp(os.path.join(src, "tokenizer_config.json"), os.path.join(out2, "tokenizer_config.json"))
 
 
 def test_export_of_a_given_step(trained, tmp_path):

@@ -3,6 +3,7 @@ their finish reasons, clean errors before any compile, in-place weight updates (
 'finish' and 'recompute' policies, per-token versions) and the compile count under a sweep of
 request shapes. References are independent runs (ignore_eos runs, fresh samplers, shorter prompts)."""
 
+import dataclasses
 import os
 
 import jax
@@ -290,3 +291,28 @@ def test_per_sequence_lengths_cap_each_completion_and_bad_ones_are_named(llama):
         sampler.submit(prompts_of([5, 6]), params, lengths=[[3, 3], [3, 11]])
     with pytest.raises(ValueError, match=r"lengths\[0\]=\[3\]"):
         sampler.submit(prompts_of([5, 6]), params, lengths=[[3], [3, 3]])
+
+
+def test_release_slots_ends_a_chunk_for_a_waiting_group_and_keeps_the_tokens(llama):
+    """release_slots (continuous admission): a chunk ends once the first waiting group's worth of
+    slots has freed (after min_chunk_steps), so the group is admitted mid-chunk; the sampled tokens
+    are the same (each sequence's stream is keyed by its ids and positions, not its slot or chunk),
+    and the engine needs fewer decode steps at a higher occupancy."""
+    cfg = dataclasses.replace(BASE, chunk_steps=16, min_chunk_steps=2)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=22, seed=5, ignore_eos=True)
+    prompts = prompts_of([5, 6, 4, 5, 6, 4])  # 12 sequences for 8 slots: two groups wait
+    lengths = [[2, 20], [3, 3], [4, 18], [2, 2], [20, 3], [5, 5]]
+    runs = {}
+    for release in (False, True):
+        sampler = Sampler(llama, dataclasses.replace(cfg, release_slots=release))
+        outs = sampler.generate(prompts, params, lengths=lengths)
+        st = sampler.stats()
+        runs[release] = ([[list(map(int, c.tokens)) for c in o.completions] for o in outs], st)
+    (tok_off, st_off), (tok_on, st_on) = runs[False], runs[True]
+    assert [[len(t) for t in o] for o in tok_on] == lengths
+    assert tok_on == tok_off
+    assert st_on["chunks"] > st_off["chunks"]
+    assert st_on["decode_steps"] < st_off["decode_steps"]
+    occ = lambda s: s["busy_slot_steps"] / s["slot_steps"]  # noqa: E731
+    assert occ(st_on) > occ(st_off)
+    assert st_on["busy_slot_steps"] == st_off["busy_slot_steps"] == sum(map(sum, lengths))

@@ -1,14 +1,15 @@
 """`rpeg export --run-dir runs/x [--step N] --out DIR [--overwrite]`: a run's trained policy as a
 Hugging Face checkpoint directory.
 
-The model's shape comes from the run's config.yaml (model.path's config.json when the run started
-from a checkpoint, as runtime/setup.py loads it). Only the actor's parameters are read from the
+The model comes from the run's config.yaml (with model.path, the checkpoint's shape and the run's
+numerics and ids: config/hf.py). Only the actor's parameters are read from the
 orbax checkpoint (runtime/checkpoint.py `restore_state`: no optimizer state, no training graph,
 onto the host's CPU device) and written by models/hf.py `save_hf`: config.json and
 model.safetensors (shards and an index past 5 GB), plus, when the run had them,
-generation_config.json from model.path and the tokenizer's files (tokenizer.json,
+generation_config.json from model.path, the tokenizer's files (tokenizer.json,
 tokenizer_config.json, special_tokens_map.json, chat_template.jinja) from data.tokenizer's
-directory, else model.path. A shared actor-critic's value head is left out: the result is a
+directory, else model.path, and as chat_template.jinja the template the run rendered prompts with
+(data.chat_template, found as data/chat.py finds it). A shared actor-critic's value head is left out: the result is a
 plain LlamaForCausalLM / Qwen2ForCausalLM. Relative paths in config.yaml are read from the
 current directory, as the run read them.
 
@@ -19,9 +20,9 @@ checkpoint that does not fit config.yaml) are one line, exit 2.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
+import tempfile
 
 from rpeg_jax.config.run import load_config
 
@@ -63,33 +64,27 @@ def export(run_dir: str, out: str, *, step: int | None = None, overwrite: bool =
     if not Checkpointer.has_checkpoint(ckpt_dir):
         raise ExportError(f"no checkpoint in {ckpt_dir}")
     cfg = load_config(config_file)
-    extra = _extra_files(cfg)
-    ckpt = Checkpointer(ckpt_dir, async_save=False)
-    try:
-        steps = ckpt.all_steps()
-        step = max(steps) if step is None else step
-        if step not in steps:
-            raise ExportError(f"step {step} is not in {ckpt_dir} (saved: {', '.join(map(str, sorted(steps)))})")
-        model = _restore_actor(ckpt, step, cfg)
-    finally:
-        ckpt.close()
     from rpeg_jax.models.hf import save_hf
 
-    save_hf(model, out, overwrite=overwrite, extra_files=extra)
+    with tempfile.TemporaryDirectory() as scratch:
+        extra = _extra_files(cfg, scratch)
+        ckpt = Checkpointer(ckpt_dir, async_save=False)
+        try:
+            steps = ckpt.all_steps()
+            step = max(steps) if step is None else step
+            if step not in steps:
+                raise ExportError(f"step {step} is not in {ckpt_dir} (saved: {', '.join(map(str, sorted(steps)))})")
+            model = _restore_actor(ckpt, step, cfg)
+        finally:
+            ckpt.close()
+        save_hf(model, out, overwrite=overwrite, extra_files=extra)
     return step, sorted(os.listdir(out))
 
 
 def _policy_config(cfg):
-    """The actor's ModelConfig as runtime/setup.py builds it (without a value head)."""
-    from rpeg_jax.models.hf import config_from_hf
-
-    if not cfg.model.path:
-        return dataclasses.replace(cfg.model, value_head=False)
-    source = os.path.join(cfg.model.path, "config.json")
-    if not os.path.isfile(source):
-        raise ExportError(f"model.path={cfg.model.path} (config.yaml): {source} not found")
-    with open(source) as f:
-        return config_from_hf(json.load(f), dtype=cfg.model.param_dtype)
+    """The actor's ModelConfig as runtime/setup.py builds it, without a value head (with
+    model.path, config.yaml's model is already the checkpoint's: config/hf.py)."""
+    return dataclasses.replace(cfg.model, value_head=False)
 
 
 def _restore_actor(ckpt, step: int, cfg):
@@ -116,13 +111,17 @@ def _restore_actor(ckpt, step: int, cfg):
     return nnx.merge(graphdef, ckpt.restore_state(step, "actor", target))
 
 
-def _extra_files(cfg) -> dict[str, str]:
-    """{name in the export: source file}: the tokenizer's files and generation_config.json."""
+def _extra_files(cfg, scratch: str) -> dict[str, str]:
+    """{name in the export: source file}: the tokenizer's files, the chat template the run rendered
+    prompts with, and generation_config.json. `scratch` receives a template that is not a file of
+    its own (tokenizer_config.json's "chat_template" of another directory)."""
+    from rpeg_jax.data.chat import find_template, search_dirs
+
     model_dir, tokenizer = cfg.model.path, cfg.data.tokenizer
     for key, p in (("data.tokenizer", tokenizer), ("model.path", model_dir)):
         if p and not os.path.exists(p):
             raise ExportError(f"{key}={p} (config.yaml) not found; run from the directory the run started in")
-    dirs = [d for d in (os.path.dirname(tokenizer) if tokenizer else None, model_dir) if d is not None]
+    dirs = search_dirs(cfg.data, model_dir)  # data.tokenizer's directory, then model.path (data/chat.py)
     out = {}
     for name in TOKENIZER_FILES:
         found = [os.path.join(d, name) for d in dirs if os.path.isfile(os.path.join(d, name))]
@@ -130,6 +129,15 @@ def _extra_files(cfg) -> dict[str, str]:
             out[name] = found[0]
     if tokenizer:  # the file the run tokenized with, whatever its name
         out["tokenizer.json"] = tokenizer
+    template = find_template(cfg.data, model_dir)  # None with data.chat_template=none: files as they are
+    if template is not None:
+        source, text, _ = template
+        if os.path.isfile(source):
+            out["chat_template.jinja"] = source
+        elif out.get("tokenizer_config.json") != source.rsplit(":", 1)[0]:
+            out["chat_template.jinja"] = os.path.join(scratch, "chat_template.jinja")
+            with open(out["chat_template.jinja"], "w") as f:
+                f.write(text)
     if model_dir and os.path.isfile(os.path.join(model_dir, "generation_config.json")):
         out["generation_config.json"] = os.path.join(model_dir, "generation_config.json")
     return out

@@ -31,71 +31,13 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from rpeg_jax.config.model import ModelConfig, RopeScaling
+from rpeg_jax.config.hf import config_from_hf  # config.json -> ModelConfig, pure (config time as well)
+from rpeg_jax.config.model import ModelConfig
 from rpeg_jax.models.llama import Transformer
 from rpeg_jax.sharding.params import path_name
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-
-
-def config_from_hf(hf: dict, *, value_head: bool = False, dtype: str | None = None) -> ModelConfig:
-    """ModelConfig from a Hugging Face config.json dict (errors name the offending field)."""
-    arch = hf.get("model_type")
-    if arch not in _ARCHS:
-        raise ValueError(f"config.json: model_type={arch!r} is not supported (llama, qwen2)")
-    if hf.get("mlp_bias"):
-        raise ValueError("config.json: mlp_bias=true is not supported")
-    if arch == "llama" and hf.get("attention_bias"):
-        raise ValueError("config.json: attention_bias=true (o_proj bias) is not supported for llama")
-    if arch == "qwen2" and hf.get("use_sliding_window"):
-        raise ValueError("config.json: use_sliding_window=true is not supported")
-    rope = dict(hf.get("rope_parameters") or {})  # transformers >= 5 nests rope settings here
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-    rope_scaling = None
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind != "llama3":
-            raise ValueError(f"config.json: rope_scaling.rope_type={kind!r} is not supported (llama3)")
-        rope_scaling = RopeScaling(
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-        )
-    eos = hf.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) else eos
-    ckpt_dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
-    dtype = dtype or _DTYPES.get(ckpt_dtype, "float32")
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim")
-    if head_dim == hf["hidden_size"] // heads:
-        head_dim = None  # canonical: implied by hidden_size / num_heads
-    cfg = ModelConfig(
-        arch=arch,
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        intermediate_size=hf["intermediate_size"],
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
-        rope_scaling=rope_scaling,
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=(arch == "qwen2"),
-        value_head=value_head,
-        param_dtype=dtype,
-        dtype=dtype,
-        bos_id=hf.get("bos_token_id") or 0,
-        eos_id=eos if eos is not None else 0,
-        pad_id=hf.get("pad_token_id") if hf.get("pad_token_id") is not None else (eos or 0),
-    )
-    cfg.validate("config.json")
-    return cfg
+__all__ = ["config_from_hf", "config_to_hf", "hf_state", "load_hf", "save_hf"]
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -274,9 +216,9 @@ def _is_sharding(x) -> bool:
 
 def _sharding_of(shardings, params) -> dict[str, jax.sharding.Sharding]:
     """{parameter path: sharding} from load_hf's `shardings` argument (see there)."""
-    if shardings is None:
-        return {name: jax.sharding.SingleDeviceSharding(jax.devices()[0]) for name in _paths(params)}
     tree = shardings(params) if callable(shardings) else shardings
+    if tree is None:
+        return {name: jax.sharding.SingleDeviceSharding(jax.devices()[0]) for name in _paths(params)}
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_sharding)[0]
     out = {path_name(p): s for p, s in flat}
     missing = [n for n in _paths(params) if not _is_sharding(out.get(n))]
@@ -319,8 +261,8 @@ def load_hf(path: str, *, value_head: bool = False, dtype: str | None = None, sh
     `shardings`: None (every parameter on the default device), a tree with one jax Sharding per
     parameter of the model's nnx.State (`nnx.split(model, nnx.Param)[1]`; a flat dict keyed by
     dotted path, {"layers.wq": sharding, ...}, is one), or a function from the
-    abstract state (ShapeDtypeStruct values with their `axes` metadata) to such a tree, e.g.
-    `StageLayout.params` (runtime/setup.py)."""
+    abstract state (ShapeDtypeStruct values with their `axes` metadata) to such a tree (or to
+    None), e.g. `StageLayout.params` (runtime/setup.py)."""
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"load_hf: {cfg_file} not found (only local checkpoints are read)")

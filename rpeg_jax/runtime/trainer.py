@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from rpeg_jax.config.hf import checkpoint_overrides
 from rpeg_jax.config.run import RunConfig, dump_yaml
 from rpeg_jax.costmodel import devices as cost_devices
 from rpeg_jax.costmodel.planner import choose_plan as cost_model_planner
@@ -95,6 +96,8 @@ def train(
     after each step's metrics are written (and its checkpoint, if any, is committed); with
     `keep_state` the summary holds the final state values under "state"."""
     with StopSignals() as stop:
+        for line in checkpoint_overrides(cfg):  # fields given beside model.path / critic.path
+            log.info("%s", line)
         cfg, plan = choose_plan(cfg, plan)
         graph = graph_for_plan(cfg, plan)
         ctx, store = build(cfg, graph, plan)

@@ -154,6 +154,7 @@ def decode_chunk(
     pools,
     st: DecodeState,
     num_steps,
+    release=None,
     *,
     chunk: int,
     attention: str = "gather",
@@ -165,15 +166,20 @@ def decode_chunk(
     stopped (stop id sampled or end reached). `attention`: "gather" (gather the pages every step),
     "blocked" (online softmax over blocks of `block_pages` pages) or "chunk" (gather them once into
     dense buffers for the whole chunk, sampling/chunk_attention.py). Returns (pools, ChunkResult).
+    `release` (int32 [2], optional: (min steps, slots)): also exit once at least `slots` slots have
+    stopped in this chunk and at least `min steps` steps ran, so that a waiting group can be admitted
+    (continuous admission); slots > max_slots never exits early.
     With `mesh` (a sharded pool) every data shard runs its own loop over its slots and local pages
     (no collective over `data`; a shard exits when its own slots stop) and `steps` is int32 [D]."""
+    if release is None:
+        release = jnp.array([0, st.token_B.shape[0] + 1], jnp.int32)
     body = functools.partial(
         _decode_chunk, fwd, chunk=chunk, attention=attention, block_pages=block_pages, heads_sharded=heads_sharded
     )
     if mesh is not None:
         body = _steps_per_shard(body)
     out_specs = (_POOL, ChunkResult(P(None, DATA), P(None, DATA), _ROWS, _ROWS, _ROWS, _ROWS))
-    return _per_shard(body, mesh, (P(), _POOL, _ROWS, P()), out_specs)(params, pools, st, num_steps)
+    return _per_shard(body, mesh, (P(), _POOL, _ROWS, P(), P()), out_specs)(params, pools, st, num_steps, release)
 
 
 def _steps_per_shard(body):
@@ -185,7 +191,17 @@ def _steps_per_shard(body):
 
 
 def _decode_chunk(
-    fwd, params, pools, st: DecodeState, num_steps, *, chunk: int, attention: str, block_pages: int, heads_sharded: bool
+    fwd,
+    params,
+    pools,
+    st: DecodeState,
+    num_steps,
+    release,
+    *,
+    chunk: int,
+    attention: str,
+    block_pages: int,
+    heads_sharded: bool,
 ):
     b = st.token_B.shape[0]
     keys_Bx2 = sequence_keys(st.seed_B, st.prompt_id_B, st.sample_id_B)
@@ -195,9 +211,13 @@ def _decode_chunk(
         kv_len_B = jnp.where(st.active_B, st.pos_B, 0)
         cache = gather_chunk(pools, st.table_BxW, kv_len_B, per_layer=fwd.static_layers, batched_heads=heads_sharded)
 
+    started = jnp.sum(st.active_B.astype(jnp.int32))
+
     def cond(carry):
         step, _, _, _, active_B, _, _ = carry
-        return (step < limit) & jnp.any(active_B)
+        freed = started - jnp.sum(active_B.astype(jnp.int32))
+        early = (step >= release[0]) & (freed >= release[1])
+        return (step < limit) & jnp.any(active_B) & ~early
 
     def body(carry):
         step, cache, token_B, pos_B, active_B, tok_KxB, logp_KxB = carry

@@ -13,7 +13,9 @@ the next chunk, run up to K decode steps in one jitted while_loop, read tokens a
 retire finished sequences (their pages return to the pool) and admit new ones.
 
 A chunk ends early where the page-table width bucket would grow (after min_chunk_steps), so each
-step gathers at most about twice the key columns it needs.
+step gathers at most about twice the key columns it needs; with `release_slots` (continuous
+admission) also once the first waiting group's worth of slots has freed (after min_chunk_steps),
+so a freed slot idles at most until then instead of to the chunk's end.
 
 Shapes that reach the compiler are bucketed: decode is [max_slots] x page-table widths in the
 sequence min_table_width * table_width_growth^i (powers of two by default), the last one capped at
@@ -116,7 +118,7 @@ class Sampler:
         # The widest table any sequence needs; the last width bucket is capped here, not rounded up
         # (a rounded-up last bucket made the final chunk's attention read up to ~2x the columns).
         self.max_width = per_seq
-        self.eos_ids = tuple(cfg.eos_token_ids if cfg.eos_token_ids is not None else (mcfg.eos_id,))
+        self.eos_ids = tuple(cfg.eos_token_ids if cfg.eos_token_ids is not None else mcfg.end_ids)
         kv_dtype = jnp.dtype(cfg.kv_dtype or mcfg.dtype)
         self.pools = engine.make_pools(
             mcfg.num_layers,
@@ -321,6 +323,7 @@ class Sampler:
             self.pools,
             st,
             jnp.int32(k),
+            self._release(),
             chunk=self.cfg.chunk_steps,
             attention=self._attention,
             block_pages=self.cfg.block_pages,
@@ -347,6 +350,14 @@ class Sampler:
                 self.sched.finish(s, reason)
                 done.append(s)
         return done
+
+    def _release(self):
+        """decode_chunk's early exit: (min steps, slots freed) = (min_chunk_steps, the first waiting
+        group's size) with release_slots and a group waiting; else never (slots > max_slots)."""
+        waiting = self.sched.waiting
+        if self.cfg.release_slots and waiting and self._pending is None:
+            return np.array([self.cfg.min_chunk_steps, len(waiting[0].seqs)], np.int32)
+        return np.array([0, self.cfg.max_slots + 1], np.int32)
 
     def _width(self, k: int) -> int:
         """Page-table width bucket covering k more steps of every running sequence."""

@@ -31,6 +31,9 @@ class SamplerConfig:
     min_chunk_steps: int = 8  # a chunk ends early where the page-table width bucket grows, but
     #                           not before this many steps (= chunk_steps: never end early)
     watermark: float = 0.01  # fraction of pages kept free when admitting groups
+    release_slots: bool = False  # end a decode chunk (after min_chunk_steps) once the first waiting
+    #   group's worth of slots has freed, so it is admitted without idling to the chunk's end (set
+    #   under continuous admission, where a group always waits; the sampled tokens do not change)
     on_weight_update: Literal["finish", "recompute", "continue"] = "finish"  # policy for in-flight
     #   sequences when weights change: finish them on the old weights, recompute their KV, or continue
     attention: Literal["auto", "gather", "blocked", "chunk"] = "auto"  # decode attention over pages:
@@ -46,7 +49,7 @@ class SamplerConfig:
     kv_pool: Literal["sharded", "replicated"] = "sharded"  # on a mesh with a `data` axis D > 1 that
     #   divides max_slots: split the page pool over data (each shard holds num_pages / D pages and
     #   its slots' KV) or keep a whole pool per data shard; see sampling/sharding.py
-    eos_token_ids: tuple[int, ...] | None = None  # None -> (model.cfg.eos_id,)
+    eos_token_ids: tuple[int, ...] | None = None  # None -> model.cfg.end_ids (eos_id + eos_ids)
     max_stop_ids: int = 8  # N: stop token ids per sequence on device (eos + stop_token_ids)
     min_prefill_len: int = 16  # smallest prefill length bucket (powers of two above it)
     min_prefill_rows: int = 1  # smallest prefill row bucket (powers of two above it; with a sharded
@@ -117,6 +120,7 @@ class SamplerConfig:
             chunk_steps=r.chunk_steps,
             min_chunk_steps=r.min_chunk_steps,
             watermark=r.watermark,
+            release_slots=r.admission == "continuous",
             on_weight_update=r.weight_update_policy,
             attention=r.attention,
             kv_pool=r.kv_pool,
