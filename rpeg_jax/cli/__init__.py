@@ -1,4 +1,4 @@
-"""The `rpeg` command: train, eval, plan, calibrate, graph, shardings, config.
+"""The `rpeg` command: train, eval, export, plan, calibrate, graph, shardings, config.
 
 One module per subcommand in this package, imported only when that subcommand runs, so
 `rpeg plan` initialises no device and `rpeg --help` is instant. This package and launch/ are the
@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, str] = {
     "graph": "show the RPEG before and after passes (dot | mermaid | json)",
     "shardings": "print every parameter's shape, logical axes and partition per stage",
     "config": "validate a config and print it fully resolved",
+    "export": "write a run's trained policy (a checkpoint's actor) as a Hugging Face checkpoint",
 }
 
 

@@ -68,18 +68,18 @@ class RuntimeContext:
 
 
 def _model(cfg_model, path: str | None, seed: int, layout, value_head: bool = False):
-    """A model built directly in `layout` (sharded init), or loaded from a local HF checkpoint."""
+    """A model built directly in `layout`: a sharded init, or loaded from a local HF checkpoint
+    (each process reads only the slices of the files its devices hold)."""
     mcfg = dataclasses.replace(cfg_model, value_head=value_head or cfg_model.value_head)
     if path:
-        model = load_hf(path, value_head=value_head, dtype=cfg_model.param_dtype)
+        model = load_hf(path, value_head=value_head, dtype=cfg_model.param_dtype, shardings=layout.params)
         shape = [("head_size" if f == "head_dim" else f) for f in FIXED]  # head_dim None = implied
         changed = [f for f in shape if getattr(model.cfg, f) != getattr(mcfg, f)]
         if changed:  # the config read the same config.json (config/hf.py); it changed since
             f = changed[0]
             raise ConfigError(f"model.{f}", getattr(mcfg, f), f"{path}/config.json now says {getattr(model.cfg, f)!r}")
         model.cfg = mcfg  # the run's numerics and ids (config.json's, or the overrides given beside it)
-        graphdef, params = nnx.split(model, nnx.Param)
-        return nnx.merge(graphdef, jax.device_put(params, layout.params(params)))
+        return model
     return shard_model(
         lambda: Transformer(mcfg, rngs=nnx.Rngs(params=seed)), layout.mesh, layout.rules, list(layout.overrides)
     )
