@@ -464,13 +464,14 @@ def continuous_step(st: Setting, ms: ModelShape, n_gen: int, t: int, reps: int, 
     host cost per sequence: the simulated decode steps (lengths.admission), each priced as a step of
     all `slots` rows with st.static_rows (the decode program runs every slot, busy or not: occupancy
     changes the number of steps, not their price), else of its busy rows, at the busy slots' mean
-    context, plus one prefill per admitted group
+    context, plus one prefill per admitted group and its host work (admission_group_s)
     (its prompt once), plus with `recompute` re-prefilling the sequences in flight at every update."""
     a = admission_of(st, reps, slots, k)
     ctx = st.P + 1.0 + a.ctx  # as DecodeProfile.ctx: prompt + the token fed + those generated
     rows = slots if st.static_rows else slots * a.occupancy
     steps = a.decode_steps * decode_step_time(st, ms, t, n_gen, rows, ctx)
     sec = steps + _prefill_time(st, ms, t, n_gen, max(a.admitted / reps, 1.0), st.P)
+    sec = sec + a.admitted * st.hw.efficiency.admission_group_s  # the engine's host work per group
     if recompute or st.recompute_kv:
         sec = sec + _prefill_time(st, ms, t, n_gen, max(slots * a.occupancy, 1.0), ctx)
     return float(sec), a
