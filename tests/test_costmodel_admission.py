@@ -217,7 +217,6 @@ def _search(sigma, n=16):
     return cfg, P.search(cfg, n, GH)
 
 
-@pytest.mark.slow
 def test_planner_searches_admission_and_splits_the_gain():
     cfg, tail = _search(1.0)
     c = tail.chosen
@@ -261,9 +260,19 @@ def test_user_admission_and_k_are_kept():
     assert {P.admission_of(g) for _, g in opts} == {"step"}
 
 
-def test_p1_preset_loads_and_plans():
+def test_p1_preset_loads_and_plans(tmp_path, capsys):
+    import json
+
+    from rpeg_jax.cli import main
+
     cfg = load_config("configs/p1.yaml", [])
     assert cfg.rl.group_size == 16 and cfg.data.prompts_per_step * cfg.rl.group_size == 512
     assert cfg.data.max_prompt_len == 512 and cfg.rollout.max_new_tokens == 16384
-    res = P.search(cfg, 64, GH)
-    assert res.chosen.step_time_s > 0 and "verl_like" in res.baselines
+    assert cfg.model.num_layers == 28 and cfg.model.hidden_size == 3584  # qwen2-7b
+    out = tmp_path / "p1.json"
+    assert main(["plan", "--config", "configs/p1.yaml", "--hardware", "gh200", "--gpus", "64", "--json", str(out)]) == 0
+    assert "of the" in capsys.readouterr().out  # the asynchrony share in the explanation
+    d = json.loads(out.read_text())
+    a = d["asynchrony"]
+    assert a is not None and d["ratios"]["verl_like"] == pytest.approx(a["asynchrony"] * a["rest"], rel=1e-9)
+    assert d["chosen"]["step_time_s"] == pytest.approx(a["sync_step_s"] / a["asynchrony"], rel=1e-9)

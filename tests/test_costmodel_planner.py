@@ -106,7 +106,6 @@ def test_long_tail_favours_bounded_asynchrony_when_allowed():
     assert res.chosen.step_time_s < sync_only.chosen.step_time_s
 
 
-@pytest.mark.slow
 def test_continuous_admission_hides_the_tail():
     # Step admission: each step's batch is one generate call, tail included, and staleness only
     # overlaps the groups; continuous admission keeps the engine full across weight updates.
