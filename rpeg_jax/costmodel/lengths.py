@@ -8,6 +8,11 @@ with `slots` concurrent sequences (refill on finish) and compresses the step axi
 
     T_gen = Σ_bins steps_i · t_step(b_i, c_i)      (b_i active sequences, c_i their mean context)
 
+That is one step-admission generate call. `admission` simulates the engine across RL steps
+(rollout.admission=continuous, runtime/admission.py: groups admitted at decode-chunk ends, the
+batch the first groups to complete, the staleness bound) and returns its steady state per step
+(`Admission`: decode steps, occupancy, tokens, staleness, re-queues).
+
 Callers: costmodel/stages.py, planner.py, fit.py, calibrate.py, tests. Pure numpy.
 """
 

@@ -10,7 +10,8 @@ concurrent sequences each. Times are rooflines with the profile's efficiencies:
     t_stage  = t_core + exposed comm + optimizer + fixed overheads
     exposed  = tensor collectives + overlappable (fsdp/data) − overlap · min(overlappable, t_core)
     t_decode = Σ_bins steps · [max(compute(b, c), (W/t + b·c·KV/min(t,K)) / bw) + TP all-reduces + step cost]
-               (shared host: compute + memory, not max: one CPU's kernels run one after another)
+               (shared host: compute + memory, not max: one CPU's kernels run one after another;
+               b = all the engine's slots on a CPU, Setting.static_rows)
 
 On a `shared_host` profile (the 8 forced CPU devices) a group's devices share one host's FLOP/s
 and bandwidth, so per-device rates are divided by the devices busy at once; their collectives are
