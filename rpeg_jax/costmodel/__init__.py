@@ -16,11 +16,12 @@ the profile of its device kind, the calibrated copy when `rpeg calibrate` saved 
 jax.process_count() processes.
 
 Modules: hardware (profiles as data, configs/hardware/*.yaml), devices (the run's devices ->
-profile), shape (FLOPs/bytes/memory of a model), comm (collectives per hierarchy level,
-resharding), lengths (response-length model, decode schedule, the continuous engine's
-simulation), stages (time and memory per stage kind), candidates (plan tables), schedule (step
-simulation over device groups), types (Context, Prediction, SearchResult), planner (search, baselines), pricing (a given plan, the best per
-device-group option), report (+ the "why"), fit (stage measurements as data, least-squares fit of
-a profile), calibrate (the measurements behind `rpeg calibrate`; with devices.local_devices the
-only code that imports JAX, inside functions). `rpeg plan` and `rpeg calibrate` are in rpeg_jax/cli/.
+profile), shape (FLOPs/bytes/memory of a model), comm (collectives per hierarchy level, resharding),
+lengths (response-length model, decode schedule, the continuous engine's simulation), stages (time
+and memory per stage kind), candidates (plan tables), schedule (step simulation over device groups),
+types (Context, Prediction, SearchResult), planner (search, baselines), pricing (a given plan, the
+best per device-group option), report (+ the "why"), fit (stage measurements as data, least-squares
+fit of a profile), calibrate (the measurements behind `rpeg calibrate`; with devices.local_devices
+the only code that imports JAX, inside functions). `rpeg plan` and `rpeg calibrate` are in
+rpeg_jax/cli/.
 """
