@@ -20,7 +20,7 @@ import numpy as np
 from rpeg_jax.config.pipeline import PipelineConfig
 from rpeg_jax.config.run import RunConfig
 from rpeg_jax.costmodel.candidates import PIECES
-from rpeg_jax.graph.ir import Graph
+from rpeg_jax.graph.ir import Graph, GraphError
 
 
 def sampler_is_trainer(cfg: RunConfig) -> bool:
@@ -82,6 +82,11 @@ def admissions(ctx, pipe: PipelineConfig) -> list[str]:
     for a k the config sets: it runs generation ahead on the devices training uses, so it only
     adds the proximal forward to the synchronous plan."""
     cfg = ctx.cfg
+    if cfg.rollout.admission == "continuous" and ctx.processes > 1:
+        raise GraphError(
+            "rollout.admission",
+            f"continuous runs on one process for now (runtime/setup.py); planning for {ctx.processes} processes",
+        )
     if not pipe.staleness:
         return ["step"]
     cont = ["continuous"] if pipe.microbatches == 1 and continuous_searched(ctx) else []
