@@ -98,7 +98,16 @@ WORKLOADS = {
     "R1-a": ["rl.algorithm=grpo", "rl.kl_coef=0.0"],
     "R1-b": ["rl.algorithm=grpo", "rl.kl_coef=0.04"],
     "R1-c": ["rl.algorithm=ppo", "rl.kl_coef=0.0"],
+    # R1-a with a long tail: every sequence ignores eos and stops at its own length, lognormal
+    # (median 24, sigma 1.0) clipped to [4, 256] (runtime/admission.forced_lengths).
+    "R2": [
+        "rl.algorithm=grpo",
+        "rl.kl_coef=0.0",
+        "rollout.max_new_tokens=256",
+        "rollout.forced_lengths=[24,1.0,4,256]",
+    ],
 }
+R1_NAMES = ("R1-a", "R1-b", "R1-c")
 VARIANTS = {
     "baseline": [],
     "optimized": ["pipeline.elide_old_forward=true", "pipeline.fuse=[forwards,advantage]"],
@@ -112,8 +121,26 @@ VARIANTS = {
     ],
     # k = 1; π_prox = sg(π_θ) of the update's own forward (exact with one optimizer step).
     "async": ["pipeline.staleness=1", "pipeline.proximal_from_update=true", "pipeline.fuse=[forwards,advantage]"],
+    # R2: the same stages in all three (no π_old pass: the sampler's logprobs at k = 0, the update's
+    # own forward at k >= 1), on one device; k >= 1 with continuous admission (runtime/admission.py).
+    "sync": ["pipeline.elide_old_forward=true", "pipeline.fuse=[forwards,advantage]"],
+    "async-k1": [
+        "pipeline.staleness=1",
+        "rollout.admission=continuous",
+        "pipeline.proximal_from_update=true",
+        "pipeline.fuse=[forwards,advantage]",
+    ],
+    "async-k2": [
+        "pipeline.staleness=2",
+        "rollout.admission=continuous",
+        "pipeline.proximal_from_update=true",
+        "pipeline.fuse=[forwards,advantage]",
+    ],
 }
-ONLY = {"shared": {"R1-c"}}  # variants that apply to some workloads only
+R2_VARIANTS = ("sync", "async-k1", "async-k2")
+# variants that apply to some workloads only
+ONLY = {"shared": {"R1-c"}, **{v: {"R2"} for v in R2_VARIANTS}}
+ONLY.update({v: set(R1_NAMES) for v in ("baseline", "optimized", "async")})
 # With a separate critic: V for GAE from the critic update's own forward (one optimizer step).
 EXTRA = {("R1-c", v): ["pipeline.values_from_critic_update=true"] for v in ("optimized", "shared", "async")}
 SPLIT = ["pipeline.placement=split", "pipeline.split_sizes=[1,1]"]
@@ -189,6 +216,7 @@ class Pipeline:
         wall = time.perf_counter() - t0
         m = jax.device_get(self.executor.metrics.pop(self.t, {}))
         stats = rollouts.token_stats(self.store.get_data("completions", self.t))
+        staleness = self.t - stats["min_version"] if stats["resp"] else 0.0
         self.executor.forget_before(self.t)
         self.t += 1
         timing = {k.split("/", 1)[1]: float(v) for k, v in m.items() if k.startswith("timing_s/")}
@@ -200,6 +228,11 @@ class Pipeline:
             "tokens": stats["seq"],
             "response_tokens": stats["resp"],
             "reward": float(np.asarray(m.get("reward/mean", np.nan))),
+            "staleness_max": float(staleness),  # from the tokens' version tags, not the metric
+            "occupancy": float(np.asarray(m.get("rollout/occupancy", np.nan))),
+            "requeued": float(np.asarray(m.get("rollout/requeued", 0.0))),
+            "dropped": float(np.asarray(m.get("rollout/dropped", 0.0))),
+            "decode_steps": float(np.asarray(m.get("rollout/decode_steps", np.nan))),
         }
         return rec
 
@@ -228,6 +261,12 @@ def summarise(p: Pipeline, compile_s: float, rate_best: float, rates_paired: lis
         gen_share=stages.get("gen", 0.0) / med,
         compile_step_s=compile_s,
         tokens_per_step=statistics.median(r["tokens"] for r in steps),
+        response_tokens_per_step=statistics.median(r["response_tokens"] for r in steps),
+        staleness_max=max(r["staleness_max"] for r in steps),
+        occupancy=statistics.median(r["occupancy"] for r in steps),
+        requeued=sum(r["requeued"] for r in steps),
+        decode_steps_per_step=statistics.median(r["decode_steps"] for r in steps),
+        dropped=sum(r["dropped"] for r in steps),
         stages=p.stages,
         overrides=[o for o in p.overrides if not o.startswith("train.run_dir")],
         device=jax.devices()[0].device_kind,
@@ -235,6 +274,23 @@ def summarise(p: Pipeline, compile_s: float, rate_best: float, rates_paired: lis
         steps_measured=len(steps),
         plan=p.plan.describe(),
     )
+
+
+def r2_ceiling(r2: dict[str, dict]) -> dict:
+    """What this machine allows R2's asynchrony (the issue's definition): the sync step with its
+    generation priced at full occupancy (the same decode steps' price, occupancy x as many of them),
+    everything else as measured. And the per-token bound's window: with continuous admission the
+    tokens step t consumes come from the k + 1 generation windows t-k..t, so a sequence longer than
+    about (k + 1) x the decode steps per window cannot enter the batch (it is re-queued)."""
+    s = r2["sync"]
+    gen = s["stages_s"].get("gen", 0.0)
+    full = s["seconds_per_step"] - gen * (1.0 - s["occupancy"])
+    windows = {}
+    for v, r in r2.items():
+        k = {"async-k1": 1, "async-k2": 2}.get(v)
+        if k is not None and r.get("decode_steps_per_step"):
+            windows[v] = (r["decode_steps_per_step"], (k + 1) * r["decode_steps_per_step"])
+    return {"ceiling": s["seconds_per_step"] / full, "windows": windows}
 
 
 def print_table(records: list[dict]) -> None:
@@ -251,16 +307,38 @@ def print_table(records: list[dict]) -> None:
         )
     by = {(r["workload"], r["variant"]): r["seconds_per_step"] for r in records}
     for w in sorted({r["workload"] for r in records}):
-        for v in ("optimized", "shared", "async"):
-            if (w, "baseline") in by and (w, v) in by:
-                print(f"{w}: baseline / {v} = {by[(w, 'baseline')] / by[(w, v)]:.2f}x")
+        for base, v in [("baseline", v) for v in ("optimized", "shared", "async")] + [
+            ("sync", "async-k1"),
+            ("sync", "async-k2"),
+            ("async-k1", "async-k2"),
+        ]:
+            if (w, base) in by and (w, v) in by:
+                print(f"{w}: {base} / {v} = {by[(w, base)] / by[(w, v)]:.2f}x")
+    r2 = {r["variant"]: r for r in records if r["workload"] == "R2"}
+    if "sync" in r2:
+        c = r2_ceiling(r2)
+        print(
+            f"R2 ceiling (sync's decode steps at full occupancy, the rest as measured): {c['ceiling']:.2f}x; "
+            + " ".join(
+                f"{v}: window {w:.0f} decode steps -> longest consumable ~{m:.0f}" for v, (w, m) in c["windows"].items()
+            )
+        )
+    for r in records:
+        if r["workload"] == "R2":
+            pred = r.get("predicted_seconds_per_step")
+            print(
+                f"R2 {r['variant']:9s} staleness_max {r['staleness_max']:.0f} occupancy {r['occupancy']:.2f} "
+                f"requeued {r['requeued']:.0f} dropped {r['dropped']:.0f} response tokens/step "
+                f"{r['response_tokens_per_step']:.0f} GFLOP/step {r['flops_per_step'] / 1e9:.1f}"
+                + (f" predicted {pred:.3f}s" if pred is not None else "")
+            )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the records (a JSON list) here")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--workloads", default=",".join(R1_NAMES), help=f"of {', '.join(WORKLOADS)}")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="those that apply to each workload run")
     ap.add_argument("--steps", type=int, default=5, help="measured steps per pipeline (median reported)")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (the first compiles)")
     ap.add_argument("--run-dir", default="/tmp/rpeg_bench_r1")

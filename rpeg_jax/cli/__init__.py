@@ -1,4 +1,4 @@
-"""The `rpeg` command: train, plan, calibrate, graph, shardings, config.
+"""The `rpeg` command: train, eval, export, plan, calibrate, graph, shardings, config.
 
 One module per subcommand in this package, imported only when that subcommand runs, so
 `rpeg plan` initialises no device and `rpeg --help` is instant. This package and launch/ are the
@@ -19,11 +19,13 @@ from rpeg_jax.config.base import ConfigError
 # name -> one-line help; the module is rpeg_jax.cli.<name>
 SUBCOMMANDS: dict[str, str] = {
     "train": "run RL training (the same as launch/multihost.py on one process)",
+    "eval": "evaluate a run's checkpoint (or the initial model) on eval.path: val-core metrics",
     "plan": "predict step time and memory of candidate plans; print the best and baselines",
     "calibrate": "measure this machine and fit the cost model's efficiency factors",
     "graph": "show the RPEG before and after passes (dot | mermaid | json)",
     "shardings": "print every parameter's shape, logical axes and partition per stage",
     "config": "validate a config and print it fully resolved",
+    "export": "write a run's trained policy (a checkpoint's actor) as a Hugging Face checkpoint",
 }
 
 

@@ -1,7 +1,11 @@
-"""`rpeg config --config X [key=value ...]`: validate and print the resolved config (YAML)."""
+"""`rpeg config --config X [key=value ...]`: validate and print the resolved config (YAML); fields
+given beside `model.path` that override its config.json are listed on stderr."""
 
 from __future__ import annotations
 
+import sys
+
+from rpeg_jax.config.hf import checkpoint_overrides
 from rpeg_jax.config.run import dump_yaml, load_config
 
 
@@ -12,5 +16,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     cfg = load_config(args.config, args.overrides)
+    for line in checkpoint_overrides(cfg):  # fields given beside model.path override its config.json
+        print(line, file=sys.stderr)
     print(dump_yaml(cfg), end="")
     return 0

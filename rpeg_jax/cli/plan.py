@@ -15,6 +15,7 @@ import json
 import os
 import sys
 
+from rpeg_jax.config.hf import checkpoint_overrides
 from rpeg_jax.config.run import load_config
 from rpeg_jax.costmodel.devices import resolve
 from rpeg_jax.costmodel.planner import search
@@ -53,6 +54,8 @@ def run(args) -> int:
     if args.model:
         overrides.insert(0, f"model.preset={args.model}")
     cfg = load_config(args.config, overrides)
+    for line in checkpoint_overrides(cfg):  # fields given beside model.path override its config.json
+        print(line, file=sys.stderr)
     try:
         hw, n, procs = resolve(cfg, args.gpus, args.hardware, args.processes or (1 if args.gpus else None))
         res = search(cfg, n, hw, procs)

@@ -26,14 +26,20 @@ def builtin_prompt_chars(task: str, max_digits: int) -> int:
 class DataConfig:
     task: str = "reverse"  # built-in task name (BUILTIN_TASKS) or "jsonl"
     path: str | None = None  # JSONL file (task=jsonl)
-    prompt_field: str = "prompt"  # JSONL key of the prompt text ("a.b" reaches into nested objects)
+    prompt_field: str = "prompt"  # JSONL key of the prompt: text or a list of {role, content} messages ("a.b" nests)
     answer_field: str | None = "answer"  # JSONL key of the reference answer; None: records carry none
     id_field: str | None = None  # JSONL key of a record id; None -> "<file>:<line>"
-    tokenizer: str | None = None  # tokenizer.json path; None -> the built-in character tokenizer
+    tokenizer: str | None = None  # tokenizer.json path; None -> model.path's tokenizer.json when it has one,
+    #   else the built-in character tokenizer
     bos_token: str | None = None  # tokenizer.json only; None -> tokenizer_config.json, then common names
     eos_token: str | None = None
     pad_token: str | None = None  # None -> found like bos/eos, else the eos token
-    add_bos: bool = True  # prepend the tokenizer's bos token (when it has one) to every prompt
+    add_bos: bool = True  # prepend the tokenizer's bos token (when it has one) to raw-text prompts; a chat
+    # template writes its own (data/chat.py)
+    chat_template: str = "auto"  # auto | none | PATH (data/chat.py): auto = the checkpoint's chat_template.jinja,
+    # else tokenizer_config.json's chat_template, beside data.tokenizer then in model.path; with a template every
+    # prompt is rendered (a string as one user message), add_generation_prompt=True
+    system_prompt: str | None = None  # prepended as a system message when a prompt has none; needs a template
     reward: str | None = None  # registered reward name; None -> the task's own (jsonl: math_answer)
     reward_modules: tuple[str, ...] = ()  # importable modules that register rewards (imported first)
     reward_on_error: Literal["zero", "stop"] = "zero"  # a reward that raises scores 0 (counted) or stops
@@ -45,7 +51,8 @@ class DataConfig:
     num_examples: int = 4096  # size of a built-in task's generated dataset
     min_digits: int = 1  # built-in tasks: operand/string length range, the difficulty knob (data/tasks.py)
     max_digits: int = 3
-    max_prompt_len: int = 32  # tokens incl. bos; longer prompts are an error (or skipped)
+    max_prompt_len: int = 32  # tokens incl. bos; longer prompts are an error (or skipped). Not given with
+    #   task=jsonl: 512 (verl's default), fewer if the model's positions leave less beside max_new_tokens
 
     def longest_prompt(self) -> int:
         """Tokens of the longest prompt this source gives (bos included): a built-in task's under
@@ -81,6 +88,14 @@ class DataConfig:
             v = getattr(self, name)
             if v is not None:
                 check(bool(v) and all(v.split(".")), key(path, name), v, "must be a non-empty (dotted) key")
+        check(bool(self.chat_template), key(path, "chat_template"), self.chat_template, "must be auto, none or a path")
+        if self.system_prompt is not None:
+            check(
+                self.chat_template != "none",
+                key(path, "system_prompt"),
+                self.system_prompt,
+                "needs a chat template; data.chat_template=none renders prompts as raw text",
+            )
         if self.answer_field is not None:
             check(
                 self.answer_field != self.prompt_field,

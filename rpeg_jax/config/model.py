@@ -2,7 +2,8 @@
 
 Presets (`model.preset`) name the shapes of bench/WORKLOADS.md and the Qwen2/Llama sizes the
 planner is asked about; any field given next to a preset overrides it. `model.path` points at a
-local Hugging Face checkpoint directory whose config.json then defines the shape.
+local Hugging Face checkpoint directory whose config.json then defines the shape, ids and RoPE
+settings (config/hf.py, at load time, before validation; a preset beside it is ignored).
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ class ModelConfig:
     H query heads, K kv heads, E head_dim, F mlp (intermediate), V vocab, L layers."""
 
     preset: str | None = None  # name in PRESETS; fields set beside it override the preset
-    path: str | None = None  # local Hugging Face checkpoint dir (config.json + *.safetensors)
+    path: str | None = None  # local Hugging Face checkpoint dir (config.json + *.safetensors): its
+    #   config.json sets every field it has (shape, ids, RoPE); fields given beside it override the
+    #   numerics and ids (each reported), not the shape the weights fix (config/hf.py)
     arch: Literal["llama", "qwen2"] = "llama"
     vocab_size: int = 128  # V
     hidden_size: int = 256  # D
@@ -67,6 +70,13 @@ class ModelConfig:
     pad_id: int = 0
     bos_id: int = 1
     eos_id: int = 2
+    eos_ids: tuple[int, ...] = ()  # more ids that end a sequence as eos_id does (generation_config.json's
+    #   eos_token_id list, e.g. Llama 3's <|eot_id|>): the sampler stops at them, rewards cut there
+
+    @property
+    def end_ids(self) -> tuple[int, ...]:
+        """Every id that ends a sequence: eos_id, then eos_ids."""
+        return tuple(dict.fromkeys((self.eos_id, *self.eos_ids)))
 
     @property
     def scanned(self) -> bool:
@@ -124,6 +134,8 @@ class ModelConfig:
         for name in ("pad_id", "bos_id", "eos_id"):
             v = getattr(self, name)
             check(0 <= v < self.vocab_size, key(path, name), v, f"must be in [0, vocab_size={self.vocab_size})")
+        for v in self.eos_ids:
+            check(0 <= v < self.vocab_size, key(path, "eos_ids"), v, f"must be in [0, vocab_size={self.vocab_size})")
         if self.preset is not None:
             check(
                 self.preset in PRESETS,

@@ -2,8 +2,10 @@
 
     cfg = load_config("configs/default.yaml", ["rl.kl_coef=0.04", "train.steps=10"])
 
-Presets may name a base with `base: other.yaml` (resolved relative to the file). Validation is
-complete before anything is compiled; errors are `ConfigError` (one line: key and value).
+Presets may name a base with `base: other.yaml` (resolved relative to the file). `model.path`
+(`critic.path`) fills that section from the checkpoint's config.json (config/hf.py) before
+validation. Validation is complete before anything is compiled; errors are `ConfigError` (one
+line: key and value).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from rpeg_jax.config.base import ConfigError, build, check, suggest, to_dict
 from rpeg_jax.config.costmodel import CostModelConfig
 from rpeg_jax.config.data import DataConfig
 from rpeg_jax.config.distributed import DistributedConfig
+from rpeg_jax.config.eval import EvalConfig
+from rpeg_jax.config.hf import resolve_checkpoint
 from rpeg_jax.config.model import ModelConfig, resolve_preset
 from rpeg_jax.config.optim import OptimConfig
 from rpeg_jax.config.pipeline import PipelineConfig
@@ -45,6 +49,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     costmodel: CostModelConfig = field(default_factory=CostModelConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self, path: str = "") -> None:
         """Checks that span sections (each section validated itself already)."""
@@ -216,10 +221,42 @@ def from_dict(data: dict) -> RunConfig:
     for name in data:
         if name not in sections:
             raise ConfigError(name, data[name], "unknown section" + suggest(name, sections))
-    for name in ("model", "critic"):
+    for name in ("model", "critic"):  # a checkpoint path defines the shape, else a preset may
         if isinstance(data.get(name), dict):
-            data[name] = resolve_preset(data[name], name)
-    return build(RunConfig, data)
+            given = data[name]
+            data[name] = (
+                resolve_checkpoint(given, name) if given.get("path") is not None else resolve_preset(given, name)
+            )
+    data = _checkpoint_tokenizer(data)
+    cfg = build(RunConfig, data)
+    if cfg.data.task == "jsonl" and "max_prompt_len" not in (data.get("data") or {}):
+        cfg = _jsonl_prompt_len(cfg)
+    return cfg
+
+
+JSONL_PROMPT_LEN = 512  # verl's data.max_prompt_length default
+
+
+def _jsonl_prompt_len(cfg: RunConfig) -> RunConfig:
+    """data.max_prompt_len not given for a JSONL file (not read at config time): 512 tokens (verl's
+    default), or what the model's positions leave beside rollout.max_new_tokens if fewer. Prompts
+    are padded to the batch's longest, so a generous bound costs only the sampler's page budget."""
+    room = cfg.model.max_position_embeddings - cfg.rollout.max_new_tokens
+    n = max(1, min(JSONL_PROMPT_LEN, room))
+    out = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_prompt_len=n))
+    out.validate()
+    return out
+
+
+def _checkpoint_tokenizer(data: dict) -> dict:
+    """data.tokenizer not given and model.path holds a tokenizer.json: that one (a checkpoint's
+    tokenizer belongs to its embeddings; the built-in character tokenizer does not)."""
+    model, section = data.get("model") or {}, data.get("data") or {}
+    path = model.get("path") if isinstance(model, dict) else None
+    if path is None or not isinstance(section, dict) or section.get("tokenizer") is not None:
+        return data
+    file = os.path.join(str(path), "tokenizer.json")
+    return {**data, "data": {**section, "tokenizer": file}} if os.path.isfile(file) else data
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

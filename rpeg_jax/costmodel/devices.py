@@ -11,11 +11,19 @@ CPU, 8 under --xla_force_host_platform_device_count=8). The planner asks JAX onl
 did not say (a named profile, a device count and a process count given explicitly never touch
 JAX); in the runtime JAX is imported already. The rest of the cost model stays device-free.
 
+A CPU profile's memory per device is what this host has: the RAM available now (host_memory:
+/proc/meminfo's MemAvailable, capped by a cgroup memory limit; else os.sysconf's available
+pages), split evenly between the devices planned for (1 for a plain process, N under
+--xla_force_host_platform_device_count=N). Only when neither can be read does the profile's
+own `device.memory_gb` stand (configs/hardware/cpu.yaml). A profile passed in as an object
+(tests, calibration) is used as it is.
+
 Callers: costmodel/planner.py (choose_plan, search), rpeg_jax/cli/plan.py (`rpeg plan`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -23,6 +31,11 @@ from dataclasses import dataclass
 # Device-kind substrings (jax Device.device_kind, lower case) -> profile name; first match wins.
 GPU_KINDS = (("gh200", "gh200"), ("h200", "h200"), ("h100", "h100"))
 DEFAULT_GPU = "h200"
+MEMINFO = "/proc/meminfo"
+CGROUP_FILES = (  # (limit, usage): cgroup v2, then v1
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
 
 
 @dataclass(frozen=True)
@@ -78,6 +91,52 @@ def processes_of_running_jax() -> int:
     return int(jax.process_count())
 
 
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):  # absent, or "max" (no limit)
+        return None
+
+
+def host_memory() -> float | None:
+    """Bytes of RAM this process could still get: MemAvailable (Linux, counts reclaimable cache),
+    capped by the cgroup's limit minus its usage when one is set; os.sysconf's available physical
+    pages where there is no /proc; None when neither is readable."""
+    avail = None
+    try:
+        with open(MEMINFO) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = float(line.split()[1]) * 1024  # kB
+                    break
+    except (OSError, ValueError, IndexError):
+        avail = None
+    if avail is None:
+        try:
+            avail = float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError, AttributeError):
+            return None
+    for limit_file, usage_file in CGROUP_FILES:
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < 1 << 60:  # v1 writes a huge number for none
+            avail = min(avail, float(max(limit - usage, 0)))
+            break
+    return avail
+
+
+def host_budget(hw, num_devices: int, available: float | None = None):
+    """A CPU profile whose memory per device is the host's available RAM split between
+    `num_devices` (the profile unchanged when the RAM cannot be read)."""
+    from rpeg_jax.costmodel.hardware import GB
+
+    available = host_memory() if available is None else available
+    if hw.kind != "cpu" or not available:
+        return hw
+    per = available / max(int(num_devices), 1) / GB
+    return dataclasses.replace(hw, device=dataclasses.replace(hw.device, memory_gb=per, usable_memory_gb=per))
+
+
 def resolve(cfg, num_devices: int | None, hardware, processes: int | None):
     """(HardwareProfile, device count, process count) to plan for: explicit arguments, else the
     config (costmodel.hardware / costmodel.num_devices), else the local devices."""
@@ -93,6 +152,8 @@ def resolve(cfg, num_devices: int | None, hardware, processes: int | None):
         hw = load_hardware(profile_for(info.platform, info.kind) if auto else name)
     if not n:
         n = info.count
+    if not isinstance(name, HardwareProfile):  # a CPU profile by name: this host's RAM, split
+        hw = host_budget(hw, n)
     if processes is None:
         processes = info.processes if info is not None else processes_of_running_jax()
     return hw, int(n), int(processes)

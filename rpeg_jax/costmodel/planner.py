@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rpeg_jax.config.base import ConfigError
 from rpeg_jax.config.pipeline import PipelineConfig
 from rpeg_jax.config.run import RunConfig
 from rpeg_jax.costmodel import candidates as C
@@ -290,6 +291,56 @@ def periods(ctx: Context, graph: Graph, tab: dict):
     return np.where(bad, np.inf, period), np.where(bad, np.inf, latency)
 
 
+class NoPlanFits(GraphError, ConfigError):
+    """No candidate plan fits in memory (or divides the batch). A GraphError for the planner's
+    callers and a ConfigError for the commands: the config asks for more than the devices hold, so
+    `rpeg plan`, `rpeg train` and launch/multihost.py print one line and exit 2."""
+
+    def __init__(self, why: str):
+        ConfigError.__init__(self, "pipeline.plan", "auto", f"no plan fits: {why}")
+        self.node = "plan"
+
+
+def no_plan_fits(ctx: Context) -> NoPlanFits:
+    """The one-line error when nothing fits: the biggest stage's least need over every layout,
+    micro-batch count and remat choice (priced with no memory limit), the budget, and the knob."""
+    cfg, hw, budget = ctx.cfg, ctx.hw, ctx.st.budget_bytes
+    of = f"costmodel.memory_budget={cfg.costmodel.memory_budget} of {hw.name}'s {hw.hbm_bytes / GB:.1f} GB"
+    more = "free host RAM" if hw.kind == "cpu" else "plan for more devices"
+    roles = roles_of(ctx, ctx.base)
+    state = sum(m.resident_state_bytes() for m in (roles.actor, roles.critic) if m is not None) / ctx.N
+    if state > budget:
+        return NoPlanFits(
+            f"the parameters and Adam moments alone need {state / GB:.2f} GB per device even sharded over "
+            f"all {ctx.N} device{'s' if ctx.N > 1 else ''}; the budget is {budget / GB:.2f} GB per device ({of}); "
+            f"use a smaller model, {more}, or raise costmodel.memory_budget"
+        )
+    free = dataclasses.replace(ctx, st=dataclasses.replace(ctx.st, budget_bytes=np.inf))
+    need, stage = np.inf, "training"
+    for placement, share in families(free):
+        pairs = option_graphs(free, structural_options(free, placement, share))
+        tab = family_table(free, pairs[0][1], placement, {}) if pairs else {}
+        if "mem_update" not in tab:
+            continue
+        peak = np.maximum(tab["mem_update"], tab["mem_forward"])
+        i = int(np.argmin(peak))
+        if peak[i] < need:
+            need = float(peak[i])
+            stage = "the update" if tab["mem_update"][i] >= tab["mem_forward"][i] else "the scoring forwards"
+    B, R = ctx.st.B, cfg.rollout.max_new_tokens
+    if need > budget:
+        return NoPlanFits(
+            f"{stage} needs {need / GB:.2f} GB per device in the best layout (micro-batches and remat "
+            f"searched); the budget is {budget / GB:.2f} GB per device ({of}); lower data.prompts_per_step "
+            f"(B={B} sequences) or rollout.max_new_tokens={R}, {more}, or raise costmodel.memory_budget"
+        )
+    return NoPlanFits(
+        f"training fits ({need / GB:.2f} GB of {budget / GB:.2f} GB per device, {of}) but no layout leaves the "
+        f"sampler room for one sequence's KV pages or divides the batch of B={B} sequences; lower "
+        f"rollout.max_new_tokens={R} or change data.prompts_per_step"
+    )
+
+
 def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, processes: int | None = None) -> SearchResult:
     """Score every candidate plan of `cfg` on `num_devices` devices of `hardware` owned by
     `processes` JAX processes (unset ones: costmodel section, else the devices JAX sees; see
@@ -323,12 +374,7 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
             evaluations += len(period)
             scored.append(_Scored(period, latency, g, pipe, rows))
     if not scored:
-        raise GraphError(
-            "plan",
-            f"no plan fits: every layout exceeds {ctx.st.budget_bytes / GB:.1f} GB per device "
-            f"(costmodel.memory_budget={cfg.costmodel.memory_budget} of {hw.name}) or no "
-            f"mesh divides the batch of {ctx.st.B} sequences",
-        )
+        raise no_plan_fits(ctx)
     scored.sort(key=lambda s: float(np.min(s.period)))
     best: list[Prediction] = []
     seen = set()

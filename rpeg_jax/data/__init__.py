@@ -11,8 +11,9 @@ The runtime's view:
     rewards_B, num_errors = data.score(samples, reward_fn, cfg.data.reward_on_error, reward_name)
     state = pipe.get_state(); pipe.set_state(state)            # JSON; saved with checkpoints
 
-Modules: tokenizer (char + tokenizer.json), tasks (built-in tasks), answers (GSM8K/MATH answer
-extraction), rewards (registry, scoring), jsonl (reading prompt files), pipeline (grain).
+Modules: tokenizer (char + tokenizer.json), chat (chat templates, message prompts), tasks (built-in
+tasks), answers (GSM8K/MATH answer extraction), rewards (registry, scoring), jsonl (reading prompt
+files), pipeline (grain).
 """
 
 from rpeg_jax.data.answers import answers_match, extract_answer, normalize_answer

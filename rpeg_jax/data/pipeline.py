@@ -13,8 +13,10 @@ slice [i·P/n, (i+1)·P/n) of every global batch. The global batch at step t is 
 same for any number of processes, the state is the same on every process, and a run resumed
 on a different number of processes still sees the same data.
 
-Prompts are tokenized (bos first when data.add_bos and the tokenizer has one) and checked
-against data.max_prompt_len when the pipeline is built, before anything is compiled.
+Prompts are rendered with the chat template when one is in effect (data/chat.py; the record's
+"prompt" is then the rendered text, tokenized with no special tokens added, since the template
+writes its own bos), else tokenized as text (bos first when data.add_bos and the tokenizer has one),
+and checked against data.max_prompt_len when the pipeline is built, before anything is compiled.
 
 Called by: the runtime (start-up, every step, checkpoints); tests.
 """
@@ -31,6 +33,7 @@ import numpy as np
 from rpeg_jax.config.base import ConfigError
 from rpeg_jax.config.data import DataConfig
 from rpeg_jax.config.run import RunConfig
+from rpeg_jax.data.chat import PromptError, PromptFormat, load_prompt_format
 from rpeg_jax.data.jsonl import read_jsonl
 from rpeg_jax.data.tasks import make_records
 from rpeg_jax.data.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
@@ -56,7 +59,7 @@ class PromptBatch:
     step: int  # global batch index t (0-based) this came from
     epoch: float  # records consumed / dataset size, at the start of this batch
     ids: tuple[str, ...]
-    prompts: tuple[str, ...]  # prompt texts
+    prompts: tuple[str, ...]  # prompt texts as the model sees them (chat template applied: prompt_text)
     prompt_tokens: tuple[tuple[int, ...], ...]  # token ids, bos first when the tokenizer has one
     answers: tuple[str | None, ...]
     records: tuple[dict[str, Any], ...]  # each record's other fields (task, operands, JSONL extras)
@@ -92,30 +95,51 @@ def _check_tokenizer(cfg: RunConfig, tok: Tokenizer) -> None:
                 m.vocab_size,
                 f"the character tokenizer (data.tokenizer=null) needs >= {tok.vocab_size}",
             )
-    elif tok.vocab_size > m.vocab_size:
+    elif tok.vocab_size > m.vocab_size:  # with model.path the vocabulary is the checkpoint's (config/hf.py)
+        vocab = f"model.path={m.path}'s vocab_size" if m.path else "model.vocab_size"
         raise ConfigError(
             "data.tokenizer",
             cfg.data.tokenizer,
-            f"has {tok.vocab_size} tokens, more than model.vocab_size={m.vocab_size}",
+            f"has {tok.vocab_size} tokens, more than {vocab}={m.vocab_size}",
         )
-    if tok.eos_id != m.eos_id:
+    if tok.eos_id not in m.end_ids:  # e.g. Llama 3: config.json's eos is <|end_of_text|>, the tokenizer's <|eot_id|>
+        ids = f"model.eos_id={m.eos_id}" + (f", model.eos_ids={list(m.eos_ids)}" if m.eos_ids else "")
         raise ConfigError(
-            "model.eos_id", m.eos_id, f"the tokenizer's eos id is {tok.eos_id}; set model.eos_id={tok.eos_id}"
+            "model.eos_id",
+            m.eos_id,
+            f"the tokenizer's eos id is {tok.eos_id}, not {ids}; set model.eos_id={tok.eos_id}",
         )
 
 
-def load_records(cfg: DataConfig, tok: Tokenizer, split: str = "train") -> tuple[list[dict], dict[str, int]]:
-    """(records with "prompt_tokens", skipped counts) for a built-in task or a JSONL file."""
+def load_records(
+    cfg: DataConfig,
+    tok: Tokenizer,
+    split: str = "train",
+    *,
+    model_path: str | None = None,
+    fmt: PromptFormat | None = None,
+) -> tuple[list[dict], dict[str, int]]:
+    """(records with "prompt_tokens", skipped counts) for a built-in task or a JSONL file. fmt: how
+    prompts become text (default: load_prompt_format(cfg, model_path), which auto finds the template
+    beside data.tokenizer or in model_path)."""
     bos = [tok.bos_id] if cfg.add_bos and tok.bos_id is not None else []
+    fmt = load_prompt_format(cfg, model_path) if fmt is None else fmt
 
     def encode_prompt(text: str) -> list[int]:
         return bos + tok.encode(text)
 
     if cfg.task == "jsonl":
-        return read_jsonl(cfg.path, cfg, encode_prompt)
+        return read_jsonl(cfg.path, cfg, encode_prompt, fmt, tok.encode)
     records = make_records(cfg, split)
     for rec in records:
-        rec["prompt_tokens"] = encode_prompt(rec["prompt"])
+        if fmt.template is not None:
+            try:
+                rec["prompt"], rec["prompt_messages"] = fmt.render_prompt(rec["prompt"], "prompt")
+            except PromptError as e:
+                raise ConfigError("data.chat_template", fmt.template.source, f"task {cfg.task!r}: {e}") from None
+            rec["prompt_tokens"] = tok.encode(rec["prompt"])
+        else:
+            rec["prompt_tokens"] = encode_prompt(rec["prompt"])
         if len(rec["prompt_tokens"]) > cfg.max_prompt_len:
             raise ConfigError(
                 "data.max_prompt_len",
@@ -199,7 +223,7 @@ class PromptPipeline:
         step = self._step
         self._step += 1
         P = self.cfg.prompts_per_step
-        drop = ("id", "prompt", "prompt_tokens", "answer")
+        drop = ("id", "prompt", "prompt_tokens", "answer")  # "prompt_messages" stays in records
         return PromptBatch(
             step=step,
             epoch=step * P / len(self.records),
@@ -254,7 +278,7 @@ def build_pipeline(
     bad records) before anything is compiled. The runtime passes jax.process_index()/process_count()."""
     tok = tokenizer or load_tokenizer(cfg.data)
     _check_tokenizer(cfg, tok)
-    records, skipped = load_records(cfg.data, tok, split)
+    records, skipped = load_records(cfg.data, tok, split, model_path=cfg.model.path)
     return PromptPipeline(
         cfg.data, tok, records, shard_index=shard_index, shard_count=shard_count, skipped=skipped, split=split
     )

@@ -1,90 +1,43 @@
 """Hugging Face checkpoint interop for the Llama and Qwen2 architectures (local paths only).
 
     model = load_hf("/path/to/checkpoint")        # config.json + *.safetensors (+ index)
+    model = load_hf(path, shardings=layout.params) # each parameter born in its sharding
     save_hf(model, "/path/to/out")                 # the same format back; exact round trip
 
-HF stores linear weights as [out, in]; ours are [in, (heads, head_dim)] and stacked over layers.
+HF stores linear weights as [out, in]; ours are [in, (heads, head_dim)] and stacked over layers
+(one `_Layout` per tensor says how: split HF's dims, then transpose). Loading reads, for each
+device, only the slice of each file that the device's block of a parameter needs (the layout maps
+the block's index back to HF coordinates), so host memory stays near the model's own bytes.
 The value head uses TRL's names (`v_head.summary.weight` [1, D], `v_head.summary.bias` [1]).
 Nothing here downloads: a missing file is an error naming the path.
+
+Called by: runtime/setup.py (model.path, critic.path), cli/export.py (save_hf), tests, bench.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from rpeg_jax.config.model import ModelConfig, RopeScaling
+from rpeg_jax.config.hf import config_from_hf  # config.json -> ModelConfig, pure (config time as well)
+from rpeg_jax.config.model import ModelConfig
 from rpeg_jax.models.llama import Transformer
+from rpeg_jax.sharding.params import path_name
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-
-
-def config_from_hf(hf: dict, *, value_head: bool = False, dtype: str | None = None) -> ModelConfig:
-    """ModelConfig from a Hugging Face config.json dict (errors name the offending field)."""
-    arch = hf.get("model_type")
-    if arch not in _ARCHS:
-        raise ValueError(f"config.json: model_type={arch!r} is not supported (llama, qwen2)")
-    if hf.get("mlp_bias"):
-        raise ValueError("config.json: mlp_bias=true is not supported")
-    if arch == "llama" and hf.get("attention_bias"):
-        raise ValueError("config.json: attention_bias=true (o_proj bias) is not supported for llama")
-    if arch == "qwen2" and hf.get("use_sliding_window"):
-        raise ValueError("config.json: use_sliding_window=true is not supported")
-    rope = dict(hf.get("rope_parameters") or {})  # transformers >= 5 nests rope settings here
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-    rope_scaling = None
-    if scaling:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind != "llama3":
-            raise ValueError(f"config.json: rope_scaling.rope_type={kind!r} is not supported (llama3)")
-        rope_scaling = RopeScaling(
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-        )
-    eos = hf.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) else eos
-    ckpt_dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
-    dtype = dtype or _DTYPES.get(ckpt_dtype, "float32")
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim")
-    if head_dim == hf["hidden_size"] // heads:
-        head_dim = None  # canonical: implied by hidden_size / num_heads
-    cfg = ModelConfig(
-        arch=arch,
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        intermediate_size=hf["intermediate_size"],
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
-        rope_scaling=rope_scaling,
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=(arch == "qwen2"),
-        value_head=value_head,
-        param_dtype=dtype,
-        dtype=dtype,
-        bos_id=hf.get("bos_token_id") or 0,
-        eos_id=eos if eos is not None else 0,
-        pad_id=hf.get("pad_token_id") if hf.get("pad_token_id") is not None else (eos or 0),
-    )
-    cfg.validate("config.json")
-    return cfg
+__all__ = ["config_from_hf", "config_to_hf", "hf_state", "load_hf", "save_hf"]
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
@@ -140,107 +93,235 @@ def _tensor_files(path: str) -> list[str]:
     return [os.path.join(path, n) for n in found]
 
 
-def _read_tensors(path: str) -> dict:
-    tensors = {}
-    for file in _tensor_files(path):
-        with safe_open(file, framework="flax") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-    return tensors
+class _Tensors:
+    """The checkpoint's tensors by name, read a slice at a time. Only the files' headers are read
+    up front; `read` opens the file, copies the slice out and closes it again, so the memory map
+    (whose touched pages count as the process's resident memory while it is open) never covers
+    more than the tensor being read."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.file: dict[str, str] = {}
+        self.shape: dict[str, tuple[int, ...]] = {}
+        for file in _tensor_files(path):
+            with safe_open(file, framework="numpy") as f:
+                for name in f.keys():
+                    self.file[name] = file
+                    self.shape[name] = tuple(f.get_slice(name).get_shape())
+
+    def check(self, name: str, shape: tuple[int, ...]) -> None:
+        if name not in self.file:
+            raise KeyError(f"load_hf: tensor {name!r} missing from the checkpoint in {self.path}")
+        if self.shape[name] != shape:
+            raise ValueError(f"load_hf: tensor {name!r} in {self.path} has shape {self.shape[name]}, expected {shape}")
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        with safe_open(self.file[name], framework="numpy") as f:
+            return f.get_slice(name)[index]
 
 
-def _layer_mapping(cfg: ModelConfig):
-    """(our stacked name, HF suffix, HF [out,in] -> ours per-layer transform)."""
-    D, H, K, E = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_size
+@dataclass(frozen=True)
+class _Layout:
+    """How one of our arrays (one layer's, for stacked parameters) is made from one HF tensor:
+    HF's dims are split into `groups` (a dim of size H*E into (H, E); `()` drops a dim of size 1),
+    then transposed by `perm` (our dim i is split dim perm[i]). So q_proj [H*E, D] -> wq [D, H, E]
+    is groups ((H, E), (D,)), perm (2, 0, 1)."""
+
+    groups: tuple[tuple[int, ...], ...]
+    perm: tuple[int, ...]
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        return tuple(math.prod(g) for g in self.groups)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        split = [s for g in self.groups for s in g]
+        return tuple(split[p] for p in self.perm)
+
+    def block_shape(self, index: tuple[slice, ...]) -> tuple[int, ...]:
+        return tuple(len(range(*s.indices(n))) for s, n in zip(index, self.shape))
+
+    def from_hf(self, w):
+        return w.reshape([s for g in self.groups for s in g]).transpose(self.perm)
+
+    def to_hf(self, x):
+        return x.transpose(np.argsort(self.perm)).reshape(self.hf_shape)
+
+    def read(self, tensors: _Tensors, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """Our block `index` (slices in our coordinates) read as the HF slice that holds it: the
+        slice of a split dim (H, E) is the row range [h0*E, h1*E) of the HF dim when E is whole;
+        a part of E is cut after the reshape."""
+        split = [s for g in self.groups for s in g]
+        ranges: list[tuple[int, int]] = [(0, 0)] * len(split)
+        for i, p in enumerate(self.perm):
+            ranges[p] = index[i].indices(split[p])[:2]
+        hf_index, cut, block, r = [], [], [], 0
+        for g in self.groups:
+            if not g:  # a dim of size 1 that we drop
+                hf_index.append(slice(0, 1))
+                continue
+            (a, b), inner = ranges[r], math.prod(g[1:])
+            hf_index.append(slice(a * inner, b * inner))
+            block += [b - a, *g[1:]]
+            cut += [slice(None)] + [slice(*ranges[r + k]) for k in range(1, len(g))]
+            r += len(g)
+        w = tensors.read(name, tuple(hf_index))
+        return w.reshape(block)[tuple(cut)].transpose(self.perm)
+
+
+def _layer_mapping(cfg: ModelConfig) -> list[tuple[str, str, _Layout]]:
+    """(our stacked name, HF suffix, layout of one layer)."""
+    D, H, K, E, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.intermediate_size
     rows = [
-        ("attn_norm", "input_layernorm.weight", lambda w: w),
-        ("wq", "self_attn.q_proj.weight", lambda w: w.T.reshape(D, H, E)),
-        ("wk", "self_attn.k_proj.weight", lambda w: w.T.reshape(D, K, E)),
-        ("wv", "self_attn.v_proj.weight", lambda w: w.T.reshape(D, K, E)),
-        ("wo", "self_attn.o_proj.weight", lambda w: w.T.reshape(H, E, D)),
-        ("mlp_norm", "post_attention_layernorm.weight", lambda w: w),
-        ("w_gate", "mlp.gate_proj.weight", lambda w: w.T),
-        ("w_up", "mlp.up_proj.weight", lambda w: w.T),
-        ("w_down", "mlp.down_proj.weight", lambda w: w.T),
+        ("attn_norm", "input_layernorm.weight", _Layout(((D,),), (0,))),
+        ("wq", "self_attn.q_proj.weight", _Layout(((H, E), (D,)), (2, 0, 1))),
+        ("wk", "self_attn.k_proj.weight", _Layout(((K, E), (D,)), (2, 0, 1))),
+        ("wv", "self_attn.v_proj.weight", _Layout(((K, E), (D,)), (2, 0, 1))),
+        ("wo", "self_attn.o_proj.weight", _Layout(((D,), (H, E)), (1, 2, 0))),
+        ("mlp_norm", "post_attention_layernorm.weight", _Layout(((D,),), (0,))),
+        ("w_gate", "mlp.gate_proj.weight", _Layout(((F,), (D,)), (1, 0))),
+        ("w_up", "mlp.up_proj.weight", _Layout(((F,), (D,)), (1, 0))),
+        ("w_down", "mlp.down_proj.weight", _Layout(((D,), (F,)), (1, 0))),
     ]
     if cfg.qkv_bias:
         rows += [
-            ("bq", "self_attn.q_proj.bias", lambda b: b.reshape(H, E)),
-            ("bk", "self_attn.k_proj.bias", lambda b: b.reshape(K, E)),
-            ("bv", "self_attn.v_proj.bias", lambda b: b.reshape(K, E)),
+            ("bq", "self_attn.q_proj.bias", _Layout(((H, E),), (0, 1))),
+            ("bk", "self_attn.k_proj.bias", _Layout(((K, E),), (0, 1))),
+            ("bv", "self_attn.v_proj.bias", _Layout(((K, E),), (0, 1))),
         ]
     return rows
 
 
-def load_hf(path: str, *, value_head: bool = False, dtype: str | None = None) -> Transformer:
-    """A Transformer with the weights of the local HF checkpoint at `path`."""
+def _mapping(cfg: ModelConfig) -> dict[str, tuple[list[str] | str, _Layout]]:
+    """Our parameter path -> (HF name, or one name per layer for a stacked parameter; layout)."""
+    D, V = cfg.hidden_size, cfg.vocab_size
+    out: dict[str, tuple[list[str] | str, _Layout]] = {
+        "embed": ("model.embed_tokens.weight", _Layout(((V,), (D,)), (0, 1))),
+        "final_norm": ("model.norm.weight", _Layout(((D,),), (0,))),
+    }
+    if not cfg.tie_embeddings:
+        out["lm_head"] = ("lm_head.weight", _Layout(((V,), (D,)), (1, 0)))
+    for ours, suffix, layout in _layer_mapping(cfg):
+        out[f"layers.{ours}"] = ([f"model.layers.{i}.{suffix}" for i in range(cfg.num_layers)], layout)
+    if cfg.value_head:  # TRL's names
+        out["value_w"] = ("v_head.summary.weight", _Layout(((), (D,)), (0,)))
+        out["value_b"] = ("v_head.summary.bias", _Layout(((),), ()))
+    return out
+
+
+def _is_sharding(x) -> bool:
+    return isinstance(x, jax.sharding.Sharding)
+
+
+def _sharding_of(shardings, params) -> dict[str, jax.sharding.Sharding]:
+    """{parameter path: sharding} from load_hf's `shardings` argument (see there)."""
+    tree = shardings(params) if callable(shardings) else shardings
+    if tree is None:
+        return {name: jax.sharding.SingleDeviceSharding(jax.devices()[0]) for name in _paths(params)}
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_sharding)[0]
+    out = {path_name(p): s for p, s in flat}
+    missing = [n for n in _paths(params) if not _is_sharding(out.get(n))]
+    if missing:
+        raise ValueError(f"load_hf: shardings gives no sharding for {missing[:5]}")
+    return out
+
+
+def _paths(params) -> list[str]:
+    return [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)[0]]
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _load(tensors: _Tensors, names: list[str] | str, layout: _Layout, shape, dtype, sharding) -> jax.Array:
+    """One parameter as a global array in `sharding`: each addressable device's block is read on
+    its own from the files (a stacked parameter's block one layer at a time)."""
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        if isinstance(names, str):
+            return layout.read(tensors, names, index).astype(dtype, copy=False)
+        lo, hi = index[0].indices(len(names))[:2]
+        out = np.empty((hi - lo, *layout.block_shape(index[1:])), dtype)
+        for i in range(lo, hi):
+            out[i - lo] = layout.read(tensors, names[i], index[1:])
+        return out
+
+    return jax.make_array_from_callback(shape, sharding, block, dtype=dtype)
+
+
+def load_hf(path: str, *, value_head: bool = False, dtype: str | None = None, shardings: Any = None) -> Transformer:
+    """A Transformer with the weights of the local HF checkpoint at `path`, every parameter built
+    directly in its sharding: each process reads from the files only the slices its own devices
+    hold (`jax.make_array_from_callback`), so a device holds only its own blocks and the host
+    never a second copy of the model (bench/NOTES.md, session 11: peak 1.19x the model's bytes
+    on 8 CPU devices, where the devices' 1x is host memory too).
+
+    `shardings`: None (every parameter on the default device), a tree with one jax Sharding per
+    parameter of the model's nnx.State (`nnx.split(model, nnx.Param)[1]`; a flat dict keyed by
+    dotted path, {"layers.wq": sharding, ...}, is one), or a function from the
+    abstract state (ShapeDtypeStruct values with their `axes` metadata) to such a tree (or to
+    None), e.g. `StageLayout.params` (runtime/setup.py)."""
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"load_hf: {cfg_file} not found (only local checkpoints are read)")
     with open(cfg_file) as f:
         cfg = config_from_hf(json.load(f), value_head=value_head, dtype=dtype)
-    tensors = _read_tensors(path)
-    pd = jnp.dtype(cfg.param_dtype)
-
-    def take(name):
-        if name not in tensors:
-            raise KeyError(f"load_hf: tensor {name!r} missing from the checkpoint in {path}")
-        return tensors.pop(name)
-
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    model.embed.set_value(take("model.embed_tokens.weight").astype(pd))
-    for ours, suffix, fn in _layer_mapping(cfg):
-        per_layer = [fn(take(f"model.layers.{i}.{suffix}")) for i in range(cfg.num_layers)]
-        getattr(model.layers, ours).set_value(jnp.stack(per_layer).astype(pd))
-    model.final_norm.set_value(take("model.norm.weight").astype(pd))
-    if cfg.tie_embeddings:
-        tensors.pop("lm_head.weight", None)
-    else:
-        model.lm_head.set_value(take("lm_head.weight").T.astype(pd))
-    if value_head:
-        if "v_head.summary.weight" in tensors:
-            model.value_w.set_value(take("v_head.summary.weight")[0].astype(pd))
-            model.value_b.set_value(take("v_head.summary.bias")[0].astype(pd))
-        else:
-            model.value_w.set_value(jnp.zeros((cfg.hidden_size,), pd))
-            model.value_b.set_value(jnp.zeros((), pd))
-    tensors.pop("v_head.summary.weight", None), tensors.pop("v_head.summary.bias", None)
-    leftovers = [n for n in tensors if not n.endswith("rotary_emb.inv_freq")]
+    tensors = _Tensors(path)
+    mapping = _mapping(cfg)
+    zero_value_head = value_head and "v_head.summary.weight" not in tensors.file  # a new head starts at 0
+    expected = set()
+    for ours, (names, layout) in mapping.items():
+        if zero_value_head and ours in ("value_w", "value_b"):
+            continue
+        for name in [names] if isinstance(names, str) else names:
+            tensors.check(name, layout.hf_shape)
+            expected.add(name)
+    ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    ignored |= set() if value_head else {"v_head.summary.weight", "v_head.summary.bias"}
+    leftovers = [n for n in tensors.file if n not in expected | ignored and not n.endswith("rotary_emb.inv_freq")]
     if leftovers:
         raise ValueError(f"load_hf: unexpected tensors in {path}: {sorted(leftovers)[:5]}")
-    return model
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    where = _sharding_of(shardings, params)
+    pd = np.dtype(jnp.dtype(cfg.param_dtype))
+
+    def build(keypath, var):
+        name = path_name(keypath)
+        shape = tuple(var.get_value().shape)
+        if zero_value_head and name in ("value_w", "value_b"):
+            return var.replace(jax.device_put(np.zeros(shape, pd), where[name]))
+        names, layout = mapping[name]
+        return var.replace(_load(tensors, names, layout, shape, pd, where[name]))
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(build, params, is_leaf=_is_variable))
 
 
 def hf_state(model: Transformer) -> dict:
     """{HF tensor name: array} for `model` (the inverse of load_hf's mapping)."""
-    cfg = model.cfg
-    out = {"model.embed_tokens.weight": model.embed[...], "model.norm.weight": model.final_norm[...]}
-    inverse = {
-        "wq": lambda w: w.reshape(w.shape[0], -1).T,
-        "wk": lambda w: w.reshape(w.shape[0], -1).T,
-        "wv": lambda w: w.reshape(w.shape[0], -1).T,
-        "wo": lambda w: w.reshape(-1, w.shape[-1]).T,
-        "w_gate": lambda w: w.T,
-        "w_up": lambda w: w.T,
-        "w_down": lambda w: w.T,
-        "bq": lambda b: b.reshape(-1),
-        "bk": lambda b: b.reshape(-1),
-        "bv": lambda b: b.reshape(-1),
-    }
-    for ours, suffix, _ in _layer_mapping(cfg):
-        stacked = getattr(model.layers, ours)[...]
-        for i in range(cfg.num_layers):
-            out[f"model.layers.{i}.{suffix}"] = inverse.get(ours, lambda w: w)(stacked[i])
-    if model.lm_head is not None:
-        out["lm_head.weight"] = model.lm_head[...].T
-    if model.value_w is not None:
-        out["v_head.summary.weight"] = model.value_w[...][None, :]
-        out["v_head.summary.bias"] = model.value_b[...].reshape(1)
+    flat = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=_is_variable)[0]
+    values = {path_name(p): v.get_value() for p, v in flat}
+    out = {}
+    for ours, (names, layout) in _mapping(model.cfg).items():
+        if isinstance(names, str):
+            out[names] = layout.to_hf(values[ours])
+        else:
+            out.update({name: layout.to_hf(values[ours][i]) for i, name in enumerate(names)})
     return {k: jnp.asarray(v) for k, v in out.items()}
 
 
-def save_hf(model: Transformer, path: str, *, max_shard_bytes: int = 5 * 1024**3, overwrite: bool = False) -> None:
-    """Write `model` as a HF checkpoint directory, atomically (a temp dir renamed into place)."""
+def save_hf(
+    model: Transformer,
+    path: str,
+    *,
+    max_shard_bytes: int = 5 * 1024**3,
+    overwrite: bool = False,
+    extra_files: dict[str, str] | None = None,
+) -> None:
+    """Write `model` as a HF checkpoint directory, atomically (a temp dir renamed into place).
+    `extra_files` ({name in the directory: source path}) are copied in with it (tokenizer files,
+    generation_config.json: cli/export.py)."""
     if os.path.exists(path) and os.listdir(path) and not overwrite:
         raise FileExistsError(f"save_hf: {path} exists and is not empty (pass overwrite=True)")
     state = hf_state(model)
@@ -269,6 +350,8 @@ def save_hf(model: Transformer, path: str, *, max_shard_bytes: int = 5 * 1024**3
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config_to_hf(model.cfg), f, indent=2)
+        for name, source in (extra_files or {}).items():
+            shutil.copyfile(source, os.path.join(tmp, name))
         if os.path.exists(path):
             shutil.rmtree(path)
         os.replace(tmp, path)

@@ -15,13 +15,15 @@ orbax writes into a temporary directory and renames it when complete, so a proce
 mid-save leaves the previous checkpoint intact. Non-finite parameters are refused: a NaN never
 reaches a checkpoint. Retention keeps the newest `keep` checkpoints.
 
-Called by: runtime/trainer.py (creates the Checkpointer), runtime/resume.py (save, restore).
+Called by: runtime/trainer.py (creates the Checkpointer), runtime/resume.py (save, restore),
+cli/export.py (the actor's params alone: `state_shapes`, `restore_state`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pathlib
 from typing import Any
 
 import jax
@@ -97,6 +99,35 @@ class Checkpointer:
         out = self._mngr.restore(step, args=ocp.args.Composite(**items))
         return out["train"], dict(out["meta"]), dict(out["buffer"]) if buffer_target else {}
 
+    def state_shapes(self, step: int, name: str) -> dict[str, tuple[tuple[int, ...], str]]:
+        """{parameter path ('layers.wq'): (shape, dtype)} of train state `name` ("actor") at `step`,
+        from the checkpoint's metadata (no array is read)."""
+        meta = ocp.PyTreeCheckpointHandler().metadata(pathlib.Path(self.directory) / str(step) / "train")
+        tree = meta.tree if hasattr(meta, "tree") else meta
+        if name not in tree:
+            raise KeyError(f"checkpoint {step} in {self.directory} holds no {name!r} (it has {sorted(tree)})")
+        flat = jax.tree_util.tree_flatten_with_path(tree[name], is_leaf=lambda x: hasattr(x, "shape"))[0]
+        out = {}
+        for path, m in flat:
+            keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+            out[".".join(keys[:-1] if keys[-1:] == ["value"] else keys)] = (tuple(m.shape), str(m.dtype))
+        return out
+
+    def restore_state(self, step: int, name: str, target: Any) -> Any:
+        """One train state (e.g. "actor") of checkpoint `step`, laid out like `target`; the other
+        states and items are not read (runtime/evaluation.py restores the actor's params alone)."""
+        tree = {name: jax.tree.map(_abstract, target)}
+        args = ocp.args.PyTreeRestore(
+            tree,
+            restore_args=jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), tree),
+            partial_restore=True,
+        )
+        reader = ocp.PyTreeCheckpointer()  # the "train" item alone, by its folder
+        try:
+            return reader.restore(os.path.join(self.directory, str(step), "train"), args=args)[name]
+        finally:
+            reader.close()
+
     def wait(self) -> None:
         self._mngr.wait_until_finished()
 
@@ -106,6 +137,8 @@ class Checkpointer:
 
 
 def _abstract(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
     x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 

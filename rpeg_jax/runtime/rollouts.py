@@ -8,7 +8,9 @@ versions_BxR: the policy version of each sampled token; group_ids_B) plus host-o
 fields (tokens, mask, prompt, answer, record) for the reward; the behaviour logprobs are a
 separate [B, R] array. P and R are bucketed up to a multiple of `LENGTH_BUCKET` (fewer padded
 tokens, few distinct compiled shapes) unless the run streams micro-batches, where every piece
-must have the configured shape so pieces concatenate.
+must have the configured shape so pieces concatenate; under continuous admission R is
+rollout.max_new_tokens (a batch's longest response changes every step, and each new R would
+compile the training stages again).
 
 Called by: runtime/kernels.py (generate, reward), runtime/setup.py (RolloutBuffer, StepPrompts),
 runtime/trainer.py (token statistics, the staleness check, step FLOPs), runtime/resume.py
@@ -165,7 +167,10 @@ def lay_out(ctx, rows, gids: np.ndarray, host: dict[str, list]) -> tuple[dict, A
     if jax.process_count() > 1:  # every process must lay its rows out with the same P and R
         longest = multihost_utils.process_allgather(longest).max(axis=0)
     P = bucket(int(longest[0]), cfg.data.max_prompt_len if fixed else None)
-    R = bucket(int(longest[1]), cfg.rollout.max_new_tokens if fixed else None)
+    # under continuous admission each batch's longest response varies from step to step (whichever
+    # groups completed first), so R is the cap: one compiled shape for the training stages
+    fixed_r = fixed or cfg.rollout.admission == "continuous"
+    R = bucket(int(longest[1]), cfg.rollout.max_new_tokens if fixed_r else None)
     B = len(rows)
     tokens = np.full((B, P + R), cfg.model.pad_id, np.int32)
     positions = np.zeros((B, P + R), np.int32)
@@ -219,7 +224,7 @@ def score(ctx, comps: dict) -> tuple[Any, dict]:
     R = comps["host_mask"].shape[1]
     tokens = comps["host_tokens"][:, -R:]
     lengths = comps["host_mask"].sum(1).astype(int)
-    stop_ids = tuple(ctx.cfg.rollout.stop_token_ids)
+    stop_ids = (*ctx.cfg.model.end_ids, *ctx.cfg.rollout.stop_token_ids)  # where the sampler stopped
     samples = []
     for b in range(tokens.shape[0]):
         ids = completion_ids(tokens[b, : lengths[b]].tolist(), tok.eos_id, stop_ids)

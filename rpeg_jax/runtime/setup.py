@@ -19,6 +19,7 @@ import jax
 from flax import nnx
 
 from rpeg_jax.config.base import ConfigError
+from rpeg_jax.config.hf import FIXED
 from rpeg_jax.config.run import RunConfig
 from rpeg_jax.data.pipeline import build_pipeline
 from rpeg_jax.data.rewards import resolve_reward
@@ -67,29 +68,52 @@ class RuntimeContext:
 
 
 def _model(cfg_model, path: str | None, seed: int, layout, value_head: bool = False):
-    """A model built directly in `layout` (sharded init), or loaded from a local HF checkpoint."""
-    if path:
-        model = load_hf(path, value_head=value_head, dtype=cfg_model.param_dtype)
-        graphdef, params = nnx.split(model, nnx.Param)
-        return nnx.merge(graphdef, jax.device_put(params, layout.params(params)))
+    """A model built directly in `layout`: a sharded init, or loaded from a local HF checkpoint
+    (each process reads only the slices of the files its devices hold)."""
     mcfg = dataclasses.replace(cfg_model, value_head=value_head or cfg_model.value_head)
+    if path:
+        model = load_hf(path, value_head=value_head, dtype=cfg_model.param_dtype, shardings=layout.params)
+        shape = [("head_size" if f == "head_dim" else f) for f in FIXED]  # head_dim None = implied
+        changed = [f for f in shape if getattr(model.cfg, f) != getattr(mcfg, f)]
+        if changed:  # the config read the same config.json (config/hf.py); it changed since
+            f = changed[0]
+            raise ConfigError(f"model.{f}", getattr(mcfg, f), f"{path}/config.json now says {getattr(model.cfg, f)!r}")
+        model.cfg = mcfg  # the run's numerics and ids (config.json's, or the overrides given beside it)
+        return model
     return shard_model(
         lambda: Transformer(mcfg, rngs=nnx.Rngs(params=seed)), layout.mesh, layout.rules, list(layout.overrides)
     )
 
 
+def build_actor(cfg: RunConfig, graph: Graph, placement: Placement) -> nnx.Module:
+    """The initial actor (model.path, else a random init from train.seed) in its training layout, with
+    a value head when the backbone is shared (runtime/evaluation.py builds it alone)."""
+    shared = bool(graph.attrs.get("shared"))
+    return _model(cfg.model, cfg.model.path, cfg.train.seed, placement.state_layout("actor"), shared)
+
+
 def build_models(cfg: RunConfig, graph: Graph, placement: Placement) -> dict[str, nnx.Module]:
     """actor (+ value head when the backbone is shared), reference (the initial actor's weights,
     separate buffers) when β > 0, and a separate critic for PPO without sharing."""
-    shared = bool(graph.attrs.get("shared"))
     seed = cfg.train.seed
-    models = {"actor": _model(cfg.model, cfg.model.path, seed, placement.state_layout("actor"), shared)}
+    models = {"actor": build_actor(cfg, graph, placement)}
     if graph.has(StateKind.REFERENCE.value):
         models["reference"] = _model(cfg.model, cfg.model.path, seed, placement.state_layout("reference"))
     if graph.has(StateKind.CRITIC.value):
         critic_cfg = cfg.critic_model
         models["critic"] = _model(critic_cfg, critic_cfg.path, seed + 1, placement.state_layout("critic"), True)
     return models
+
+
+def sampler_config(cfg: RunConfig) -> SamplerConfig:
+    """The sampler's engine settings: the rollout section, this process's share of a step's batch as
+    slots, and the model's end ids (eos_id + eos_ids, from generation_config.json with model.path).
+    The evaluation sampler (runtime/evaluation.py) has the same, so the two share compiled programs."""
+    batch = cfg.data.prompts_per_step * cfg.rl.group_size // jax.process_count()
+    max_seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    return SamplerConfig.from_rollout(
+        cfg.rollout, max_slots=batch, max_seq_len=max_seq, seed=cfg.train.seed, eos_token_ids=cfg.model.end_ids
+    )
 
 
 def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Store]:
@@ -102,9 +126,7 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
     if "critic" in models:
         optimizers["critic"] = make_optimizer(cfg.critic_optim or cfg.optim, total)
     rollout_params = placement.to_rollout(split["actor"][1])
-    batch = cfg.data.prompts_per_step * cfg.rl.group_size // jax.process_count()
-    max_seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-    scfg = SamplerConfig.from_rollout(cfg.rollout, max_slots=batch, max_seq_len=max_seq, seed=cfg.train.seed)
+    scfg = sampler_config(cfg)
     sampler = Sampler(
         nnx.merge(split["actor"][0], rollout_params), scfg, tokenizer=pipeline.tokenizer, mesh=placement.generate.mesh
     )

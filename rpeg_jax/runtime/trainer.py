@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from rpeg_jax.config.hf import checkpoint_overrides
 from rpeg_jax.config.run import RunConfig, dump_yaml
 from rpeg_jax.costmodel import devices as cost_devices
 from rpeg_jax.costmodel.planner import choose_plan as cost_model_planner
@@ -40,6 +41,7 @@ from rpeg_jax.graph.ir import Graph
 from rpeg_jax.graph.plan import Plan, config_for_plan, graph_for_plan, plan_for_config
 from rpeg_jax.runtime import resume, rollouts
 from rpeg_jax.runtime.checkpoint import Checkpointer, NonFiniteError
+from rpeg_jax.runtime.evaluation import Evaluator, due
 from rpeg_jax.runtime.executor import Executor, Store
 from rpeg_jax.runtime.kernels import default_registry
 from rpeg_jax.runtime.metrics import MetricsWriter, prediction_metrics
@@ -95,9 +97,14 @@ def train(
     after each step's metrics are written (and its checkpoint, if any, is committed); with
     `keep_state` the summary holds the final state values under "state"."""
     with StopSignals() as stop:
+        for line in checkpoint_overrides(cfg):  # fields given beside model.path / critic.path
+            log.info("%s", line)
         cfg, plan = choose_plan(cfg, plan)
         graph = graph_for_plan(cfg, plan)
+        evaluator = Evaluator.for_run(cfg)  # None without eval.path; the eval file is checked here
         ctx, store = build(cfg, graph, plan)
+        if evaluator is not None:
+            evaluator.on(ctx.graphdefs["actor"], ctx.placement.generate.mesh, ctx.placement.to_rollout)
         program = compile_graph(graph, plan, registry or default_registry(), ctx)
         chief = jax.process_index() == 0
         os.makedirs(cfg.train.run_dir, exist_ok=True)
@@ -108,7 +115,7 @@ def train(
         executor = Executor(program, store, tracer=tracer)
         try:  # the checkpointer is closed (its saves in flight committed) on every way out
             start = resume.restore(ckpt, store, executor, ctx) if cfg.train.resume == "auto" else 0
-            last, saved = _loop(cfg, ctx, executor, store, plan, ckpt, stop, start, chief, on_step)
+            last, saved = _loop(cfg, ctx, executor, store, plan, ckpt, stop, start, chief, on_step, evaluator)
             if last > start and last != saved:
                 resume.save(ckpt, store, executor, last, ctx.engine)
         finally:
@@ -143,9 +150,12 @@ def _loop(
     start: int,
     chief: bool,
     on_step,
+    evaluator: Evaluator | None = None,
 ) -> tuple[int, int | None]:
     """Steps start..train.steps-1, one executor slot each, until a stop is agreed; returns the
-    number of whole steps done and the step of the last checkpoint it wrote (None: none)."""
+    number of whole steps done and the step of the last checkpoint it wrote (None: none). Held-out
+    evaluation (runtime/evaluation.py) runs at step boundaries: step 0 with eval.before_train (a
+    fresh run), then where `due`; its metrics join that step's record."""
     writer = MetricsWriter(
         cfg.train.run_dir,
         enabled=chief,
@@ -158,11 +168,15 @@ def _loop(
     peak = _peak_flops(cfg)
     last, saved = start, None
     try:
+        if evaluator is not None and cfg.eval.before_train and start == 0:
+            writer.write(0, evaluator.run(0, store.latest("actor")[1]))
         for t in range(start, cfg.train.steps):
             if stop.agreed():
                 break
             executor.run_slot(t)
             metrics = _step_metrics(cfg, ctx, executor, store, plan, t, peak)
+            if evaluator is not None and due(cfg, t + 1):
+                metrics.update(evaluator.run(t + 1, store.latest("actor")[1]))
             writer.write(t + 1, metrics, last=t + 1 == cfg.train.steps)
             last = t + 1
             if metrics.get("actor/nan_stop", 0) or metrics.get("critic/nan_stop", 0):

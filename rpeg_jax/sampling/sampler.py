@@ -118,7 +118,7 @@ class Sampler:
         # The widest table any sequence needs; the last width bucket is capped here, not rounded up
         # (a rounded-up last bucket made the final chunk's attention read up to ~2x the columns).
         self.max_width = per_seq
-        self.eos_ids = tuple(cfg.eos_token_ids if cfg.eos_token_ids is not None else (mcfg.eos_id,))
+        self.eos_ids = tuple(cfg.eos_token_ids if cfg.eos_token_ids is not None else mcfg.end_ids)
         kv_dtype = jnp.dtype(cfg.kv_dtype or mcfg.dtype)
         self.pools = engine.make_pools(
             mcfg.num_layers,

@@ -49,7 +49,7 @@ class SamplerConfig:
     kv_pool: Literal["sharded", "replicated"] = "sharded"  # on a mesh with a `data` axis D > 1 that
     #   divides max_slots: split the page pool over data (each shard holds num_pages / D pages and
     #   its slots' KV) or keep a whole pool per data shard; see sampling/sharding.py
-    eos_token_ids: tuple[int, ...] | None = None  # None -> (model.cfg.eos_id,)
+    eos_token_ids: tuple[int, ...] | None = None  # None -> model.cfg.end_ids (eos_id + eos_ids)
     max_stop_ids: int = 8  # N: stop token ids per sequence on device (eos + stop_token_ids)
     min_prefill_len: int = 16  # smallest prefill length bucket (powers of two above it)
     min_prefill_rows: int = 1  # smallest prefill row bucket (powers of two above it; with a sharded
