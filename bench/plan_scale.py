@@ -7,12 +7,12 @@ GRPO (G=16) and PPO, prompt 512, responses 4k-16k tokens long-tailed (4096 + log
 6144, clipped at 16384), global batch 512 sequences: the chosen plan with its predicted step
 time, memory per GPU and utilization; the verl-like and ReaL-like baselines (each the best of
 its family on the same hardware) and their ratios; and the search time on one core.
-The main columns model our runtime as it is: each step's batch is one generate call (tail
-included) and the sampler's KV page pool is split per replica over the generation group's data
-axis (costmodel.kv_pool=replicated prices a pool replicated on every device instead).
-The baselines are priced with their own engines (one KV pool per replica). "next s" is our
-chosen plan once the sampler also admits the next steps' prompts while a step's tail finishes
-(costmodel.continuous_admission=true, not built yet).
+The planner searches rollout.admission (step | continuous) and k like its other knobs; "async"
+is the part of the chosen plan's gain over the verl-like plan that comes from asynchrony (the
+chosen layout priced at k = 0 with step admission: speedup = async x the rest). Our sampler's KV
+page pool is split per replica over the generation group's data axis (costmodel.kv_pool=replicated
+prices a pool replicated on every device instead). The baselines are priced with their own
+engines (one KV pool per replica).
 """
 
 from __future__ import annotations
@@ -51,16 +51,7 @@ MACHINES = [("gh200", 64), ("gh200", 128), ("gh200", 256), ("h100", 8), ("h200",
 
 
 def one(hw_name: str, gpus: int, model: str, algo: str) -> dict:
-    row = _search(hw_name, gpus, model, algo, [])
-    if row["fits"]:  # with continuous admission (partial rollouts) on top
-        ca = _search(hw_name, gpus, model, algo, ["costmodel.continuous_admission=true"])
-        row["next"] = {
-            "step_time_s": ca["chosen"]["step_time_s"],
-            "knobs": ca["chosen"]["knobs"],
-            "layout": ca["chosen"]["layout"],
-            "search_seconds": ca["search_seconds"],
-        }
-    return row
+    return _search(hw_name, gpus, model, algo, [])
 
 
 def _search(hw_name: str, gpus: int, model: str, algo: str, extra: list[str]) -> dict:
@@ -86,6 +77,7 @@ def _search(hw_name: str, gpus: int, model: str, algo: str, extra: list[str]) ->
             "layout": c.layout,
             "stage_times_s": c.stage_times_s,
         },
+        asynchrony=res.asynchrony,
     )
     for name, b in res.baselines.items():
         row[name] = {
@@ -104,7 +96,8 @@ def describe(row: dict) -> str:
     groups = "+".join(str(v) for v in lay["groups"].values())
     g, t = lay["generate"], lay["train"]
     return (
-        f"{k['placement'][:5]} {groups} k={k['staleness']}{' share' if k['share_actor_critic'] else ''} "
+        f"{k['placement'][:5]} {groups} k={k['staleness']}{' cont' if g.get('admission') == 'continuous' else ''}"
+        f"{' share' if k['share_actor_critic'] else ''} "
         f"gen tp{g['tensor']} train d{t['data']}f{t['fsdp']}t{t['tensor']}"
     )
 
@@ -112,7 +105,7 @@ def describe(row: dict) -> str:
 def table(rows: list[dict]) -> str:
     head = (
         f"{'hw':<6}{'gpus':>5} {'model':<5} {'algo':<5} {'chosen plan':<44}{'step s':>8}{'util':>7}{'GB':>6}"
-        f"{'verl s':>9}{'x':>6}{'ReaL s':>9}{'x':>6}{'search s':>9}{'next s':>8}{'x verl':>7}"
+        f"{'verl s':>9}{'x':>6}{'ReaL s':>9}{'x':>6}{'search s':>9}{'async':>7}"
     )
     out = [head, "-" * len(head)]
     for r in rows:
@@ -125,9 +118,8 @@ def table(rows: list[dict]) -> str:
         for name in ("verl_like", "real_like"):
             b = r.get(name)
             base += f"{b['step_time_s']:>9.1f}{b['ratio']:>6.2f}" if b else f"{'no fit':>9}{'-':>6}"
-        ca = r.get("next")
-        v = r.get("verl_like")
-        extra = f"{ca['step_time_s']:>8.1f}" + (f"{v['step_time_s'] / ca['step_time_s']:>7.2f}" if v else f"{'-':>7}")
+        a = r.get("asynchrony")
+        extra = f"{a['asynchrony']:>7.2f}" if a else f"{'1.00':>7}"
         out.append(
             pre + f"{describe(r):<44}{c['step_time_s']:>8.1f}{100 * c['utilization']:>6.1f}%"
             f"{c['memory_per_gpu_gb']:>6.1f}{base}{r['search_seconds']:>9.2f}{extra}"

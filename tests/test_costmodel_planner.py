@@ -106,18 +106,17 @@ def test_long_tail_favours_bounded_asynchrony_when_allowed():
     assert res.chosen.step_time_s < sync_only.chosen.step_time_s
 
 
-@pytest.mark.slow
 def test_continuous_admission_hides_the_tail():
-    # Without it (the runtime today) each step's batch is one generate call, tail included, and
-    # staleness only overlaps the groups; with it generation becomes throughput-bound.
-    base = P.search(cfg_of("costmodel.max_staleness=1"), 16, GH)
-    ca = P.search(cfg_of("costmodel.max_staleness=1", "costmodel.continuous_admission=true"), 16, GH)
+    # Step admission: each step's batch is one generate call, tail included, and staleness only
+    # overlaps the groups; continuous admission keeps the engine full across weight updates.
+    base = P.search(cfg_of("costmodel.max_staleness=0"), 16, GH)
+    ca = P.search(cfg_of("costmodel.max_staleness=1"), 16, GH)
+    assert ca.chosen.layout["generate"]["admission"] == "continuous"
     assert ca.chosen.step_time_s < base.chosen.step_time_s
     assert ca.chosen.stage_times_s["generate"] < base.chosen.stage_times_s["generate"]
     ctx = P.make_context(cfg_of("costmodel.max_staleness=1"), 16, GH)
-    assert {o.staleness for o in P.structural_options(ctx, "colocated", False)} == {0}
-    ctx = P.make_context(cfg_of("costmodel.max_staleness=1", "costmodel.continuous_admission=true"), 16, GH)
-    assert {o.staleness for o in P.structural_options(ctx, "colocated", False)} == {0, 1}
+    opts = P.option_graphs(ctx, P.structural_options(ctx, "colocated", False))
+    assert {(o.staleness, P.admission_of(g)) for o, g in opts} == {(0, "step"), (1, "continuous")}
 
 
 def _all_periods(ctx, placement, share, graph, tab):
@@ -335,7 +334,8 @@ def test_elide_old_forward_is_searched_and_priced():
     opts = P.structural_options(ctx, "colocated", False)
     assert {o.elide_old_forward for o in opts} == {False, True}
     assert all(o.staleness == 0 for o in opts if o.elide_old_forward)
-    pairs = dict((o.elide_old_forward, g) for o, g in P.option_graphs(ctx, [o for o in opts if not o.fuse]))
+    sync = [o for o in opts if not o.fuse and not o.staleness]
+    pairs = dict((o.elide_old_forward, g) for o, g in P.option_graphs(ctx, sync))
     tab = P.family_table(ctx, pairs[False], "colocated", {})
     full, _ = P.periods(ctx, pairs[False], tab)
     elided, _ = P.periods(ctx, pairs[True], tab)

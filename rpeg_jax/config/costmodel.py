@@ -27,12 +27,9 @@ class CostModelConfig:
     kv_pool: Literal["replicated", "sharded"] = "sharded"  # sampler KV pages over the generation data
     #   axis: one pool per replica (what the sampler does: sampling/sharding.py) or replicated (every device
     #   holds all replicas' pages); a run with rollout.kv_pool=replicated is priced replicated either way
-    continuous_admission: bool = False  # True prices a sampler capability that is NOT built yet, with an
-    #   idealized formula: under staleness k the sampler would admit later steps' prompts while a step's
-    #   tail finishes (partial rollouts), so generation is throughput-bound. False (what the runtime does):
-    #   each step's batch is one generate call, tail included
     # Search space (structural knobs the planner may change).
-    max_staleness: int = 1  # k the planner may choose, 0..max_staleness (0: synchronous only)
+    max_staleness: int = 1  # k the planner may choose, 0..max_staleness (0: synchronous only), each
+    #   with rollout.admission step or continuous (costmodel/space.admissions) unless the config sets them
     search_share_actor_critic: bool = True  # PPO: may share one backbone between actor and critic
     search_fusion: bool = True  # may fuse forwards / advantage
     search_elide_old_forward: bool = True  # may reuse the sampler's logprobs as π_old when k = 0 and the

@@ -119,6 +119,9 @@ class EfficiencySpec:
     gen_seq_s: float = 0.0  # the sampler's host cost per generated sequence (admission, page allocation,
     #   block tables, stop checks, results), s; fitted on generation stage points
     host_seq_s: float = 0.0  # runtime host cost per sequence per step (rows, reward, bookkeeping), s
+    admission_group_s: float = 4.7e-3  # host cost per group admitted under continuous admission (the
+    #   engine's bookkeeping, runtime/admission.py, and its own prefill call), s: the default config's
+    #   step took 0.434 s with it against 0.359 s without (16 groups, bench/NOTES.md session 10); not fitted
     host_step_s: float = 0.0  # runtime host cost per step whatever its size (data, scheduling, metrics), s;
     #   fitted on whole steps of two batch sizes (with host_seq_s and piece_s)
     contention: float = 0.0  # shared host: throughput lost to device programs beyond the cores,
@@ -182,7 +185,15 @@ class EfficiencySpec:
             self.fsdp_gather,
             "must be matrix | layer | model",
         )
-        for name in ("dispatch_s", "layer_s", "decode_step_s", "piece_s", "host_seq_s", "gen_seq_s"):
+        for name in (
+            "dispatch_s",
+            "layer_s",
+            "decode_step_s",
+            "piece_s",
+            "host_seq_s",
+            "gen_seq_s",
+            "admission_group_s",
+        ):
             v = getattr(self, name)
             check(v >= 0, key(path, name), v, "must be >= 0")
         if self.decode_layer_s is not None:

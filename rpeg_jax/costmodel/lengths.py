@@ -8,6 +8,11 @@ with `slots` concurrent sequences (refill on finish) and compresses the step axi
 
     T_gen = Σ_bins steps_i · t_step(b_i, c_i)      (b_i active sequences, c_i their mean context)
 
+That is one step-admission generate call. `admission` simulates the engine across RL steps
+(rollout.admission=continuous, runtime/admission.py: groups admitted at decode-chunk ends, the
+batch the first groups to complete, the staleness bound) and returns its steady state per step
+(`Admission`: decode steps, occupancy, tokens, staleness, re-queues).
+
 Callers: costmodel/stages.py, planner.py, fit.py, calibrate.py, tests. Pure numpy.
 """
 
@@ -145,4 +150,213 @@ def gen_schedule(
         finish_step=np.sort(np.concatenate(ends)),
         mean_len=float(lf.mean()),
         mean_sq_len=float((lf**2).mean()),
+    )
+
+
+# ---- the engine's admission, decode step by decode step ----------------------------------------
+@dataclass(frozen=True)
+class Admission:
+    """Steady-state behaviour of one sampler engine per RL step (means over the measured steps).
+
+    Defined as the runtime logs them (runtime/admission.py, Sampler.stats()): `occupancy` =
+    busy slot-steps / (decode steps x slots), where a busy slot-step is one decoded token."""
+
+    decode_steps: float  # decode steps per RL step
+    occupancy: float  # mean busy fraction of the slots over those steps (rollout/occupancy)
+    tokens: float  # tokens decoded per RL step (busy slot-steps; requeued groups' work included)
+    batch_tokens: float  # response tokens of the consumed batch per step
+    batch_longest: float  # mean longest response of a consumed batch (the padded R of its update)
+    ctx: float  # mean tokens generated so far by a busy slot (its context beyond the prompt)
+    staleness_mean: float  # mean over consumed groups of t - (version of their oldest token)
+    staleness_max: int
+    requeued: float  # groups per step that broke the bound k (re-queued or dropped)
+    admitted: float  # groups admitted per step (prefills), re-admissions included
+    chunks: float  # decode chunks (device calls) per step
+
+
+def draw_lengths(dist: LengthDist, rng: np.random.Generator, n: int) -> np.ndarray:
+    """n random lengths of `dist` (its empirical samples, or its clipped shifted lognormal)."""
+    if dist.samples:
+        return rng.choice(np.asarray(dist.samples, np.int64), n)
+    med = dist.median if dist.median is not None else (dist.min_len + dist.max_len) / 2
+    base = max(med - dist.min_len, 0.0)
+    out = dist.min_len + base * np.exp(dist.sigma * rng.standard_normal(n))
+    return np.clip(np.round(out), dist.min_len, dist.max_len).astype(np.int64)
+
+
+def window(hist: list, warmup: int, steps: int) -> tuple[int, int]:
+    """The measured steps [a, b) of a simulation's per-step records (decode steps first): at least
+    `steps` whole cycles' worth after `warmup`, from a step that decodes to just before one that
+    does. With more slots than a batch an engine may decode in one step the groups of the next
+    few (no decoding in those), so a window must not cut such a cycle."""
+    dec = [i for i in range(warmup, len(hist)) if hist[i][0] > 0]
+    if not dec:
+        return warmup, len(hist)
+    a = dec[0]
+    ends = [i for i in dec if i >= a + steps]
+    return a, ends[0] if ends else len(hist)
+
+
+def measured(hist: list, warmup: int, steps: int, cap: int = 8) -> bool:
+    """Whether a simulation has run long enough for window() (or `cap` x steps past warmup)."""
+    n = len(hist)
+    if n >= warmup + cap * steps:
+        return True
+    a, b = window(hist, warmup, steps)
+    return n > warmup and b < n
+
+
+class LengthStream:
+    """The lengths of the groups a simulated engine admits, group after group: blocks of BLOCK
+    groups drawn at once from one seeded generator (lengths.admission; its tests read it too)."""
+
+    BLOCK = 256
+
+    def __init__(self, dist: LengthDist, group: int, seed: int = 0):
+        self.dist, self.group, self.rng = dist, group, np.random.default_rng(seed)
+        self.block, self.i = np.zeros((0, group), np.int64), 0
+
+    def next(self) -> np.ndarray:
+        if self.i == len(self.block):
+            self.block = draw_lengths(self.dist, self.rng, self.BLOCK * self.group).reshape(self.BLOCK, self.group)
+            self.i = 0
+        self.i += 1
+        return self.block[self.i - 1]
+
+
+@functools.lru_cache(maxsize=4096)
+def admission(
+    dist: LengthDist,
+    slots: int,
+    groups: int,
+    group: int,
+    staleness: int = 1,
+    mode: str = "continuous",
+    chunk_steps: int = 64,
+    min_chunk_steps: int = 8,
+    steps: int = 8,
+    warmup: int | None = None,
+    seed: int = 0,
+) -> Admission:
+    """Event simulation of the sampler's slots over RL steps (runtime/admission.ContinuousRollouts
+    over sampling/sampler.Sampler.step), one decode chunk per event:
+
+    - `mode="continuous"`: whole groups of `group` sequences are queued until every slot is taken and
+      one group waits (ContinuousRollouts._top_up); at each chunk start the waiting groups are
+      admitted FIFO while `group` slots are free; a chunk runs min(chunk_steps, longest remaining)
+      decode steps, and ends early once `group` slots have freed in it after min_chunk_steps
+      (SamplerConfig.release_slots, a group always waits); a step's batch is the first `groups`
+      groups to complete; at the start of step t a group whose oldest token has version < t - k is
+      re-queued or dropped (rollout.stale_groups): either way another group of fresh lengths takes
+      its place, so the two policies cost the same here.
+    - `mode="step"`: each step queues its `groups` groups and decodes them to the end (no early
+      release); what runtime/rollouts.generate_piece does with one piece.
+
+    Lengths come from LengthStream(dist, group, seed), one group per submission. A group's oldest
+    token has the version of the step that admitted it (weights are installed between steps, tokens
+    are produced from the first chunk after admission). Not modelled: the KV page budget (slots are
+    the limit) and chunk ends at page-table width buckets (Sampler._align_chunk), which only end
+    chunks sooner. `warmup` steps (default k + 2: a group lives at most k + 1 steps in the engine)
+    run before the `steps` measured (P1's decode steps move < 2% from 8 to 16 measured steps)."""
+    if slots < group or groups < 1 or group < 1:
+        raise ValueError(f"admission: slots={slots} must hold a group of {group}; groups={groups} >= 1")
+    stream = LengthStream(dist, group, seed)
+    warmup = staleness + 2 if warmup is None else warmup
+    cont = mode == "continuous"
+    rem = np.zeros(slots, np.int64)  # tokens left per slot (0: free)
+    pos = np.zeros(slots, np.int64)  # tokens generated so far per slot
+    owner = np.full(slots, -1, np.int64)  # group id per slot
+    left: dict[int, int] = {}  # group -> members still decoding (admitted, not complete)
+    lengths: dict[int, np.ndarray] = {}  # group -> its members' lengths (submitted, not consumed)
+    oldest: dict[int, int] = {}  # group -> version of its oldest token (admitted, not consumed)
+    waiting: list[int] = []  # submitted, not admitted (FIFO)
+    done: list[int] = []  # complete, not consumed (in completion order)
+    nfree = slots  # slots with no sequence
+    unfinished = 0  # members of submitted groups still to finish (ContinuousRollouts.in_flight_sequences)
+    gid = 0
+    hist = []  # per step: decode steps, busy, batch tokens, longest, Σ ctx, Σ staleness, requeued, admitted,
+    #            chunks, staleness max
+
+    def submit() -> None:
+        nonlocal gid, unfinished
+        lengths[gid] = stream.next()
+        waiting.append(gid)
+        unfinished += group
+        gid += 1
+
+    t = -1
+    while not measured(hist, warmup, steps):
+        t += 1
+        st = np.zeros(10)
+        if cont:  # the bound at the start of step t: oldest version >= t - k
+            stale = [g for g, v in oldest.items() if v < t - staleness]
+            for g in stale:
+                if g in left:  # in flight: abort, free its slots
+                    busy = owner == g
+                    rem[busy], pos[busy], owner[busy] = 0, 0, -1
+                    nfree += int(busy.sum())
+                    unfinished -= left.pop(g)
+                else:
+                    done.remove(g)
+                del oldest[g], lengths[g]
+            st[6] = len(stale)
+        else:
+            for _ in range(groups):
+                submit()
+        while len(done) < groups:
+            while cont and unfinished <= slots:  # top up: every slot taken and one group waiting
+                submit()
+            if waiting and nfree >= group:
+                free = np.flatnonzero(owner < 0)
+                while waiting and len(free) >= group:  # admit FIFO while a whole group fits
+                    g = waiting.pop(0)
+                    idx, free = free[:group], free[group:]
+                    rem[idx], pos[idx], owner[idx] = lengths[g], 0, g
+                    left[g], oldest[g] = group, t
+                    nfree -= group
+                    st[7] += 1
+            k = min(chunk_steps, int(rem.max()))  # free slots hold rem = 0 and decode nothing
+            if cont and waiting and slots - nfree >= group:  # the group-th shortest running slot frees
+                j = nfree + group - 1
+                k = min(k, max(min_chunk_steps, int(np.partition(rem, j)[j])))
+            n = np.minimum(rem, k)
+            st[0] += k
+            st[1] += n.sum()
+            st[4] += float(np.dot(n, pos) + np.dot(n, n - 1) / 2)  # Σ generated-so-far over busy steps
+            st[8] += 1
+            rem -= n
+            pos += n
+            fin = np.flatnonzero((n > 0) & (rem == 0))
+            nfree += len(fin)
+            complete = []
+            for g in owner[fin].tolist():
+                left[g] -= 1
+                unfinished -= 1
+                if not left[g]:
+                    complete.append(g)
+                    del left[g]
+            owner[fin] = -1
+            done += sorted(complete)  # in submission order within the chunk (ContinuousRollouts._collect)
+        batch, done = done[:groups], done[groups:]
+        for g in batch:
+            st[2] += lengths[g].sum()
+            st[3] = max(st[3], lengths[g].max())
+            st[5] += t - oldest[g]
+            st[9] = max(st[9], t - oldest[g])
+            del lengths[g], oldest[g]
+        hist.append(st)
+    a, b = window(hist, warmup, steps)
+    m = np.mean(hist[a:b], axis=0)
+    return Admission(
+        decode_steps=float(m[0]),
+        occupancy=float(m[1] / (m[0] * slots)) if m[0] else 0.0,
+        tokens=float(m[1]),
+        batch_tokens=float(m[2]),
+        batch_longest=float(m[3]),
+        ctx=float(m[4] / m[1]) if m[1] else 0.0,
+        staleness_mean=float(m[5] / groups),
+        staleness_max=int(max(h[9] for h in hist[a:b])),
+        requeued=float(m[6]),
+        admitted=float(m[7]),
+        chunks=float(m[8]),
     )

@@ -37,7 +37,15 @@ from rpeg_jax.costmodel.lengths import LengthDist
 from rpeg_jax.costmodel.report import explain
 from rpeg_jax.costmodel.schedule import simulate, stage_spans, unroll
 from rpeg_jax.costmodel.shape import ModelShape
-from rpeg_jax.costmodel.space import allocations, divisible, families, sampler_is_trainer, structural_options  # noqa: F401
+from rpeg_jax.costmodel.space import (  # noqa: F401
+    admissions,
+    allocations,
+    continuous_searched,
+    divisible,
+    families,
+    sampler_is_trainer,
+    structural_options,
+)
 from rpeg_jax.costmodel.types import Context, Prediction, SearchResult, clock_of
 from rpeg_jax.graph.algorithms import build_graph
 from rpeg_jax.graph.ir import Graph, GraphError, Op, StageKind
@@ -51,8 +59,19 @@ KEEP_ROWS = 256  # rows per family and proxy kept for schedule simulation
 RUNTIME_LENGTH_BUCKET = 8  # runtime/rollouts.LENGTH_BUCKET (the cost model does not import the runtime)
 
 
+FORCED_SAMPLES = 4096  # draws standing for rollout.forced_lengths' distribution
+
+
 def length_dist(cfg: RunConfig) -> LengthDist:
+    """The response lengths the model prices: rollout.forced_lengths' when a benchmark forces them
+    (the runtime's draw: lognormal (median, sigma) rounded and clipped, no shift; as samples), else
+    the costmodel section's shifted lognormal."""
     c, r = cfg.costmodel, cfg.rollout.max_new_tokens
+    if cfg.rollout.forced_lengths is not None:
+        med, sigma, lo, hi = cfg.rollout.forced_lengths
+        z = np.random.default_rng(0).standard_normal(FORCED_SAMPLES)
+        draw = np.clip(np.round(np.exp(np.log(med) + sigma * z)), lo, hi).astype(np.int64)
+        return LengthDist(max_len=r, min_len=int(lo), samples=tuple(int(x) for x in draw))
     lo = min(c.response_len_min, r)
     med = None if c.response_len_median is None else min(max(c.response_len_median, lo), r)
     return LengthDist(max_len=r, min_len=lo, median=med, sigma=c.response_len_sigma)
@@ -96,6 +115,10 @@ def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processe
         # the runtime pads prompts and responses to its length bucket unless shapes are
         # fixed (pieces > 1)
         length_bucket=bucket,
+        chunk_steps=cfg.rollout.chunk_steps,
+        min_chunk_steps=cfg.rollout.min_chunk_steps,
+        recompute_kv=cfg.rollout.on_weight_update == "recompute",
+        static_rows=hw.kind == "cpu",
     )
     return Context(cfg, hw, num_devices, st, base, processes)
 
@@ -138,27 +161,35 @@ def useful_flops(st: S.Setting, g: Graph) -> float:
 
 
 # ---- durations of a graph's stages for a table of rows ------------------------------------------
+def admission_of(graph: Graph) -> str:
+    """rollout.admission of a planned graph: continuous where generation keeps the staleness bound
+    without running ahead (graph/passes.bounded_async(k, ahead=0))."""
+    return "continuous" if graph.staleness and not graph.generation_ahead else "step"
+
+
 def _part_time(kind: StageKind, tab: dict, graph: Graph) -> np.ndarray:
     shared = bool(graph.attrs.get("shared"))
+    # Under continuous admission generation is the engine's simulated steady state and the training
+    # side runs on its (shorter) batches: the columns *_c{k} (costmodel/candidates.py).
+    c = f"_c{graph.staleness}" if admission_of(graph) == "continuous" else ""
     if kind == StageKind.GENERATE:
-        k = graph.staleness
-        return tab[f"t_gen_k{k}"] if k else tab["t_gen"]
+        return tab[f"t_gen{c}"]
     if kind == StageKind.REWARD:
         return tab["t_reward"]
     if kind == StageKind.REF_FORWARD:
-        return tab["t_fwd_ref"]
+        return tab[f"t_fwd_ref{c}"]
     if kind == StageKind.OLD_FORWARD:
-        return tab["t_fwd_actor"] + tab["t_realloc_actor"]
+        return tab[f"t_fwd_actor{c}"] + tab["t_realloc_actor"]
     if kind == StageKind.CRITIC_FORWARD:
         if shared:
-            return tab["t_fwd_actor"] + tab["t_realloc_actor"]
-        return tab["t_fwd_critic"] + tab["t_realloc_critic"]
+            return tab[f"t_fwd_actor{c}"] + tab["t_realloc_actor"]
+        return tab[f"t_fwd_critic{c}"] + tab["t_realloc_critic"]
     if kind == StageKind.ADVANTAGE:
-        return tab["t_adv"]
+        return tab[f"t_adv{c}"]
     if kind == StageKind.ACTOR_UPDATE:
-        return tab["t_upd_actor"]
+        return tab[f"t_upd_actor{c}"]
     if kind == StageKind.CRITIC_UPDATE:
-        return tab["t_upd_critic"]
+        return tab[f"t_upd_critic{c}"]
     if kind == StageKind.WEIGHT_SYNC:
         return tab["t_sync"]
     raise GraphError(kind.value, "the cost model has no price for this stage kind")
@@ -180,12 +211,11 @@ def durations(ctx: Context, graph: Graph, tab: dict) -> tuple[dict, dict]:
             extra = t - _part_time(StageKind.GENERATE, tab, graph)
             per = tab[f"t_gen_p{m}"] + extra / m
             dur[s.name], pieces[s.name] = m * per, [per] * m
-        elif not graph.staleness:  # continuous admission: pieces finish along one batch
+        elif not graph.staleness:  # pieces finishing along one batch (no per-piece columns)
             qs = [tab["gen_q"][:, (8 * j) // m - 1] for j in range(1, m)]
             marks = [np.zeros_like(t)] + qs + [tab["t_gen"]]
             extra = t - tab["t_gen"]
             pieces[s.name] = [marks[j + 1] - marks[j] + extra / m for j in range(m)]
-        # (async with continuous admission: throughput-bound, even pieces)
     return dur, pieces
 
 
@@ -199,7 +229,8 @@ def _prune(tab: dict, ctx: Context, graph: Graph, keep: int) -> np.ndarray:
     dur, _ = durations(ctx, graph, tab)
     serial = sum(dur.values())
     gen = dur.get("generate", 0.0)
-    overlapped = np.maximum(gen, serial - gen)
+    with np.errstate(invalid="ignore"):
+        overlapped = np.nan_to_num(np.maximum(gen, serial - gen), nan=np.inf)
     idx = set(np.argsort(serial, kind="stable")[:keep].tolist())
     idx |= set(np.argsort(overlapped, kind="stable")[:keep].tolist())
     idx |= set(np.argsort(tab["mem_peak"], kind="stable")[:4].tolist())
@@ -217,13 +248,15 @@ class _Scored:
 
 
 def option_graphs(ctx: Context, opts: list[PipelineConfig]) -> list[tuple[PipelineConfig, Graph]]:
-    """(option, the config's graph after that option's passes) for every legal structural option."""
+    """(option, the config's graph after that option's passes) for every legal structural option and
+    every admission mode it may run with (space.admissions; the graph says which: admission_of)."""
     out = []
     for o in opts:
-        try:
-            out.append((o, apply_pipeline(ctx.base, o)))
-        except GraphError:  # an illegal combination for this algorithm (e.g. nothing to fuse)
-            continue
+        for adm in admissions(ctx, o):
+            try:
+                out.append((o, apply_pipeline(ctx.base, o, adm)))
+            except GraphError:  # an illegal combination for this algorithm (e.g. nothing to fuse)
+                continue
     return out
 
 
@@ -243,7 +276,7 @@ def family_table(ctx: Context, graph: Graph, placement: str, cache: dict, allocs
             placement,
             c.tensor_sizes,
             max(c.max_staleness, ctx.cfg.pipeline.staleness),  # the config's own bound is priced too
-            c.continuous_admission,
+            continuous_searched(ctx),
             gen_t,
         )
     return cache[key]
@@ -352,6 +385,7 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
         key = (
             s.pipeline.placement,
             s.pipeline.staleness,
+            admission_of(s.graph),
             s.pipeline.share_actor_critic,
             *(int(s.tab[c][i]) for c in ("n_gen", "n_train", "t_g", "d", "f", "t", "fd", "ff", "ft")),
         )
@@ -361,6 +395,8 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
     baselines = {
         name: b for name, b in ((nm, baseline(ctx, nm, cache)) for nm in ("verl_like", "real_like")) if b is not None
     }
+    top = scored[0]
+    sync_s = synchronous_period(ctx, top.pipeline, take_rows(top.tab, np.array([int(np.argmin(top.period))])))
     res = SearchResult(
         chosen=best[0],
         runners_up=best[1:],
@@ -372,8 +408,22 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
         num_devices=n,
         processes=procs,
     )
+    if top.pipeline.staleness:
+        verl = baselines.get("verl_like")
+        res.asynchrony = {
+            "sync_step_s": sync_s,
+            "asynchrony": sync_s / best[0].step_time_s,
+            "rest": verl.step_time_s / sync_s if verl is not None else None,
+        }
     res.notes = explain(ctx, res)
     return res
+
+
+def synchronous_period(ctx: Context, pipe: PipelineConfig, row: dict) -> float:
+    """Steady-state seconds of a table row under `pipe` without asynchrony (k = 0, step admission,
+    the other knobs kept): what the chosen plan's layout, fusion and placement give on their own."""
+    g = apply_pipeline(ctx.base, dataclasses.replace(pipe, staleness=0), "step")
+    return float(periods(ctx, g, row)[0][0])
 
 
 def baseline(ctx: Context, name: str, cache: dict) -> Prediction | None:
@@ -412,12 +462,18 @@ def predict(ctx: Context, graph: Graph, pipe: PipelineConfig, tab: dict, i: int,
     util = useful_flops(ctx.st, graph) / (period * peak) if period > 0 else 0.0
     r = {k: v[0].item() if np.ndim(v[0]) == 0 else v[0] for k, v in row.items()}
     sync = not pipe.staleness
-    slots = min(int(r["slots"]), int(r["n_rep"])) if sync else int(r["slots"])
+    cont = admission_of(graph) == "continuous"
+    slots = int(r[f"slots_c{pipe.staleness}"]) if cont else min(int(r["slots"]), int(r["n_rep"]))
     layout = {
         "groups": {"gen": int(r["n_gen"]), "train": int(r["n_train"])}
         if pipe.placement == "split"
         else {"all": int(r["n_train"])},
-        "generate": {"tensor": int(r["t_g"]), "replicas": int(r["n_gen"] // r["t_g"]), "slots": slots},
+        "generate": {
+            "tensor": int(r["t_g"]),
+            "replicas": int(r["n_gen"] // r["t_g"]),
+            "slots": slots,
+            "admission": admission_of(graph),
+        },
         "train": {
             "data": int(r["d"]),
             "fsdp": int(r["f"]),
@@ -438,7 +494,8 @@ def predict(ctx: Context, graph: Graph, pipe: PipelineConfig, tab: dict, i: int,
         label=label,
         step_time_s=period,
         latency_s=latency,
-        memory_per_gpu_gb=float(r["mem_peak_sync" if sync else "mem_peak"]) / GB,
+        memory_per_gpu_gb=float(r[f"mem_peak_c{pipe.staleness}" if cont else "mem_peak_sync" if sync else "mem_peak"])
+        / GB,
         utilization=util,
         stage_times_s={k: float(np.asarray(v).ravel()[0]) for k, v in dur.items()},
         spans=stage_spans(prog, starts, ends),
@@ -485,13 +542,13 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
         "clock": clock_of(ctx.hw),
     }
     # Config values the run takes from the plan (graph/plan.config_for_plan). The sampler's max_slots
-    # is per process over its replicas (slots per replica x replicas). The admission mode is the
-    # config's (the search does not choose it; it prices step-wise admission either way).
+    # is per process over its replicas (slots per replica x replicas); the admission mode is the
+    # one the plan was priced with (searched like k, space.admissions).
     settings = {
         "rl.micro_batches": lay["train"]["micro_batches"],
         "model.remat": lay["train"]["remat"],
         "rollout.max_slots": lay["generate"]["slots"] * lay["generate"]["replicas"] // ctx.processes,
-        "rollout.admission": ctx.cfg.rollout.admission,
+        "rollout.admission": admission_of(graph),
     }
     return Plan(
         num_devices=ctx.N,

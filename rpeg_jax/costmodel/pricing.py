@@ -3,12 +3,15 @@ for a Plan chosen elsewhere (a saved planner plan, a runner-up, a validation can
 
     alts = best_by_groups(cfg, n, hardware, processes)   # [Prediction], best first
     pred = price(cfg, plan, hardware, processes)         # Prediction of that exact plan
+    pred = predict_run(cfg, "cpu", 1)                    # the run cfg describes (bench/rl_step.py)
 
 Callers: bench/costmodel_validate.py (step-level candidates, re-pricing measured plans after a
 recalibration), tests. No JAX.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -23,9 +26,11 @@ from rpeg_jax.costmodel.planner import (
     option_graphs,
     periods,
     predict,
+    roles_of,
     take_rows,
 )
 from rpeg_jax.costmodel.space import families, structural_options
+from rpeg_jax.costmodel.stages import continuous_stage
 from rpeg_jax.costmodel.types import Prediction
 from rpeg_jax.graph.algorithms import build_graph
 from rpeg_jax.graph.ir import GraphError
@@ -74,12 +79,16 @@ def price_layout(
     cfg: RunConfig, knobs: dict, layout: dict, num_devices: int, hardware=None, processes: int | None = None
 ) -> Prediction:
     """The prediction for a plan given as knobs + layout (Prediction.layout's format: groups,
-    generate {tensor}, train {data, fsdp, tensor, micro_batches, remat}, forward {data, fsdp,
-    tensor}): the table row with those groups and layouts, simulated under the knobs' graph."""
+    generate {tensor, admission}, train {data, fsdp, tensor, micro_batches, remat}, forward {data,
+    fsdp, tensor}): the table row with those groups and layouts, simulated under the knobs' graph
+    (with generate.admission, default the config's rollout.admission)."""
     hw, n, procs = resolve(cfg, num_devices, hardware, processes)
-    ctx = make_context(cfg, n, hw, procs)
     pipe = Plan(num_devices=n, groups=(), stages=(), knobs=knobs).pipeline_config(cfg.pipeline)
-    g = apply_pipeline(ctx.base, pipe)
+    admission = layout["generate"].get("admission", cfg.rollout.admission)
+    if pipe.staleness > cfg.costmodel.max_staleness:  # the tables price k up to max_staleness
+        cfg = dataclasses.replace(cfg, costmodel=dataclasses.replace(cfg.costmodel, max_staleness=pipe.staleness))
+    ctx = make_context(cfg, n, hw, procs)
+    g = apply_pipeline(ctx.base, pipe, admission)
     gr, tr, fw = layout["groups"], layout["train"], layout["forward"]
     ng, nt = gr.get("gen", gr.get("all")), gr.get("train", gr.get("all"))
     tab = family_table(ctx, g, pipe.placement, {}, [(ng, nt)])
@@ -104,8 +113,57 @@ def price_layout(
     if not len(idx):
         raise GraphError("plan", f"no candidate of the model matches the layout {want}")
     sub = take_rows(tab, idx)
+    if admission == "continuous" and layout["generate"].get("slots"):
+        sub = _continuous_at(ctx, g, sub, int(layout["generate"]["slots"]))
     period, _ = periods(ctx, g, sub)
     return predict(ctx, g, pipe, sub, int(np.argmin(period)), f"priced {pipe.placement}")
+
+
+def _continuous_at(ctx, g, sub: dict, slots: int) -> dict:
+    """Rows with the continuous engine priced at exactly `slots` slots per replica (a run's
+    rollout.max_slots) instead of the best count the table chose."""
+    k, st, eff = g.staleness, ctx.st, ctx.hw.efficiency
+    actor = roles_of(ctx, g).actor
+    out = dict(sub)
+    secs, best = {}, {}
+    for ng in set(sub["n_gen"].tolist()):
+        sel = sub["n_gen"] == ng
+        s_k, b_k = continuous_stage(
+            st, actor, int(ng), sub["t_g"][sel], np.full(int(sel.sum()), slots), (k,), st.recompute_kv, True
+        )
+        secs[ng], best[ng] = s_k[k], b_k[k]
+    col, sl = out[f"t_gen_c{k}"].copy(), out[f"slots_c{k}"].copy()
+    for ng in secs:
+        sel = sub["n_gen"] == ng
+        col[sel] = np.where(np.isfinite(col[sel]), secs[ng] + st.B * eff.host_seq_s + eff.host_step_s, np.inf)
+        sl[sel] = best[ng]
+    out[f"t_gen_c{k}"], out[f"slots_c{k}"] = col, sl
+    return out
+
+
+def predict_run(cfg: RunConfig, hardware=None, num_devices: int | None = None, processes: int = 1) -> Prediction:
+    """The model's prediction for the run `cfg` describes, as it would run: the planner's choice
+    under pipeline.plan=auto, else the config's own (manual) plan priced with its knobs, its
+    rollout.admission and its sampler slots (rollout.max_slots, default one step's batch).
+    `hardware`: a profile name (its calibrated copy when `rpeg calibrate` saved one), path or
+    HardwareProfile; default costmodel.hardware. Called by bench/rl_step.py (predicted seconds per
+    step: `predict_run(cfg, "cpu", 1).step_time_s`)."""
+    hw, n, procs = resolve(cfg, num_devices, hardware, processes)
+    if cfg.pipeline.plan == "auto":
+        from rpeg_jax.costmodel.planner import search
+
+        return search(cfg, n, hw, procs).chosen
+    if cfg.pipeline.plan != "manual":
+        return price(cfg, Plan.load(cfg.pipeline.plan), hw, procs)
+    from rpeg_jax.graph.plan import plan_from_config
+
+    plan = plan_from_config(cfg, n)
+    pipe = plan.pipeline_config(cfg.pipeline)
+    layout = _layout_of(plan, pipe, cfg)
+    slots = cfg.rollout.max_slots or cfg.data.prompts_per_step * cfg.rl.group_size // procs
+    reps = max(layout["groups"].get("gen", layout["groups"].get("all", 1)) // layout["generate"].get("tensor", 1), 1)
+    layout["generate"]["slots"] = -(-slots * procs // reps)
+    return price_layout(cfg, plan.knobs, layout, plan.num_devices, hw, procs)
 
 
 def _layout_of(plan: Plan, pipe, cfg: RunConfig) -> dict:
@@ -121,7 +179,7 @@ def _layout_of(plan: Plan, pipe, cfg: RunConfig) -> dict:
     s = plan.settings
     out = {
         "groups": {},
-        "generate": {},
+        "generate": {"admission": s.get("rollout.admission", cfg.rollout.admission)},
         "train": {"micro_batches": s.get("rl.micro_batches", 1), "remat": s.get("model.remat", "none")},
         "forward": {},
     }

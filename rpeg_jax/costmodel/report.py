@@ -4,14 +4,18 @@ the planner's explanation of its choice (`explain`, the "why:" lines).
 JSON fields (stable; bench/ and CI read them): chosen.{step_time_s, latency_s,
 memory_per_gpu_gb, utilization, stage_times_s, knobs, layout, plan}, runners_up[...],
 baselines.{verl_like, real_like}.{...same}, ratios.{verl_like, real_like} (baseline step time /
-chosen), search_seconds, evaluations, evaluations_per_s, hardware, num_devices, notes.
+chosen), asynchrony.{sync_step_s, asynchrony, rest} (the chosen layout priced at k = 0 with step
+admission; speedup over verl-like = asynchrony x rest; null for a synchronous choice),
+search_seconds, evaluations, evaluations_per_s, hardware, num_devices, notes.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from rpeg_jax.costmodel import stages as S
 from rpeg_jax.costmodel.hardware import GB
+from rpeg_jax.costmodel.lengths import Admission
 from rpeg_jax.costmodel.types import Context, Prediction, SearchResult, clock_of
 
 BASELINES = ("verl_like", "real_like")  # null in the JSON when no plan of that family fits
@@ -39,6 +43,7 @@ def to_json_dict(res: SearchResult) -> dict[str, Any]:
         "runners_up": [_entry(p) for p in res.runners_up],
         "baselines": {k: (_entry(res.baselines[k]) if k in res.baselines else None) for k in BASELINES},
         "ratios": {k: (res.baselines[k].step_time_s / c if k in res.baselines else None) for k in BASELINES},
+        "asynchrony": res.asynchrony,
         "notes": list(res.notes),
     }
 
@@ -50,6 +55,7 @@ def _layout(p: Prediction) -> str:
     fuse = ",".join(k.get("fuse") or []) or "-"
     return (
         f"{k['placement']:<9} {groups:<14} gen tp{g['tensor']}x{g['replicas']} slots {g['slots']:<4} "
+        f"{g.get('admission', 'step'):<10} "
         f"train d{t['data']}f{t['fsdp']}t{t['tensor']} mb{t['micro_batches']} {t['remat']:<4} "
         f"fwd d{f['data']}f{f['fsdp']}t{f['tensor']}  k={k['staleness']} share={int(bool(k['share_actor_critic']))} "
         f"fuse={fuse} elide={int(bool(k.get('elide_old_forward')))} pieces={k['microbatches']}"
@@ -83,6 +89,14 @@ def render_text(res: SearchResult) -> str:
     if c.plan is not None:
         lines += ["", c.plan.describe()]
     return "\n".join(lines) + "\n"
+
+
+def admission_summary(ctx: Context, p: Prediction) -> Admission | None:
+    """The simulated engine (lengths.admission) of a continuous-admission prediction."""
+    g = p.layout["generate"]
+    if g.get("admission") != "continuous":
+        return None
+    return S.admission_of(ctx.st, g["replicas"], g["slots"], p.knobs["staleness"])
 
 
 def explain(ctx: Context, res: SearchResult) -> list[str]:
@@ -133,6 +147,32 @@ def explain(ctx: Context, res: SearchResult) -> list[str]:
         out.append(
             f"{name}: {b.step_time_s:.3g} s/step ({b.step_time_s / c.step_time_s:.2f}x the chosen plan); "
             f"its largest stage is {max(b.stage_times_s, key=b.stage_times_s.get)}"
+        )
+    a, verl = res.asynchrony, res.baselines.get("verl_like")
+    if a is not None:
+        adm = c.layout["generate"].get("admission", "step")
+        line = (
+            f"asynchrony (k={c.knobs['staleness']}, admission={adm}): {a['asynchrony']:.2f}x; the same layout "
+            f"synchronous takes {a['sync_step_s']:.3g} s/step"
+        )
+        if a["rest"] is not None:
+            line += (
+                f"; of the {verl.step_time_s / c.step_time_s:.2f}x over verl_like, {a['asynchrony']:.2f}x is "
+                f"asynchrony and {a['rest']:.2f}x the rest (placement, fusion, parallelism)"
+            )
+        out.append(line)
+        if adm == "continuous":
+            ad = admission_summary(ctx, c)
+            if ad is not None:
+                out.append(
+                    f"continuous admission: {ad.decode_steps:.0f} decode steps per step at occupancy "
+                    f"{ad.occupancy:.2f}, staleness mean {ad.staleness_mean:.2f} (max {ad.staleness_max}), "
+                    f"{ad.requeued:.1f} groups per step past the bound (requeued or dropped)"
+                )
+    elif verl is not None:
+        out.append(
+            f"synchronous plan: all of the {verl.step_time_s / c.step_time_s:.2f}x over verl_like is placement, "
+            f"fusion and parallelism (no asynchrony)"
         )
     for name in ("verl_like", "real_like"):
         if name not in res.baselines:

@@ -118,7 +118,8 @@ def simulate(
             starts.append(ready)
     finish = [np.max(np.stack([ends[i] for i in idx]), axis=0) for idx in prog.step_tasks]
     w = prog.window
-    period = (finish[-1] - finish[-1 - w]) / w
+    with np.errstate(invalid="ignore"):  # a candidate with an infinite stage (does not fit) is infinite
+        period = np.where(np.isfinite(finish[-1]), (finish[-1] - finish[-1 - w]) / w, np.inf)
     first = prog.step_tasks[0]
     latency = finish[0] - np.min(np.stack([starts[i] for i in first]), axis=0) if record else finish[0]
     return period, latency, (starts if record else None), (ends if record else None)

@@ -2,6 +2,7 @@
 which candidate meshes may shard the batches of a graph.
 
     structural_options(ctx, placement, share)  # PipelineConfigs tried: k, elision, fusion, pieces
+    admissions(ctx, pipe)                      # rollout.admission modes tried with one of them
     one_step_rewrites(cfg, share)              # the one-step rewrites every candidate gets when legal
     families(ctx)                              # (placement, shared backbone) families
     allocations(ctx, placement)                # (n_gen, n_train) device-group options
@@ -19,7 +20,7 @@ import numpy as np
 from rpeg_jax.config.pipeline import PipelineConfig
 from rpeg_jax.config.run import RunConfig
 from rpeg_jax.costmodel.candidates import PIECES
-from rpeg_jax.graph.ir import Graph
+from rpeg_jax.graph.ir import Graph, GraphError
 
 
 def sampler_is_trainer(cfg: RunConfig) -> bool:
@@ -32,11 +33,9 @@ def sampler_is_trainer(cfg: RunConfig) -> bool:
 def structural_options(ctx, placement: str, share: bool) -> list[PipelineConfig]:
     cfg, c = ctx.cfg, ctx.cfg.costmodel
     fuses = [()] + ([("forwards",), ("advantage",), ("forwards", "advantage")] if c.search_fusion else [])
-    # Staleness pays colocated only with continuous admission: partial rollouts continue across
-    # the training phase (KV recomputed), so generation is throughput-bound instead of tail-bound.
+    # k >= 1 pays colocated only with continuous admission (admissions() below): sequences run on
+    # across weight updates, so the engine stays full instead of draining every step.
     ks = list(range(0, c.max_staleness + 1))
-    if placement == "colocated" and not c.continuous_admission:
-        ks = [0]
     if cfg.pipeline.staleness or cfg.rollout.admission == "continuous":
         ks = [cfg.pipeline.staleness]  # a bound the config sets is the user's: plan around it
     # Eliding old_forward (k = 0 only) removes a forward over the batch: π_old = behav_logp.
@@ -66,6 +65,35 @@ def structural_options(ctx, placement: str, share: bool) -> list[PipelineConfig]
             )
         )
     return out
+
+
+def continuous_searched(ctx) -> bool:
+    """Whether any option may run rollout.admission=continuous: k >= 1 can be planned, on one
+    process (the runtime's continuous engine runs on one process for now, runtime/setup.py)."""
+    k = max(ctx.cfg.costmodel.max_staleness, ctx.cfg.pipeline.staleness)
+    return k >= 1 and ctx.processes == 1 and not ctx.cfg.pipeline.elide_old_forward
+
+
+def admissions(ctx, pipe: PipelineConfig) -> list[str]:
+    """rollout.admission modes tried with a structural option, searched like k: the config's
+    `continuous` is the user's (kept; options it cannot run with get none); the default `step`
+    leaves it to the planner. Continuous needs k >= 1, one generation piece (a step's batch is the
+    first groups to complete) and one process. Colocated step admission at k >= 1 is tried only
+    for a k the config sets: it runs generation ahead on the devices training uses, so it only
+    adds the proximal forward to the synchronous plan."""
+    cfg = ctx.cfg
+    if cfg.rollout.admission == "continuous" and ctx.processes > 1:
+        raise GraphError(
+            "rollout.admission",
+            f"continuous runs on one process for now (runtime/setup.py); planning for {ctx.processes} processes",
+        )
+    if not pipe.staleness:
+        return ["step"]
+    cont = ["continuous"] if pipe.microbatches == 1 and continuous_searched(ctx) else []
+    if cfg.rollout.admission == "continuous":
+        return cont
+    step = ["step"] if pipe.placement == "split" or cfg.pipeline.staleness else []
+    return step + cont
 
 
 def one_step_rewrites(cfg: RunConfig, share: bool) -> tuple[bool, bool]:

@@ -10,7 +10,8 @@ concurrent sequences each. Times are rooflines with the profile's efficiencies:
     t_stage  = t_core + exposed comm + optimizer + fixed overheads
     exposed  = tensor collectives + overlappable (fsdp/data) − overlap · min(overlappable, t_core)
     t_decode = Σ_bins steps · [max(compute(b, c), (W/t + b·c·KV/min(t,K)) / bw) + TP all-reduces + step cost]
-               (shared host: compute + memory, not max: one CPU's kernels run one after another)
+               (shared host: compute + memory, not max: one CPU's kernels run one after another;
+               b = all the engine's slots on a CPU, Setting.static_rows)
 
 On a `shared_host` profile (the 8 forced CPU devices) a group's devices share one host's FLOP/s
 and bandwidth, so per-device rates are divided by the devices busy at once; their collectives are
@@ -28,7 +29,7 @@ import numpy as np
 
 from rpeg_jax.costmodel.comm import collective_time
 from rpeg_jax.costmodel.hardware import HardwareProfile, interp_eff
-from rpeg_jax.costmodel.lengths import LengthDist, gen_schedule
+from rpeg_jax.costmodel.lengths import Admission, LengthDist, admission, gen_schedule
 from rpeg_jax.costmodel.shape import ModelShape
 
 REMAT_EXTRA_FWD = {"none": 0.0, "dots": 0.0, "full": 1.0}  # extra forwards of the layers in backward
@@ -60,6 +61,14 @@ class Setting:
     page_size: int = 1  # tokens per KV page of the sampler (rollout.page_size): a sequence holds whole pages
     length_bucket: int = 1  # the runtime pads the rollout's response window to a multiple of this
     #   (runtime/rollouts.LENGTH_BUCKET, unless shapes are fixed): the trainer computes on R_train columns
+    chunk_steps: int = 64  # rollout.chunk_steps: decode steps per chunk at most (continuous admission)
+    min_chunk_steps: int = 8  # rollout.min_chunk_steps: a chunk ends early (to admit) only after these
+    recompute_kv: bool = False  # continuous admission with rollout.on_weight_update=recompute: the KV of
+    #   the sequences in flight is rebuilt at each weight update
+    static_rows: bool = False  # a decode step costs what all its slots cost, busy or not: the sampler's
+    #   decode program always runs max_slots rows, and on a CPU (planner: hw.kind == "cpu") their work
+    #   is the step's cost (R2, 2026-12-01: ~23 ms per step at occupancy 0.16 and ~26 ms at 0.89); on
+    #   accelerators the step is priced by its busy rows (memory-bound: weights + the busy rows' KV)
 
     @property
     def R_train(self) -> int:
@@ -358,30 +367,33 @@ def sampler_tp_time(hw: HardwareProfile, ms: ModelShape, rows, t):
     return hw.efficiency.decode_tp_factor * 2.0 * ms.L * ar
 
 
+SLOT_FACTORS = (1.0, 1.5, 2.0, 3.0)  # continuous admission: slots tried, x one batch per replica
+
+
 def generate_stage(st: Setting, ms: ModelShape, n_gen: int, t, slots, async_ks=(), recompute: bool = False):
     """Generation on `n_gen` devices as n_gen/t replicas with `slots` sequences each.
 
-    Returns (seconds, parts, finished_at, async_seconds):
-      seconds: one synchronous batch; the slowest replica's Σ_bins steps · t_step plus prefill, plus
-        the sampler's host cost per sequence (B · gen_seq_s; fitted, 0 on the accelerator presets).
+    Returns (seconds, parts, finished_at, continuous_seconds):
+      seconds: one synchronous batch (rollout.admission=step); the slowest replica's
+        Σ_bins steps · t_step plus prefill, plus the sampler's host cost per sequence (B · gen_seq_s;
+        fitted, 0 on the accelerator presets).
       finished_at(q): per candidate, when a fraction q of the batch has finished (streamed pieces).
-      async_seconds[k]: steady-state seconds per step under staleness k ≥ 1, when admission is
-        continuous (up to (k+1)·batch sequences in flight): throughput-bound, the tail hidden,
-            steps = n_rep·E[len] / c,  c = min(slots, (k+1)·n_rep),  ctx ≈ P + E[len²]/(2E[len])
-        plus, with `recompute` (colocated: KV dropped while training runs), re-prefilling the c
-        sequences in flight."""
+      continuous_seconds[k]: steady-state seconds per step with rollout.admission=continuous under
+        staleness k ≥ 1 (`continuous_step`), at the best slot count up to `slots`; its slot count
+        per replica is parts[f"slots_k{k}"]. `recompute`: the KV in flight is rebuilt at every weight
+        update (rollout.on_weight_update=recompute; also st.recompute_kv)."""
     t = np.atleast_1d(np.asarray(t, np.int64))
     slots = np.atleast_1d(np.asarray(slots, np.int64))
     t, slots = np.broadcast_arrays(t, slots)
     reps = np.maximum(n_gen // t, 1)
     total, decode, prefill = np.zeros(t.shape), np.zeros(t.shape), np.zeros(t.shape)
-    asy = {k: np.zeros(t.shape) for k in async_ks}
     curves: list = [None] * len(t)
     for ti, ri, si in set(zip(t.tolist(), reps.tolist(), slots.tolist())):
         idx = np.nonzero((t == ti) & (reps == ri) & (slots == si))[0]
         ni = -(-st.B // ri)
         sched = gen_schedule(st.dist, st.B, int(ri), int(max(si, 1)), st.P)
-        per_bin = [p.steps * decode_step_time(st, ms, ti, n_gen, p.batch, p.ctx) for p in sched.critical]
+        rows = [float(min(si, ni)) if st.static_rows else p.batch for p in sched.critical]
+        per_bin = [p.steps * decode_step_time(st, ms, ti, n_gen, b, p.ctx) for p, b in zip(sched.critical, rows)]
         w = int(np.argmax([b.sum() for b in per_bin]))
         pf = _prefill_time(st, ms, ti, n_gen, -(-ni // st.G), st.P)
         decode[idx], prefill[idx] = per_bin[w].sum(), pf
@@ -389,17 +401,9 @@ def generate_stage(st: Setting, ms: ModelShape, n_gen: int, t, slots, async_ks=(
         cum = np.concatenate([[0.0], np.cumsum(per_bin[w])]) + pf
         for i in idx:
             curves[i] = (sched.finish_step, sched.critical[w].bin_edges, cum)
-        ctx = st.P + sched.mean_sq_len / (2.0 * max(sched.mean_len, 1.0))
-        for k in async_ks:
-            c = float(min(si, (k + 1) * ni))
-            steps = ni * sched.mean_len / c
-            t_a = steps * decode_step_time(st, ms, ti, n_gen, c, ctx) + pf
-            if recompute:
-                t_a = t_a + _prefill_time(st, ms, ti, n_gen, c, ctx)
-            asy[k][idx] = t_a
     host = st.B * st.hw.efficiency.gen_seq_s  # the sampler's host work per sequence (admission, pages, results)
     total = total + st.hw.efficiency.dispatch_s + host
-    asy = {k: v + host for k, v in asy.items()}
+    asy, best = continuous_stage(st, ms, n_gen, t, slots, async_ks, recompute)
 
     def finished_at(q: float) -> np.ndarray:
         out = np.empty(len(t))
@@ -408,7 +412,70 @@ def generate_stage(st: Setting, ms: ModelShape, n_gen: int, t, slots, async_ks=(
             out[i] = np.interp(step, edges, cum)
         return out
 
-    return total, {"prefill": prefill, "decode": decode}, finished_at, asy
+    parts = {"prefill": prefill, "decode": decode, **{f"slots_k{k}": v for k, v in best.items()}}
+    return total, parts, finished_at, asy
+
+
+def continuous_stage(st: Setting, ms: ModelShape, n_gen: int, t, slots, ks, recompute: bool = False, exact=False):
+    """({k: seconds per step}, {k: slots per replica}) of generation under continuous admission at
+    staleness k, per candidate: the best slot count up to `slots` (continuous_slots; `exact`: `slots`
+    itself, a run's rollout.max_slots) of continuous_step, plus the sampler's host cost per
+    sequence (B · gen_seq_s)."""
+    t, slots = np.broadcast_arrays(np.atleast_1d(np.asarray(t, np.int64)), np.atleast_1d(np.asarray(slots, np.int64)))
+    reps = np.maximum(n_gen // t, 1)
+    secs = {k: np.zeros(t.shape) for k in ks}
+    best = {k: np.zeros(t.shape, np.int64) for k in ks}
+    host = st.B * st.hw.efficiency.gen_seq_s
+    for ti, ri, si in set(zip(t.tolist(), reps.tolist(), slots.tolist())):
+        idx = np.nonzero((t == ti) & (reps == ri) & (slots == si))[0]
+        opts = [int(si)] if exact else continuous_slots(-(-st.B // ri), int(si))
+        for k in ks:
+            got = [continuous_step(st, ms, n_gen, ti, ri, c, k, recompute)[0] for c in opts]
+            j = int(np.argmin(got))
+            secs[k][idx], best[k][idx] = got[j] + host, opts[j]
+    return secs, best
+
+
+def continuous_slots(per_replica: int, cap: int) -> list[int]:
+    """Slot counts per replica tried under continuous admission: one batch's share x SLOT_FACTORS,
+    at most `cap` (what memory allows); `cap` itself when even one batch does not fit."""
+    opts = sorted({min(int(np.ceil(per_replica * f)), cap) for f in SLOT_FACTORS})
+    return [c for c in opts if c >= 1] or [max(cap, 1)]
+
+
+def admission_of(st: Setting, reps: int, slots: int, k: int) -> Admission:
+    """The engine's steady state under continuous admission for `reps` replicas of `slots` slots:
+    simulated as one pool of reps x slots slots (a group is admitted into one replica's shard, so
+    its unit is at most one replica's slots: the sampler splits a larger group)."""
+    unit = int(min(st.G, slots))
+    return admission(
+        st.dist,
+        int(reps * slots),
+        -(-st.B // unit),
+        unit,
+        int(k),
+        "continuous",
+        int(st.chunk_steps),
+        int(st.min_chunk_steps),
+    )
+
+
+def continuous_step(st: Setting, ms: ModelShape, n_gen: int, t: int, reps: int, slots: int, k: int, recompute=False):
+    """(seconds, Admission) of one RL step's generation under continuous admission, before the
+    host cost per sequence: the simulated decode steps (lengths.admission), each priced as a step of
+    all `slots` rows with st.static_rows (the decode program runs every slot, busy or not: occupancy
+    changes the number of steps, not their price), else of its busy rows, at the busy slots' mean
+    context, plus one prefill per admitted group and its host work (admission_group_s)
+    (its prompt once), plus with `recompute` re-prefilling the sequences in flight at every update."""
+    a = admission_of(st, reps, slots, k)
+    ctx = st.P + 1.0 + a.ctx  # as DecodeProfile.ctx: prompt + the token fed + those generated
+    rows = slots if st.static_rows else slots * a.occupancy
+    steps = a.decode_steps * decode_step_time(st, ms, t, n_gen, rows, ctx)
+    sec = steps + _prefill_time(st, ms, t, n_gen, max(a.admitted / reps, 1.0), st.P)
+    sec = sec + a.admitted * st.hw.efficiency.admission_group_s  # the engine's host work per group
+    if recompute or st.recompute_kv:
+        sec = sec + _prefill_time(st, ms, t, n_gen, max(slots * a.occupancy, 1.0), ctx)
+    return float(sec), a
 
 
 def _prefill_time(st: Setting, ms: ModelShape, t, busy, seqs, seq_len):

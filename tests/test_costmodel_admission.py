@@ -1,0 +1,278 @@
+"""The cost model's engine admission (costmodel/lengths.admission) against a decode-step-by-step
+reference written here, step admission against the existing schedule, and the planner's choice
+of rollout.admission and k (with the asynchrony share of its gain)."""
+
+import heapq
+
+import numpy as np
+import pytest
+
+from rpeg_jax.config import load_config
+from rpeg_jax.costmodel import planner as P
+from rpeg_jax.costmodel.hardware import load_hardware
+from rpeg_jax.costmodel.lengths import LengthDist, LengthStream, admission
+from rpeg_jax.costmodel.pricing import predict_run, price_layout
+
+GH = load_hardware("gh200", calibrated=False)
+CPU = load_hardware("cpu", calibrated=False)
+
+
+def reference(dist, slots, groups, group, k, mode, chunk, min_chunk, steps, warmup, seed=0):
+    """The engine one decode step at a time, plain Python: per-slot [group, tokens left, made]."""
+    stream = LengthStream(dist, group, seed)
+    slot = [None] * slots
+    info = {}  # gid -> {"len": [...], "left": members decoding, "oldest": version or None}
+    waiting, flight, done = [], [], []
+    next_gid = 0
+    hist = []
+
+    def submit():
+        nonlocal next_gid
+        info[next_gid] = {"len": [int(x) for x in stream.next()], "left": group, "oldest": None}
+        waiting.append(next_gid)
+        flight.append(next_gid)
+        next_gid += 1
+
+    for t in range(warmup + 8 * steps):
+        rec = dict(decode=0, busy=0, ctx=0, batch_tokens=0, longest=0, stale=0, requeued=0, admitted=0, smax=0)
+        if mode == "continuous":
+            for g in list(done) + list(flight):
+                if info[g]["oldest"] is not None and info[g]["oldest"] < t - k:
+                    rec["requeued"] += 1
+                    if g in done:
+                        done.remove(g)
+                    else:
+                        flight.remove(g)
+                        for i in range(slots):
+                            if slot[i] is not None and slot[i][0] == g:
+                                slot[i] = None
+        else:
+            for _ in range(groups):
+                submit()
+        while len(done) < groups:
+            if mode == "continuous":
+                while sum(info[g]["left"] for g in flight) <= slots:
+                    submit()
+            while waiting and sum(s is None for s in slot) >= group:
+                g = waiting.pop(0)
+                free = [i for i in range(slots) if slot[i] is None][:group]
+                for i, length in zip(free, info[g]["len"]):
+                    slot[i] = [g, length, 0]
+                info[g]["oldest"] = t
+                rec["admitted"] += 1
+            limit = min(chunk, max(s[1] for s in slot if s is not None))
+            release = mode == "continuous" and bool(waiting)
+            n, freed = 0, 0
+            while n < limit and any(s is not None for s in slot):
+                if release and n >= min_chunk and freed >= group:
+                    break
+                for i in range(slots):
+                    if slot[i] is None:
+                        continue
+                    rec["busy"] += 1
+                    rec["ctx"] += slot[i][2]
+                    slot[i][1] -= 1
+                    slot[i][2] += 1
+                    if slot[i][1] == 0:
+                        info[slot[i][0]]["left"] -= 1
+                        slot[i] = None
+                        freed += 1
+                n += 1
+            rec["decode"] += n
+            for g in [g for g in flight if info[g]["left"] == 0]:
+                flight.remove(g)
+                done.append(g)
+        batch, done = done[:groups], done[groups:]
+        for g in batch:
+            rec["batch_tokens"] += sum(info[g]["len"])
+            rec["longest"] = max(rec["longest"], max(info[g]["len"]))
+            rec["stale"] += t - info[g]["oldest"]
+            rec["smax"] = max(rec["smax"], t - info[g]["oldest"])
+        hist.append(rec)
+    # Measured: from the first step after warmup that decodes to just before the first decoding step
+    # at least `steps` later (a step may consume what an earlier one decoded; cycles stay whole).
+    dec = [i for i in range(warmup, len(hist)) if hist[i]["decode"]]
+    a = dec[0]
+    b = next((i for i in dec if i >= a + steps), len(hist))
+    win = hist[a:b]
+    out = {key: sum(r[key] for r in win) / len(win) for key in win[0]}
+    out["smax"] = max(r["smax"] for r in win)
+    return out
+
+
+TAIL = LengthDist(max_len=40, min_len=1, median=4, sigma=1.2)
+CASES = [  # (dist, slots, groups, group, k, mode, chunk, min_chunk)
+    (LengthDist.fixed(5), 4, 2, 2, 1, "continuous", 1, 1),
+    (LengthDist.fixed(5), 4, 3, 2, 1, "continuous", 4, 2),
+    (LengthDist.fixed(6), 12, 2, 2, 2, "continuous", 8, 2),
+    (TAIL, 12, 2, 2, 2, "continuous", 4, 2),
+    (TAIL, 4, 2, 2, 1, "continuous", 1, 1),
+    (TAIL, 4, 2, 2, 1, "continuous", 6, 2),
+    (TAIL, 6, 3, 2, 2, "continuous", 8, 3),
+    (TAIL, 8, 4, 4, 1, "continuous", 16, 8),
+    (TAIL, 4, 2, 2, 1, "step", 1, 1),
+    (TAIL, 4, 3, 2, 1, "step", 5, 2),
+    (TAIL, 8, 2, 4, 1, "step", 64, 8),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_admission_matches_a_decode_step_reference(case):
+    dist, slots, groups, group, k, mode, chunk, min_chunk = case
+    got = admission(dist, slots, groups, group, k, mode, chunk, min_chunk, steps=12, warmup=3, seed=5)
+    ref = reference(dist, slots, groups, group, k, mode, chunk, min_chunk, steps=12, warmup=3, seed=5)
+    assert got.decode_steps == pytest.approx(ref["decode"], rel=1e-12)
+    assert got.tokens == pytest.approx(ref["busy"], rel=1e-12)
+    assert got.occupancy == pytest.approx(ref["busy"] / (ref["decode"] * slots), rel=1e-12)
+    assert got.ctx == pytest.approx(ref["ctx"] / ref["busy"], rel=1e-12)
+    assert got.batch_tokens == pytest.approx(ref["batch_tokens"], rel=1e-12)
+    assert got.batch_longest == pytest.approx(ref["longest"], rel=1e-12)
+    assert got.staleness_mean == pytest.approx(ref["stale"] / groups, rel=1e-12, abs=1e-12)
+    assert got.staleness_max == ref["smax"] <= (k if mode == "continuous" else 0)
+    assert got.requeued == pytest.approx(ref["requeued"], abs=1e-12)
+    assert got.admitted == pytest.approx(ref["admitted"], rel=1e-12)
+
+
+def test_the_reference_sees_the_tail_and_the_bound():
+    # The cases above are not vacuous: continuous admission keeps slots busier than step admission
+    # on the tail, and groups cross weight updates (staleness reaches k) and some break the bound.
+    cont = reference(TAIL, 4, 2, 2, 1, "continuous", 6, 2, steps=12, warmup=3, seed=5)
+    step = reference(TAIL, 4, 2, 2, 1, "step", 6, 2, steps=12, warmup=3, seed=5)
+    assert cont["busy"] / (cont["decode"] * 4) > step["busy"] / (step["decode"] * 4) + 0.1
+    assert cont["smax"] == 1 and cont["requeued"] > 0
+
+
+def test_step_admission_is_todays_schedule():
+    # One decode step per chunk, groups of one: step admission refills a slot the step it frees,
+    # as lengths._schedule does (a heap of free times), over the same lengths.
+    dist = LengthDist(max_len=60, min_len=2, median=10, sigma=1.0)
+    got = admission(dist, 5, 17, 1, 1, "step", 1, 1, steps=1, warmup=0, seed=3)
+    stream = LengthStream(dist, 1, 3)
+    lens = np.array([int(stream.next()[0]) for _ in range(17)])
+    free = [0] * 5
+    end = 0
+    for ln in lens:
+        s = heapq.heappop(free)
+        heapq.heappush(free, s + int(ln))
+        end = max(end, s + int(ln))
+    assert got.decode_steps == end
+    assert got.tokens == lens.sum()
+    # Every slot holding the batch: the longest response sets the decode steps, whatever the chunks.
+    for chunk in (1, 7, 64):
+        a = admission(dist, 64, 8, 8, 1, "step", chunk, 1, steps=1, warmup=0, seed=3)
+        stream = LengthStream(dist, 8, 3)
+        lens = np.concatenate([stream.next() for _ in range(8)])
+        assert a.decode_steps == lens.max() and a.occupancy == pytest.approx(lens.sum() / (64 * lens.max()))
+
+
+R2 = [
+    "data.task=add",
+    "data.min_digits=2",
+    "data.max_digits=2",
+    "data.prompts_per_step=16",
+    "rl.group_size=8",
+    "rollout.max_new_tokens=256",
+    "rollout.forced_lengths=[24,1.0,4,256]",
+    "model.preset=tiny",
+    "pipeline.plan=manual",
+]
+
+
+def test_predict_run_prices_the_runs_admission_and_slots():
+    sync = predict_run(load_config(None, R2), CPU, 1)
+    k1 = predict_run(load_config(None, [*R2, "pipeline.staleness=1", "rollout.admission=continuous"]), CPU, 1)
+    assert sync.layout["generate"]["admission"] == "step" and k1.layout["generate"]["admission"] == "continuous"
+    assert k1.layout["generate"]["slots"] == 128 and sync.knobs["staleness"] == 0 and k1.knobs["staleness"] == 1
+    # On a CPU every decode step costs all its rows: the tail's ~256 steps cost more than the ~70
+    # steps of the engine kept full.
+    assert k1.stage_times_s["generate"] < 0.5 * sync.stage_times_s["generate"]
+    more = predict_run(
+        load_config(None, [*R2, "pipeline.staleness=1", "rollout.admission=continuous", "rollout.max_slots=192"]),
+        CPU,
+        1,
+    )
+    assert more.layout["generate"]["slots"] == 192
+    assert more.stage_times_s["generate"] != pytest.approx(k1.stage_times_s["generate"])
+
+
+def _search(sigma, n=16):
+    cfg = load_config(
+        None,
+        [
+            "model.preset=qwen2-1.5b",
+            "model.dtype=bfloat16",
+            "model.param_dtype=float32",
+            "data.prompts_per_step=32",
+            "rl.group_size=16",
+            "data.max_prompt_len=512",
+            "costmodel.prompt_len=512",
+            "rollout.max_new_tokens=4096",
+            "costmodel.response_len_min=256",
+            "costmodel.response_len_median=1024",
+            f"costmodel.response_len_sigma={sigma}",
+            "costmodel.sequence_packing=true",
+            "costmodel.max_staleness=2",
+        ],
+    )
+    return cfg, P.search(cfg, n, GH)
+
+
+def test_planner_searches_admission_and_splits_the_gain():
+    cfg, tail = _search(1.0)
+    c = tail.chosen
+    assert c.layout["generate"]["admission"] == "continuous" and c.knobs["staleness"] >= 1
+    assert c.plan.settings["rollout.admission"] == "continuous"
+    a, verl = tail.asynchrony, tail.baselines["verl_like"]
+    assert a["asynchrony"] > 1.0
+    assert verl.step_time_s / c.step_time_s == pytest.approx(a["asynchrony"] * a["rest"], rel=1e-9)
+    # The synchronous price of the chosen layout, by the pricing path (an independent route).
+    knobs = {**c.knobs, "staleness": 0}
+    lay = {**c.layout, "generate": {**c.layout["generate"], "admission": "step"}}
+    assert price_layout(cfg, knobs, lay, 16, GH, 1).step_time_s == pytest.approx(a["sync_step_s"], rel=1e-9)
+    assert any("asynchrony" in n for n in tail.notes)
+    # Without a tail there is no tail to hide: what asynchrony still buys (the model's honest answer on
+    # a memory-bound decode) is a decode batch larger than one step's, so it must gain less, and only
+    # with more slots than one batch's share.
+    _, flat = _search(0.0)
+    f = flat.chosen
+    if flat.asynchrony is not None:
+        assert flat.asynchrony["asynchrony"] < a["asynchrony"]
+        g = f.layout["generate"]
+        assert g["admission"] == "step" or g["slots"] * g["replicas"] > 512
+    one = admission(LengthDist.fixed(1024), 512, 32, 16, 2, "continuous", 64, 8)
+    assert one.decode_steps == pytest.approx(1024) and one.occupancy == pytest.approx(1.0)
+
+
+def test_user_admission_and_k_are_kept():
+    cfg = load_config(None, ["pipeline.staleness=1", "rollout.admission=continuous"])
+    ctx = P.make_context(cfg, 1, CPU)
+    for placement, share in P.families(ctx):
+        for pipe, g in P.option_graphs(ctx, P.structural_options(ctx, placement, share)):
+            assert pipe.staleness == 1 and P.admission_of(g) == "continuous"
+    # Left to the planner: both modes at k >= 1 on one process, step only on several.
+    ctx = P.make_context(load_config(None, ["costmodel.max_staleness=1"]), 2, CPU)
+    seen = {
+        (p.staleness, P.admission_of(g)) for p, g in P.option_graphs(ctx, P.structural_options(ctx, "split", False))
+    }
+    assert {(0, "step"), (1, "step"), (1, "continuous")} <= seen
+    many = P.make_context(load_config(None, ["costmodel.max_staleness=1"]), 2, CPU, processes=2)
+    opts = P.option_graphs(many, P.structural_options(many, "colocated", False))
+    assert {P.admission_of(g) for _, g in opts} == {"step"}
+
+
+def test_p1_preset_loads_and_plans(tmp_path, capsys):
+    import json
+
+    from rpeg_jax.cli import main
+
+    cfg = load_config("configs/p1.yaml", [])
+    assert cfg.rl.group_size == 16 and cfg.data.prompts_per_step * cfg.rl.group_size == 512
+    assert cfg.data.max_prompt_len == 512 and cfg.rollout.max_new_tokens == 16384
+    assert cfg.model.num_layers == 28 and cfg.model.hidden_size == 3584  # qwen2-7b
+    out = tmp_path / "p1.json"
+    assert main(["plan", "--config", "configs/p1.yaml", "--hardware", "gh200", "--gpus", "64", "--json", str(out)]) == 0
+    assert "of the" in capsys.readouterr().out  # the asynchrony share in the explanation
+    d = json.loads(out.read_text())
+    a = d["asynchrony"]
+    assert a is not None and d["ratios"]["verl_like"] == pytest.approx(a["asynchrony"] * a["rest"], rel=1e-9)
+    assert d["chosen"]["step_time_s"] == pytest.approx(a["sync_step_s"] / a["asynchrony"], rel=1e-9)
