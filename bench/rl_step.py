@@ -55,6 +55,7 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -293,6 +294,27 @@ def r2_ceiling(r2: dict[str, dict]) -> dict:
     return {"ceiling": s["seconds_per_step"] / full, "windows": windows}
 
 
+def calibrated_profile(profile: str = "cpu") -> str:
+    """The calibrated profile R2's predictions use: the cached one (`rpeg calibrate` saved it), else
+    this machine is calibrated now, in a subprocess (it forces its own CPU devices), and cached."""
+    from rpeg_jax.costmodel.hardware import calibrated_path
+
+    path = calibrated_path(profile)
+    if not os.path.exists(path):
+        print(f"no calibrated {profile} profile at {path}: running `rpeg calibrate` (minutes)", flush=True)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        subprocess.run([sys.executable, "-m", "rpeg_jax.cli", "calibrate", "--profile", profile], cwd=root, check=True)
+    return path
+
+
+def predicted_step_s(p: "Pipeline", profile: str) -> float:
+    """The cost model's seconds per step for the same run (its config, one device, its admission mode
+    and slots): costmodel.pricing.predict_run with the calibrated profile."""
+    from rpeg_jax.costmodel.pricing import predict_run
+
+    return float(predict_run(p.cfg, profile, 1).step_time_s)
+
+
 def print_table(records: list[dict]) -> None:
     print(
         f"\n{'workload':8s} {'variant':10s} {'s/step':>7s} {'spread':>6s} {'limit_s':>7s} {'frac':>5s} "
@@ -330,8 +352,13 @@ def print_table(records: list[dict]) -> None:
                 f"R2 {r['variant']:9s} staleness_max {r['staleness_max']:.0f} occupancy {r['occupancy']:.2f} "
                 f"requeued {r['requeued']:.0f} dropped {r['dropped']:.0f} response tokens/step "
                 f"{r['response_tokens_per_step']:.0f} GFLOP/step {r['flops_per_step'] / 1e9:.1f}"
-                + (f" predicted {pred:.3f}s" if pred is not None else "")
+                + (f" predicted {pred:.3f}s ({r['prediction_error']:+.0%})" if pred is not None else "")
             )
+    for a, b in (("sync", "async-k1"), ("sync", "async-k2")):
+        if a in r2 and b in r2 and r2[a].get("predicted_seconds_per_step"):
+            meas = r2[a]["seconds_per_step"] / r2[b]["seconds_per_step"]
+            pred = r2[a]["predicted_seconds_per_step"] / r2[b]["predicted_seconds_per_step"]
+            print(f"R2 {a}/{b}: measured {meas:.2f}x, predicted {pred:.2f}x ({pred / meas - 1:+.0%})")
 
 
 def main(argv=None) -> int:
@@ -351,6 +378,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown {bad}; known: {', '.join(known)}")
     if args.steps < 1 or args.warmup < 1:
         raise SystemExit("--steps and --warmup must be >= 1 (the first step compiles)")
+    profile = calibrated_profile() if "R2" in workloads else None  # first: calibrating loads the machine
     rate = MatmulRate()
     print(
         f"matmul rate {rate.measure() / 1e9:.1f} GFLOP/s on {jax.devices()[0].device_kind}; "
@@ -391,6 +419,11 @@ def main(argv=None) -> int:
     rate.measure()
     best = max(rate.samples)
     records = [summarise(p, compile_s[(p.workload, p.variant)], best, paired[(p.workload, p.variant)]) for p in pipes]
+    if profile is not None:
+        for p, rec in zip(pipes, records):
+            if p.workload == "R2":
+                rec["predicted_seconds_per_step"] = predicted_step_s(p, profile)
+                rec["prediction_error"] = rec["predicted_seconds_per_step"] / rec["seconds_per_step"] - 1.0
     for rec in records:
         rec.update(matmul_samples=rate.samples, load_avg=loads)
     print(
