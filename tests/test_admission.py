@@ -111,3 +111,22 @@ def test_resume_with_sequences_in_flight_is_exact(tmp_path, k):
     for name, tree in want["state"].items():
         for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(got["state"][name])):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+
+
+@pytest.mark.parametrize("admission", ["step", "continuous"])
+def test_continuous_admission_lays_batches_out_at_the_response_cap(admission):
+    """Under continuous admission R = rollout.max_new_tokens whatever the batch's longest response
+    (one compiled shape for the training stages); step admission buckets the longest up to 8."""
+    from types import SimpleNamespace
+
+    from rpeg_jax.config import load_config
+    from rpeg_jax.runtime.rollouts import lay_out
+
+    extra = ["pipeline.staleness=1"] if admission == "continuous" else []
+    cfg = load_config(None, ["rl.group_size=2", "rollout.max_new_tokens=40", f"rollout.admission={admission}"] + extra)
+    ctx = SimpleNamespace(cfg=cfg, fixed_shapes=False, placement=SimpleNamespace(put_batch=lambda x: x))
+    rows = [([1, 5, 6], [7] * n, [0.0] * n, [0] * n) for n in (3, 11)]
+    host = {"prompt": ["p"], "answer": ["a"], "record": [{}]}
+    comps, _, new = lay_out(ctx, rows, np.zeros(2, np.int32), host)
+    assert new == 14
+    assert comps["response_mask_BxR"].shape == (2, 40 if admission == "continuous" else 16)

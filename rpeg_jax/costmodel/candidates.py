@@ -27,7 +27,6 @@ import numpy as np
 
 from rpeg_jax.costmodel import stages as S
 from rpeg_jax.costmodel.comm import reshard_time, transfer_time
-from rpeg_jax.costmodel.lengths import admission
 from rpeg_jax.costmodel.shape import ModelShape
 
 REMATS = ("none", "dots", "full")
@@ -304,15 +303,13 @@ def _alloc_rows(
 
 
 def continuous_R(st: S.Setting, k: int) -> int:
-    """Response columns the training stages are priced at under continuous admission: the window R
-    step admission is priced at, shortened by the ratio of the batches' expected longest responses
-    (lengths.admission over one batch's slots, continuous vs step admission). "The first groups to
-    complete" are biased short, so the padded update is cheaper; as a ratio, so that a distribution
-    without a tail prices both modes' updates alike."""
-    G = min(st.G, st.B)
-    cont = S.admission_of(st, 1, st.B, k).batch_longest
-    step = admission(st.dist, st.B, -(-st.B // G), G, k, "step", st.chunk_steps, st.min_chunk_steps).batch_longest
-    return int(min(st.R, np.ceil(st.R * cont / max(step, 1.0))))
+    """Response columns the training stages are priced at under continuous admission: R itself.
+    The runtime lays such batches out at R = rollout.max_new_tokens (runtime/rollouts.lay_out: the
+    batch's longest response changes every step, and each new width would compile the training
+    stages again), so "the first groups to complete" being biased short makes the update no cheaper
+    unless the trainer packs sequences (Setting.packing prices the mean length then)."""
+    del k
+    return st.R
 
 
 def _train_rows(st, ms, busy, row, roles: Roles) -> np.ndarray:
