@@ -214,11 +214,11 @@ def _is_sharding(x) -> bool:
     return isinstance(x, jax.sharding.Sharding)
 
 
-def _sharding_of(shardings, params) -> dict[str, jax.sharding.Sharding]:
+def _sharding_of(shardings, params) -> dict[str, jax.sharding.Sharding | None]:
     """{parameter path: sharding} from load_hf's `shardings` argument (see there)."""
     tree = shardings(params) if callable(shardings) else shardings
-    if tree is None:
-        return {name: jax.sharding.SingleDeviceSharding(jax.devices()[0]) for name in _paths(params)}
+    if tree is None:  # uncommitted arrays (as jnp.asarray makes), free to join any mesh's computation
+        return {name: None for name in _paths(params)}
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_sharding)[0]
     out = {path_name(p): s for p, s in flat}
     missing = [n for n in _paths(params) if not _is_sharding(out.get(n))]
@@ -248,6 +248,8 @@ def _load(tensors: _Tensors, names: list[str] | str, layout: _Layout, shape, dty
             out[i - lo] = layout.read(tensors, names[i], index[1:])
         return out
 
+    if sharding is None:
+        return jnp.asarray(block(tuple(slice(None) for _ in shape)))
     return jax.make_array_from_callback(shape, sharding, block, dtype=dtype)
 
 
@@ -258,7 +260,8 @@ def load_hf(path: str, *, value_head: bool = False, dtype: str | None = None, sh
     never a second copy of the model (bench/NOTES.md, session 11: peak 1.19x the model's bytes
     on 8 CPU devices, where the devices' 1x is host memory too).
 
-    `shardings`: None (every parameter on the default device), a tree with one jax Sharding per
+    `shardings`: None (every parameter an uncommitted array on the default device, as
+    `jnp.asarray` makes, so a sampler or trainer on any mesh can take it), a tree with one jax Sharding per
     parameter of the model's nnx.State (`nnx.split(model, nnx.Param)[1]`; a flat dict keyed by
     dotted path, {"layers.wq": sharding, ...}, is one), or a function from the
     abstract state (ShapeDtypeStruct values with their `axes` metadata) to such a tree (or to
@@ -291,7 +294,8 @@ def load_hf(path: str, *, value_head: bool = False, dtype: str | None = None, sh
         name = path_name(keypath)
         shape = tuple(var.get_value().shape)
         if zero_value_head and name in ("value_w", "value_b"):
-            return var.replace(jax.device_put(np.zeros(shape, pd), where[name]))
+            zeros = np.zeros(shape, pd)
+            return var.replace(jnp.asarray(zeros) if where[name] is None else jax.device_put(zeros, where[name]))
         names, layout = mapping[name]
         return var.replace(_load(tensors, names, layout, shape, pd, where[name]))
 
