@@ -227,3 +227,24 @@ def test_saved_profiles_round_trip(tmp_path):
     assert not any(k in d["efficiency"] for k in H.ACCELERATOR_CONSTANTS)  # an old calibrated copy's form
     assert H.from_dict(d).efficiency.sync_fixed_s is None
     assert np.isclose(float(S.weight_sync_time(H.from_dict(d), 1e9, 0.0)), d["efficiency"]["dispatch_s"])
+
+
+def test_anchor_workloads_match_the_published_table():
+    # bench/costmodel_anchors.py builds each anchor's config: its batch, lengths and model are the
+    # published ones (G-average response length reproduced, 64 x 32 samples, Qwen3-32B's size).
+    import importlib.util
+    import os
+    import sys
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "costmodel_anchors.py")
+    spec = importlib.util.spec_from_file_location("costmodel_anchors", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    for a in mod.ANCHORS:
+        cfg, med = mod.anchor_config(a)
+        ctx = P.make_context(cfg, a.gpus, H100)
+        assert ctx.st.B == 2048 and ctx.st.P == 128 and ctx.st.R == 3968 and cfg.rl.minibatches == 4
+        assert abs(ctx.st.dist.mean(2048) - a.mean_response) <= 1.0
+        n = P.roles_of(ctx, ctx.base).actor.num_params
+        assert n == pytest.approx(32.76e9 if "qwen3" in a.name else 8.03e9, rel=0.005)
