@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rpeg_jax.costmodel import stages as S
-from rpeg_jax.costmodel.comm import reshard_time, transfer_time
+from rpeg_jax.costmodel.comm import reshard_time
 from rpeg_jax.costmodel.shape import ModelShape
 
 REMATS = ("none", "dots", "full")
@@ -280,14 +280,8 @@ def _alloc_rows(
     for ms, name in zip(trained, ["actor", "critic"]):
         rs = reshard_time(hw, ms.weight_bytes(), shards_tr, shards_fw, n_train)
         row[f"t_realloc_{name}"] = np.where(same, 0.0, rs + ms.weight_bytes() / shards_fw / hw.device.memory_bw)
-    # Weight sync into the generation layout.
-    if coloc:
-        cast = actor.num_params * (actor.param_bytes_per + actor.act_bytes_per) / shards_tr / hw.device.memory_bw
-        row["t_sync"] = (
-            reshard_time(hw, actor.weight_bytes(), shards_tr, t_g, n_train) + cast + hw.efficiency.dispatch_s
-        )
-    else:
-        row["t_sync"] = transfer_time(hw, actor.weight_bytes(), n_train, n_gen, t_g) + hw.efficiency.dispatch_s
+    # Weight sync into the generation layout (fixed + per-bucket costs + data movement).
+    row["t_sync"] = S.weight_sync_stage(st, actor, coloc, shards_tr, t_g, n_train, n_gen)
     row["t_adv"] = np.full(len(I), float(S.elementwise_stage(st, n_train)))
     row["t_reward"] = np.full(len(I), S.reward_stage(st))
     for k in ks:  # the training side on continuous admission's batches (biased short: a shorter padded R)

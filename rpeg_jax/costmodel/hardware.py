@@ -104,6 +104,9 @@ class NetworkSpec:
         check(self.global_taper >= 1.0, key(path, "global_taper"), self.global_taper, "must be >= 1")
 
 
+ACCELERATOR_CONSTANTS = ("train_matmul_cap", "sync_fixed_s", "sync_bucket_bytes", "sync_bucket_s")
+
+
 @dataclass(frozen=True, kw_only=True)
 class EfficiencySpec:
     matmul: Table  # [FLOPs of one matmul, fraction of peak_flops]
@@ -152,6 +155,18 @@ class EfficiencySpec:
     fsdp_gather: Literal["matrix", "layer", "model"] = "matrix"  # what an FSDP pass holds gathered at once:
     #   two weight matrices (gathered right before use), two layers, or every layer (the compiler
     #   hoists the gathers out of the layer scan; XLA:CPU does); fitted by calibration
+    # Constants of a real RL trainer on accelerators (docs/costmodel.md, "Accelerator constants"):
+    # set in every GPU preset (configs/hardware/*.yaml says where each number comes from), unset
+    # (null) on the CPU profile, where they mean no cap and no cost. A GPU profile must set them.
+    train_matmul_cap: float | None = None  # highest fraction of peak_flops a matmul of the trainer's
+    #   passes (updates and scoring forwards) reaches: the matmul table's value is capped at it, so
+    #   the trainer's end-to-end MFU lands where published RL and pretraining runs are; null: no cap
+    sync_fixed_s: float | None = None  # fixed seconds of one weight sync (train -> rollout) whatever
+    #   the model's size: the engine's pause, cache reset and resume, the controller's round trips
+    sync_bucket_bytes: float | None = None  # bytes of one weight-sync bucket: the sync streams the
+    #   rollout weights in ceil(weight bytes / this) buckets
+    sync_bucket_s: float | None = None  # seconds per bucket beyond moving its bytes: packing it, the
+    #   IPC handle or NCCL call, the engine's load_weights over its tensors
 
     def validate(self, path: str) -> None:
         for name in ("matmul", "memory", "intra_node", "inter_node"):
@@ -198,6 +213,34 @@ class EfficiencySpec:
             check(v >= 0, key(path, name), v, "must be >= 0")
         if self.decode_layer_s is not None:
             check(self.decode_layer_s >= 0, key(path, "decode_layer_s"), self.decode_layer_s, "must be >= 0")
+        if self.train_matmul_cap is not None:
+            check(
+                0.0 < self.train_matmul_cap <= 1.0,
+                key(path, "train_matmul_cap"),
+                self.train_matmul_cap,
+                "must be in (0, 1] (a fraction of peak_flops)",
+            )
+        for name in ("sync_fixed_s", "sync_bucket_s"):
+            v = getattr(self, name)
+            if v is not None:
+                check(v >= 0, key(path, name), v, "must be >= 0 (seconds)")
+        if self.sync_bucket_bytes is not None:
+            check(self.sync_bucket_bytes > 0, key(path, "sync_bucket_bytes"), self.sync_bucket_bytes, "must be > 0")
+
+    def require_accelerator_constants(self, path: str) -> None:
+        """An accelerator profile states every trainer constant (no silent 'free' weight sync)."""
+        for name in ACCELERATOR_CONSTANTS:
+            check(
+                getattr(self, name) is not None,
+                key(path, name),
+                None,
+                "missing: a gpu/tpu profile must set it (configs/hardware/h100.yaml shows the form)",
+            )
+
+    @property
+    def matmul_cap(self) -> float:
+        """train_matmul_cap, 1 (no cap) when unset."""
+        return 1.0 if self.train_matmul_cap is None else self.train_matmul_cap
 
     @property
     def decode_layer(self) -> float:
@@ -218,6 +261,8 @@ class HardwareProfile:
 
     def validate(self, path: str) -> None:
         check(bool(self.name), key(path, "name"), self.name, "must not be empty")
+        if self.kind != "cpu":
+            self.efficiency.require_accelerator_constants(key(path, "efficiency"))
         check(self.host_cores >= 1, key(path, "host_cores"), self.host_cores, "must be >= 1")
         check(
             self.network.group_devices >= self.node.devices,

@@ -125,7 +125,7 @@ class ModelShape:
             "layer": 2.0 * self.layer_params,
             "model": float(self.L * self.layer_params),
         }[mode]
-        return per * self.param_bytes_per / np.asarray(t, np.float64)
+        return per * self.gather_bytes_per / np.asarray(t, np.float64)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -134,6 +134,24 @@ class ModelShape:
     def kv_shards(self, t):
         """KV heads split over min(t, K) devices; beyond K they are replicated."""
         return np.minimum(np.asarray(t, np.float64), self.K)
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Parameters kept in a wider dtype than the compute dtype (float32 params, bfloat16 matmuls)."""
+        return self.act_bytes_per < self.param_bytes_per
+
+    @property
+    def gather_bytes_per(self) -> int:
+        """Bytes per parameter an FSDP all-gather moves and holds: mixed-precision FSDP casts the
+        shard to the compute dtype before gathering it (PyTorch FSDP MixedPrecision(param_dtype),
+        Megatron's distributed optimizer), so bfloat16 gathers; full precision gathers the params."""
+        return self.act_bytes_per if self.mixed_precision else self.param_bytes_per
+
+    @property
+    def grad_bytes_per(self) -> int:
+        """Bytes per gradient element (held during the update, reduce-scattered / all-reduced): the
+        compute dtype under mixed precision (ZeRO's accounting, below), else the parameter dtype."""
+        return self.act_bytes_per if self.mixed_precision else self.param_bytes_per
 
     def weight_bytes(self, dtype_bytes: int | None = None) -> float:
         return float(self.num_params * (dtype_bytes or self.act_bytes_per))
@@ -144,9 +162,23 @@ class ModelShape:
         return 3.0 * self.num_params * self.param_bytes_per
 
     def update_state_bytes(self, micro=1):
-        """Extra parameter-sized buffers live during an update (rl/update.py): the gradients; the
-        new m and v beside the old ones (its NaN guard selects between them, so the update cannot
-        happen in place); a float32 accumulator with micro-batches > 1."""
+        """Extra parameter-sized buffers live during an update, before sharding (the caller divides
+        by fsdp x tensor), N = num_params, p / a = parameter / compute bytes:
+
+        mixed precision (a < p, e.g. float32 params with bfloat16 compute), the mixed-precision
+        FSDP rule (ZeRO, Rajbhandari et al. 2020, sec. 3.1: 2 + 2 + 12 bytes per parameter):
+            update = N·a (gradients in the compute dtype) + N·a (the compute-dtype copy of the
+                     weights the passes read)
+            so resident (N·p master + 2·N·p Adam m, v = 12 N at p = 4) + update = 16 N bytes
+            at p = 4, a = 2, whatever the micro-batch count (gradients accumulate in place);
+            FSDP's per-layer gathered buffers are counted by pass_weight_bytes.
+
+        full precision (a = p, the CPU runs the calibration measured), our rl/update.py as XLA
+        compiles it: the gradients (N·p); the new m and v beside the old ones (its NaN guard selects
+        between them, so the update cannot happen in place: UPDATE_COPIES·N·p); a float32
+        accumulator (4·N) with micro-batches > 1."""
+        if self.mixed_precision:
+            return 2.0 * self.num_params * self.act_bytes_per + 0.0 * np.asarray(micro, np.float64)
         acc = np.where(np.asarray(micro) > 1, 4.0 * self.num_params, 0.0)
         return (1.0 + UPDATE_COPIES) * self.num_params * self.param_bytes_per + acc
 
@@ -187,9 +219,10 @@ class ModelShape:
         rest, and validation memory MAPE from 9.96% to 7.8%)."""
         f, t = np.asarray(f, np.float64), np.asarray(t, np.float64)
         w = self.weight_bytes(self.param_bytes_per)
+        wg = self.weight_bytes(self.gather_bytes_per)  # a gathered copy (FSDP, f > 1)
         if not self.scanned:
             # A training step that loops (micro-batches) or recomputes (remat) holds a second
             # gathered copy under FSDP: the loop body's and the backward's (`looped`).
-            extra = np.where((f > 1) & np.asarray(looped), w / t, 0.0) if train else 0.0
-            return np.where(f > 1, w / t, 0.0 if train else w / t) + extra
+            extra = np.where((f > 1) & np.asarray(looped), wg / t, 0.0) if train else 0.0
+            return np.where(f > 1, wg / t, 0.0 if train else w / t) + extra
         return np.where(f > 1, self.gather_bytes(t, mode), 0.0) + copies * w / (f * t)

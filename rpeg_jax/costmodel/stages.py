@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rpeg_jax.costmodel.comm import collective_time
+from rpeg_jax.costmodel.comm import collective_time, reshard_time, transfer_time
 from rpeg_jax.costmodel.hardware import HardwareProfile, interp_eff
 from rpeg_jax.costmodel.lengths import Admission, LengthDist, admission, gen_schedule
 from rpeg_jax.costmodel.shape import ModelShape
@@ -130,10 +130,14 @@ def rates(hw: HardwareProfile, dtype: str, busy):
     return hw.peak(dtype) * one, hw.device.memory_bw * one, one
 
 
-def mm_eff(hw: HardwareProfile, mm_size):
+def mm_eff(hw: HardwareProfile, mm_size, trainer: bool = False):
     """Fraction of peak a matmul of `mm_size` FLOPs reaches: the profile's table, its size
-    dependence scaled by the fitted `matmul_size_exponent` (log-log: eff^exponent)."""
-    return interp_eff(hw.efficiency.matmul, mm_size) ** hw.efficiency.matmul_size_exponent
+    dependence scaled by the fitted `matmul_size_exponent` (log-log: eff^exponent). In the
+    trainer's passes (`trainer`: updates and scoring forwards) at most the profile's
+    train_matmul_cap: what real trainers reach end to end (configs/hardware/*.yaml cite the MFU
+    figures), below the isolated-GEMM table."""
+    eff = interp_eff(hw.efficiency.matmul, mm_size) ** hw.efficiency.matmul_size_exponent
+    return np.minimum(eff, hw.efficiency.matmul_cap) if trainer else eff
 
 
 def mem_time(hw: HardwareProfile, nbytes, bw, busy=1.0):
@@ -144,7 +148,7 @@ def mem_time(hw: HardwareProfile, nbytes, bw, busy=1.0):
     return nbytes / (bw * interp_eff(hw.efficiency.memory, np.asarray(nbytes, np.float64) * ws))
 
 
-def roofline(hw: HardwareProfile, flops, nbytes, mm_size, rate, bw, busy=1.0):
+def roofline(hw: HardwareProfile, flops, nbytes, mm_size, rate, bw, busy=1.0, trainer: bool = False):
     """max(compute, memory) on an accelerator. On a shared host (one CPU's cores run every
     device's kernels) the two ADD, as in the decode step: a CPU GEMM of a few dozen rows does not
     hide streaming its weights behind its FLOPs, and with 8 replicas of the weights (data-parallel
@@ -152,17 +156,17 @@ def roofline(hw: HardwareProfile, flops, nbytes, mm_size, rate, bw, busy=1.0):
     (bench/NOTES.md, "Cost model") the sum instead of the max took forward validation MAPE from
     18.9% to 15.1% and train from 13.3% to 11.5%, and the 2-fold check (fit on validation, predict
     calibration) improved the same way."""
-    t_c = flops / (rate * mm_eff(hw, mm_size))
+    t_c = flops / (rate * mm_eff(hw, mm_size, trainer))
     t_m = mem_time(hw, nbytes, bw, busy)
     return t_c + t_m if hw.shared_host else np.maximum(t_c, t_m)
 
 
-def layer_core(hw: HardwareProfile, flops, w_bytes, ew_bytes, mm_size, rate, bw, busy=1.0):
+def layer_core(hw: HardwareProfile, flops, w_bytes, ew_bytes, mm_size, rate, bw, busy=1.0, trainer: bool = False):
     """(seconds, matmul part, elementwise part) of the layers' kernels: matmuls are a roofline of
     their FLOPs and weight reads; the elementwise kernels between them (norms, RoPE, softmax,
     SwiGLU, residuals) are separate memory-bound kernels, so their time adds (× the profile's
-    fitted elementwise_factor)."""
-    mm = roofline(hw, flops, w_bytes, mm_size, rate, bw, busy)
+    fitted elementwise_factor). `trainer`: a pass of the trainer (mm_eff's cap applies)."""
+    mm = roofline(hw, flops, w_bytes, mm_size, rate, bw, busy, trainer)
     ew = hw.efficiency.elementwise_factor * mem_time(hw, ew_bytes, bw, busy)
     return mm + ew, mm, ew
 
@@ -201,18 +205,20 @@ def train_stage(
         rate,
         bw,
         busy,
+        trainer=True,
     )
     passes = 1.0 + REMAT_EXTRA_FWD[remat] + 2.0 * hw.efficiency.backward_factor
     flops = epochs * (3.0 + REMAT_EXTRA_FWD[remat]) * fwd
     core, mm, ewt = epochs * passes * f_core, epochs * passes * f_mm, epochs * passes * f_ew
     # Collectives per micro-batch: FSDP gathers each layer twice (forward, backward) and
-    # reduce-scatters its gradient; TP all-reduces 2 activations per layer per direction.
-    layer_p = ms.layer_params * ms.param_bytes_per / t
-    gather = ms.L * collective_time(hw, "all_gather", layer_p, f, t)
-    scatter = ms.L * collective_time(hw, "reduce_scatter", layer_p, f, t)
+    # reduce-scatters its gradient; TP all-reduces 2 activations per layer per direction. Mixed
+    # precision gathers the weights and reduces the gradients in the compute dtype
+    # (ModelShape.gather_bytes_per / grad_bytes_per).
+    gather = ms.L * collective_time(hw, "all_gather", ms.layer_params * ms.gather_bytes_per / t, f, t)
+    scatter = ms.L * collective_time(hw, "reduce_scatter", ms.layer_params * ms.grad_bytes_per / t, f, t)
     n_tp = 4.0 + (2.0 if remat == "full" else 0.0)
     tp = n_tp * ms.L * collective_time(hw, "all_reduce", tok_mb * ms.D * ms.act_bytes_per, t, 1)
-    dp = collective_time(hw, "all_reduce", ms.num_params * ms.param_bytes_per / (f * t), d, f * t)
+    dp = collective_time(hw, "all_reduce", ms.num_params * ms.grad_bytes_per / (f * t), d, f * t)
     # Scanned layers gather each layer inside the loop, forward and backward, per micro-batch.
     # Unrolled layers: the whole model is gathered once per optimizer step and held (the gather
     # is loop-invariant, XLA hoists it out of the micro-batch loop; memory: pass_weight_bytes).
@@ -265,8 +271,10 @@ def forward_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, heads: int 
     flops = ms.forward_flops(seqs * seq_tok, seqs * st.seq_scored * heads, seqs * seq_sq, st.causal_skip) / t
     rate, bw, ovh = rates(hw, ms.dtype, busy)
     ew = elementwise_bytes(st, ms, t, seqs * seq_tok)
-    core, mm, ewt = layer_core(hw, flops, micro * ms.weight_bytes() / t, ew, ms.mm_size(tok_mb, t), rate, bw, busy)
-    layer_p = ms.layer_params * ms.param_bytes_per / t
+    core, mm, ewt = layer_core(
+        hw, flops, micro * ms.weight_bytes() / t, ew, ms.mm_size(tok_mb, t), rate, bw, busy, trainer=True
+    )
+    layer_p = ms.layer_params * ms.gather_bytes_per / t
     fsdp = (micro if ms.scanned else 1) * ms.L * collective_time(hw, "all_gather", layer_p, f, t)
     tp = micro * 2.0 * ms.L * collective_time(hw, "all_reduce", tok_mb * ms.D * ms.act_bytes_per, t, 1)
     comm = _exposed(hw, core, fsdp * ovh, tp * ovh)
@@ -489,6 +497,40 @@ def _prefill_time(st: Setting, ms: ModelShape, t, busy, seqs, seq_len):
     core = roofline(hw, flops, nbytes, ms.mm_size(tokens, t), rate, bw, busy)
     tp = sampler_tp_time(hw, ms, tokens, t) * ovh
     return float(core + tp + ms.L * hw.efficiency.layer_s * ovh)
+
+
+def weight_sync_time(hw: HardwareProfile, nbytes, transport_s):
+    """Seconds of one weight sync (train -> rollout) moving `nbytes` of rollout weights (the whole
+    model in the rollout dtype), whose data movement alone takes `transport_s` (a reshard on the
+    same devices, or a transfer between groups, priced by comm.py):
+
+        t_sync = sync_fixed_s + ceil(nbytes / sync_bucket_bytes) · sync_bucket_s + transport_s
+                 + dispatch_s
+
+    Real syncs stream the weights in buckets (verl's bucketed sync, slime's 512 MB buckets,
+    NeMo-RL's refit) and each bucket pays host work beyond its bytes; the fixed part is the
+    engine's pause/resume and the controller's round trips. Unset constants (the CPU profile)
+    cost nothing."""
+    eff = hw.efficiency
+    fixed = eff.sync_fixed_s or 0.0
+    per = eff.sync_bucket_s or 0.0
+    buckets = np.ceil(np.asarray(nbytes, np.float64) / eff.sync_bucket_bytes) if eff.sync_bucket_bytes else 0.0
+    return fixed + buckets * per + transport_s + eff.dispatch_s
+
+
+def weight_sync_stage(st: Setting, ms: ModelShape, colocated: bool, shards_train, t_g, n_train: int, n_gen: int):
+    """Weight sync of the actor `ms` into the generation layout (tensor `t_g`): colocated, a reshard
+    of the training shards (fsdp x tensor = `shards_train`) on the same devices plus the cast of
+    the parameters to the rollout dtype; split, a transfer from the training group's `n_train`
+    devices to the generation group's `n_gen` (comm.transfer_time). See weight_sync_time."""
+    hw = st.hw
+    w = ms.weight_bytes()  # the rollout's copy, in the compute dtype
+    if colocated:
+        cast = ms.num_params * (ms.param_bytes_per + ms.act_bytes_per) / shards_train / hw.device.memory_bw
+        move = reshard_time(hw, w, shards_train, t_g, n_train) + cast
+    else:
+        move = transfer_time(hw, w, n_train, n_gen, t_g)
+    return weight_sync_time(hw, w, move)
 
 
 def elementwise_stage(st: Setting, busy, arrays: int = 6):
