@@ -99,6 +99,13 @@ class RunConfig:
                 True,
                 f"with pipeline.staleness={p.staleness} the proximal policy must be recomputed",
             )
+        if self.train.offload == "optimizer+reference":  # the reference exists only with β > 0
+            check(
+                r.kl_coef > 0,
+                "train.offload",
+                self.train.offload,
+                "there is no reference model to offload with rl.kl_coef=0; use train.offload=optimizer",
+            )
         self._check_one_step_rewrites()
 
     def _check_one_step_rewrites(self) -> None:

@@ -1,4 +1,4 @@
-"""Train section: the run loop's knobs (steps, seed, run directory, checkpoints, logging)."""
+"""Train section: the run loop's knobs (steps, seed, run directory, checkpoints, logging, host offload)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ class TrainConfig:
     log_every: int = 1  # steps between console/TensorBoard records (metrics.jsonl keeps every step)
     progress: bool = True  # progress bar with ETA on process 0
     tensorboard: bool = True
+    offload: Literal["none", "optimizer", "optimizer+reference"] = "none"  # state kept in host memory
+    #   (pinned_host) between steps and moved to the device inside the programs that use it
+    #   (runtime/offload.py): the optimizer states (actor, critic), and with "+reference" the
+    #   reference model's weights too (an error with rl.kl_coef = 0: there is no reference then)
 
     def validate(self, path: str) -> None:
         check(self.steps >= 0, key(path, "steps"), self.steps, "must be >= 0")

@@ -108,9 +108,10 @@ def _minibatch_grads(grad_fn, params, mb, cfg: RLConfig, accum_dtype, group_size
     return jnp.sum(losses), jax.tree.map(lambda x: jnp.sum(x, 0), auxs), grads
 
 
-def _summarise(stats, opt_state, cfg: RLConfig, prefix):
+def _summarise(stats, cfg: RLConfig, prefix):
     """Per-step stats [epochs, minibatches] -> scalar metrics (means over applied steps)."""
     ok, finite, empty = (stats.pop(k).reshape(-1) for k in ("ok", "finite", "empty"))
+    lr = stats.pop("_lr").reshape(-1)[-1]  # the rate the final state records (its last step's)
     n_ok = jnp.sum(ok.astype(jnp.float32))
     out = {}
     for k, v in stats.items():
@@ -120,7 +121,7 @@ def _summarise(stats, opt_state, cfg: RLConfig, prefix):
     nan_skipped = jnp.sum((~finite).astype(jnp.float32))
     out.update(
         {
-            f"{prefix}/lr": current_lr(opt_state),
+            f"{prefix}/lr": lr,
             f"{prefix}/updates": n_ok,
             f"{prefix}/nan_skipped": nan_skipped,
             f"{prefix}/empty_skipped": jnp.sum((finite & empty).astype(jnp.float32)),
@@ -149,16 +150,28 @@ def make_update(
     accum_dtype=jnp.float32,
     group_size: int = 1,
     rows: bool = False,
+    opt_memory=None,
 ):
     """Generic update step from `loss_fn(params, mb, loss_w_BxR, tok_w_BxR) -> (loss, metrics)`,
     whose metrics must be additive over micro-batches (sums weighted by tok_w or loss_w).
     group_size > 1: shuffles and splits keep groups of that many consecutive rows together.
     rows=True (one optimizer step only): loss_fn returns (loss, (metrics, {key: [B, ...]})) and
     the update returns those per-row arrays as a 4th output, in batch order; `rng` is not used
-    (one step over one minibatch: a shuffle would only reorder the micro-batches of one sum)."""
+    (one step over one minibatch: a shuffle would only reorder the micro-batches of one sum).
+
+    opt_memory=(fetch, park) (train.offload, runtime/offload.py): the optimizer state comes in and
+    leaves in host memory. With one optimizer step per call it is fetched after the backward pass,
+    right before the optimizer step, and parked right after it (the loops of length 1 are unrolled,
+    so no loop carries host memory and XLA may overlap the copy-in with the backward's tail); with
+    several it is fetched at the start of the update and parked at its end. Same numerics."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if rows:
         check_one_step(cfg, f"{prefix} update with per-row outputs")
+    one = cfg.ppo_epochs * cfg.minibatches == 1
+    fetch, park = opt_memory if opt_memory is not None else (None, None)
+    inner = opt_memory is not None and one  # transfers around the optimizer step itself
+    outer = opt_memory is not None and not one  # around the whole update
+    unroll = True if inner else 1
 
     def step(carry, mb):
         params, opt_state = carry
@@ -169,11 +182,13 @@ def make_update(
         empty = masked_count(mb[MASK]) == 0
         ok = finite & ~empty
         grads = jax.tree.map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), grads)  # no NaN into Adam moments
+        opt_state = fetch(opt_state) if inner else opt_state
         updates, new_state = optimizer.update(grads, opt_state, params)
         new_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_state, opt_state)
         new_params = optax.apply_updates(params, updates)
-        carry = (_tree_where(ok, new_params, params), _tree_where(ok, new_state, opt_state))
-        stats = dict(aux, ok=ok, finite=finite, empty=empty)
+        kept = _tree_where(ok, new_state, opt_state)
+        carry = (_tree_where(ok, new_params, params), park(kept) if inner else kept)
+        stats = dict(aux, ok=ok, finite=finite, empty=empty, _lr=current_lr(kept))
         stats.update({f"{prefix}/loss": loss, f"{prefix}/grad_norm": gnorm})
         return carry, (stats, per_row) if rows else stats
 
@@ -187,15 +202,19 @@ def make_update(
             else:
                 index = jax.random.permutation(key, b) if group_size == 1 else group_permutation(key, b, group_size)
                 data = permute_tree(batch, index)
-            return jax.lax.scan(step, carry, split_tree(data, cfg.minibatches, group_size))
+            return jax.lax.scan(step, carry, split_tree(data, cfg.minibatches, group_size), unroll=unroll)
 
         keys = None if rng is None or rows else jax.random.split(rng, cfg.ppo_epochs)
-        (params, opt_state), stats = jax.lax.scan(epoch, (params, opt_state), keys, length=cfg.ppo_epochs)
+        opt_state = fetch(opt_state) if outer else opt_state
+        (params, opt_state), stats = jax.lax.scan(
+            epoch, (params, opt_state), keys, length=cfg.ppo_epochs, unroll=unroll
+        )
+        opt_state = park(opt_state) if outer else opt_state
         if rows:
             stats, per_row = stats
             per_row = jax.tree.map(lambda x: x[0, 0], per_row)  # [epochs=1, minibatches=1, B, ...]
-            return params, opt_state, _summarise(dict(stats), opt_state, cfg, prefix), per_row
-        return params, opt_state, _summarise(dict(stats), opt_state, cfg, prefix)
+            return params, opt_state, _summarise(dict(stats), cfg, prefix), per_row
+        return params, opt_state, _summarise(dict(stats), cfg, prefix)
 
     return update
 
@@ -206,7 +225,14 @@ def _proximal(out: dict, mb: dict, on: bool) -> dict:
 
 
 def make_actor_update(
-    policy_fn, optimizer, cfg, *, accum_dtype=jnp.float32, group_size: int = 1, proximal_from_update: bool = False
+    policy_fn,
+    optimizer,
+    cfg,
+    *,
+    accum_dtype=jnp.float32,
+    group_size: int = 1,
+    proximal_from_update: bool = False,
+    opt_memory=None,
 ):
     """Policy update (PPO/GRPO/GSPO surrogate, decoupled/TIS weights, KL and entropy terms)."""
     if proximal_from_update:
@@ -218,22 +244,40 @@ def make_actor_update(
 
     needs = tuple(k for k in ACTOR_KEYS if not (proximal_from_update and k == "old_logp_BxR"))
     return make_update(
-        loss_fn, optimizer, cfg, prefix="actor", needs=needs, accum_dtype=accum_dtype, group_size=group_size
+        loss_fn,
+        optimizer,
+        cfg,
+        prefix="actor",
+        needs=needs,
+        accum_dtype=accum_dtype,
+        group_size=group_size,
+        opt_memory=opt_memory,
     )
 
 
-def make_critic_update(value_fn, optimizer, cfg: RLConfig, *, accum_dtype=jnp.float32, group_size: int = 1):
+def make_critic_update(
+    value_fn, optimizer, cfg: RLConfig, *, accum_dtype=jnp.float32, group_size: int = 1, opt_memory=None
+):
     """Separate critic: clipped value loss; value_fn(params, batch) -> {"values": [B, R]}."""
 
     def loss_fn(params, mb, loss_w, tok_w):
         return critic_objective(value_fn(params, mb), mb, cfg, loss_w, tok_w)
 
     return make_update(
-        loss_fn, optimizer, cfg, prefix="critic", needs=CRITIC_KEYS, accum_dtype=accum_dtype, group_size=group_size
+        loss_fn,
+        optimizer,
+        cfg,
+        prefix="critic",
+        needs=CRITIC_KEYS,
+        accum_dtype=accum_dtype,
+        group_size=group_size,
+        opt_memory=opt_memory,
     )
 
 
-def make_critic_values_update(value_fn, optimizer, cfg: RLConfig, *, accum_dtype=jnp.float32, group_size: int = 1):
+def make_critic_values_update(
+    value_fn, optimizer, cfg: RLConfig, *, accum_dtype=jnp.float32, group_size: int = 1, opt_memory=None
+):
     """values_from_critic_update: the critic's one optimizer step with V_old = stop_gradient(V) of
     its own forward and the returns computed from it by GAE inside the loss (returns are per row
     and never whitened, so each micro-batch computes its own). update(...) -> (params, opt_state,
@@ -255,6 +299,7 @@ def make_critic_values_update(value_fn, optimizer, cfg: RLConfig, *, accum_dtype
         accum_dtype=accum_dtype,
         group_size=group_size,
         rows=True,
+        opt_memory=opt_memory,
     )
 
 
@@ -274,6 +319,7 @@ def make_actor_critic_update(
     group_size: int = 1,
     proximal_from_update: bool = False,
     values_from_update: bool = False,
+    opt_memory=None,
 ):
     """One backbone with policy and value heads: L = L_actor + c_v·L_v (policy_fn returns values).
 
@@ -308,4 +354,5 @@ def make_actor_critic_update(
         accum_dtype=accum_dtype,
         group_size=group_size,
         rows=values_from_update,
+        opt_memory=opt_memory,
     )

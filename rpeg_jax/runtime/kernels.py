@@ -170,7 +170,8 @@ def ref_forward(env: StageEnv) -> Kernel:
         entropy=False,
         values=False,
     )
-    return Kernel(lambda i: {"ref_logp": fwd(i["reference"], i["completions"])["logp"]})
+    # train.offload=optimizer+reference: the weights come in from host memory inside this program
+    return Kernel(lambda i: {"ref_logp": fwd(ctx.offload.fetch("reference", i["reference"]), i["completions"])["logp"]})
 
 
 def old_forward(env: StageEnv) -> Kernel:
@@ -264,7 +265,7 @@ def actor_update(env: StageEnv) -> Kernel:
         ctx,
         grad_dtype(ctx.cfg.optim),
         _devices(env),
-        make_kw={"proximal_from_update": proximal},
+        make_kw={"proximal_from_update": proximal, "opt_memory": ctx.offload.memory("actor_opt")},
         logp=True,
         entropy=rl.entropy_coef > 0,
         values=shared,
@@ -289,6 +290,7 @@ def _critic_updater(make, env: StageEnv):
         ctx,
         grad_dtype(ctx.cfg.critic_optim or ctx.cfg.optim),
         _devices(env),
+        make_kw={"opt_memory": ctx.offload.memory("critic_opt")},
         logp=False,
         entropy=False,
         values=True,
@@ -340,7 +342,11 @@ def shared_values_update(env: StageEnv) -> Kernel | None:
     if not env.stage.options.values_from_update:
         return None
     ctx = env.context
-    kw = {"proximal_from_update": env.stage.effective_options.proximal_from_update, "values_from_update": True}
+    kw = {
+        "proximal_from_update": env.stage.effective_options.proximal_from_update,
+        "values_from_update": True,
+        "opt_memory": ctx.offload.memory("actor_opt"),
+    }
     update = _grouped_update(
         make_actor_critic_update,
         ctx.graphdefs["actor"],

@@ -28,6 +28,7 @@ from rpeg_jax.config.run import RunConfig
 from rpeg_jax.graph.compile import CompiledStage
 from rpeg_jax.graph.ir import Graph, Op, StageKind
 from rpeg_jax.graph.plan import Plan
+from rpeg_jax.runtime.offload import Offload
 from rpeg_jax.sharding import Resharder, StageLayout, layout_for, mesh_scope
 
 
@@ -55,6 +56,7 @@ class Placement:
             self.layouts[st.name] = layout_for(mesh, sp.rules, cfg.sharding, devs, role=role)
         self.resharder = Resharder()
         self._shardings: dict[tuple[str, str], Any] = {}
+        self.offload = Offload.for_run(cfg, jax.local_devices())  # train.offload (runtime/offload.py)
 
     # ---- layouts of the graph's roles ----------------------------------------------------------
     def layout_of(self, kind: StageKind) -> StageLayout:
@@ -132,6 +134,8 @@ class Placement:
             if port.state and port.node in ("actor", "critic", "reference", "actor_opt", "critic_opt"):
                 if port.node.endswith("_opt"):
                     continue  # optimizer states never leave their update's layout
+                if self.offload.offloaded(port.node):
+                    continue  # kept in this stage's layout in host memory; the program fetches it
                 out[port.name] = self.resharder(inputs[port.name], self.shardings(layout, port.node, inputs[port.name]))
         return out
 

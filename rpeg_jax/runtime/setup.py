@@ -30,6 +30,7 @@ from rpeg_jax.rl import make_optimizer, optimizer_steps
 from rpeg_jax.runtime import xla_flags
 from rpeg_jax.runtime.admission import ContinuousRollouts, forced_lengths
 from rpeg_jax.runtime.executor import Store
+from rpeg_jax.runtime.offload import Offload
 from rpeg_jax.runtime.placement import Placement
 from rpeg_jax.runtime.rollouts import RolloutBuffer, StepPrompts
 from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
@@ -53,6 +54,7 @@ class RuntimeContext:
     update_key: jax.Array
     fixed_shapes: bool
     placement: Placement
+    offload: Offload  # train.offload: what lives in host memory between steps (runtime/offload.py)
     prompt_offset: int = 0  # this process's first prompt index within a step's batch
     data_skipped: dict[str, int] = field(default_factory=dict)  # bad JSONL lines skipped at start-up, by reason
     engine: ContinuousRollouts | None = None  # rollout.admission=continuous: the engine across steps
@@ -119,6 +121,7 @@ def sampler_config(cfg: RunConfig) -> SamplerConfig:
 def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Store]:
     pipeline = build_pipeline(cfg, shard_index=jax.process_index(), shard_count=jax.process_count())
     placement = Placement(cfg, graph, plan)
+    offload = placement.offload
     models = build_models(cfg, graph, placement)
     split = {name: nnx.split(m, nnx.Param) for name, m in models.items()}
     total = optimizer_steps(cfg.train.steps, cfg.rl)
@@ -164,6 +167,7 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
         update_key=jax.random.key(cfg.train.seed + 12345),
         fixed_shapes=cfg.pipeline.microbatches > 1,
         placement=placement,
+        offload=offload,
         prompt_offset=jax.process_index() * (cfg.data.prompts_per_step // jax.process_count()),
         data_skipped=dict(pipeline.skipped),
         engine=engine,
@@ -171,14 +175,17 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
     )
     store = Store(keep_versions=graph.staleness + 2)  # generation reads t - k while training writes t + 1
     store.put_state("actor", 0, split["actor"][1])
-    store.put_state("actor_opt", 0, placement.init_opt_state(optimizers["actor"], split["actor"][1]))
+    store.put_state(
+        "actor_opt", 0, offload.park_now("actor_opt", placement.init_opt_state(optimizers["actor"], split["actor"][1]))
+    )
     store.put_state("rollout_weights", 0, rollout_params)
     store.put_state("data_iterator", 0, StepPrompts(pipeline))
     if "reference" in split:
-        store.frozen["reference"] = split["reference"][1]
+        store.frozen["reference"] = offload.park_now("reference", split["reference"][1])
     if "critic" in split:
         store.put_state("critic", 0, split["critic"][1])
-        store.put_state("critic_opt", 0, placement.init_opt_state(optimizers["critic"], split["critic"][1]))
+        critic_opt = placement.init_opt_state(optimizers["critic"], split["critic"][1])
+        store.put_state("critic_opt", 0, offload.park_now("critic_opt", critic_opt))
     if graph.has(StateKind.ROLLOUT_BUFFER.value):
         store.put_state("rollout_buffer", 0, RolloutBuffer(staleness=graph.staleness))
     return ctx, store
