@@ -1,0 +1,94 @@
+"""costmodel/offload.py: host-link bandwidths, offloaded bytes, the update's device memory with the
+optimizer state offloaded, and transfer seconds, against hand-computed numbers."""
+
+import types
+
+import numpy as np
+import pytest
+
+from rpeg_jax.costmodel import offload as OFF
+from rpeg_jax.costmodel.hardware import load_hardware
+from rpeg_jax.costmodel.shape import ModelShape
+
+GH = load_hardware("gh200", calibrated=False)
+
+
+def shape(n=1_000_000_000, p=4, a=4):
+    return ModelShape(
+        num_params=n,
+        L=8,
+        D=1024,
+        H=8,
+        K=8,
+        E=128,
+        F=4096,
+        V=1000,
+        param_bytes_per=p,
+        act_bytes_per=a,
+        dtype="float32" if a == 4 else "bfloat16",
+    )
+
+
+def test_host_link_bandwidths():
+    assert OFF.host_link_bw(GH) == 450e9  # NVLink-C2C, per direction
+    for name in ("h100", "h200"):
+        assert OFF.host_link_bw(load_hardware(name, calibrated=False)) == 55e9  # PCIe Gen5 x16, effective
+    cpu = load_hardware("cpu", calibrated=False)
+    assert OFF.host_link_bw(cpu) == cpu.device.memory_bw / 2
+    stub = types.SimpleNamespace(name="gh200", kind="gpu", device=types.SimpleNamespace(host_link_gbps=123.0))
+    assert OFF.host_link_bw(stub) == 123e9  # a profile's own value wins over the table
+    other = types.SimpleNamespace(name="mi300", kind="gpu", device=types.SimpleNamespace())
+    assert OFF.host_link_bw(other) == OFF.UNKNOWN_GPU_GBPS * 1e9
+
+
+def test_bad_offload_value_is_named():
+    with pytest.raises(ValueError, match="train.offload='cpu'"):
+        OFF.offloads_optimizer("cpu")
+
+
+def test_offloaded_bytes_and_resident():
+    ms, ref = shape(), shape(n=500_000_000, a=2)
+    # Adam m, v in float32: 8 bytes per parameter; the reference in its compute dtype (2 bytes)
+    assert OFF.resident_bytes("none", ms) == 12e9 and OFF.resident_bytes("optimizer", ms) == 4e9
+    assert float(OFF.offloaded_bytes_per_device("none", [ms], ref, 4, 2)) == 0.0
+    assert float(OFF.offloaded_bytes_per_device("optimizer", [ms], ref, 4, 2)) == 8e9 / 4
+    assert float(OFF.offloaded_bytes_per_device("optimizer+reference", [ms, ms], ref, 4, 2)) == 16e9 / 4 + 1e9 / 2
+    assert float(OFF.offloaded_bytes_per_device("optimizer+reference", [ms], None, 4, 2)) == 8e9 / 4
+
+
+def test_update_transient_full_precision():
+    ms = shape()  # N = 1e9, p = a = 4: full precision, the guarded copies and accumulator count
+    plain = 30e9  # plain update's transients per device at f = t = 1
+    assert float(OFF.update_transient("none", ms, plain, 1, 1, 1, 1)) == 30e9
+    # several optimizer steps: the state is held through the update
+    assert float(OFF.update_transient("optimizer", ms, plain, 1, 1, 1, 2)) == 38e9
+    # one step: max(backward = 30 - 8 (new m, v), step = 4 grads + 8 m, v + 8 new m, v)
+    assert float(OFF.update_transient("optimizer", ms, plain, 1, 1, 1, 1)) == 22e9
+    # micro-batching adds the float32 accumulator to the step window: 4 + 4 + 8 + 8 = 24
+    assert float(OFF.update_transient("optimizer", ms, 25e9, 1, 1, 2, 1)) == 24e9
+    # sharded over f·t = 4: the state and copies are per device
+    assert float(OFF.update_transient("optimizer", ms, 4e9, 2, 2, 1, 1)) == pytest.approx(5e9)
+
+
+def test_update_transient_mixed_precision_and_never_above_plain():
+    ms = shape(p=4, a=2)  # mixed precision: grads in bfloat16, no guarded copies
+    assert float(OFF.update_transient("optimizer", ms, 30e9, 1, 1, 4, 1)) == 30e9  # backward window dominates
+    assert float(OFF.update_transient("optimizer", ms, 5e9, 1, 1, 4, 1)) == 2e9 + 8e9  # grads + m, v
+    rng = np.random.default_rng(0)
+    for m in (shape(), shape(p=4, a=2)):
+        for plain in rng.uniform(0, 60e9, 20):
+            for micro in (1, 4):
+                s = OFF.opt_state_bytes(m)
+                off = float(OFF.update_transient("optimizer", m, plain + m.update_state_bytes(micro), 1, 1, micro, 1))
+                assert off <= plain + float(m.update_state_bytes(micro)) + s + 1e-3
+
+
+def test_transfer_seconds():
+    ms = shape()
+    # in and out: 2 x 8 GB over f·t = 8 at 450 GB/s
+    assert float(OFF.update_transfer_seconds("optimizer", GH, ms, 4, 2)) == pytest.approx(2 * 8e9 / 8 / 450e9)
+    assert float(OFF.update_transfer_seconds("none", GH, ms, 4, 2)) == 0.0
+    ref = shape(a=2)
+    assert float(OFF.reference_transfer_seconds("optimizer+reference", GH, ref, 2, 2)) == pytest.approx(2e9 / 4 / 450e9)
+    assert float(OFF.reference_transfer_seconds("optimizer", GH, ref, 2, 2)) == 0.0
+    assert float(OFF.reference_transfer_seconds("optimizer+reference", GH, None, 2, 2)) == 0.0
