@@ -1,6 +1,7 @@
 """costmodel/offload.py: host-link bandwidths, offloaded bytes, the update's device memory with the
 optimizer state offloaded, and transfer seconds, against hand-computed numbers."""
 
+import dataclasses
 import types
 
 import numpy as np
@@ -92,3 +93,49 @@ def test_transfer_seconds():
     assert float(OFF.reference_transfer_seconds("optimizer+reference", GH, ref, 2, 2)) == pytest.approx(2e9 / 4 / 450e9)
     assert float(OFF.reference_transfer_seconds("optimizer", GH, ref, 2, 2)) == 0.0
     assert float(OFF.reference_transfer_seconds("optimizer+reference", GH, None, 2, 2)) == 0.0
+
+
+# ---- the hook: candidates.py prices train.offload in every row, the planner uses it ------------
+P1_32B = ["model.preset=qwen2-32b", "data.prompts_per_step=8"]  # configs/p1.yaml, B = 8 x 16 = 128
+
+
+def _table(offload, n=8):
+    from rpeg_jax.config import load_config
+    from rpeg_jax.costmodel import planner as P
+
+    cfg = load_config("configs/p1.yaml", P1_32B + [f"train.offload={offload}"])
+    ctx = P.make_context(cfg, n, GH)
+    ctx = dataclasses.replace(ctx, st=dataclasses.replace(ctx.st, budget_bytes=np.inf))  # keep every row
+    roles = P.roles_of(ctx, ctx.base)
+    return P.family_table(ctx, ctx.base, "colocated", {}), roles
+
+
+def test_rows_drop_the_offloaded_state_and_pay_the_transfer():
+    """Same rows (an unlimited budget keeps them all), offload=optimizer vs none: generation's
+    memory drops by exactly the Adam moments per device, the update pays 2 x their bytes / 450 GB/s,
+    and with +reference the reference's weights move from resident to its forward."""
+    (a, roles), (b, _), (c, _) = _table("none"), _table("optimizer"), _table("optimizer+reference")
+    key = lambda t: list(zip(t["d"], t["f"], t["t"], t["fd"], t["ff"], t["ft"], t["t_g"], t["slots"]))  # noqa: E731
+    assert key(a) == key(b) == key(c) and len(a["d"]) > 10
+    ms, ref = roles.actor, roles.ref
+    ft, fft = a["f"] * a["t"], a["ff"] * a["ft"]
+    s = 2.0 * ms.num_params * 4 / ft  # float32 m, v per device
+    np.testing.assert_allclose(a["mem_gen"] - b["mem_gen"], s, rtol=1e-9)
+    np.testing.assert_allclose(b["mem_gen"] - c["mem_gen"], ref.num_params * 2 / fft, rtol=1e-9)
+    np.testing.assert_allclose(b["t_upd_actor"] - a["t_upd_actor"], 2 * s / 450e9, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(c["t_fwd_ref"] - b["t_fwd_ref"], ref.num_params * 2 / fft / 450e9, rtol=1e-9)
+    np.testing.assert_allclose(b["t_fwd_actor"], a["t_fwd_actor"])  # the actor's forward moves nothing
+    assert np.all(b["mem_update"] <= a["mem_update"] + 1e-3)  # never worse at the update either
+    assert np.any(b["mem_update"] < a["mem_update"] - 1e9)
+
+
+def test_32b_on_8_gh200_plans_only_with_offload():
+    """configs/p1.yaml with qwen2-32b at B = 128 (8 prompts x 16) on 8 GH200: nothing fits without
+    offload; with the optimizer state in Grace memory a plan fits the 84.6 GB budget."""
+    from rpeg_jax.config import load_config
+    from rpeg_jax.costmodel import planner as P
+
+    with pytest.raises(P.NoPlanFits):
+        P.search(load_config("configs/p1.yaml", P1_32B), 8, GH)
+    res = P.search(load_config("configs/p1.yaml", P1_32B + ["train.offload=optimizer"]), 8, GH)
+    assert res.chosen.memory_per_gpu_gb * 1e9 <= 0.9 * GH.hbm_bytes + 1e-3

@@ -10,6 +10,8 @@ Memory per device (the buffers each model holds, counted as in ZeRO), colocated 
 shares the devices):
     resident = actor (+ critic) params + Adam moments / (f·t) + reference weights / (f'·t')
                + rollout weights / t_g
+    (train.offload, costmodel/offload.py: the Adam moments, and the reference's weights, leave
+    `resident`; the update and the reference forward hold them while they run, and pay the transfer)
     peak     = max(resident + KV pages + gen working set,
                    resident + update transients (grads, guarded new state, activations),
                    resident + forward weight copies + forward transients)
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rpeg_jax.costmodel import offload as OFF
 from rpeg_jax.costmodel import stages as S
 from rpeg_jax.costmodel.comm import reshard_time
 from rpeg_jax.costmodel.shape import ModelShape
@@ -44,6 +47,7 @@ class Roles:
     ref: ModelShape | None  # None when β = 0
     epochs: int = 1
     minibatches: int = 1
+    offload: str = "none"  # train.offload: priced by costmodel/offload.py
 
 
 def divisors(n: int) -> list[int]:
@@ -93,6 +97,7 @@ def _best_train(st, roles: Roles, busy, lay: np.ndarray, trained: list[ModelShap
             mem = S.train_memory(st, ms, d, f, t, micro[:, cols], r, roles.minibatches) - ms.resident_state_bytes() / (
                 f * t
             )
+            mem = OFF.update_transient(roles.offload, ms, mem, f, t, micro[:, cols], roles.epochs * roles.minibatches)
             time[:, cols] += tt
             trans[:, cols] = np.maximum(trans[:, cols], mem)
     valid = (st.B / (d * f) / (roles.minibatches * micro)) >= 1
@@ -170,8 +175,10 @@ def _alloc_rows(
     up_t, up_m, up_opts = _best_train(st, roles, n_train, lay, trained)
     fw_times, fw_m, fw_micros = _best_forward(st, n_train, lay, [m for _, m in fwd_models])
     ft = lay[:, 1] * lay[:, 2]  # parameter shards of a layout (fsdp × tensor)
-    state = sum(m.resident_state_bytes() for m in trained) / ft  # [i]
+    state = sum(OFF.resident_bytes(roles.offload, m) for m in trained) / ft  # [i]
     ref_res = (roles.ref.weight_bytes() / ft) if roles.ref else np.zeros(len(lay))  # [j]
+    ref_fetched = ref_res if OFF.offloads_reference(roles.offload) else np.zeros(len(lay))  # on device in its forward
+    ref_res = ref_res - ref_fetched
     rollout = actor.weight_bytes() / gl  # [g]
     # Broadcast over (i train layout, j forward layout, g generation layout).
     I, J, G = np.meshgrid(np.arange(len(lay)), np.arange(len(lay)), np.arange(len(gl)), indexing="ij")
@@ -180,7 +187,7 @@ def _alloc_rows(
     resident = state[I] + ref_res[J] + (rollout[G] if coloc else 0.0)
     budget = st.budget_bytes
     # Forward weight copies: actor and critic in the forward layout unless it is the training one.
-    copies = np.where(same, 0.0, sum(m.weight_bytes() for m in trained) / ft[J])
+    copies = np.where(same, 0.0, sum(m.weight_bytes() for m in trained) / ft[J]) + ref_fetched[J]
     fwd_ok = resident[:, None] + copies[:, None] + fw_m[J] <= budget
     fw_total = sum(fw_times)  # [j, micro]
     fw_masked = np.where(fwd_ok, fw_total[J], INF)
@@ -271,10 +278,16 @@ def _alloc_rows(
         row[f"mem_peak_c{k}"] = mem
         row[f"t_gen_c{k}"] = np.where(mem <= budget, gen_async[k], INF)
     # Per-role stage times at the chosen options.
+    moves = {
+        n: OFF.update_transfer_seconds(roles.offload, hw, ms, row["f"], row["t"])
+        for n, ms in zip(("actor", "critic"), trained)
+    }
+    fetch = {"ref": OFF.reference_transfer_seconds(roles.offload, hw, roles.ref, row["ff"], row["ft"])}
     for name, ms in zip(("actor", "critic"), trained):
-        row[f"t_upd_{name}"] = _train_rows(st, ms, n_train, row, roles)
+        row[f"t_upd_{name}"] = _train_rows(st, ms, n_train, row, roles) + moves[name]
     for name, ms in fwd_models:
         row[f"t_fwd_{name}"] = S.forward_stage(st, ms, n_train, row["fd"], row["ff"], row["ft"], row["fmicro"])[0]
+        row[f"t_fwd_{name}"] = row[f"t_fwd_{name}"] + fetch.get(name, 0.0)
     # Reallocation of actor/critic weights into the forward layout (ReaL's parameter realloc).
     shards_tr, shards_fw = row["f"] * row["t"], row["ff"] * row["ft"]
     for ms, name in zip(trained, ["actor", "critic"]):
@@ -287,11 +300,11 @@ def _alloc_rows(
     for k in ks:  # the training side on continuous admission's batches (biased short: a shorter padded R)
         sc = dataclasses.replace(st, R=continuous_R(st, k))
         for name, ms in zip(("actor", "critic"), trained):
-            row[f"t_upd_{name}_c{k}"] = _train_rows(sc, ms, n_train, row, roles)
+            row[f"t_upd_{name}_c{k}"] = _train_rows(sc, ms, n_train, row, roles) + moves[name]
         for name, ms in fwd_models:
             row[f"t_fwd_{name}_c{k}"] = S.forward_stage(
                 sc, ms, n_train, row["fd"], row["ff"], row["ft"], row["fmicro"]
-            )[0]
+            )[0] + fetch.get(name, 0.0)
         row[f"t_adv_c{k}"] = np.full(len(I), float(S.elementwise_stage(sc, n_train)))
     return row
 

@@ -30,6 +30,7 @@ from rpeg_jax.config.base import ConfigError
 from rpeg_jax.config.pipeline import PipelineConfig
 from rpeg_jax.config.run import RunConfig
 from rpeg_jax.costmodel import candidates as C
+from rpeg_jax.costmodel import offload as OFF
 from rpeg_jax.costmodel import stages as S
 from rpeg_jax.costmodel.devices import resolve
 from rpeg_jax.costmodel.hardware import GB, HardwareProfile
@@ -137,6 +138,7 @@ def roles_of(ctx: Context, graph: Graph) -> C.Roles:
         ref=models.get("reference"),
         epochs=rl.ppo_epochs,
         minibatches=rl.minibatches,
+        offload=ctx.cfg.train.offload,
     )
 
 
@@ -308,7 +310,7 @@ def no_plan_fits(ctx: Context) -> NoPlanFits:
     of = f"costmodel.memory_budget={cfg.costmodel.memory_budget} of {hw.name}'s {hw.hbm_bytes / GB:.1f} GB"
     more = "free host RAM" if hw.kind == "cpu" else "plan for more devices"
     roles = roles_of(ctx, ctx.base)
-    state = sum(m.resident_state_bytes() for m in (roles.actor, roles.critic) if m is not None) / ctx.N
+    state = sum(OFF.resident_bytes(roles.offload, m) for m in (roles.actor, roles.critic) if m is not None) / ctx.N
     if state > budget:
         return NoPlanFits(
             f"the parameters and Adam moments alone need {state / GB:.2f} GB per device even sharded over "
