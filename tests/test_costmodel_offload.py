@@ -36,10 +36,9 @@ def test_host_link_bandwidths():
         assert OFF.host_link_bw(load_hardware(name, calibrated=False)) == 55e9  # PCIe Gen5 x16, effective
     cpu = load_hardware("cpu", calibrated=False)
     assert OFF.host_link_bw(cpu) == cpu.device.memory_bw / 2
-    stub = types.SimpleNamespace(name="gh200", kind="gpu", device=types.SimpleNamespace(host_link_gbps=123.0))
-    assert OFF.host_link_bw(stub) == 123e9  # a profile's own value wins over the table
-    other = types.SimpleNamespace(name="mi300", kind="gpu", device=types.SimpleNamespace())
-    assert OFF.host_link_bw(other) == OFF.UNKNOWN_GPU_GBPS * 1e9
+    other = types.SimpleNamespace(name="mi300", kind="gpu", device=types.SimpleNamespace(host_link_bw=None))
+    with pytest.raises(ValueError, match="device.host_link_bw"):
+        OFF.host_link_bw(other)
 
 
 def test_bad_offload_value_is_named():

@@ -64,11 +64,16 @@ class DeviceSpec:
     memory_gb: float  # device memory capacity, GB (1e9 bytes)
     usable_memory_gb: float  # what the allocator can hand out, GB
     memory_bw: float  # device memory bandwidth, bytes/s
+    # bytes/s per direction between the device and host memory (train.offload's transfers);
+    # None: on a CPU the same RAM (a copy at memory_bw / 2); a GPU profile that offloads must set it
+    host_link_bw: float | None = None
 
     def validate(self, path: str) -> None:
         for name in ("peak_flops", "peak_flops_fp32", "memory_gb", "usable_memory_gb", "memory_bw"):
             v = getattr(self, name)
             check(v > 0, key(path, name), v, "must be > 0")
+        if self.host_link_bw is not None:
+            check(self.host_link_bw > 0, key(path, "host_link_bw"), self.host_link_bw, "must be > 0")
         check(
             self.usable_memory_gb <= self.memory_gb,
             key(path, "usable_memory_gb"),

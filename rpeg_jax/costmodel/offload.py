@@ -19,12 +19,11 @@ What the runtime does, and so what is priced (per device, with the state sharded
     gradients (XLA may start it during the backward's tail, unmeasured), and the copy-out ends the
     program. This is an upper bound on the exposed time.
 
-`host_link_gbps` (GB/s, 1e9 bytes/s, per direction per device) is read from the hardware profile
-(device.host_link_gbps, or a top-level host_link_gbps) when it has one, else from HOST_LINK_GBPS
-by profile name: GH200 NVLink-C2C 450 per direction (900 GB/s total, CSCS node schematic); H100
-and H200 SXM on PCIe Gen5 x16, 64 nominal, ~55 effective; an unknown GPU 25 (PCIe Gen4 x16
-effective). On a CPU the "host" memory is the device's own RAM and a transfer is a copy at half
-the memory bandwidth (read + write).
+The link is the hardware profile's `device.host_link_bw` (bytes/s per direction per device;
+configs/hardware: GH200 NVLink-C2C 450e9 per direction (900 GB/s total, CSCS node schematic); H100
+and H200 SXM on PCIe Gen5 x16, 64e9 nominal, ~55e9 effective). On a CPU without it the "host"
+memory is the device's own RAM and a transfer is a copy at half the memory bandwidth (read +
+write); a GPU profile without it cannot price offload (an error naming the field).
 
 Callers: costmodel/candidates.py (memory and stage times of each candidate row).
 """
@@ -36,8 +35,6 @@ import numpy as np
 from rpeg_jax.costmodel.shape import UPDATE_COPIES, ModelShape
 
 GB = 1e9
-HOST_LINK_GBPS = {"gh200": 450.0, "h100": 55.0, "h200": 55.0}  # per direction per device
-UNKNOWN_GPU_GBPS = 25.0
 OFFLOADS = ("none", "optimizer", "optimizer+reference")
 
 
@@ -57,13 +54,12 @@ def offloads_reference(offload: str) -> bool:
 
 def host_link_bw(hw) -> float:
     """Bytes/s per direction between one device and host memory."""
-    for holder in (getattr(hw, "device", None), hw):
-        v = getattr(holder, "host_link_gbps", None)
-        if v is not None:
-            return float(v) * GB
+    v = getattr(hw.device, "host_link_bw", None)
+    if v is not None:
+        return float(v)
     if hw.kind == "cpu":
         return hw.device.memory_bw / 2.0
-    return HOST_LINK_GBPS.get(hw.name, UNKNOWN_GPU_GBPS) * GB
+    raise ValueError(f"hardware profile {hw.name!r}: device.host_link_bw is not set (needed to price train.offload)")
 
 
 def transfer_seconds(nbytes, bw):
