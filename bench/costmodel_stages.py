@@ -80,6 +80,9 @@ VALIDATION = [
     ("generate", "M", 32, 16, 32, (8, 1, 1), 8, "-"),
     ("generate", "M", 16, 16, 32, (1, 1, 1), 4, "-"),
     ("generate", "W", 16, 16, 32, (4, 1, 2), 4, "-"),
+    # Long responses on one device (R2's regime: R up to 256, where attention's quadratic part counts)
+    ("train", "T", 48, 16, 192, (1, 1, 1), 1, "none"),
+    ("generate", "T", 32, 16, 192, (1, 1, 1), 8, "-"),
 ]
 # Disjoint from VALIDATION: other batch sizes, lengths and meshes (1, 2, 4, 8 devices).
 CALIBRATION = [
@@ -133,6 +136,12 @@ CALIBRATION = [
     ("generate", "T", 64, 16, 12, (1, 1, 1), 8, "-"),
     # The small model on 8 data replicas (otherwise only model M is calibrated there)
     ("generate", "T", 32, 16, 32, (8, 1, 1), 8, "-"),
+    # Long responses on one device (every point above has R <= 64; R2 trains at R = 256): the
+    # attention's quadratic part and the long sequences' elementwise traffic
+    ("train", "T", 32, 16, 256, (1, 1, 1), 1, "none"),
+    ("train", "T", 64, 16, 128, (1, 1, 1), 1, "none"),
+    ("forward", "T", 32, 16, 256, (1, 1, 1), 1, "none"),
+    ("generate", "T", 64, 16, 128, (1, 1, 1), 8, "-"),
 ]
 assert not set(VALIDATION) & set(CALIBRATION), "calibration and validation configurations must be disjoint"
 QUICK = [VALIDATION[i] for i in (0, 3, 8, 10, 13, 18, 21)]
