@@ -160,6 +160,18 @@ def useful_flops(st: S.Setting, g: Graph) -> float:
     return total
 
 
+def reference_graph(ctx: Context) -> Graph:
+    """The graph of the fixed reference work: the config's algorithm synchronous and unfused, every
+    forward a verl user's step runs (the verl-like baseline's graph: no elided or shared passes)."""
+    return apply_pipeline(ctx.base, PipelineConfig(placement="colocated"))
+
+
+def reference_flops(ctx: Context) -> float:
+    """FLOPs of one step of the reference work (useful_flops of reference_graph): the numerator of
+    every plan's `utilization`, so a plan that does less work for the same step scores higher."""
+    return useful_flops(ctx.st, reference_graph(ctx))
+
+
 # ---- durations of a graph's stages for a table of rows ------------------------------------------
 def admission_of(graph: Graph) -> str:
     """rollout.admission of a planned graph: continuous where generation keeps the staleness bound
@@ -459,7 +471,10 @@ def predict(ctx: Context, graph: Graph, pipe: PipelineConfig, tab: dict, i: int,
     period, latency = float(period[0]), float(latency[0])
     # A shared host's devices are slices of one machine whose peak the profile holds.
     peak = ctx.hw.peak(roles_of(ctx, graph).actor.dtype) * (1 if ctx.hw.shared_host else ctx.N)
-    util = useful_flops(ctx.st, graph) / (period * peak) if period > 0 else 0.0
+    # utilization: the fixed reference work (the synchronous unfused graph's FLOPs) per second of this
+    # plan; utilization_own_work: the FLOPs this plan's own graph runs (lower for a plan that drops passes).
+    util = reference_flops(ctx) / (period * peak) if period > 0 else 0.0
+    util_own = useful_flops(ctx.st, graph) / (period * peak) if period > 0 else 0.0
     r = {k: v[0].item() if np.ndim(v[0]) == 0 else v[0] for k, v in row.items()}
     sync = not pipe.staleness
     cont = admission_of(graph) == "continuous"
@@ -497,6 +512,7 @@ def predict(ctx: Context, graph: Graph, pipe: PipelineConfig, tab: dict, i: int,
         memory_per_gpu_gb=float(r[f"mem_peak_c{pipe.staleness}" if cont else "mem_peak_sync" if sync else "mem_peak"])
         / GB,
         utilization=util,
+        utilization_own_work=util_own,
         stage_times_s={k: float(np.asarray(v).ravel()[0]) for k, v in dur.items()},
         spans=stage_spans(prog, starts, ends),
         knobs=knobs_of(pipe),
@@ -536,6 +552,7 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
         "latency_s": pred.latency_s,
         "memory_per_gpu_gb": pred.memory_per_gpu_gb,
         "utilization": pred.utilization,
+        "utilization_own_work": pred.utilization_own_work,
         "stage_s": pred.stage_times_s,
         "hardware": ctx.hw.name,
         "processes": ctx.processes,
