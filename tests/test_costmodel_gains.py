@@ -68,3 +68,94 @@ def _pipe(p):
     k["fuse"] = tuple(k.get("fuse") or ())
     k["split_sizes"] = tuple(k.get("split_sizes") or ())
     return PipelineConfig(**{f: v for f, v in k.items() if f in PipelineConfig.__dataclass_fields__})
+
+
+GRPO16 = ["rl.group_size=16", "data.prompts_per_step=32", "costmodel.max_staleness=2"]
+
+
+def _brute_equal_algorithm(ctx):
+    """The fastest plan at k = 0 with separate models over every option x every table row (no pruning)."""
+    from rpeg_jax.costmodel.schedule import simulate, unroll
+
+    cache, best = {}, np.inf
+    for placement, share in P.families(ctx, equal_algorithm=True):
+        assert not share
+        for pipe, g in P.option_graphs(ctx, P.structural_options(ctx, placement, share, equal_algorithm=True)):
+            assert pipe.staleness == 0 and not pipe.share_actor_critic
+            tab = P.family_table(ctx, g, placement, cache)
+            dur, pieces = P.durations(ctx, g, tab)
+            per = simulate(unroll(g, shared_resource=ctx.hw.shared_host), dur, pieces)[0]
+            per = np.where(P.divisible(ctx, g, tab), per, np.inf)
+            best = min(best, float(np.min(per)))
+    return best
+
+
+def test_algorithmic_knobs_are_off_unless_asked_and_the_gain_is_all_systems():
+    cfg = cfg_of(*PPO, "costmodel.max_staleness=2")  # a bound alone does not ask for staleness
+    ctx = P.make_context(cfg, 8, GH)
+    assert {s for _, s in P.families(ctx)} == {False}
+    assert all(o.staleness == 0 for p, s in P.families(ctx) for o in P.structural_options(ctx, p, s))
+    res = P.search(cfg, 8, GH)
+    c, g = res.chosen, res.gains
+    assert c.knobs["staleness"] == 0 and not c.knobs["share_actor_critic"]
+    assert res.equal_algorithm is c and g["algorithmic"] == 1.0 and not g["algorithmic_searched"]
+    verl = res.baselines["verl_like"]
+    assert g["systems"] == pytest.approx(verl.step_time_s / c.step_time_s, rel=1e-12) == g["total"]
+    # Asked for: the shared backbone is searched and its gain is algorithmic.
+    on = P.search(cfg_of(*PPO, "costmodel.max_staleness=2", "costmodel.search_algorithmic=true"), 8, GH)
+    assert on.gains["algorithmic_searched"] and on.chosen.step_time_s <= c.step_time_s * (1 + 1e-9)
+    assert on.gains["equal_algorithm_step_s"] == pytest.approx(c.step_time_s, rel=1e-9)
+    if on.chosen.knobs["share_actor_critic"] or on.chosen.knobs["staleness"]:
+        assert on.gains["algorithmic"] > 1.0
+
+
+def test_gains_split_staleness_from_systems_and_multiply_to_the_total():
+    cfg = cfg_of(*GRPO16, "costmodel.search_algorithmic=true", "costmodel.response_len_sigma=1.0")
+    res = P.search(cfg, 16, GH)
+    c, g, a = res.chosen, res.gains, res.asynchrony
+    assert c.knobs["staleness"] >= 1, "the tail should make staleness pay here"
+    assert g["algorithmic_knobs"] == {"staleness": c.knobs["staleness"], "share_actor_critic": False}
+    verl = res.baselines["verl_like"]
+    assert g["total"] == pytest.approx(verl.step_time_s / c.step_time_s, rel=1e-12)
+    assert g["systems"] * g["algorithmic"] == pytest.approx(g["total"], rel=1e-12)
+    # The systems reference is the best k = 0 plan over the whole space (brute force, no pruning).
+    ctx = P.make_context(cfg, 16, GH)
+    assert g["equal_algorithm_step_s"] == pytest.approx(_brute_equal_algorithm(ctx), rel=1e-9)
+    assert res.equal_algorithm.knobs["staleness"] == 0
+    # The chosen layout's own asynchrony factor is at least the algorithmic gain (the best k = 0
+    # plan is at least as fast as the chosen layout at k = 0).
+    assert a["asynchrony"] >= g["algorithmic"] * (1 - 1e-9) > 1.0
+    assert any("gains by kind" in n for n in res.notes)
+
+
+def test_a_pinned_staleness_still_gets_an_equal_algorithm_reference():
+    cfg = cfg_of(*GRPO16, "pipeline.staleness=1", "costmodel.response_len_sigma=1.0")
+    res = P.search(cfg, 16, GH)
+    assert res.chosen.knobs["staleness"] == 1  # the config's own choice is respected
+    eq = res.equal_algorithm
+    assert eq is not None and eq.knobs["staleness"] == 0 and eq is not res.chosen
+    ctx = P.make_context(cfg, 16, GH)
+    assert eq.step_time_s == pytest.approx(_brute_equal_algorithm(ctx), rel=1e-9)
+    assert res.gains["algorithmic"] == pytest.approx(eq.step_time_s / res.chosen.step_time_s, rel=1e-12)
+
+
+def test_rpeg_plan_json_has_baselines_chosen_and_gains(tmp_path, capsys):
+    import json
+
+    from rpeg_jax.cli import main
+
+    out = tmp_path / "p.json"
+    args = ["plan", "--hardware", "gh200", "--gpus", "16", "--model", "qwen2-1.5b", "--json", str(out)]
+    assert main([*args, *P1, *GRPO16, "--allow-algorithmic"]) == 0
+    text = capsys.readouterr().out
+    assert "gains over verl_like" in text and "algorithmic (searched" in text
+    d = json.loads(out.read_text())
+    for name in ("verl_like", "real_like"):
+        for k in ("step_time_s", "utilization", "memory_per_gpu_gb"):
+            assert d["baselines"][name][k] > 0
+    for k in ("step_time_s", "utilization", "memory_per_gpu_gb", "utilization_own_work"):
+        assert d["chosen"][k] > 0
+    assert d["gains"]["algorithmic_searched"] is True
+    assert d["gains"]["systems"] * d["gains"]["algorithmic"] == pytest.approx(d["ratios"]["verl_like"], rel=1e-9)
+    assert main([*args, *P1, *GRPO16]) == 0
+    assert json.loads(out.read_text())["gains"]["algorithmic_searched"] is False

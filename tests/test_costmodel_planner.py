@@ -98,7 +98,7 @@ def test_long_tail_favours_bounded_asynchrony_when_allowed():
     # overlap to pay; with the group's prompt run once in the training passes, GRPO without KL leaves
     # too little of it here.)
     keep = ("costmodel.search_elide_old_forward=false", "costmodel.search_one_step_rewrites=false", "rl.kl_coef=0.04")
-    cfg = cfg_of("costmodel.max_staleness=1", *keep)
+    cfg = cfg_of("costmodel.max_staleness=1", "costmodel.search_algorithmic=true", *keep)
     res = P.search(cfg, 16, GH)
     assert res.chosen.knobs["staleness"] == 1
     sync_only = P.search(cfg_of("costmodel.max_staleness=0", *keep), 16, GH)
@@ -110,11 +110,11 @@ def test_continuous_admission_hides_the_tail():
     # Step admission: each step's batch is one generate call, tail included, and staleness only
     # overlaps the groups; continuous admission keeps the engine full across weight updates.
     base = P.search(cfg_of("costmodel.max_staleness=0"), 16, GH)
-    ca = P.search(cfg_of("costmodel.max_staleness=1"), 16, GH)
+    ca = P.search(cfg_of("costmodel.max_staleness=1", "costmodel.search_algorithmic=true"), 16, GH)
     assert ca.chosen.layout["generate"]["admission"] == "continuous"
     assert ca.chosen.step_time_s < base.chosen.step_time_s
     assert ca.chosen.stage_times_s["generate"] < base.chosen.stage_times_s["generate"]
-    ctx = P.make_context(cfg_of("costmodel.max_staleness=1"), 16, GH)
+    ctx = P.make_context(cfg_of("costmodel.max_staleness=1", "costmodel.search_algorithmic=true"), 16, GH)
     opts = P.option_graphs(ctx, P.structural_options(ctx, "colocated", False))
     assert {(o.staleness, P.admission_of(g)) for o, g in opts} == {(0, "step"), (1, "continuous")}
 

@@ -43,6 +43,7 @@ from rpeg_jax.costmodel.space import (  # noqa: F401
     continuous_searched,
     divisible,
     families,
+    is_algorithmic,
     sampler_is_trainer,
     structural_options,
 )
@@ -353,18 +354,14 @@ def no_plan_fits(ctx: Context) -> NoPlanFits:
     )
 
 
-def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, processes: int | None = None) -> SearchResult:
-    """Score every candidate plan of `cfg` on `num_devices` devices of `hardware` owned by
-    `processes` JAX processes (unset ones: costmodel section, else the devices JAX sees; see
-    costmodel/devices.py)."""
-    t0 = time.perf_counter()
-    hw, n, procs = resolve(cfg, num_devices, hardware, processes)
-    ctx = make_context(cfg, n, hw, procs)
-    cache: dict = {}
+def _score(ctx: Context, cache: dict, equal_algorithm: bool = False) -> tuple[list[_Scored], int, int]:
+    """Every family's structural options simulated over its pruned table rows: (scored options,
+    plans scored, combinations priced). `equal_algorithm`: only the synchronous algorithm's options
+    (k = 0, separate models; space.structural_options)."""
     scored: list[_Scored] = []
     evaluations = considered = 0
-    for placement, share in families(ctx):
-        pairs = option_graphs(ctx, structural_options(ctx, placement, share))
+    for placement, share in families(ctx, equal_algorithm):
+        pairs = option_graphs(ctx, structural_options(ctx, placement, share, equal_algorithm))
         if not pairs:
             continue
         tab = family_table(ctx, pairs[0][1], placement, cache)
@@ -385,6 +382,22 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
                 period, latency = periods(ctx, g, rows)
             evaluations += len(period)
             scored.append(_Scored(period, latency, g, pipe, rows))
+    return scored, evaluations, considered
+
+
+def _algorithmic(s: _Scored) -> bool:
+    return is_algorithmic(s.pipeline.staleness, s.pipeline.share_actor_critic)
+
+
+def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, processes: int | None = None) -> SearchResult:
+    """Score every candidate plan of `cfg` on `num_devices` devices of `hardware` owned by
+    `processes` JAX processes (unset ones: costmodel section, else the devices JAX sees; see
+    costmodel/devices.py)."""
+    t0 = time.perf_counter()
+    hw, n, procs = resolve(cfg, num_devices, hardware, processes)
+    ctx = make_context(cfg, n, hw, procs)
+    cache: dict = {}
+    scored, evaluations, considered = _score(ctx, cache)
     if not scored:
         raise no_plan_fits(ctx)
     scored.sort(key=lambda s: float(np.min(s.period)))
@@ -409,6 +422,17 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
     }
     top = scored[0]
     sync_s = synchronous_period(ctx, top.pipeline, take_rows(top.tab, np.array([int(np.argmin(top.period))])))
+    # The best plan at the synchronous algorithm (k = 0, separate models): the reference of the
+    # systems gain; searched on its own when the config pins an algorithmic knob.
+    equal = [s for s in scored if not _algorithmic(s)]
+    if not equal:
+        equal, ev, _ = _score(ctx, cache, equal_algorithm=True)
+        evaluations += ev
+        equal.sort(key=lambda s: float(np.min(s.period)))
+    eq = None
+    if equal and np.isfinite(np.min(equal[0].period)):
+        e = equal[0]
+        eq = best[0] if e is top else predict(ctx, e.graph, e.pipeline, e.tab, int(np.argmin(e.period)), "equal-alg")
     res = SearchResult(
         chosen=best[0],
         runners_up=best[1:],
@@ -420,6 +444,8 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
         num_devices=n,
         processes=procs,
     )
+    res.equal_algorithm = eq
+    res.gains = gains_of(cfg, best[0], eq, baselines.get("verl_like"))
     if top.pipeline.staleness:
         verl = baselines.get("verl_like")
         res.asynchrony = {
@@ -429,6 +455,24 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
         }
     res.notes = explain(ctx, res)
     return res
+
+
+def gains_of(cfg: RunConfig, chosen: Prediction, eq: Prediction | None, verl: Prediction | None) -> dict:
+    """The chosen plan's gain over the verl-like plan split by kind: total = systems x algorithmic.
+    systems = verl-like / the best plan at the synchronous algorithm (placement, layouts, fusion,
+    elision, scheduling and streamed overlap, k = 0 with separate models); algorithmic = that plan /
+    the chosen one (staleness k >= 1, a shared actor-critic backbone: 1.0 unless the chosen plan uses
+    them). None where a side has no plan."""
+    k, share = int(chosen.knobs.get("staleness", 0)), bool(chosen.knobs.get("share_actor_critic"))
+    e = eq.step_time_s if eq is not None else None
+    return {
+        "systems": verl.step_time_s / e if verl is not None and e else None,
+        "algorithmic": e / chosen.step_time_s if e else None,
+        "total": verl.step_time_s / chosen.step_time_s if verl is not None else None,
+        "equal_algorithm_step_s": e,
+        "algorithmic_searched": bool(cfg.costmodel.search_algorithmic),
+        "algorithmic_knobs": {"staleness": k, "share_actor_critic": share},
+    }
 
 
 def synchronous_period(ctx: Context, pipe: PipelineConfig, row: dict) -> float:

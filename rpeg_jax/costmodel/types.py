@@ -78,6 +78,11 @@ class SearchResult:
     # speedup over the verl-like plan = asynchrony x rest. None when the chosen plan is synchronous
     # or no verl-like plan fits (then "rest" is None).
     asynchrony: dict[str, Any] | None = None
+    # The best plan at the synchronous algorithm (k = 0, separate models; the chosen one when it is
+    # such a plan), and the gain over verl-like split by kind (planner.gains_of): {"systems",
+    # "algorithmic", "total", "equal_algorithm_step_s", "algorithmic_searched", "algorithmic_knobs"}.
+    equal_algorithm: Prediction | None = None
+    gains: dict[str, Any] = field(default_factory=dict)
 
 
 def clock_of(hw: HardwareProfile) -> str:
