@@ -159,3 +159,38 @@ def test_rpeg_plan_json_has_baselines_chosen_and_gains(tmp_path, capsys):
     assert d["gains"]["systems"] * d["gains"]["algorithmic"] == pytest.approx(d["ratios"]["verl_like"], rel=1e-9)
     assert main([*args, *P1, *GRPO16]) == 0
     assert json.loads(out.read_text())["gains"]["algorithmic_searched"] is False
+
+
+def test_real_like_runs_the_scoring_forwards_side_by_side_on_disjoint_sub_meshes():
+    # GRPO with KL: ref_forward and old_forward depend only on the rollouts; ReaL runs them at once on
+    # two halves of the devices (each call in its own layout, weights reallocated into it).
+    cfg = cfg_of(
+        "rl.group_size=16",
+        "data.prompts_per_step=32",
+        "rl.kl_coef=0.05",
+        "rollout.max_new_tokens=1024",
+        "costmodel.response_len_median=512",
+        model="qwen2-7b",
+    )
+    res = P.search(cfg, 16, GH)
+    real, verl = res.baselines["real_like"], res.baselines["verl_like"]
+    calls = real.layout["concurrent"]
+    assert set(calls) == {"ref_forward", "old_forward"}
+    assert sum(c["devices"] for c in calls.values()) <= 16
+    for c in calls.values():
+        assert c["data"] * c["fsdp"] * c["tensor"] == c["devices"]
+    groups = {g.name: set(g.devices) for g in real.plan.groups}
+    assert not groups["call0"] & groups["call1"] and groups["call0"] | groups["call1"] <= groups["all"]
+    # The schedule: both calls start together when generation ends; the next stage on all devices
+    # waits for both (nested groups serialise with their parent, the parts overlap each other).
+    sp, st = real.spans, real.stage_times_s
+    assert sp["ref_forward"][0] == pytest.approx(sp["old_forward"][0]) == pytest.approx(sp["generate"][1])
+    assert sp["advantage"][0] == pytest.approx(max(sp["ref_forward"][1], sp["old_forward"][1]))
+    serial = sum(v for k, v in st.items() if k not in calls) + max(st[k] for k in calls)
+    assert real.step_time_s == pytest.approx(serial, abs=st["reward"] + 1e-9)
+    # It beats the best serial plan of its old family (per-stage layouts on all devices) and verl-like.
+    ctx = P.make_context(cfg, 16, GH)
+    g = P.reference_graph(ctx)
+    tab = P.family_table(ctx, g, "colocated", {})
+    assert real.step_time_s < float(np.min(P.periods(ctx, g, tab)[0])) < verl.step_time_s * (1 + 1e-9)
+    assert verl.step_time_s / real.step_time_s > 1.01

@@ -141,10 +141,15 @@ def test_search_finds_the_optimum_of_its_space_and_baselines_are_family_best(alg
     base = P.option_graphs(ctx, [P.PipelineConfig(placement="colocated")])[0][1]
     tab = P.family_table(ctx, base, "colocated", cache)
     per = _all_periods(ctx, "colocated", False, base, tab)
-    verl = (tab["d"] == tab["fd"]) & (tab["f"] == tab["ff"]) & (tab["t"] == tab["ft"])
-    assert res.baselines["real_like"].step_time_s == pytest.approx(per.min(), rel=1e-9)
+    verl = (tab["t"] == 1) & (tab["d"] == tab["fd"]) & (tab["f"] == tab["ff"]) & (tab["t"] == tab["ft"])
+    real = res.baselines["real_like"]
+    if "concurrent" in real.layout:  # ReaL's per-call sub-meshes won (tests/test_costmodel_gains.py)
+        assert real.step_time_s < per.min()
+    else:
+        assert real.step_time_s == pytest.approx(per.min(), rel=1e-9)
     assert res.baselines["verl_like"].step_time_s == pytest.approx(per[verl].min(), rel=1e-9)
-    assert res.chosen.step_time_s <= res.baselines["real_like"].step_time_s <= res.baselines["verl_like"].step_time_s
+    assert real.step_time_s <= res.baselines["verl_like"].step_time_s
+    assert res.chosen.step_time_s <= res.baselines["verl_like"].step_time_s
     v = res.baselines["verl_like"].layout
     assert v["train"] == {**v["train"], **{k: v["forward"][k] for k in ("data", "fsdp", "tensor")}}
     assert all(b.knobs["staleness"] == 0 and not b.knobs["fuse"] for b in res.baselines.values())

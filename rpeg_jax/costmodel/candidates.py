@@ -258,6 +258,7 @@ def _alloc_rows(
         "remat": np.array([REMATS.index(up_opts[k][1]) for k in up_pick]),
         "fmicro": np.array([fw_micros[k] for k in fw_pick]),
         "mem_peak": peak,
+        "mem_resident": resident,  # per device: training state, reference weights (+ rollout weights colocated)
         "mem_peak_sync": peak_sync,
         "mem_gen": gen_mem,
         "mem_update": peak_up,
