@@ -12,9 +12,11 @@ holds the search space: device-group options, structural options, mesh divisibil
   3. for every structural option (staleness k, fusion, streamed pieces), build the graph with
      the graph passes and simulate its schedule over all kept rows at once (schedule.py).
 Baselines are the best plan of their own family on the same table (no straw men):
-  verl-like: colocated, synchronous, unfused, one training layout for every training-side
-             stage, rollout with its own tensor parallelism;
-  ReaL-like: colocated, synchronous, unfused, per-stage layouts with parameter reallocation.
+  verl-like: colocated, synchronous, unfused, one FSDP training layout (tensor = 1) for every
+             training-side stage, rollout with its own tensor parallelism;
+  ReaL-like: colocated, synchronous, unfused, per-stage layouts with parameter reallocation, or
+             the scoring forwards concurrent on disjoint sub-meshes (real_concurrent); the better.
+The gain over verl-like is split into systems x algorithmic (gains_of; docs/costmodel.md).
 Nothing here imports JAX: planning a 256-GPU cluster runs on a laptop.
 """
 
