@@ -1,6 +1,8 @@
 """P1 of bench/WORKLOADS.md: planning at scale (model only; no device is touched).
 
     python bench/plan_scale.py --json out.json [--quick]
+    python bench/plan_scale.py --gains [--json out.json]   # 64/128/256 GH200 x 1.5B/7B/32B GRPO: baselines
+                                                           # and the gain split into systems x algorithmic
 
 For 64/128/256 GH200 (4 per node) and 8-GPU H100/H200 nodes, Qwen2-shaped 1.5B/7B/32B/72B,
 GRPO (G=16) and PPO, prompt 512, responses 4k-16k tokens long-tailed (4096 + lognormal, median
@@ -90,6 +92,77 @@ def _search(hw_name: str, gpus: int, model: str, algo: str, extra: list[str]) ->
     return row
 
 
+def gains_row(gpus: int, model: str) -> dict:
+    """P1 GRPO with the algorithmic knobs searched (k <= 2, costmodel.search_algorithmic): both
+    baselines, the chosen plan, the best plan at the synchronous algorithm and the gains by kind."""
+    extra = ["costmodel.max_staleness=2", "costmodel.search_algorithmic=true"]
+    cfg = load_config(None, [f"model.preset={MODELS[model]}", *WORKLOAD, *ALGOS["GRPO"], *extra])
+    row = {"hardware": "gh200", "gpus": gpus, "model": model, "algorithm": "GRPO"}
+    try:
+        res = search(cfg, gpus, load_hardware("gh200", calibrated=False))
+    except GraphError as e:
+        return {**row, "fits": False, "reason": str(e)}
+
+    def fields(p):
+        return {
+            "step_time_s": p.step_time_s,
+            "utilization": p.utilization,
+            "utilization_own_work": p.utilization_own_work,
+            "memory_per_gpu_gb": p.memory_per_gpu_gb,
+            "knobs": p.knobs,
+            "layout": p.layout,
+        }
+
+    return {
+        **row,
+        "fits": True,
+        "search_seconds": res.search_seconds,
+        "chosen": fields(res.chosen),
+        "equal_algorithm": fields(res.equal_algorithm) if res.equal_algorithm else None,
+        "baselines": {k: fields(v) for k, v in res.baselines.items()},
+        "gains": res.gains,
+    }
+
+
+def gains_table(rows: list[dict]) -> str:
+    head = (
+        "| GH200 | model | verl-like s / util | ReaL-like s / util (calls) | best k=0 s / util | chosen s / util "
+        "(own) / GB | chosen plan | systems | algorithmic | total | search s |"
+    )
+    out = [head, "|" + "---|" * 11]
+    for r in rows:
+        if not r["fits"]:
+            out.append(f"| {r['gpus']} | {r['model']} | no layout fits in memory |" + " |" * 8)
+            continue
+        b, c, e, g = r["baselines"], r["chosen"], r["equal_algorithm"], r["gains"]
+
+        def su(p):
+            return f"{p['step_time_s']:.1f} / {100 * p['utilization']:.1f}%" if p else "no fit"
+
+        real = b.get("real_like")
+        calls = ""
+        if real and real["layout"].get("concurrent"):
+            calls = (
+                " ("
+                + " ‖ ".join(f"{k.split('_')[0]} {v['devices']}" for k, v in real["layout"]["concurrent"].items())
+                + ")"
+            )
+        k, gen = c["knobs"], c["layout"]["generate"]
+        adm = gen.get("admission", "step")
+        plan = f"{k['placement'][:5]} k={k['staleness']} {adm} gen tp{gen['tensor']}x{gen['replicas']}"
+
+        def x(v):
+            return f"{v:.2f}x" if v is not None else "-"
+
+        out.append(
+            f"| {r['gpus']} | {r['model']} | {su(b.get('verl_like'))} | {su(real)}{calls} | {su(e)} | "
+            f"{c['step_time_s']:.1f} / {100 * c['utilization']:.1f}% ({100 * c['utilization_own_work']:.1f}%) / "
+            f"{c['memory_per_gpu_gb']:.1f} | {plan} | {x(g['systems'])} | {x(g['algorithmic'])} | {x(g['total'])} | "
+            f"{r['search_seconds']:.2f} |"
+        )
+    return "\n".join(out)
+
+
 def describe(row: dict) -> str:
     c = row["chosen"]
     k, lay = c["knobs"], c["layout"]
@@ -131,7 +204,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="only 7B GRPO on 256 GH200 and one H100 node")
+    ap.add_argument(
+        "--gains", action="store_true", help="the baselines and gains table (GH200 64/128/256 x 1.5B/7B/32B)"
+    )
     args = ap.parse_args()
+    if args.gains:
+        rows = [gains_row(n, m) for n in (64, 128, 256) for m in ("1.5B", "7B", "32B")]
+        print(gains_table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"workload": "P1 GRPO", "rows": rows}, f, indent=1)
+        return 0
     jobs = [(h, n, m, a) for h, n in MACHINES for m in MODELS for a in ALGOS]
     if args.quick:
         jobs = [("gh200", 256, "7B", "GRPO"), ("h100", 8, "7B", "GRPO")]

@@ -223,6 +223,7 @@ def _search(sigma, n=16):
             f"costmodel.response_len_sigma={sigma}",
             "costmodel.sequence_packing=true",
             "costmodel.max_staleness=2",
+            "costmodel.search_algorithmic=true",
         ],
     )
     return cfg, P.search(cfg, n, without_sync_costs(GH))
@@ -263,12 +264,14 @@ def test_user_admission_and_k_are_kept():
         for pipe, g in P.option_graphs(ctx, P.structural_options(ctx, placement, share)):
             assert pipe.staleness == 1 and P.admission_of(g) == "continuous"
     # Left to the planner: both modes at k >= 1 on one process, step only on several.
-    ctx = P.make_context(load_config(None, ["costmodel.max_staleness=1"]), 2, CPU)
+    ctx = P.make_context(load_config(None, ["costmodel.max_staleness=1", "costmodel.search_algorithmic=true"]), 2, CPU)
     seen = {
         (p.staleness, P.admission_of(g)) for p, g in P.option_graphs(ctx, P.structural_options(ctx, "split", False))
     }
     assert {(0, "step"), (1, "step"), (1, "continuous")} <= seen
-    many = P.make_context(load_config(None, ["costmodel.max_staleness=1"]), 2, CPU, processes=2)
+    many = P.make_context(
+        load_config(None, ["costmodel.max_staleness=1", "costmodel.search_algorithmic=true"]), 2, CPU, processes=2
+    )
     opts = P.option_graphs(many, P.structural_options(many, "colocated", False))
     assert {P.admission_of(g) for _, g in opts} == {"step"}
 

@@ -108,7 +108,7 @@ def test_long_tail_favours_bounded_asynchrony_when_allowed():
     # overlap to pay; with the group's prompt run once in the training passes, GRPO without KL leaves
     # too little of it here.)
     keep = ("costmodel.search_elide_old_forward=false", "costmodel.search_one_step_rewrites=false", "rl.kl_coef=0.04")
-    cfg = cfg_of("costmodel.max_staleness=1", *keep)
+    cfg = cfg_of("costmodel.max_staleness=1", "costmodel.search_algorithmic=true", *keep)
     res = P.search(cfg, 16, GH)
     assert res.chosen.knobs["staleness"] == 1
     sync_only = P.search(cfg_of("costmodel.max_staleness=0", *keep), 16, GH)
@@ -121,11 +121,11 @@ def test_continuous_admission_hides_the_tail():
     # overlaps the groups; continuous admission keeps the engine full across weight updates.
     gh = without_sync_costs(GH)
     base = P.search(cfg_of("costmodel.max_staleness=0"), 16, gh)
-    ca = P.search(cfg_of("costmodel.max_staleness=1"), 16, gh)
+    ca = P.search(cfg_of("costmodel.max_staleness=1", "costmodel.search_algorithmic=true"), 16, gh)
     assert ca.chosen.layout["generate"]["admission"] == "continuous"
     assert ca.chosen.step_time_s < base.chosen.step_time_s
     assert ca.chosen.stage_times_s["generate"] < base.chosen.stage_times_s["generate"]
-    ctx = P.make_context(cfg_of("costmodel.max_staleness=1"), 16, GH)
+    ctx = P.make_context(cfg_of("costmodel.max_staleness=1", "costmodel.search_algorithmic=true"), 16, GH)
     opts = P.option_graphs(ctx, P.structural_options(ctx, "colocated", False))
     assert {(o.staleness, P.admission_of(g)) for o, g in opts} == {(0, "step"), (1, "continuous")}
 
@@ -152,10 +152,15 @@ def test_search_finds_the_optimum_of_its_space_and_baselines_are_family_best(alg
     base = P.option_graphs(ctx, [P.PipelineConfig(placement="colocated")])[0][1]
     tab = P.family_table(ctx, base, "colocated", cache)
     per = _all_periods(ctx, "colocated", False, base, tab)
-    verl = (tab["d"] == tab["fd"]) & (tab["f"] == tab["ff"]) & (tab["t"] == tab["ft"])
-    assert res.baselines["real_like"].step_time_s == pytest.approx(per.min(), rel=1e-9)
+    verl = (tab["t"] == 1) & (tab["d"] == tab["fd"]) & (tab["f"] == tab["ff"]) & (tab["t"] == tab["ft"])
+    real = res.baselines["real_like"]
+    if "concurrent" in real.layout:  # ReaL's per-call sub-meshes won (tests/test_costmodel_gains.py)
+        assert real.step_time_s < per.min()
+    else:
+        assert real.step_time_s == pytest.approx(per.min(), rel=1e-9)
     assert res.baselines["verl_like"].step_time_s == pytest.approx(per[verl].min(), rel=1e-9)
-    assert res.chosen.step_time_s <= res.baselines["real_like"].step_time_s <= res.baselines["verl_like"].step_time_s
+    assert real.step_time_s <= res.baselines["verl_like"].step_time_s
+    assert res.chosen.step_time_s <= res.baselines["verl_like"].step_time_s
     v = res.baselines["verl_like"].layout
     assert v["train"] == {**v["train"], **{k: v["forward"][k] for k in ("data", "fsdp", "tensor")}}
     assert all(b.knobs["staleness"] == 0 and not b.knobs["fuse"] for b in res.baselines.values())

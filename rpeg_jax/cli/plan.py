@@ -1,7 +1,10 @@
 """`rpeg plan --config X [--hardware gh200] [--gpus 256] [--model qwen2-7b] [--json out.json] [k=v ...]`.
 
 Prints the chosen plan (predicted step time, memory per GPU, utilization, per-stage breakdown),
-the runners-up, the verl-like and ReaL-like baselines with their ratios, and the search time;
+the runners-up, the verl-like and ReaL-like baselines with their ratios, the gain over verl-like
+split into systems and algorithmic (staleness, shared backbone: searched only with
+`--allow-algorithmic` = costmodel.search_algorithmic=true or when the config pins them), and the
+search time;
 `--json` writes the same (see costmodel/report.py for the fields), `--save-plan` the chosen
 Plan (loadable with `pipeline.plan: <path>`). Defaults are what a run would see: the device
 count and kind JAX reports here (1 CPU device for `make run` on a plain CPU) and the calibrated
@@ -45,6 +48,12 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="model preset, e.g. qwen2-7b (= model.preset=...)")
     p.add_argument("--json", default=None, help="write the result as JSON here")
     p.add_argument("--save-plan", default=None, help="write the chosen Plan JSON here")
+    p.add_argument(
+        "--allow-algorithmic",
+        action="store_true",
+        help="let the search change the algorithm: staleness k up to costmodel.max_staleness and, for PPO, a "
+        "shared actor-critic backbone (= costmodel.search_algorithmic=true); the gains are reported by kind either way",
+    )
     p.add_argument("--quiet", action="store_true", help="print only the one-line summary")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides")
 
@@ -53,6 +62,8 @@ def run(args) -> int:
     overrides = list(args.overrides)
     if args.model:
         overrides.insert(0, f"model.preset={args.model}")
+    if args.allow_algorithmic:
+        overrides.append("costmodel.search_algorithmic=true")
     cfg = load_config(args.config, overrides)
     for line in checkpoint_overrides(cfg):  # fields given beside model.path override its config.json
         print(line, file=sys.stderr)
@@ -69,6 +80,11 @@ def run(args) -> int:
             + (
                 ", ".join(f"{k} {v.step_time_s / c.step_time_s:.2f}x" for k, v in res.baselines.items())
                 or "no baseline fits"
+            )
+            + (
+                f"; gains systems {res.gains['systems']:.2f}x x algorithmic {res.gains['algorithmic']:.2f}x"
+                if res.gains.get("systems") is not None and res.gains.get("algorithmic") is not None
+                else ""
             )
             + f"; search {res.search_seconds:.2f} s"
         )

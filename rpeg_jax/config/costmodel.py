@@ -28,9 +28,15 @@ class CostModelConfig:
     #   axis: one pool per replica (what the sampler does: sampling/sharding.py) or replicated (every device
     #   holds all replicas' pages); a run with rollout.kv_pool=replicated is priced replicated either way
     # Search space (structural knobs the planner may change).
-    max_staleness: int = 1  # k the planner may choose, 0..max_staleness (0: synchronous only), each
-    #   with rollout.admission step or continuous (costmodel/space.admissions) unless the config sets them
-    search_share_actor_critic: bool = True  # PPO: may share one backbone between actor and critic
+    search_algorithmic: bool = False  # may the search change the algorithm the learner runs: staleness
+    #   k in 1..max_staleness (it trains on data from a policy up to k updates old) and, for PPO, one
+    #   actor-critic backbone (search_share_actor_critic). Off: k = 0 and separate models, unless the
+    #   config pins them (pipeline.staleness, pipeline.share_actor_critic). `rpeg plan --allow-algorithmic`
+    #   sets it. Either way `rpeg plan` reports the systems and the algorithmic gains apart
+    max_staleness: int = 1  # with search_algorithmic: k the planner may choose, 0..max_staleness, each
+    #   with rollout.admission step or continuous (costmodel/space.admissions) unless the config sets them;
+    #   the candidate tables price k up to it either way (costmodel/pricing.py prices given plans on them)
+    search_share_actor_critic: bool = True  # with search_algorithmic, PPO: may share one backbone
     search_fusion: bool = True  # may fuse forwards / advantage
     search_elide_old_forward: bool = True  # may reuse the sampler's logprobs as π_old when k = 0 and the
     #   sampler's distribution is the trainer's (no top_k / top_p / min_p truncation)

@@ -15,7 +15,9 @@ shares the devices):
     peak     = max(resident + KV pages + gen working set,
                    resident + update transients (grads, guarded new state, activations),
                    resident + forward weight copies + forward transients)
-Split: the generation group holds rollout weights and KV; the training group the rest.
+Split: the generation group holds rollout weights, KV pages and the generation working set (its
+slots are sized on that alone); the training group the rest (training state, reference weights,
+forward copies and transients). The row's peak is the larger of the two groups' peaks.
 
 Callers: costmodel/planner.py.
 """
@@ -197,11 +199,13 @@ def _alloc_rows(
     up_masked = np.where(up_ok, up_t[I], INF)
     up_pick = np.argmin(up_masked, axis=1)
     up_best = up_masked[np.arange(len(I)), up_pick]
-    # Generation: slots from what is left next to the resident state (colocated) or alone (split).
+    # Generation: slots from what is left next to the resident state (colocated) or alone (split:
+    # the generation devices hold the rollout weights, KV pages and working set only; the training
+    # state and reference weights live on the training group, whose memory is checked above).
     t_g = gl[G]
     reps = n_gen // t_g
     n_rep = -(-st.B // reps)
-    free = budget - (resident - (rollout[G] if coloc else 0.0))
+    free = budget - (resident - rollout[G]) if coloc else np.full(len(G), budget)
     # A step-admission generate call holds one batch (n_rep sequences per replica); continuous
     # admission may keep more in flight (stages.continuous_slots picks how many, up to this).
     cap = np.ceil(n_rep * (max(S.SLOT_FACTORS) if continuous else 1.0))
@@ -261,6 +265,7 @@ def _alloc_rows(
         "remat": np.array([REMATS.index(up_opts[k][1]) for k in up_pick]),
         "fmicro": np.array([fw_micros[k] for k in fw_pick]),
         "mem_peak": peak,
+        "mem_resident": resident,  # per device: training state, reference weights (+ rollout weights colocated)
         "mem_peak_sync": peak_sync,
         "mem_gen": gen_mem,
         "mem_update": peak_up,

@@ -12,9 +12,11 @@ holds the search space: device-group options, structural options, mesh divisibil
   3. for every structural option (staleness k, fusion, streamed pieces), build the graph with
      the graph passes and simulate its schedule over all kept rows at once (schedule.py).
 Baselines are the best plan of their own family on the same table (no straw men):
-  verl-like: colocated, synchronous, unfused, one training layout for every training-side
-             stage, rollout with its own tensor parallelism;
-  ReaL-like: colocated, synchronous, unfused, per-stage layouts with parameter reallocation.
+  verl-like: colocated, synchronous, unfused, one FSDP training layout (tensor = 1) for every
+             training-side stage, rollout with its own tensor parallelism;
+  ReaL-like: colocated, synchronous, unfused, per-stage layouts with parameter reallocation, or
+             the scoring forwards concurrent on disjoint sub-meshes (real_concurrent); the better.
+The gain over verl-like is split into systems x algorithmic (gains_of; docs/costmodel.md).
 Nothing here imports JAX: planning a 256-GPU cluster runs on a laptop.
 """
 
@@ -32,6 +34,7 @@ from rpeg_jax.config.run import RunConfig
 from rpeg_jax.costmodel import candidates as C
 from rpeg_jax.costmodel import offload as OFF
 from rpeg_jax.costmodel import stages as S
+from rpeg_jax.costmodel.comm import reshard_time
 from rpeg_jax.costmodel.devices import resolve
 from rpeg_jax.costmodel.hardware import GB, HardwareProfile
 from rpeg_jax.costmodel.lengths import LengthDist
@@ -44,6 +47,7 @@ from rpeg_jax.costmodel.space import (  # noqa: F401
     continuous_searched,
     divisible,
     families,
+    is_algorithmic,
     sampler_is_trainer,
     structural_options,
 )
@@ -160,6 +164,18 @@ def useful_flops(st: S.Setting, g: Graph) -> float:
         elif w.op == Op.TRAIN:
             total += 3.0 * fwd * w.epochs
     return total
+
+
+def reference_graph(ctx: Context) -> Graph:
+    """The graph of the fixed reference work: the config's algorithm synchronous and unfused, every
+    forward a verl user's step runs (the verl-like baseline's graph: no elided or shared passes)."""
+    return apply_pipeline(ctx.base, PipelineConfig(placement="colocated"))
+
+
+def reference_flops(ctx: Context) -> float:
+    """FLOPs of one step of the reference work (useful_flops of reference_graph): the numerator of
+    every plan's `utilization`, so a plan that does less work for the same step scores higher."""
+    return useful_flops(ctx.st, reference_graph(ctx))
 
 
 # ---- durations of a graph's stages for a table of rows ------------------------------------------
@@ -343,18 +359,14 @@ def no_plan_fits(ctx: Context) -> NoPlanFits:
     )
 
 
-def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, processes: int | None = None) -> SearchResult:
-    """Score every candidate plan of `cfg` on `num_devices` devices of `hardware` owned by
-    `processes` JAX processes (unset ones: costmodel section, else the devices JAX sees; see
-    costmodel/devices.py)."""
-    t0 = time.perf_counter()
-    hw, n, procs = resolve(cfg, num_devices, hardware, processes)
-    ctx = make_context(cfg, n, hw, procs)
-    cache: dict = {}
+def _score(ctx: Context, cache: dict, equal_algorithm: bool = False) -> tuple[list[_Scored], int, int]:
+    """Every family's structural options simulated over its pruned table rows: (scored options,
+    plans scored, combinations priced). `equal_algorithm`: only the synchronous algorithm's options
+    (k = 0, separate models; space.structural_options)."""
     scored: list[_Scored] = []
     evaluations = considered = 0
-    for placement, share in families(ctx):
-        pairs = option_graphs(ctx, structural_options(ctx, placement, share))
+    for placement, share in families(ctx, equal_algorithm):
+        pairs = option_graphs(ctx, structural_options(ctx, placement, share, equal_algorithm))
         if not pairs:
             continue
         tab = family_table(ctx, pairs[0][1], placement, cache)
@@ -375,6 +387,22 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
                 period, latency = periods(ctx, g, rows)
             evaluations += len(period)
             scored.append(_Scored(period, latency, g, pipe, rows))
+    return scored, evaluations, considered
+
+
+def _algorithmic(s: _Scored) -> bool:
+    return is_algorithmic(s.pipeline.staleness, s.pipeline.share_actor_critic)
+
+
+def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, processes: int | None = None) -> SearchResult:
+    """Score every candidate plan of `cfg` on `num_devices` devices of `hardware` owned by
+    `processes` JAX processes (unset ones: costmodel section, else the devices JAX sees; see
+    costmodel/devices.py)."""
+    t0 = time.perf_counter()
+    hw, n, procs = resolve(cfg, num_devices, hardware, processes)
+    ctx = make_context(cfg, n, hw, procs)
+    cache: dict = {}
+    scored, evaluations, considered = _score(ctx, cache)
     if not scored:
         raise no_plan_fits(ctx)
     scored.sort(key=lambda s: float(np.min(s.period)))
@@ -399,6 +427,17 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
     }
     top = scored[0]
     sync_s = synchronous_period(ctx, top.pipeline, take_rows(top.tab, np.array([int(np.argmin(top.period))])))
+    # The best plan at the synchronous algorithm (k = 0, separate models): the reference of the
+    # systems gain; searched on its own when the config pins an algorithmic knob.
+    equal = [s for s in scored if not _algorithmic(s)]
+    if not equal:
+        equal, ev, _ = _score(ctx, cache, equal_algorithm=True)
+        evaluations += ev
+        equal.sort(key=lambda s: float(np.min(s.period)))
+    eq = None
+    if equal and np.isfinite(np.min(equal[0].period)):
+        e = equal[0]
+        eq = best[0] if e is top else predict(ctx, e.graph, e.pipeline, e.tab, int(np.argmin(e.period)), "equal-alg")
     res = SearchResult(
         chosen=best[0],
         runners_up=best[1:],
@@ -410,6 +449,8 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
         num_devices=n,
         processes=procs,
     )
+    res.equal_algorithm = eq
+    res.gains = gains_of(cfg, best[0], eq, baselines.get("verl_like"))
     if top.pipeline.staleness:
         verl = baselines.get("verl_like")
         res.asynchrony = {
@@ -419,6 +460,24 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
         }
     res.notes = explain(ctx, res)
     return res
+
+
+def gains_of(cfg: RunConfig, chosen: Prediction, eq: Prediction | None, verl: Prediction | None) -> dict:
+    """The chosen plan's gain over the verl-like plan split by kind: total = systems x algorithmic.
+    systems = verl-like / the best plan at the synchronous algorithm (placement, layouts, fusion,
+    elision, scheduling and streamed overlap, k = 0 with separate models); algorithmic = that plan /
+    the chosen one (staleness k >= 1, a shared actor-critic backbone: 1.0 unless the chosen plan uses
+    them). None where a side has no plan."""
+    k, share = int(chosen.knobs.get("staleness", 0)), bool(chosen.knobs.get("share_actor_critic"))
+    e = eq.step_time_s if eq is not None else None
+    return {
+        "systems": verl.step_time_s / e if verl is not None and e else None,
+        "algorithmic": e / chosen.step_time_s if e else None,
+        "total": verl.step_time_s / chosen.step_time_s if verl is not None else None,
+        "equal_algorithm_step_s": e,
+        "algorithmic_searched": bool(cfg.costmodel.search_algorithmic),
+        "algorithmic_knobs": {"staleness": k, "share_actor_critic": share},
+    }
 
 
 def synchronous_period(ctx: Context, pipe: PipelineConfig, row: dict) -> float:
@@ -441,27 +500,155 @@ def baseline(ctx: Context, name: str, cache: dict) -> Prediction | None:
     if not tab:
         return None
     mask = np.ones(len(tab["n_gen"]), bool)
-    if name == "verl_like":  # one training layout for the forwards and the updates
-        mask = (tab["d"] == tab["fd"]) & (tab["f"] == tab["ff"]) & (tab["t"] == tab["ft"])
-    if not mask.any():
-        return None
-    sub = take_rows(tab, np.nonzero(mask)[0])
-    period, _ = periods(ctx, g, sub)
-    if not np.isfinite(period).any():
-        return None
-    return predict(ctx, g, pipe, sub, int(np.argmin(period)), name)
+    if name == "verl_like":  # FSDP training (no tensor axis), one layout for the forwards and the updates
+        mask = (tab["t"] == 1) & (tab["d"] == tab["fd"]) & (tab["f"] == tab["ff"]) & (tab["t"] == tab["ft"])
+    out = None
+    if mask.any():
+        sub = take_rows(tab, np.nonzero(mask)[0])
+        period, _ = periods(ctx, g, sub)
+        if np.isfinite(period).any():
+            out = predict(ctx, g, pipe, sub, int(np.argmin(period)), name)
+    if name == "real_like":  # ReaL's per-call sub-meshes: the scoring forwards side by side
+        conc = real_concurrent(ctx, cache)
+        if conc is not None:
+            gc, rows, dur, nested, i, peak, calls = conc
+            p = predict(ctx, gc, pipe, rows, i, name, concurrent=(dur, nested, peak, calls))
+            if out is None or p.step_time_s < out.step_time_s:
+                out = p
+    return out
 
 
-def predict(ctx: Context, graph: Graph, pipe: PipelineConfig, tab: dict, i: int, label: str) -> Prediction:
-    """Simulate one row of a table in detail and wrap it as a Prediction with its Plan."""
+FORWARD_KINDS = (StageKind.REF_FORWARD, StageKind.OLD_FORWARD, StageKind.CRITIC_FORWARD)
+
+
+def _partitions(n: int, m: int) -> list[tuple[int, ...]]:
+    """Disjoint sub-mesh sizes for m concurrent calls on n devices (ReaL's per-call meshes, a few
+    power-of-two shapes): halves for two; for three, thirds when n divides and every ordering of
+    (n/2, n/4, n/4)."""
+    if m == 2:
+        return [(n // 2, n // 2)] if n % 2 == 0 and n >= 2 else []
+    if m == 3:
+        out = [(n // 3,) * 3] if n % 3 == 0 else []
+        if n % 4 == 0:
+            out += [(n // 2, n // 4, n // 4), (n // 4, n // 2, n // 4), (n // 4, n // 4, n // 2)]
+        return out
+    return []
+
+
+def _sub_forward(ctx: Context, ms: ModelShape, n_sub: int, tab: dict, src_shards: np.ndarray):
+    """Per table row, the best layout of one scoring forward on a sub-mesh of n_sub devices: its
+    seconds (the forward plus the reallocation of the model's weights from their `src_shards`-way
+    layout on all devices into it, as ReaL's parameter reallocation), peak bytes per device of the
+    sub-mesh, and the layout (d, f, t)."""
+    st, hw = ctx.st, ctx.hw
+    lay = C.layouts(n_sub, st.B, ms, ctx.cfg.costmodel.tensor_sizes)
+    rows = len(tab["n_gen"])
+    if not len(lay):
+        return np.full(rows, np.inf), np.full(rows, np.inf), np.zeros((rows, 3), np.int64)
+    d, f, t = (lay[:, i].astype(np.float64) for i in range(3))
+    fw = S.forward_stage(st, ms, n_sub, d, f, t, np.ones_like(d))[0]  # [L]
+    trans = S.forward_memory(st, ms, d, f, t, np.ones_like(d))  # [L]
+    shards = f * t
+    rs = reshard_time(hw, ms.weight_bytes(), src_shards[:, None], shards[None, :], ctx.N)
+    realloc = rs + ms.weight_bytes() / shards[None, :] / hw.device.memory_bw  # [rows, L]
+    peak = tab["mem_resident"][:, None] + ms.weight_bytes() / shards[None, :] + trans[None, :]
+    tot = np.where(peak <= st.budget_bytes, fw[None, :] + realloc, np.inf)
+    j = np.argmin(tot, axis=1)
+    r = np.arange(rows)
+    return tot[r, j], peak[r, j], lay[j]
+
+
+def real_concurrent(ctx: Context, cache: dict):
+    """ReaL's per-call disjoint sub-meshes on the synchronous unfused graph: the scoring forwards
+    (reference, old policy, critic), which depend only on the rollouts, run concurrently on
+    disjoint parts of the devices, each in its own best layout, its weights reallocated into it;
+    generation and the updates keep the row's layouts on all devices. Returns (graph, rows,
+    durations, nested groups, per-row detail) of the best partition, or None when fewer than two
+    forwards exist or no partition fits."""
+    g0 = reference_graph(ctx)
+    fwd = [s for s in g0.stages() if s.kind in FORWARD_KINDS]
+    parts = _partitions(ctx.N, len(fwd))
+    if len(fwd) < 2 or not parts or ctx.hw.shared_host:
+        return None
+    tab = family_table(ctx, g0, "colocated", cache)
+    if not tab:
+        return None
+    tab = take_rows(tab, _prune(tab, ctx, g0, KEEP_ROWS))
+    roles = roles_of(ctx, g0)
+    model_of = {
+        StageKind.REF_FORWARD: roles.ref,
+        StageKind.OLD_FORWARD: roles.actor,
+        StageKind.CRITIC_FORWARD: roles.critic,
+    }
+    src = {  # where each model's weights live before the call: trained ones in the training layout
+        StageKind.REF_FORWARD: tab["ff"] * tab["ft"],
+        StageKind.OLD_FORWARD: tab["f"] * tab["t"],
+        StageKind.CRITIC_FORWARD: tab["f"] * tab["t"],
+    }
+    g = g0.copy()
+    names = [f"call{i}" for i in range(len(fwd))]
+    for s, grp in zip(fwd, names):
+        g.replace_node(dataclasses.replace(g.stage(s.name), placement=grp))
+    nested = {"all": tuple(names)}
+    prog = unroll(g, shared_resource=False, nested=nested)
+    base_dur, pieces = durations(ctx, g0, tab)
+    best = None
+    for sizes in parts:
+        dur = dict(base_dur)
+        peak = np.maximum(tab["mem_update"], tab["mem_gen"])
+        detail = {}
+        for s, n_sub in zip(fwd, sizes):
+            t_s, m_s, lay = _sub_forward(ctx, model_of[s.kind], n_sub, tab, src[s.kind])
+            dur[s.name] = t_s
+            peak = np.maximum(peak, m_s)
+            detail[s.name] = (n_sub, lay)
+        period = simulate(prog, dur, pieces)[0]
+        period = np.where(divisible(ctx, g0, tab), period, np.inf)
+        i = int(np.argmin(period))
+        if np.isfinite(period[i]) and (best is None or period[i] < best[0]):
+            best = (float(period[i]), i, sizes, dur, peak, detail)
+    if best is None:
+        return None
+    _, i, sizes, dur, peak, detail = best
+    calls = {
+        name: {
+            "group": grp,
+            "devices": int(n_sub),
+            "data": int(lay[i, 0]),
+            "fsdp": int(lay[i, 1]),
+            "tensor": int(lay[i, 2]),
+        }
+        for grp, (name, (n_sub, lay)) in zip(names, detail.items())
+    }
+    return g, tab, {k: np.asarray(v)[[i]] for k, v in dur.items()}, nested, i, float(peak[i]), calls
+
+
+def predict(
+    ctx: Context,
+    graph: Graph,
+    pipe: PipelineConfig,
+    tab: dict,
+    i: int,
+    label: str,
+    concurrent: tuple | None = None,
+) -> Prediction:
+    """Simulate one row of a table in detail and wrap it as a Prediction with its Plan.
+    `concurrent`: (durations of the row, nested groups, peak bytes, calls) of a ReaL-like plan whose
+    scoring forwards run on disjoint sub-meshes (real_concurrent)."""
     row = take_rows(tab, np.array([i]))
     dur, pieces = durations(ctx, graph, row)
-    prog = unroll(graph, shared_resource=ctx.hw.shared_host)
+    nested = None
+    if concurrent is not None:
+        dur, nested = concurrent[0], concurrent[1]
+    prog = unroll(graph, shared_resource=ctx.hw.shared_host, nested=nested)
     period, latency, starts, ends = simulate(prog, dur, pieces, record=True)
     period, latency = float(period[0]), float(latency[0])
     # A shared host's devices are slices of one machine whose peak the profile holds.
     peak = ctx.hw.peak(roles_of(ctx, graph).actor.dtype) * (1 if ctx.hw.shared_host else ctx.N)
-    util = useful_flops(ctx.st, graph) / (period * peak) if period > 0 else 0.0
+    # utilization: the fixed reference work (the synchronous unfused graph's FLOPs) per second of this
+    # plan; utilization_own_work: the FLOPs this plan's own graph runs (lower for a plan that drops passes).
+    util = reference_flops(ctx) / (period * peak) if period > 0 else 0.0
+    util_own = useful_flops(ctx.st, graph) / (period * peak) if period > 0 else 0.0
     r = {k: v[0].item() if np.ndim(v[0]) == 0 else v[0] for k, v in row.items()}
     sync = not pipe.staleness
     cont = admission_of(graph) == "continuous"
@@ -490,15 +677,19 @@ def predict(ctx: Context, graph: Graph, pipe: PipelineConfig, tab: dict, i: int,
             "micro_batches": int(r["fmicro"]),
         },
     }
+    mem = float(r[f"mem_peak_c{pipe.staleness}" if cont else "mem_peak_sync" if sync else "mem_peak"])
+    if concurrent is not None:
+        layout["concurrent"] = concurrent[3]
+        mem = concurrent[2]
     if pipe.placement == "split":
         pipe = dataclasses.replace(pipe, split_sizes=(int(r["n_gen"]), int(r["n_train"])))
     pred = Prediction(
         label=label,
         step_time_s=period,
         latency_s=latency,
-        memory_per_gpu_gb=float(r[f"mem_peak_c{pipe.staleness}" if cont else "mem_peak_sync" if sync else "mem_peak"])
-        / GB,
+        memory_per_gpu_gb=mem / GB,
         utilization=util,
+        utilization_own_work=util_own,
         stage_times_s={k: float(np.asarray(v).ravel()[0]) for k, v in dur.items()},
         spans=stage_spans(prog, starts, ends),
         knobs=knobs_of(pipe),
@@ -526,10 +717,16 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
         groups = (DeviceGroup("gen", tuple(range(ng))), DeviceGroup("train", tuple(range(ng, ng + nt))))
     else:
         groups = (DeviceGroup("all", tuple(range(lay["groups"]["all"]))),)
+    calls = lay.get("concurrent", {})
+    at = 0
+    for c in calls.values():  # ReaL-like: disjoint sub-meshes of "all", one per concurrent call
+        groups += (DeviceGroup(c["group"], tuple(range(at, at + c["devices"]))),)
+        at += c["devices"]
     entries = []
     for s in graph.stages():
         kinds = {p.kind for p in (s.parts or (s,))}
         part = lay["generate"] if kinds <= GEN_SIDE else lay["train"] if kinds & TRAIN_SIDE else lay["forward"]
+        part = calls.get(s.name, part)
         mesh = _mesh(part)
         rules = layout_rules(s, ctx.cfg, mesh, priced=True)
         entries.append(StagePlan(s.name, s.placement, mesh, rules, s.microbatches))
@@ -538,6 +735,7 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
         "latency_s": pred.latency_s,
         "memory_per_gpu_gb": pred.memory_per_gpu_gb,
         "utilization": pred.utilization,
+        "utilization_own_work": pred.utilization_own_work,
         "stage_s": pred.stage_times_s,
         "hardware": ctx.hw.name,
         "processes": ctx.processes,

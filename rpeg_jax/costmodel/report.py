@@ -6,7 +6,16 @@ memory_per_gpu_gb, utilization, stage_times_s, knobs, layout, plan}, runners_up[
 baselines.{verl_like, real_like}.{...same}, ratios.{verl_like, real_like} (baseline step time /
 chosen), asynchrony.{sync_step_s, asynchrony, rest} (the chosen layout priced at k = 0 with step
 admission; speedup over verl-like = asynchrony x rest; null for a synchronous choice),
-search_seconds, evaluations, evaluations_per_s, hardware, num_devices, notes.
+gains.{systems, algorithmic, total, equal_algorithm_step_s, algorithmic_searched, algorithmic_knobs}
+(total = verl-like / chosen = systems x algorithmic; systems = verl-like / the best plan at the
+synchronous algorithm, equal_algorithm; algorithmic = that / chosen, 1.0 for a chosen plan at k = 0
+with separate models), equal_algorithm (that plan, the chosen one when it is such a plan),
+search_seconds, evaluations, evaluations_per_s, hardware, num_devices, notes. Every plan entry has
+utilization (on the fixed reference work: the synchronous unfused graph's FLOPs) and
+utilization_own_work (on the FLOPs its own graph runs).
+
+asynchrony.asynchrony >= gains.algorithmic when the chosen plan's only algorithmic knob is k: the
+first prices the chosen layout at k = 0, the second compares with the best k = 0 plan of any layout.
 """
 
 from __future__ import annotations
@@ -44,6 +53,8 @@ def to_json_dict(res: SearchResult) -> dict[str, Any]:
         "baselines": {k: (_entry(res.baselines[k]) if k in res.baselines else None) for k in BASELINES},
         "ratios": {k: (res.baselines[k].step_time_s / c if k in res.baselines else None) for k in BASELINES},
         "asynchrony": res.asynchrony,
+        "gains": dict(res.gains),
+        "equal_algorithm": _entry(res.equal_algorithm) if res.equal_algorithm is not None else None,
         "notes": list(res.notes),
     }
 
@@ -73,7 +84,8 @@ def render_text(res: SearchResult) -> str:
     ]
     head = f"  {'plan':<12} {'step s':>9} {'vs chosen':>9} {'mem GB':>7} {'util':>6}  layout"
     lines.append(head)
-    rows = [c, *res.runners_up, *res.baselines.values()]
+    eq = res.equal_algorithm
+    rows = [c, *res.runners_up, *([eq] if eq is not None and eq is not c else []), *res.baselines.values()]
     for p in rows:
         lines.append(
             f"  {p.label:<12} {p.step_time_s:>9.4g} {p.step_time_s / c.step_time_s:>8.2f}x "
@@ -85,10 +97,40 @@ def render_text(res: SearchResult) -> str:
         for name, sec in p.stage_times_s.items():
             a, b = p.spans.get(name, (0.0, 0.0))
             lines.append(f"    {name:<36} {sec:>10.4g} s   [{a:.4g} .. {b:.4g}]")
-    lines += ["", "why:"] + [f"  - {n}" for n in res.notes]
+    lines += ["", *gains_lines(res), "", "why:"] + [f"  - {n}" for n in res.notes]
     if c.plan is not None:
         lines += ["", c.plan.describe()]
     return "\n".join(lines) + "\n"
+
+
+def _x(v) -> str:
+    return f"{v:.2f}x" if v is not None else "n/a"
+
+
+def algorithmic_knobs_text(knobs: dict) -> str:
+    parts = []
+    if knobs.get("staleness"):
+        parts.append(f"staleness k={knobs['staleness']} (the learner trains on data up to k updates old)")
+    if knobs.get("share_actor_critic"):
+        parts.append("one shared actor-critic backbone (another model)")
+    return ", ".join(parts) or "none"
+
+
+def gains_lines(res: SearchResult) -> list[str]:
+    """The gain over verl-like split by kind (res.gains; planner.gains_of)."""
+    g = res.gains
+    if not g:
+        return []
+    searched = "searched: costmodel.search_algorithmic" if g["algorithmic_searched"] else "off in the search"
+    eq = g["equal_algorithm_step_s"]
+    return [
+        f"gains over verl_like: {_x(g['total'])} = systems {_x(g['systems'])} x algorithmic {_x(g['algorithmic'])}",
+        "  systems: placement, layouts, fusion, elided passes, scheduling and overlap at the same algorithm "
+        f"(k=0, separate models): the best such plan takes {eq:.4g} s/step"
+        if eq is not None
+        else "  systems: no plan at the synchronous algorithm fits",
+        f"  algorithmic ({searched}): the chosen plan's {algorithmic_knobs_text(g['algorithmic_knobs'])}",
+    ]
 
 
 def admission_summary(ctx: Context, p: Prediction) -> Admission | None:
@@ -158,7 +200,7 @@ def explain(ctx: Context, res: SearchResult) -> list[str]:
         if a["rest"] is not None:
             line += (
                 f"; of the {verl.step_time_s / c.step_time_s:.2f}x over verl_like, {a['asynchrony']:.2f}x is "
-                f"asynchrony and {a['rest']:.2f}x the rest (placement, fusion, parallelism)"
+                f"asynchrony on this layout and {a['rest']:.2f}x the rest"
             )
         out.append(line)
         if adm == "continuous":
@@ -169,11 +211,28 @@ def explain(ctx: Context, res: SearchResult) -> list[str]:
                     f"{ad.occupancy:.2f}, staleness mean {ad.staleness_mean:.2f} (max {ad.staleness_max}), "
                     f"{ad.requeued:.1f} groups per step past the bound (requeued or dropped)"
                 )
-    elif verl is not None:
-        out.append(
-            f"synchronous plan: all of the {verl.step_time_s / c.step_time_s:.2f}x over verl_like is placement, "
-            f"fusion and parallelism (no asynchrony)"
-        )
+    g = res.gains
+    if g and g.get("total") is not None:
+        kn = g["algorithmic_knobs"]
+        if kn["staleness"] or kn["share_actor_critic"]:
+            out.append(
+                f"gains by kind: systems {_x(g['systems'])} (the best plan at k=0 with separate models) x "
+                f"algorithmic {_x(g['algorithmic'])} ({algorithmic_knobs_text(kn)})"
+                + (
+                    "; asynchrony on the chosen layout exceeds the algorithmic gain where another k=0 layout is faster"
+                    if a is not None
+                    and kn["staleness"]
+                    and g["algorithmic"] is not None
+                    and a["asynchrony"] > g["algorithmic"] * (1 + 1e-6)
+                    else ""
+                )
+            )
+        else:
+            out.append(
+                f"same algorithm as verl_like (k=0, separate models): all of the {_x(g['total'])} over verl_like is "
+                f"systems (placement, layouts, fusion, elided passes, scheduling)"
+                + ("" if g["algorithmic_searched"] else "; algorithmic knobs off (costmodel.search_algorithmic)")
+            )
     for name in ("verl_like", "real_like"):
         if name not in res.baselines:
             out.append(f"{name}: no plan of that family fits (colocated, synchronous, batch divisible by its meshes)")

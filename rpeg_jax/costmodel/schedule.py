@@ -45,10 +45,17 @@ class Program:
     window: int  # steps averaged for the steady-state period
     last_of_step: list[int] = field(default_factory=list)  # index of each step's last-finishing task set
     step_tasks: list[list[int]] = field(default_factory=list)
+    # Groups sharing devices with a group (nested sub-meshes: "all" and its disjoint parts): a task
+    # waits until every group it shares devices with is free. Absent: a group shares with itself only.
+    shares: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
-def unroll(g: Graph, shared_resource: bool = False, steps: int | None = None) -> Program:
-    """Tasks of `steps` consecutive RL steps in issue order (see the module docstring)."""
+def unroll(
+    g: Graph, shared_resource: bool = False, steps: int | None = None, nested: dict[str, tuple[str, ...]] | None = None
+) -> Program:
+    """Tasks of `steps` consecutive RL steps in issue order (see the module docstring). `nested`:
+    {group: its disjoint sub-groups} (a sub-group's task and the group's serialise; sub-groups
+    of one group overlap)."""
     k = g.staleness
     steps = steps or 4 * (k + 1) + 2
     order = g.topo_order()
@@ -83,7 +90,14 @@ def unroll(g: Graph, shared_resource: bool = False, steps: int | None = None) ->
         group = "host" if host[n] else ("all" if shared_resource else g.stage(n).placement)
         tasks.append(Task(s, n, j, group, tuple(sorted(set(dl)))))
     step_tasks = [[i for i, t in enumerate(tasks) if t.step == s] for s in range(steps)]
-    return Program(tasks, steps, window=min(2 * (k + 1), steps - 1), step_tasks=step_tasks)
+    shares: dict[str, tuple[str, ...]] = {}
+    for parent, subs in (nested or {}).items():
+        if shared_resource:
+            break
+        shares[parent] = (parent, *subs)
+        for sub in subs:
+            shares[sub] = tuple(dict.fromkeys((*shares.get(sub, (sub,)), parent)))
+    return Program(tasks, steps, window=min(2 * (k + 1), steps - 1), step_tasks=step_tasks, shares=shares)
 
 
 def simulate(
@@ -107,6 +121,8 @@ def simulate(
     starts: list[np.ndarray] = []
     for t in prog.tasks:
         ready = free.get(t.group, zero)
+        for other in prog.shares.get(t.group, ()):
+            ready = np.maximum(ready, free.get(other, zero))
         for d in t.deps:
             ready = np.maximum(ready, ends[d])
         pd = piece_durations.get(t.stage)

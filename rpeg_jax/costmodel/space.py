@@ -2,6 +2,7 @@
 which candidate meshes may shard the batches of a graph.
 
     structural_options(ctx, placement, share)  # PipelineConfigs tried: k, elision, fusion, pieces
+    is_algorithmic(staleness, share)           # knobs that change the algorithm (gains.algorithmic)
     admissions(ctx, pipe)                      # rollout.admission modes tried with one of them
     one_step_rewrites(cfg, share)              # the one-step rewrites every candidate gets when legal
     families(ctx)                              # (placement, shared backbone) families
@@ -30,18 +31,35 @@ def sampler_is_trainer(cfg: RunConfig) -> bool:
     return r.temperature > 0 and r.top_k == 0 and r.top_p >= 1.0 and r.min_p == 0.0
 
 
-def structural_options(ctx, placement: str, share: bool) -> list[PipelineConfig]:
+def is_algorithmic(staleness: int, share: bool) -> bool:
+    """Whether a plan's knobs change the algorithm the learner runs (as opposed to how the same
+    algorithm is run): staleness k >= 1 (the learner trains on data from a policy up to k updates
+    old) or one shared actor-critic backbone (another model). Placement, layouts, fusion, elision
+    of a forward whose result another pass already has, streamed pieces and the overlap they give
+    at k = 0 are systems changes: the learner sees the same data and the same models."""
+    return bool(staleness) or bool(share)
+
+
+def structural_options(ctx, placement: str, share: bool, equal_algorithm: bool = False) -> list[PipelineConfig]:
+    """The pipeline knobs tried in a placement family. `equal_algorithm`: only options at the
+    synchronous algorithm (k = 0; the caller passes share=False), whatever the config pins: the
+    reference for the systems gain (planner.search)."""
     cfg, c = ctx.cfg, ctx.cfg.costmodel
     fuses = [()] + ([("forwards",), ("advantage",), ("forwards", "advantage")] if c.search_fusion else [])
     # k >= 1 pays colocated only with continuous admission (admissions() below): sequences run on
-    # across weight updates, so the engine stays full instead of draining every step.
-    ks = list(range(0, c.max_staleness + 1))
-    if cfg.pipeline.staleness or cfg.rollout.admission == "continuous":
+    # across weight updates, so the engine stays full instead of draining every step. Staleness
+    # changes the data the learner sees, so it is searched only with costmodel.search_algorithmic.
+    ks = list(range(0, c.max_staleness + 1)) if c.search_algorithmic else [0]
+    if (cfg.pipeline.staleness or cfg.rollout.admission == "continuous") and not equal_algorithm:
         ks = [cfg.pipeline.staleness]  # a bound the config sets is the user's: plan around it
+    if equal_algorithm:
+        ks = [0]
     # Eliding old_forward (k = 0 only) removes a forward over the batch: π_old = behav_logp.
     elides = [False] + ([True] if c.search_elide_old_forward and sampler_is_trainer(cfg) else [])
     if cfg.pipeline.elide_old_forward:
         elides, ks = [True], [0]
+    if equal_algorithm:
+        share = False
     # Pieces split each process's prompts evenly (runtime/rollouts.py generate_piece).
     prompts = ctx.base.sizes["N"] // ctx.processes
     pieces = [1] if placement == "colocated" else [m for m in (1, *PIECES) if prompts % m == 0]
@@ -112,12 +130,18 @@ def one_step_rewrites(cfg: RunConfig, share: bool) -> tuple[bool, bool]:
     return prox, vals
 
 
-def families(ctx) -> list[tuple[str, bool]]:
+def families(ctx, equal_algorithm: bool = False) -> list[tuple[str, bool]]:
+    """(placement, shared backbone) families searched: a shared backbone only with
+    costmodel.search_algorithmic (PPO, search_share_actor_critic) or when the config pins it;
+    `equal_algorithm`: separate models whatever the config says (see structural_options)."""
+    c = ctx.cfg.costmodel
     shares = [False]
-    if ctx.cfg.rl.algorithm == "ppo" and ctx.cfg.costmodel.search_share_actor_critic:
+    if ctx.cfg.rl.algorithm == "ppo" and c.search_share_actor_critic and c.search_algorithmic:
         shares.append(True)
     if ctx.cfg.pipeline.share_actor_critic:
         shares = [True]
+    if equal_algorithm:
+        shares = [False]
     places = ["colocated"] + (["split"] if allocations(ctx, "split") else [])
     return [(p, s) for p in places for s in shares]
 

@@ -37,12 +37,16 @@ class Prediction:
     step_time_s: float  # steady-state seconds per RL step
     latency_s: float  # makespan of one step from a cold start
     memory_per_gpu_gb: float  # predicted peak
-    utilization: float  # useful FLOPs / (step time × devices × peak)
+    # FLOPs of the fixed reference work (planner.reference_graph: the config's algorithm synchronous
+    # and unfused, every forward verl runs) / (step time × devices × peak): the same numerator for
+    # every plan, so a plan that removes passes is credited for the time it saves
+    utilization: float
     stage_times_s: dict[str, float]  # duration of each graph stage
     spans: dict[str, tuple[float, float]]  # (start, end) of each stage within a steady step
     knobs: dict[str, Any]
     layout: dict[str, Any]  # groups, meshes and settings of the row
     plan: Plan | None = None
+    utilization_own_work: float = 0.0  # the FLOPs of this plan's own graph / (step time × devices × peak)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -50,6 +54,7 @@ class Prediction:
             "latency_s": self.latency_s,
             "memory_per_gpu_gb": self.memory_per_gpu_gb,
             "utilization": self.utilization,
+            "utilization_own_work": self.utilization_own_work,
             "stage_times_s": self.stage_times_s,
             "knobs": self.knobs,
             "layout": self.layout,
@@ -73,6 +78,11 @@ class SearchResult:
     # speedup over the verl-like plan = asynchrony x rest. None when the chosen plan is synchronous
     # or no verl-like plan fits (then "rest" is None).
     asynchrony: dict[str, Any] | None = None
+    # The best plan at the synchronous algorithm (k = 0, separate models; the chosen one when it is
+    # such a plan), and the gain over verl-like split by kind (planner.gains_of): {"systems",
+    # "algorithmic", "total", "equal_algorithm_step_s", "algorithmic_searched", "algorithmic_knobs"}.
+    equal_algorithm: Prediction | None = None
+    gains: dict[str, Any] = field(default_factory=dict)
 
 
 def clock_of(hw: HardwareProfile) -> str:
