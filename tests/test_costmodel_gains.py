@@ -4,6 +4,8 @@ References: the reference work counted here by hand in forward-equivalents of th
 generation, one forward per scoring pass, three per update) from ModelShape.forward_flops; brute
 force over the candidate tables for the family bests."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,12 @@ from rpeg_jax.costmodel import planner as P
 from rpeg_jax.costmodel.hardware import load_hardware
 
 GH = load_hardware("gh200", calibrated=False)
+# The same profile without the weight sync's and the framework's fixed seconds per step (~9 s at
+# this size, configs/hardware since session 12): they add alike to every plan and would hide the
+# forwards' part of the comparison below.
+GH_NO_FIXED = dataclasses.replace(
+    GH, efficiency=dataclasses.replace(GH.efficiency, sync_fixed_s=0.0, sync_bucket_s=0.0, host_step_s=0.0)
+)
 P1 = [
     "model.dtype=bfloat16",
     "model.param_dtype=float32",
@@ -172,7 +180,7 @@ def test_real_like_runs_the_scoring_forwards_side_by_side_on_disjoint_sub_meshes
         "costmodel.response_len_median=512",
         model="qwen2-7b",
     )
-    res = P.search(cfg, 16, GH)
+    res = P.search(cfg, 16, GH_NO_FIXED)
     real, verl = res.baselines["real_like"], res.baselines["verl_like"]
     calls = real.layout["concurrent"]
     assert set(calls) == {"ref_forward", "old_forward"}
@@ -189,8 +197,10 @@ def test_real_like_runs_the_scoring_forwards_side_by_side_on_disjoint_sub_meshes
     serial = sum(v for k, v in st.items() if k not in calls) + max(st[k] for k in calls)
     assert real.step_time_s == pytest.approx(serial, abs=st["reward"] + 1e-9)
     # It beats the best serial plan of its old family (per-stage layouts on all devices) and verl-like.
-    ctx = P.make_context(cfg, 16, GH)
+    ctx = P.make_context(cfg, 16, GH_NO_FIXED)
     g = P.reference_graph(ctx)
     tab = P.family_table(ctx, g, "colocated", {})
     assert real.step_time_s < float(np.min(P.periods(ctx, g, tab)[0])) < verl.step_time_s * (1 + 1e-9)
-    assert verl.step_time_s / real.step_time_s > 1.01
+    # (By how much depends on how far a forward is from linear scaling: with the GPU profiles'
+    # train_matmul_cap, since session 12, the halves run almost as efficiently as the whole and
+    # the gain here is ~0.2%; it was ~2% before.)
