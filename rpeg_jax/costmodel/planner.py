@@ -400,12 +400,27 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
     costmodel/devices.py)."""
     t0 = time.perf_counter()
     hw, n, procs = resolve(cfg, num_devices, hardware, processes)
-    ctx = make_context(cfg, n, hw, procs)
-    cache: dict = {}
-    scored, evaluations, considered = _score(ctx, cache)
-    if not scored:
-        raise no_plan_fits(ctx)
-    scored.sort(key=lambda s: float(np.min(s.period)))
+    ctx0 = make_context(cfg, n, hw, procs)
+    # train.offload is searched on accelerators when the config leaves it at none (offloading frees
+    # device memory for KV slots and larger layouts at the price of the host link's transfers); the
+    # plan carries the chosen value (settings["train.offload"]). Not on a CPU, whose "host" memory is
+    # the same RAM: nothing to gain there.
+    options = [cfg.train.offload]
+    if cfg.train.offload == "none" and hw.kind != "cpu":
+        options += ["optimizer"] + (["optimizer+reference"] if cfg.rl.kl_coef > 0 else [])
+    tried, evaluations, considered = [], 0, 0
+    for off in options:
+        c = ctx0 if off == cfg.train.offload else make_context(_with_offload(cfg, off), n, hw, procs)
+        cache_o: dict = {}
+        sc, ev, co = _score(c, cache_o)
+        evaluations, considered = evaluations + ev, considered + co
+        if sc:
+            sc.sort(key=lambda s: float(np.min(s.period)))
+            tried.append((float(np.min(sc[0].period)), len(tried), c, cache_o, sc))
+    if not tried:
+        raise no_plan_fits(ctx0)
+    _, _, ctx, cache, scored = min(tried, key=lambda x: x[:2])  # ties keep the config's own value
+    cfg = ctx.cfg
     best: list[Prediction] = []
     seen = set()
     for s in scored:  # runners-up differ in placement, staleness, sharing or layout, not only in fusion
@@ -422,22 +437,38 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
         if key not in seen:
             seen.add(key)
             best.append(predict(ctx, s.graph, s.pipeline, s.tab, i, "chosen" if not best else f"runner-up {len(best)}"))
+    # The baselines under the config's own offload (verl's and ReaL's default: none), on the chosen
+    # offload only where nothing fits without it.
+    base_ctx, base_cache = (ctx0, {}) if ctx is not ctx0 else (ctx, cache)
     baselines = {
-        name: b for name, b in ((nm, baseline(ctx, nm, cache)) for nm in ("verl_like", "real_like")) if b is not None
+        name: b
+        for name, b in ((nm, baseline(base_ctx, nm, base_cache)) for nm in ("verl_like", "real_like"))
+        if b is not None
     }
+    if not baselines and ctx is not ctx0:
+        baselines = {
+            name: b
+            for name, b in ((nm, baseline(ctx, nm, cache)) for nm in ("verl_like", "real_like"))
+            if b is not None
+        }
     top = scored[0]
     sync_s = synchronous_period(ctx, top.pipeline, take_rows(top.tab, np.array([int(np.argmin(top.period))])))
     # The best plan at the synchronous algorithm (k = 0, separate models): the reference of the
     # systems gain; searched on its own when the config pins an algorithmic knob.
-    equal = [s for s in scored if not _algorithmic(s)]
-    if not equal:
-        equal, ev, _ = _score(ctx, cache, equal_algorithm=True)
-        evaluations += ev
-        equal.sort(key=lambda s: float(np.min(s.period)))
+    # Over every offload option tried, as the chosen plan's.
+    equals = []
+    for _, _, c, cache_o, sc in tried:
+        equal = [s for s in sc if not _algorithmic(s)]
+        if not equal:
+            equal, ev, _ = _score(c, cache_o, equal_algorithm=True)
+            evaluations += ev
+            equal.sort(key=lambda s: float(np.min(s.period)))
+        if equal and np.isfinite(np.min(equal[0].period)):
+            equals.append((float(np.min(equal[0].period)), len(equals), c, equal[0]))
     eq = None
-    if equal and np.isfinite(np.min(equal[0].period)):
-        e = equal[0]
-        eq = best[0] if e is top else predict(ctx, e.graph, e.pipeline, e.tab, int(np.argmin(e.period)), "equal-alg")
+    if equals:
+        _, _, c, e = min(equals, key=lambda x: x[:2])
+        eq = best[0] if e is top else predict(c, e.graph, e.pipeline, e.tab, int(np.argmin(e.period)), "equal-alg")
     res = SearchResult(
         chosen=best[0],
         runners_up=best[1:],
@@ -460,6 +491,10 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
         }
     res.notes = explain(ctx, res)
     return res
+
+
+def _with_offload(cfg: RunConfig, offload: str) -> RunConfig:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, offload=offload))
 
 
 def gains_of(cfg: RunConfig, chosen: Prediction, eq: Prediction | None, verl: Prediction | None) -> dict:
@@ -749,6 +784,7 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
         "model.remat": lay["train"]["remat"],
         "rollout.max_slots": lay["generate"]["slots"] * lay["generate"]["replicas"] // ctx.processes,
         "rollout.admission": admission_of(graph),
+        "train.offload": ctx.cfg.train.offload,
     }
     return Plan(
         num_devices=ctx.N,

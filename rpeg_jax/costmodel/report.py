@@ -252,4 +252,11 @@ def explain(ctx: Context, res: SearchResult) -> list[str]:
         f"memory: {c.memory_per_gpu_gb:.1f} GB of a {ctx.st.budget_bytes / GB:.1f} GB budget per device; "
         f"layouts that do not fit were rejected before simulation"
     )
+    off = ctx.cfg.train.offload
+    if off != "none":
+        what = "the Adam moments" + (" and the reference's weights" if off == "optimizer+reference" else "")
+        out.append(
+            f"offload: train.offload={off}: {what} live in host memory between uses, moved over the "
+            f"host link ({ctx.hw.name}) around the update (priced, not overlapped)"
+        )
     return out
