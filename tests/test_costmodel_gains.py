@@ -5,6 +5,7 @@ generation, one forward per scoring pass, three per update) from ModelShape.forw
 force over the candidate tables for the family bests."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -204,3 +205,17 @@ def test_real_like_runs_the_scoring_forwards_side_by_side_on_disjoint_sub_meshes
     # (By how much depends on how far a forward is from linear scaling: with the GPU profiles'
     # train_matmul_cap, since session 12, the halves run almost as efficiently as the whole and
     # the gain here is ~0.2%; it was ~2% before.)
+
+
+def test_fp32_compute_on_a_gpu_profile_is_warned_in_text_and_json(tmp_path, capsys):
+    from rpeg_jax.cli import main
+
+    out = tmp_path / "p.json"
+    assert main(["plan", "--hardware", "gh200", "--gpus", "8", "--json", str(out)]) == 0  # default.yaml: fp32
+    text = capsys.readouterr().out
+    assert "warning: model.dtype=float32 on gh200: priced at the fp32 peak (67 TFLOP/s, not 989)" in text
+    assert json.loads(out.read_text())["warnings"][0].startswith("model.dtype=float32 on gh200")
+    assert main(["plan", "--hardware", "gh200", "--gpus", "8", "--json", str(out), "model.dtype=bfloat16"]) == 0
+    assert "warning:" not in capsys.readouterr().out and json.loads(out.read_text())["warnings"] == []
+    cpu = P.search(load_config(None, []), 1, load_hardware("cpu", calibrated=False))
+    assert cpu.warnings == []  # the CPU computes in float32 at its one peak

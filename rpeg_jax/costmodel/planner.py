@@ -498,7 +498,21 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
             "rest": verl.step_time_s / sync_s if verl is not None else None,
         }
     res.notes = explain(ctx, res)
+    res.warnings = plan_warnings(cfg, hw)
     return res
+
+
+def plan_warnings(cfg: RunConfig, hw: HardwareProfile) -> list[str]:
+    """What a user should fix before trusting the plan: float32 compute on an accelerator is priced
+    at its fp32 peak (GH200: 67 of 989 TFLOP/s), which no GPU RL run uses."""
+    out = []
+    if hw.kind != "cpu" and cfg.model.dtype == "float32":
+        out.append(
+            f"model.dtype=float32 on {hw.name}: priced at the fp32 peak ({hw.peak('float32') / 1e12:.0f} "
+            f"TFLOP/s, not {hw.peak('bfloat16') / 1e12:.0f}); GPU RL runs compute in bfloat16 "
+            f"(model.dtype=bfloat16, as configs/p1.yaml sets)"
+        )
+    return out
 
 
 def _with_offload(cfg: RunConfig, offload: str) -> RunConfig:

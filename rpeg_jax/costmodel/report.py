@@ -56,6 +56,7 @@ def to_json_dict(res: SearchResult) -> dict[str, Any]:
         "gains": dict(res.gains),
         "equal_algorithm": _entry(res.equal_algorithm) if res.equal_algorithm is not None else None,
         "notes": list(res.notes),
+        "warnings": list(res.warnings),
     }
 
 
@@ -80,6 +81,7 @@ def render_text(res: SearchResult) -> str:
         f"rpeg plan: {res.num_devices} x {res.hardware}{procs}; scored {res.evaluations} plans "
         f"({res.plans_considered} layout/micro-batch/remat combinations priced) in "
         f"{res.search_seconds:.2f} s ({res.evaluations / max(res.search_seconds, 1e-9):.0f} plans/s)",
+        *(f"warning: {w}" for w in res.warnings),
         "",
     ]
     head = f"  {'plan':<12} {'step s':>9} {'vs chosen':>9} {'mem GB':>7} {'util':>6}  layout"

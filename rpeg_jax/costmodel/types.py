@@ -73,6 +73,7 @@ class SearchResult:
     num_devices: int
     processes: int = 1
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # printed first by rpeg plan (e.g. fp32 on a GPU)
     # The chosen plan's layout priced synchronously (k = 0, rollout.admission=step, its other knobs
     # kept): {"sync_step_s", "asynchrony" (= sync_step_s / chosen), "rest" (= verl-like / sync_step_s)};
     # speedup over the verl-like plan = asynchrony x rest. None when the chosen plan is synchronous
