@@ -45,7 +45,7 @@ def reference(dist, slots, groups, group, k, mode, chunk, min_chunk, steps, warm
         next_gid += 1
 
     for t in range(warmup + 8 * steps):
-        rec = dict(decode=0, busy=0, ctx=0, batch_tokens=0, longest=0, stale=0, requeued=0, admitted=0, smax=0)
+        rec = dict(decode=0, busy=0, ctx=0, width=0, batch_tokens=0, longest=0, stale=0, requeued=0, admitted=0, smax=0)
         if mode == "continuous":
             for g in list(done) + list(flight):
                 if info[g]["oldest"] is not None and info[g]["oldest"] < t - k:
@@ -73,6 +73,7 @@ def reference(dist, slots, groups, group, k, mode, chunk, min_chunk, steps, warm
                 rec["admitted"] += 1
             limit = min(chunk, max(s[1] for s in slot if s is not None))
             release = mode == "continuous" and bool(waiting)
+            made = max(s[2] for s in slot if s is not None)  # the longest running sequence's tokens
             n, freed = 0, 0
             while n < limit and any(s is not None for s in slot):
                 if release and n >= min_chunk and freed >= group:
@@ -90,6 +91,7 @@ def reference(dist, slots, groups, group, k, mode, chunk, min_chunk, steps, warm
                         freed += 1
                 n += 1
             rec["decode"] += n
+            rec["width"] += n * (made + n)  # every step of the chunk reads the tables to its end's width
             for g in [g for g in flight if info[g]["left"] == 0]:
                 flight.remove(g)
                 done.append(g)
@@ -136,6 +138,8 @@ def test_admission_matches_a_decode_step_reference(case):
     assert got.tokens == pytest.approx(ref["busy"], rel=1e-12)
     assert got.occupancy == pytest.approx(ref["busy"] / (ref["decode"] * slots), rel=1e-12)
     assert got.ctx == pytest.approx(ref["ctx"] / ref["busy"], rel=1e-12)
+    assert got.ctx_width == pytest.approx(ref["width"] / ref["decode"], rel=1e-12)
+    assert got.ctx_width >= got.ctx
     assert got.batch_tokens == pytest.approx(ref["batch_tokens"], rel=1e-12)
     assert got.batch_longest == pytest.approx(ref["longest"], rel=1e-12)
     assert got.staleness_mean == pytest.approx(ref["stale"] / groups, rel=1e-12, abs=1e-12)

@@ -167,6 +167,10 @@ class Admission:
     batch_tokens: float  # response tokens of the consumed batch per step
     batch_longest: float  # mean longest response of a consumed batch (the padded R of its update)
     ctx: float  # mean tokens generated so far by a busy slot (its context beyond the prompt)
+    # mean over decode steps of the page-table width a chunk needs, in tokens beyond the prompt: the
+    # longest running sequence's tokens + the chunk's steps (Sampler._width covers the whole chunk),
+    # unbucketed. A decode step of static rows reads every slot's table to this width.
+    ctx_width: float
     staleness_mean: float  # mean over consumed groups of t - (version of their oldest token)
     staleness_max: int
     requeued: float  # groups per step that broke the bound k (re-queued or dropped)
@@ -275,7 +279,7 @@ def admission(
     unfinished = 0  # members of submitted groups still to finish (ContinuousRollouts.in_flight_sequences)
     gid = 0
     hist = []  # per step: decode steps, busy, batch tokens, longest, Σ ctx, Σ staleness, requeued, admitted,
-    #            chunks, staleness max
+    #            chunks, staleness max, Σ width
 
     def submit() -> None:
         nonlocal gid, unfinished
@@ -287,7 +291,7 @@ def admission(
     t = -1
     while not measured(hist, warmup, steps):
         t += 1
-        st = np.zeros(10)
+        st = np.zeros(11)
         if cont:  # the bound at the start of step t: oldest version >= t - k
             stale = [g for g, v in oldest.items() if v < t - staleness]
             for g in stale:
@@ -320,6 +324,7 @@ def admission(
                 j = nfree + group - 1
                 k = min(k, max(min_chunk_steps, int(np.partition(rem, j)[j])))
             n = np.minimum(rem, k)
+            st[10] += k * (int(pos[rem > 0].max(initial=0)) + k)  # the chunk's table width, k steps
             st[0] += k
             st[1] += n.sum()
             st[4] += float(np.dot(n, pos) + np.dot(n, n - 1) / 2)  # Σ generated-so-far over busy steps
@@ -354,6 +359,7 @@ def admission(
         batch_tokens=float(m[2]),
         batch_longest=float(m[3]),
         ctx=float(m[4] / m[1]) if m[1] else 0.0,
+        ctx_width=float(m[10] / m[0]) if m[0] else 0.0,
         staleness_mean=float(m[5] / groups),
         staleness_max=int(max(h[9] for h in hist[a:b])),
         requeued=float(m[6]),

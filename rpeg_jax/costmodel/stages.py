@@ -476,7 +476,11 @@ def continuous_step(st: Setting, ms: ModelShape, n_gen: int, t: int, reps: int, 
     context, plus one prefill per admitted group and its host work (admission_group_s)
     (its prompt once), plus with `recompute` re-prefilling the sequences in flight at every update."""
     a = admission_of(st, reps, slots, k)
-    ctx = st.P + 1.0 + a.ctx  # as DecodeProfile.ctx: prompt + the token fed + those generated
+    # Static rows (the CPU): every slot's page table is read to the chunk's width, which the
+    # longest running sequence sets (with a long tail in flight, well above the busy mean).
+    # Otherwise the busy rows at their mean context (as DecodeProfile.ctx: prompt + the token fed +
+    # those generated).
+    ctx = st.P + 1.0 + (a.ctx_width if st.static_rows else a.ctx)
     rows = slots if st.static_rows else slots * a.occupancy
     steps = a.decode_steps * decode_step_time(st, ms, t, n_gen, rows, ctx)
     sec = steps + _prefill_time(st, ms, t, n_gen, max(a.admitted / reps, 1.0), st.P)
