@@ -43,7 +43,13 @@ KNOBS = (
     "proximal_from_update",
     "values_from_critic_update",
 )
-PLAN_SETTINGS = ("rl.micro_batches", "model.remat", "rollout.max_slots", "rollout.admission")
+PLAN_SETTINGS = (
+    "rl.micro_batches",
+    "rl.forward_micro_batches",
+    "model.remat",
+    "rollout.max_slots",
+    "rollout.admission",
+)
 PLAN_VERSION = 1
 
 
