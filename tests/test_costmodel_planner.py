@@ -66,7 +66,13 @@ def test_choose_plan_default_config_is_a_checked_plan():
     plan.check(g)
     times = P.predicted_stage_times(plan)
     assert set(times) == set(g.stage_names()) and all(t >= 0 for t in times.values())
-    assert set(plan.settings) == {"rl.micro_batches", "model.remat", "rollout.max_slots", "rollout.admission"}
+    assert set(plan.settings) == {
+        "rl.micro_batches",
+        "rl.forward_micro_batches",
+        "model.remat",
+        "rollout.max_slots",
+        "rollout.admission",
+    }
     for key in ("step_time_s", "memory_per_gpu_gb", "utilization", "stage_s"):
         assert key in plan.predicted
     again = Plan.from_json(plan.to_json())
