@@ -196,3 +196,96 @@ def test_bad_forward_micro_batches_are_named():
     with pytest.raises(ConfigError, match=r"rl\.forward_micro_batches.*4.*16 sequences.*2 per device"):
         forward_micro_batches(_Env(4, {"data": 8, "fsdp": 1, "tensor": 1}, pieces=2))
     assert forward_micro_batches(_Env(1, {"data": 8, "fsdp": 4, "tensor": 1})) == 1  # 1: today's program
+
+
+# ---- the cost model searches it, the planner emits it, the runtime applies it --------------------
+P1_32B = ["model.preset=qwen2-32b", "train.offload=optimizer"]  # configs/p1.yaml: B = 32 x 16 = 512
+
+
+def _p1(extra=()):
+    from rpeg_jax.config import load_config
+
+    return load_config("configs/p1.yaml", P1_32B + list(extra))
+
+
+def test_forward_memory_drops_with_micro():
+    """costmodel.stages.forward_memory at 32B, B = 512, P = 512, R = 16384 (p1) on d1 f8 t1: the
+    activations are those of B / (8 micro) rows (x micro constant while the prompt stays shared,
+    micro <= 4: 32/micro groups per piece, a multiple of the 8 devices); the gathered weights and
+    the logits chunk do not change; past that the pieces lose prompt sharing but still shrink."""
+    from rpeg_jax.costmodel import planner as P
+    from rpeg_jax.costmodel import stages as S
+    from rpeg_jax.costmodel.hardware import load_hardware
+
+    gh = load_hardware("gh200", calibrated=False)
+    ctx = P.make_context(_p1(), 8, gh)
+    st, ms, eff = ctx.st, P.roles_of(ctx, ctx.base).actor, gh.efficiency
+    assert st.B == 512
+    weights = ms.pass_weight_bytes(8, 1, eff.fsdp_gather, eff.weight_copies, train=False)
+    mem = {m: float(S.forward_memory(st, ms, 1, 8, 1, m)) for m in (1, 2, 4, 8, 16, 64)}
+    # one logits chunk (capped at LOGITS_BUDGET, the same at every micro here) and the weights are fixed
+    fixed = {m: weights + eff.fwd_act_memory_factor * ms.logits_bytes(64 / m * st.seq_scored) for m in mem}
+    assert len({round(v) for v in fixed.values()}) == 1
+    act = {m: (v - fixed[m]) * m for m, v in mem.items()}
+    assert act[1] > 10 * fixed[1] > 0
+    np.testing.assert_allclose([act[2], act[4]], [act[1], act[1]], rtol=1e-9)
+    assert mem[1] > st.budget_bytes > mem[2] > mem[4] > mem[8] > mem[16] > mem[64] > weights
+
+
+def test_planner_picks_forward_micro_batches_when_one_pass_does_not_fit():
+    """p1 with qwen2-32b and train.offload=optimizer on 8 GH200: one scoring pass over 64 sequences
+    per device needs more than the whole budget, so the plan micro-batches the forwards (main before
+    this: no plan fits). At B = 128 one pass fits and is the fastest: the planner keeps 1. The
+    choice is a plan setting, and the run's config takes it (graph/plan.config_for_plan)."""
+    from rpeg_jax.costmodel import planner as P
+    from rpeg_jax.costmodel import stages as S
+    from rpeg_jax.costmodel.hardware import load_hardware
+    from rpeg_jax.graph.plan import config_for_plan
+
+    gh = load_hardware("gh200", calibrated=False)
+    cfg = _p1()
+    res = P.search(cfg, 8, gh)
+    fw = res.chosen.layout["forward"]
+    ctx = P.make_context(cfg, 8, gh)
+    st, ms = ctx.st, P.roles_of(ctx, ctx.base).actor
+    d, f, t, micro = fw["data"], fw["fsdp"], fw["tensor"], fw["micro_batches"]
+    assert micro > 1 and float(S.forward_memory(st, ms, d, f, t, 1)) > st.budget_bytes
+    assert res.chosen.memory_per_gpu_gb * 1e9 <= st.budget_bytes + 1e-3
+    plan = res.chosen.plan
+    assert plan.settings["rl.forward_micro_batches"] == micro
+    run_cfg, changed = config_for_plan(cfg, plan)
+    assert run_cfg.rl.forward_micro_batches == micro and changed["rl.forward_micro_batches"] == (1, micro)
+    small = P.search(_p1(["data.prompts_per_step=8"]), 8, gh).chosen
+    assert small.layout["forward"]["micro_batches"] == 1 == small.plan.settings["rl.forward_micro_batches"]
+
+
+def test_a_plan_micro_batches_the_runs_scoring_forwards(tmp_path, monkeypatch):
+    """A plan file whose settings carry rl.forward_micro_batches=2 (what `pipeline.plan=auto` gets
+    from the planner): the run's ref / old / critic forwards are built with 2 micro-batches (the
+    positive control), and the run equals the one-pass run (metrics and final weights, float32)."""
+    import dataclasses
+
+    from helpers import PPO, assert_same_run, run
+
+    from rpeg_jax.config import load_config
+    from rpeg_jax.graph.plan import plan_from_config
+    from rpeg_jax.runtime import kernels
+
+    built = []
+    original = kernels.scoring_fn
+
+    def spy(graphdef, group_size, devices, micro=1, **kw):
+        built.append(micro)
+        return original(graphdef, group_size, devices, micro, **kw)
+
+    monkeypatch.setattr(kernels, "scoring_fn", spy)
+    plain = run(tmp_path, "plain", PPO, steps=2)
+    assert sorted(built) == [1, 1, 1]
+    cfg = load_config(None, PPO)
+    plan = plan_from_config(cfg, jax.device_count())
+    path = str(tmp_path / "plan.json")
+    dataclasses.replace(plan, settings={**plan.settings, "rl.forward_micro_batches": 2}).save(path)
+    built.clear()
+    micro = run(tmp_path, "micro", PPO + [f"pipeline.plan={path}"], steps=2)
+    assert sorted(built) == [2, 2, 2]  # ref_forward, old_forward, critic_forward
+    assert_same_run(micro, plain)
