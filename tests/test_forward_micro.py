@@ -259,6 +259,7 @@ def test_planner_picks_forward_micro_batches_when_one_pass_does_not_fit():
     assert small.layout["forward"]["micro_batches"] == 1 == small.plan.settings["rl.forward_micro_batches"]
 
 
+@pytest.mark.slow  # two tiny PPO runs: ~24 s with a cold XLA cache, ~7 s warm
 def test_a_plan_micro_batches_the_runs_scoring_forwards(tmp_path, monkeypatch):
     """A plan file whose settings carry rl.forward_micro_batches=2 (what `pipeline.plan=auto` gets
     from the planner): the run's ref / old / critic forwards are built with 2 micro-batches (the
