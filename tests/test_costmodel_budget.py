@@ -87,7 +87,8 @@ def test_no_plan_fits_is_one_line_with_the_need_the_budget_and_the_knob(meminfo,
 
 def test_no_plan_fits_names_the_stage_when_activations_are_the_problem(meminfo, capsys):
     meminfo(64 * 1024**3)
-    big = ["data.prompts_per_step=512", "rollout.max_new_tokens=512", "data.max_prompt_len=512"]
+    # B = 65536: even 64 micro-batches of the update and of the scoring forwards are too big
+    big = ["data.prompts_per_step=8192", "rollout.max_new_tokens=512", "data.max_prompt_len=512"]
     assert rpeg(["plan", "--devices", "1", "--hardware", "cpu", "model.preset=small", *big]) == 2
     err = capsys.readouterr().err
     # The stage whose least need (micro-batches and remat searched) is largest: the update, or the
@@ -96,7 +97,7 @@ def test_no_plan_fits_names_the_stage_when_activations_are_the_problem(meminfo, 
     assert err.count("\n") == 1 and m, err
     need = float(m.group(2))
     assert need > 0.9 * 64 * 1024**3 / GB  # more than the budget it names
-    assert "lower data.prompts_per_step (B=4096 sequences) or rollout.max_new_tokens=512" in err
+    assert "lower data.prompts_per_step (B=65536 sequences) or rollout.max_new_tokens=512" in err
 
 
 def test_rpeg_train_exits_2_in_one_line_when_no_plan_fits(meminfo, capsys, tmp_path):

@@ -68,6 +68,7 @@ def test_choose_plan_default_config_is_a_checked_plan():
     assert set(times) == set(g.stage_names()) and all(t >= 0 for t in times.values())
     assert set(plan.settings) == {
         "rl.micro_batches",
+        "rl.forward_micro_batches",
         "model.remat",
         "rollout.max_slots",
         "rollout.admission",

@@ -45,6 +45,10 @@ class RLConfig:
     ppo_epochs: int = 1  # passes over each batch
     minibatches: int = 1  # optimizer steps per epoch (batch split into this many minibatches)
     micro_batches: int = 1  # gradient accumulation: micro-batches per minibatch
+    # scoring forwards (reference / old-policy / critic over the whole batch before the update):
+    # run as a loop over this many micro-batches, each spread over all devices (peak activations
+    # are one micro-batch's; same values). verl's log_prob_micro_batch_size_per_gpu, as a count.
+    forward_micro_batches: int = 1
     on_nan: Literal["skip", "stop"] = "skip"  # a NaN/inf loss or grad skips the update (counted) or stops
 
     @property
@@ -103,6 +107,6 @@ class RLConfig:
             check(self.behav_weight_cap >= 1.0, key(path, "behav_weight_cap"), self.behav_weight_cap, "must be >= 1")
         if self.tis_cap is not None:
             check(self.tis_cap >= 1.0, key(path, "tis_cap"), self.tis_cap, "must be >= 1")
-        for name in ("ppo_epochs", "minibatches", "micro_batches"):
+        for name in ("ppo_epochs", "minibatches", "micro_batches", "forward_micro_batches"):
             v = getattr(self, name)
             check(v >= 1, key(path, name), v, "must be >= 1")

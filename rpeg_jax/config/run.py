@@ -62,6 +62,17 @@ class RunConfig:
             f"data.max_prompt_len + rollout.max_new_tokens = {need} exceeds "
             f"model.max_position_embeddings={m.max_position_embeddings}",
         )
+        batch = d.prompts_per_step * r.group_size
+        if r.forward_micro_batches > 1 and batch % p.microbatches == 0:  # pieces: checked by the graph pass
+            piece = batch // p.microbatches
+            check(
+                piece % r.forward_micro_batches == 0,
+                "rl.forward_micro_batches",
+                r.forward_micro_batches,
+                f"a scoring forward's batch of {piece} sequences (data.prompts_per_step x rl.group_size"
+                + (f" / pipeline.microbatches={p.microbatches}" if p.microbatches > 1 else "")
+                + ") does not split into that many equal micro-batches",
+            )
         if p.share_actor_critic:
             check(r.algorithm == "ppo", "pipeline.share_actor_critic", True, "needs a critic: set rl.algorithm=ppo")
         if self.rollout.admission == "continuous":

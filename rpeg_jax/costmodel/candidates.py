@@ -110,13 +110,15 @@ def _best_train(st, roles: Roles, busy, lay: np.ndarray, trained: list[ModelShap
 
 def _best_forward(st, busy, lay: np.ndarray, models: list[ModelShape]):
     d, f, t = (lay[:, i : i + 1].astype(np.float64) for i in range(3))
-    micros = [1]  # the runtime's scoring forwards run the whole batch as one program (no micro-batching)
+    micros = list(MICROS)  # rl.forward_micro_batches tried (runtime/kernels.scoring_fn's loop)
     micro = np.array(micros, np.float64)[None, :]
+    per_device = st.B / (d * f)
+    valid = (per_device >= micro) & np.isclose(per_device % micro, 0)  # equal pieces on every device
     times = []
     trans = np.zeros((len(lay), len(micros)))
     for ms in models:
         tt, _ = S.forward_stage(st, ms, busy, d, f, t, micro)
-        times.append(np.where((st.B / (d * f)) >= micro, tt, INF))
+        times.append(np.where(valid, tt, INF))
         trans = np.maximum(trans, S.forward_memory(st, ms, d, f, t, micro))
     return times, trans, micros
 

@@ -803,6 +803,7 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
     # one the plan was priced with (searched like k, space.admissions).
     settings = {
         "rl.micro_batches": lay["train"]["micro_batches"],
+        "rl.forward_micro_batches": lay["forward"]["micro_batches"],
         "model.remat": lay["train"]["remat"],
         "rollout.max_slots": lay["generate"]["slots"] * lay["generate"]["replicas"] // ctx.processes,
         "rollout.admission": admission_of(graph),

@@ -43,7 +43,14 @@ KNOBS = (
     "proximal_from_update",
     "values_from_critic_update",
 )
-PLAN_SETTINGS = ("rl.micro_batches", "model.remat", "rollout.max_slots", "rollout.admission", "train.offload")
+PLAN_SETTINGS = (
+    "rl.micro_batches",
+    "rl.forward_micro_batches",
+    "model.remat",
+    "rollout.max_slots",
+    "rollout.admission",
+    "train.offload",
+)
 PLAN_VERSION = 1
 
 

@@ -16,6 +16,8 @@ per-token output is response-aligned [B, R]. Host kernels also receive `_step` (
 Forward passes (scoring and updates) run each group's shared prompt once when the batch allows it
 (`shared_prompt_groups`: rows in whole groups of rl.group_size, whole groups on every device, no
 explicit mesh axes on the batch); the update then shuffles and splits whole groups. Same values to float32 rounding.
+The scoring forwards (ref / old / critic) run in rl.forward_micro_batches pieces when asked
+(`scoring_fn`: a loop inside the one program, pieces spread over all devices, same values).
 
 One-step rewrites (graph/passes.py): an actor update with options.proximal_from_update takes π_old
 from its own forward; a fused advantage+critic_update (or advantage+actor_update on a shared
@@ -34,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rpeg_jax.config.base import ConfigError
 from rpeg_jax.graph.compile import Kernel, KernelRegistry, StageEnv
 from rpeg_jax.graph.ir import StageKind
 from rpeg_jax.models.logprobs import token_logprobs
@@ -47,6 +50,7 @@ from rpeg_jax.rl import (
     make_critic_update,
     make_critic_values_update,
 )
+from rpeg_jax.rl.layout import merge_rows, split_tree
 from rpeg_jax.runtime import rollouts
 from rpeg_jax.sharding.axes import explicit_spec
 
@@ -124,15 +128,43 @@ def _devices(env: StageEnv) -> int:
     return math.prod(env.plan.mesh.values()) if env.plan.mesh else 1
 
 
-def scoring_fn(graphdef, group_size: int, devices: int, **kw):
-    """A forward pass over the whole batch, sharing each group's prompt when the batch allows it."""
+def forward_micro_batches(env: StageEnv) -> int:
+    """rl.forward_micro_batches for a scoring stage, checked against its plan entry before anything
+    compiles: each of the stage's pieces (pipeline.microbatches) must split into that many
+    micro-batches with the same number of rows on every device of its batch axes (data x fsdp)."""
+    n = env.context.cfg.rl.forward_micro_batches
+    if n == 1:
+        return 1
+    cfg = env.context.cfg
+    rows = cfg.data.prompts_per_step * cfg.rl.group_size // max(env.plan.microbatches, 1)
+    shards = env.plan.mesh.get("data", 1) * env.plan.mesh.get("fsdp", 1)
+    if rows % (n * shards):
+        raise ConfigError(
+            "rl.forward_micro_batches",
+            n,
+            f"stage {env.stage.name!r} scores {rows} sequences over data x fsdp = {shards} devices "
+            f"({rows / shards:g} per device), which do not split into {n} equal micro-batches",
+        )
+    return n
+
+
+def scoring_fn(graphdef, group_size: int, devices: int, micro: int = 1, **kw):
+    """A forward pass over the whole batch, sharing each group's prompt when the batch allows it.
+
+    micro > 1 (rl.forward_micro_batches): the batch is split into `micro` strided pieces (whole
+    groups when the prompt is shared; each piece spread over every device, rl.layout.split_tree),
+    run one after the other in a loop (lax.map: one piece's activations live at a time), and
+    the per-row outputs are put back in batch order. Every row's values are those of the single pass."""
     fwds = {}
 
     def fn(params, c):
-        g = shared_prompt_groups(c, group_size, 1, devices)
+        g = shared_prompt_groups(c, group_size, micro, devices)
         if g not in fwds:
             fwds[g] = forward_fn(graphdef, group_size=g, **kw)
-        return fwds[g](params, c)
+        if micro == 1:
+            return fwds[g](params, c)
+        out = jax.lax.map(lambda piece: fwds[g](params, piece), split_tree(c, micro, g))
+        return jax.tree.map(lambda y: merge_rows(y, g), out)
 
     return fn
 
@@ -165,6 +197,7 @@ def ref_forward(env: StageEnv) -> Kernel:
         ctx.graphdefs["reference"],
         ctx.cfg.rl.group_size,
         _devices(env),
+        forward_micro_batches(env),
         temperature=ctx.temperature,
         logp=True,
         entropy=False,
@@ -182,6 +215,7 @@ def old_forward(env: StageEnv) -> Kernel:
         ctx.graphdefs["actor"],
         ctx.cfg.rl.group_size,
         _devices(env),
+        forward_micro_batches(env),
         temperature=ctx.temperature,
         logp=True,
         entropy=False,
@@ -205,6 +239,7 @@ def critic_forward(env: StageEnv) -> Kernel:
         ctx.graphdefs[src],
         ctx.cfg.rl.group_size,
         _devices(env),
+        forward_micro_batches(env),
         temperature=ctx.temperature,
         logp=False,
         entropy=False,
