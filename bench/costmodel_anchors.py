@@ -8,11 +8,13 @@ presets plus overrides; nothing is fitted to the anchors (the constants in
 configs/hardware/*.yaml come from other sources, cited there). Prints predicted vs published
 seconds per step and their ratio; the goal is every ratio within [0.75, 1.25].
 
-How each anchor is predicted (say which when quoting a number):
-  on-policy (colocated, synchronous): the planner's verl-like baseline on the anchor's GPU count
-    (costmodel.planner.baseline: colocated vLLM-style generation, one training layout for the
-    scoring forwards and the update, old-logprob and reference forwards, weight sync; the best
-    layout of that family). NeMo-RL's on-policy runs are that family (colocated vLLM + Megatron).
+How each anchor is predicted (say which when quoting a number): the run as it was run, its
+placement and published generation tensor degree, the training layout the model's best of
+data x fsdp x tensor (Megatron's published TP/PP/CP are not expressible: no PP or CP here):
+  on-policy (colocated, synchronous): costmodel.pricing.price_layout, colocated, k = 0 (the verl-like
+    family: NeMo-RL's on-policy runs are colocated vLLM + Megatron). Beside it, the planner's own
+    verl-like baseline (costmodel.planner.baseline, its best generation TP too), which is what
+    `rpeg plan` compares against; where no layout fits at the published TP, that one is used.
   1-step off-policy (split): costmodel.pricing.price_layout of the published split (generation
     GPUs + training GPUs, generation tensor degree as published), staleness k = 1, step admission
     (generation of step t+1 overlaps training on step t), the best training layout of
@@ -134,11 +136,16 @@ def predict_anchor(a: Anchor, hw) -> dict:
     cfg, med = anchor_config(a)
     ctx = make_context(cfg, a.gpus, hw)
     published_tp = _at_gen_tensor(cfg, ctx, a, hw)
-    if a.split is None:
-        pred = baseline(ctx, "verl_like", {})
-        how = "planner verl-like (colocated, sync)"
-    else:
-        pred, how = published_tp, "price_layout split k=1 step admission, published gen TP"
+    verl = baseline(ctx, "verl_like", {}) if a.split is None else None
+    if published_tp is not None:  # the run as it was run: its placement and generation TP
+        pred = published_tp
+        how = (
+            "price_layout "
+            + ("colocated sync" if a.split is None else "split k=1 step admission")
+            + ", published gen TP"
+        )
+    else:  # the model finds no fitting layout at the published TP: the planner's verl-like choice
+        pred, how = verl, "planner verl-like (colocated, sync; no layout fits at the published gen TP)"
     if pred is None:
         raise GraphError("anchor", f"{a.name}: no layout fits")
     return {
@@ -150,7 +157,8 @@ def predict_anchor(a: Anchor, hw) -> dict:
         "published_s": a.published_s,
         "predicted_s": pred.step_time_s,
         "ratio": pred.step_time_s / a.published_s,
-        "predicted_at_published_tp_s": None if published_tp is None else published_tp.step_time_s,
+        "predicted_verl_like_s": None if verl is None else verl.step_time_s,
+        "verl_like_gen_tensor": None if verl is None else verl.layout["generate"]["tensor"],
         "method": how,
         "stage_s": pred.stage_times_s,
         "layout": pred.layout,
@@ -190,7 +198,7 @@ def _at_gen_tensor(cfg, ctx, a: Anchor, hw):
 
 def table(rows: list[dict]) -> str:
     head = (
-        "| anchor | workload | published s | predicted s | ratio | predicted s at published gen TP | ratio |\n"
+        "| anchor | workload | published s | predicted s | ratio | planner's verl-like choice s | ratio |\n"
         "|---|---|---|---|---|---|---|"
     )
     out = [head]
@@ -203,8 +211,10 @@ def table(rows: list[dict]) -> str:
             f"(cap {MAX_SEQ - PROMPT}); predicted layout gen tp{g['tensor']}, train "
             f"d{t['data']}f{t['fsdp']}t{t['tensor']} mb{t['micro_batches']} {t['remat']}"
         )
-        at = r["predicted_at_published_tp_s"]
-        at_s = f"{at:.1f} | {at / r['published_s']:.2f}" if at is not None else "no layout fits | -"
+        at = r["predicted_verl_like_s"]
+        at_s = (
+            f"{at:.1f} (gen tp{r['verl_like_gen_tensor']}) | {at / r['published_s']:.2f}" if at is not None else "- | -"
+        )
         out.append(
             f"| {r['anchor']} | {work} | {r['published_s']:.1f} | {r['predicted_s']:.1f} | {r['ratio']:.2f} | {at_s} |"
         )
