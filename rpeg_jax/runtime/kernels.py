@@ -46,6 +46,7 @@ from rpeg_jax.rl import (
     make_actor_update,
     make_critic_update,
     make_critic_values_update,
+    overlong_mask,
 )
 from rpeg_jax.runtime import rollouts
 from rpeg_jax.sharding.axes import explicit_spec
@@ -156,6 +157,21 @@ _BATCH_KEYS = {
     "returns": "returns_BxR",
     "rewards": "rewards_B",
 }
+
+
+def _actor_batch(inputs: dict, ctx) -> dict:
+    """The actor update's batch; with rl.overlong=mask truncated responses leave the policy loss
+    (rl.losses.overlong_mask on the response mask the update aggregates over)."""
+    batch = _rl_batch(inputs, _BATCH_KEYS)
+    if ctx.cfg.rl.overlong == "mask":
+        r = batch["response_mask_BxR"].shape[1]
+        batch["response_mask_BxR"], _ = overlong_mask(
+            batch["tokens_BxS"][:, -r:],
+            batch["response_mask_BxR"],
+            ctx.cfg.rollout.max_new_tokens,
+            rollouts.stop_ids(ctx.cfg),
+        )
+    return batch
 
 
 # ---- device kernels ---------------------------------------------------------------------------
@@ -272,7 +288,7 @@ def actor_update(env: StageEnv) -> Kernel:
     )
 
     def fn(i):
-        batch = _rl_batch(i, _BATCH_KEYS)
+        batch = _actor_batch(i, ctx)
         rng = jax.random.fold_in(ctx.update_key, i["_step"])
         params, opt_state, metrics = update(i["actor"], i["actor_opt"], batch, rng)
         return {"actor": params, "actor_opt": opt_state, "metrics": metrics}
@@ -361,7 +377,7 @@ def shared_values_update(env: StageEnv) -> Kernel | None:
     )
 
     def fn(i):
-        batch = _rl_batch(i, _BATCH_KEYS)
+        batch = _actor_batch(i, ctx)
         params, opt_state, metrics, rows = update(i["actor"], i["actor_opt"], batch, None)
         _, adv_metrics = _advantages({**batch, **rows}, ctx, i["_step"])
         return {"actor": params, "actor_opt": opt_state, "metrics": {**adv_metrics, **metrics}}

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from rpeg_jax.data.rewards import Sample
+from rpeg_jax.data.rewards import Sample, overlong_penalty, truncated
 from rpeg_jax.data.rewards import score as score_samples
 from rpeg_jax.data.tokenizer import completion_ids
 from rpeg_jax.runtime.admission import forced_lengths, occupancy, rollout_seed
@@ -218,31 +218,55 @@ def _objects(values, index) -> np.ndarray:
     return out
 
 
+def stop_ids(cfg) -> tuple[int, ...]:
+    """The ids a response stops at (where the sampler stopped it: eos unless ignored, and stop ids)."""
+    eos = () if cfg.rollout.ignore_eos or cfg.rollout.forced_lengths is not None else cfg.model.end_ids
+    return (*eos, *cfg.rollout.stop_token_ids)
+
+
+def score_rows(ctx, tokens: np.ndarray, lengths: np.ndarray, host: dict) -> tuple[np.ndarray, int, np.ndarray]:
+    """Rewards [B] of response rows (tokens [B, R], their lengths, host columns prompt/answer/record)
+    with the configured verifier, plus DAPO's soft overlong penalty when rl.overlong=soft_penalty;
+    returns (rewards float32, reward errors, truncated [B]: hit rollout.max_new_tokens without a stop)."""
+    tok, cfg = ctx.tokenizer, ctx.cfg
+    text_stops = (*cfg.model.end_ids, *cfg.rollout.stop_token_ids)  # where the completion's text ends
+    samples = []
+    for b in range(tokens.shape[0]):
+        ids = completion_ids(tokens[b, : lengths[b]].tolist(), tok.eos_id, text_stops)
+        samples.append(
+            Sample(
+                prompt=host["prompt"][b],
+                completion=tok.decode(ids),
+                completion_ids=tuple(ids),
+                answer=host["answer"][b],
+                record=host["record"][b],
+            )
+        )
+    rewards, errors = score_samples(samples, ctx.reward_fn, cfg.data.reward_on_error, ctx.reward_name)
+    last = tokens[np.arange(tokens.shape[0]), np.maximum(lengths - 1, 0)]
+    cut = truncated(np.where(lengths > 0, last, -1), lengths, cfg.rollout.max_new_tokens, stop_ids(cfg))
+    rl = cfg.rl
+    if rl.overlong == "soft_penalty":
+        cap = cfg.rollout.max_new_tokens
+        rewards = rewards + overlong_penalty(lengths, cap, rl.overlong_buffer, rl.overlong_penalty)
+    return rewards.astype(np.float32), errors, cut
+
+
 def score(ctx, comps: dict) -> tuple[Any, dict]:
-    """Rewards [B] of a rollout batch with the configured verifier (host), and metrics."""
-    tok = ctx.tokenizer
+    """Rewards [B] of a rollout batch with the configured verifier (host), and metrics. A batch
+    that dynamic sampling scored already (rl.filter_groups) carries its rewards in host_rewards."""
     R = comps["host_mask"].shape[1]
     tokens = comps["host_tokens"][:, -R:]
     lengths = comps["host_mask"].sum(1).astype(int)
-    stop_ids = (*ctx.cfg.model.end_ids, *ctx.cfg.rollout.stop_token_ids)  # where the sampler stopped
-    samples = []
-    for b in range(tokens.shape[0]):
-        ids = completion_ids(tokens[b, : lengths[b]].tolist(), tok.eos_id, stop_ids)
-        samples.append(
-            Sample(
-                prompt=comps["host_prompt"][b],
-                completion=tok.decode(ids),
-                completion_ids=tuple(ids),
-                answer=comps["host_answer"][b],
-                record=comps["host_record"][b],
-            )
-        )
+    host = {k: comps[f"host_{k}"] for k, _ in HOST_FIELDS}
     t0 = time.perf_counter()
-    rewards, errors = score_samples(samples, ctx.reward_fn, ctx.cfg.data.reward_on_error, ctx.reward_name)
-    return ctx.placement.put_batch(rewards), {
-        "reward/errors": float(errors),
-        "timing_s/reward_fn": time.perf_counter() - t0,
-    }
+    rewards, errors, cut = score_rows(ctx, tokens, lengths, host) if "host_rewards" not in comps else (None, 0, None)
+    if rewards is None:
+        rewards, errors, cut = comps["host_rewards"], int(comps["host_reward_errors"]), comps["host_truncated"]
+    metrics = {"reward/errors": float(errors), "timing_s/reward_fn": time.perf_counter() - t0}
+    if ctx.cfg.rl.overlong != "none":
+        metrics["rollout/overlong"] = float(np.mean(cut)) if len(cut) else 0.0
+    return ctx.placement.put_batch(rewards), metrics
 
 
 @jax.jit
