@@ -401,6 +401,10 @@ def generate(env: StageEnv) -> Kernel:
             comps, behav, metrics = rollouts.continuous_batch(
                 ctx, i["rollout_weights"], version, i["data_iterator"], step
             )
+        elif ctx.cfg.rl.filter_groups != "none":  # dynamic sampling: prompts drawn from the stream
+            comps, behav, metrics = rollouts.filtered_piece(
+                ctx, i["rollout_weights"], version, i["data_iterator"], step, piece, pieces
+            )
         else:
             prompts = i["data_iterator"].get(step)
             comps, behav, metrics = rollouts.generate_piece(
