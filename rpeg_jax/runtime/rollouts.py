@@ -12,6 +12,9 @@ must have the configured shape so pieces concatenate; under continuous admission
 rollout.max_new_tokens (a batch's longest response changes every step, and each new R would
 compile the training stages again).
 
+DAPO's filters: `filtered_piece` is step admission's dynamic sampling (rl.filter_groups), and
+`score_rows` adds the soft overlong penalty (rl.overlong=soft_penalty) to every reward.
+
 Called by: runtime/kernels.py (generate, reward), runtime/setup.py (RolloutBuffer, StepPrompts),
 runtime/trainer.py (token statistics, the staleness check, step FLOPs), runtime/resume.py
 (host_fields).
