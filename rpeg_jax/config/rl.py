@@ -50,6 +50,17 @@ class RLConfig:
     # are one micro-batch's; same values). verl's log_prob_micro_batch_size_per_gpu, as a count.
     forward_micro_batches: int = 1
     on_nan: Literal["skip", "stop"] = "skip"  # a NaN/inf loss or grad skips the update (counted) or stops
+    # DAPO (Yu 2025) dynamic sampling: a group whose rewards are all equal (zero advantage) is dropped
+    # from the batch and more groups are generated until data.prompts_per_step groups remain
+    filter_groups: Literal["none", "zero_variance"] = "none"
+    filter_max_rounds: int = 10  # step admission: generation rounds per step at most (the first included);
+    #   continuous: at most this many x prompts_per_step groups filtered per step; 0 = unbounded;
+    #   exhausted: the step fails (FilterExhausted) rather than train on a short or zero-advantage batch
+    overlong: Literal["none", "mask", "soft_penalty"] = "none"  # DAPO: truncated responses (cap, no eos)
+    #   get zero policy-loss weight (mask), or a length penalty is added to every reward (soft_penalty)
+    overlong_buffer: int = 0  # L_cache (tokens) of soft_penalty: the penalty ramps over the last L_cache
+    #   tokens before rollout.max_new_tokens; required, 0 < L_cache < max_new_tokens
+    overlong_penalty: float = 1.0  # soft_penalty's factor: the penalty at the cap (reward - factor)
 
     @property
     def advantage_estimator(self) -> str:
@@ -110,3 +121,31 @@ class RLConfig:
         for name in ("ppo_epochs", "minibatches", "micro_batches", "forward_micro_batches"):
             v = getattr(self, name)
             check(v >= 1, key(path, name), v, "must be >= 1")
+        check(
+            self.filter_groups in ("none", "zero_variance"),
+            key(path, "filter_groups"),
+            self.filter_groups,
+            "must be 'none' or 'zero_variance'",
+        )
+        check(self.filter_max_rounds >= 0, key(path, "filter_max_rounds"), self.filter_max_rounds, "must be >= 0")
+        if self.filter_groups != "none":
+            check(
+                self.group_size >= 2,
+                key(path, "group_size"),
+                self.group_size,
+                "must be >= 2 for rl.filter_groups (a group of one always has zero variance)",
+            )
+        check(
+            self.overlong in ("none", "mask", "soft_penalty"),
+            key(path, "overlong"),
+            self.overlong,
+            "must be 'none', 'mask' or 'soft_penalty'",
+        )
+        if self.overlong == "soft_penalty":
+            check(
+                self.overlong_buffer > 0,
+                key(path, "overlong_buffer"),
+                self.overlong_buffer,
+                "must be > 0 with rl.overlong=soft_penalty (DAPO's L_cache, in tokens)",
+            )
+            check(self.overlong_penalty >= 0.0, key(path, "overlong_penalty"), self.overlong_penalty, "must be >= 0")

@@ -96,6 +96,14 @@ class RunConfig:
                 sid,
                 f"must be in [0, model.vocab_size={m.vocab_size})",
             )
+        if r.overlong == "soft_penalty":
+            check(
+                r.overlong_buffer < self.rollout.max_new_tokens,
+                "rl.overlong_buffer",
+                r.overlong_buffer,
+                f"must be < rollout.max_new_tokens={self.rollout.max_new_tokens} (the penalty ramps over the "
+                f"last overlong_buffer tokens before the cap)",
+            )
         if r.kl_in_reward:
             check(
                 r.algorithm == "ppo",

@@ -153,6 +153,21 @@ def score(
     return rewards, errors
 
 
+def truncated(last_tokens: np.ndarray, lengths: np.ndarray, max_len: int, stop_ids: Sequence[int]) -> np.ndarray:
+    """Responses cut by the length cap: `max_len` tokens long and not ending in an eos/stop id (bool [B]).
+    last_tokens[b] is row b's last response token (any value for an empty row)."""
+    lengths = np.asarray(lengths)
+    return (lengths >= max_len) & ~np.isin(np.asarray(last_tokens), np.asarray(list(stop_ids), np.int64))
+
+
+def overlong_penalty(lengths: np.ndarray, max_len: int, buffer: int, factor: float) -> np.ndarray:
+    """DAPO's soft overlong punishment (Yu 2025 eq. 13), added to the reward of a response of |y|
+    tokens with L_max = max_len and L_cache = buffer: 0 while |y| <= L_max - L_cache, then
+    (L_max - L_cache - |y|) / L_cache · factor, down to -factor at the cap (and beyond). float32 [B]."""
+    excess = np.asarray(lengths, np.float64) - (max_len - buffer)
+    return np.clip(-excess / buffer * factor, -factor, 0.0).astype(np.float32)
+
+
 # ---- built-ins ---------------------------------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ from rpeg_jax.rl.losses import (
     agg_weights,
     behaviour_weights,
     critic_objective,
+    overlong_mask,
     ppo_token_loss,
     value_token_loss,
 )
@@ -43,6 +44,7 @@ from rpeg_jax.rl.update import (
 )
 
 __all__ = [
+    "overlong_mask",
     "compute_advantages",
     "gae",
     "grpo_advantages",

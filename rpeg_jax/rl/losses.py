@@ -51,6 +51,18 @@ def agg_weights(mask_BxR, mode: str, norm_len: int | None = None):
     raise ValueError(f"rl.loss_agg={mode!r}: unknown aggregation")
 
 
+def overlong_mask(tokens_BxR, mask_BxR, max_len: int, stop_ids=()):
+    """DAPO's overlong filtering: the response mask with every truncated row zeroed (a row of
+    `max_len` tokens whose last token is no eos/stop id), so it carries no policy-loss weight and
+    no weight in the loss normaliser; returns (mask_BxR, truncated_B float32)."""
+    m = mask_BxR > 0
+    length = jnp.sum(m, -1)
+    last = jnp.take_along_axis(tokens_BxR, jnp.maximum(length - 1, 0)[:, None].astype(jnp.int32), axis=1)[:, 0]
+    stopped = jnp.isin(last, jnp.asarray(stop_ids, last.dtype)) if len(stop_ids) else jnp.zeros_like(m[:, 0])
+    cut = (length >= max_len) & ~stopped
+    return jnp.where(cut[:, None], jnp.zeros_like(mask_BxR), mask_BxR), cut.astype(jnp.float32)
+
+
 def wsum(x, w):
     """Σ w·x with x selected by w > 0 (padding never contributes, NaN there included)."""
     return jnp.sum(jnp.where(w > 0, x, 0.0) * w)

@@ -18,6 +18,10 @@ the decode batch drains while the longest responses finish (the tail). Here the 
   longer meet it, in flight or completed, is re-queued (its prompt generated again, with a fresh
   random stream) or dropped (the next prompt of the stream takes its place), as
   rollout.stale_groups says, and counted.
+- Dynamic sampling (rl.filter_groups=zero_variance, DAPO): a group is scored as it completes; one
+  whose rewards are all equal (zero advantage) is not counted toward the batch and is dropped
+  (counted as rollout/filtered_groups), so the engine admits the next prompt of the stream in its
+  place. The rewards ride along with the batch (the reward stage does not score it again).
 
 Generation does not run ahead of training here (the graph's generate stage reads the newest
 weights, graph/passes.bounded_async(k, ahead=0)): what the asynchrony buys is that sequences run
@@ -39,6 +43,10 @@ from rpeg_jax.sampling import SamplingParams
 from rpeg_jax.sampling.scheduler import Sequence
 
 
+class FilterExhausted(RuntimeError):
+    """Dynamic sampling (rl.filter_groups) could not fill a step's batch within rl.filter_max_rounds."""
+
+
 @dataclass(eq=False)
 class Group:
     """One prompt's G sequences in the engine, and where the prompt came from in the data stream."""
@@ -50,6 +58,7 @@ class Group:
     prompt: list[int]
     host: dict[str, Any]  # prompt text, answer, record (for the reward)
     seqs: list[Sequence] = field(default_factory=list)
+    scores: Any = None  # dynamic sampling: (rewards [G], errors, truncated [G]) once complete
 
     @property
     def complete(self) -> bool:
@@ -68,6 +77,7 @@ class StepStats:
 
     requeued: int = 0
     dropped: int = 0
+    filtered: int = 0  # dynamic sampling: completed groups with equal rewards, not counted toward the batch
     decode_steps: int = 0
     occupancy: float = 0.0
 
@@ -94,11 +104,17 @@ class ContinuousRollouts:
         seed: int,
         prompt_offset: int,
         lengths=None,
+        max_filtered: int = 0,
     ):
         self.sampler = sampler
         self.groups_per_step, self.group_size, self.staleness = groups_per_step, group_size, staleness
         self.stale_groups, self.sampling, self.seed, self.prompt_offset = stale_groups, sampling, seed, prompt_offset
         self.lengths = lengths  # (data step, index, attempt) -> per-sequence max new tokens (forced), or None
+        # dynamic sampling (rl.filter_groups): Group -> (rewards, errors, truncated), set by runtime/setup.py;
+        # a completed group whose rewards are all equal is dropped (another is admitted in its place),
+        # at most max_filtered per step (0: unbounded)
+        self.scorer = None
+        self.max_filtered = max_filtered
         self.in_flight: list[Group] = []
         self.done: list[Group] = []
         self.next_gid = 0
@@ -140,7 +156,7 @@ class ContinuousRollouts:
         for g in self.in_flight:
             self.sampler.abort(g.seqs)
         back = sorted(self.in_flight + self.done, key=lambda g: g.gid)
-        self.retry = [dataclasses.replace(g, seqs=[]) for g in back] + self.retry
+        self.retry = [dataclasses.replace(g, seqs=[], scores=None) for g in back] + self.retry
         self.in_flight, self.done = [], []
 
     def state(self) -> dict:
@@ -178,7 +194,7 @@ class ContinuousRollouts:
         """A group that can no longer meet the bound: generate its prompt again, or drop it."""
         if self.stale_groups == "requeue":
             stats.requeued += 1
-            self.retry.append(dataclasses.replace(g, attempt=g.attempt + 1, seqs=[]))
+            self.retry.append(dataclasses.replace(g, attempt=g.attempt + 1, seqs=[], scores=None))
         else:
             stats.dropped += 1
 
@@ -186,8 +202,23 @@ class ContinuousRollouts:
         """Move complete groups from in flight to done (in admission order within this chunk)."""
         for g in [g for g in self.in_flight if g.complete]:
             self.in_flight.remove(g)
-            if self._keep(g, floor, stats):
+            if self._keep(g, floor, stats) and not self._filtered(g, stats):
                 self.done.append(g)
+
+    def _filtered(self, g: Group, stats: StepStats) -> bool:
+        """Dynamic sampling: score a completed group; True (dropped, counted) when its rewards are all equal."""
+        if self.scorer is None:
+            return False
+        g.scores = self.scorer(g)
+        if not np.all(g.scores[0] == g.scores[0][0]):
+            return False
+        stats.filtered += 1
+        if self.max_filtered and stats.filtered > self.max_filtered:
+            raise FilterExhausted(
+                f"rl.filter_groups: more than {self.max_filtered} groups (rl.filter_max_rounds x "
+                f"data.prompts_per_step) had equal rewards in one step; raise rl.filter_max_rounds (0 = unbounded)"
+            )
+        return True
 
     def _top_up(self, prompts) -> None:
         """Queue whole groups until every slot is taken and one group waits for the next to free."""

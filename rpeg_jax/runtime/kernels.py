@@ -49,6 +49,7 @@ from rpeg_jax.rl import (
     make_actor_update,
     make_critic_update,
     make_critic_values_update,
+    overlong_mask,
 )
 from rpeg_jax.rl.layout import merge_rows, split_tree
 from rpeg_jax.runtime import rollouts
@@ -190,6 +191,21 @@ _BATCH_KEYS = {
 }
 
 
+def _actor_batch(inputs: dict, ctx) -> dict:
+    """The actor update's batch; with rl.overlong=mask truncated responses leave the policy loss
+    (rl.losses.overlong_mask on the response mask the update aggregates over)."""
+    batch = _rl_batch(inputs, _BATCH_KEYS)
+    if ctx.cfg.rl.overlong == "mask":
+        r = batch["response_mask_BxR"].shape[1]
+        batch["response_mask_BxR"], _ = overlong_mask(
+            batch["tokens_BxS"][:, -r:],
+            batch["response_mask_BxR"],
+            ctx.cfg.rollout.max_new_tokens,
+            rollouts.stop_ids(ctx.cfg),
+        )
+    return batch
+
+
 # ---- device kernels ---------------------------------------------------------------------------
 def ref_forward(env: StageEnv) -> Kernel:
     ctx = env.context
@@ -307,7 +323,7 @@ def actor_update(env: StageEnv) -> Kernel:
     )
 
     def fn(i):
-        batch = _rl_batch(i, _BATCH_KEYS)
+        batch = _actor_batch(i, ctx)
         rng = jax.random.fold_in(ctx.update_key, i["_step"])
         params, opt_state, metrics = update(i["actor"], i["actor_opt"], batch, rng)
         return {"actor": params, "actor_opt": opt_state, "metrics": metrics}
@@ -396,7 +412,7 @@ def shared_values_update(env: StageEnv) -> Kernel | None:
     )
 
     def fn(i):
-        batch = _rl_batch(i, _BATCH_KEYS)
+        batch = _actor_batch(i, ctx)
         params, opt_state, metrics, rows = update(i["actor"], i["actor_opt"], batch, None)
         _, adv_metrics = _advantages({**batch, **rows}, ctx, i["_step"])
         return {"actor": params, "actor_opt": opt_state, "metrics": {**adv_metrics, **metrics}}
@@ -419,6 +435,10 @@ def generate(env: StageEnv) -> Kernel:
         if ctx.engine is not None:
             comps, behav, metrics = rollouts.continuous_batch(
                 ctx, i["rollout_weights"], version, i["data_iterator"], step
+            )
+        elif ctx.cfg.rl.filter_groups != "none":  # dynamic sampling: prompts drawn from the stream
+            comps, behav, metrics = rollouts.filtered_piece(
+                ctx, i["rollout_weights"], version, i["data_iterator"], step, piece, pieces
             )
         else:
             prompts = i["data_iterator"].get(step)

@@ -9,7 +9,9 @@ and of (seed, step): sampler streams, minibatch permutations, the sampler's weig
 Rollout arrays are saved as global device arrays (each process writes its shards). Host-side
 fields (prompt texts, answers, records) are not saved: the data iterator state saved is the one
 *before* the buffered steps were drawn, and a resume draws them again (each process its own
-share) to rebuild those fields, ending in the same iterator state.
+share) to rebuild those fields, ending in the same iterator state. Under dynamic sampling with
+step admission (rl.filter_groups) a step's groups come from anywhere in the stream: the checkpoint
+holds the stream's cursor (data step, index) and each buffered group's place in the stream.
 
 Called by: runtime/trainer.py.
 """
@@ -22,7 +24,7 @@ import numpy as np
 from rpeg_jax.config.base import ConfigError
 from rpeg_jax.runtime.checkpoint import Checkpointer
 from rpeg_jax.runtime.executor import Executor, Store
-from rpeg_jax.runtime.rollouts import host_fields
+from rpeg_jax.runtime.rollouts import host_fields, stream_host_fields
 
 TRAIN_STATES = ("actor", "actor_opt", "critic", "critic_opt")
 BUFFERED = ("completions", "behav_logp")
@@ -45,6 +47,9 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None)
         engine.restart()
         d = engine.data_step
         data_state = prompts.state_before(d) if d in prompts.before else prompts.state()
+    elif prompts.cursor_before:  # dynamic sampling: the stream continues at a (data step, index) cursor
+        start = prompts.cursor_before[step] if k else prompts.cursor
+        data_state = prompts.state_at(start)
     else:  # with generation ahead, the buffered steps' prompts are drawn again on restore
         data_state = prompts.state_before(step) if k else prompts.state()
     meta = {
@@ -58,6 +63,9 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None)
         "buffer_specs": {},
         "pending_metrics": ex.pending_metrics(buffered),
     }
+    if engine is None and prompts.cursor_before:  # where each buffered group came from, and the cursor
+        steps = {str(s): [list(prompts.cursor_before[s]), prompts.sources[s], prompts.filtered[s]] for s in buffered}
+        meta["filter"] = {"cursor": list(prompts.cursor), "steps": steps}
     if "rollout_buffer" in store.state:
         meta["admitted"] = {str(s): v for s, v in store.latest("rollout_buffer")[1].admitted.items()}
     buffer = {}
@@ -103,22 +111,23 @@ def restore(ckpt: Checkpointer, store: Store, ex: Executor, ctx) -> int:
     buffered = list(meta["buffer_steps"])
     prompts = store.latest("data_iterator")[1]
     prompts.pipeline.set_state(meta["data_iterator"])
+    filt = meta.get("filter")
     for s in buffered:  # draw the buffered steps' prompts again (host fields)
-        batch = prompts.get(s)
         arrays = {k.split("/", 2)[2]: v for k, v in buffer.items() if k.startswith(f"{s}/completions/")}
         comps = dict(arrays)
-        comps.update(
-            host_fields(
-                ctx,
-                batch,
-                0,
-                len(batch.prompt_tokens),
-                ctx.placement.host_rows(arrays["tokens_BxS"]),
-                ctx.placement.host_rows(arrays["response_mask_BxR"]),
-            )
-        )
+        rows = ctx.placement.host_rows(arrays["tokens_BxS"]), ctx.placement.host_rows(arrays["response_mask_BxR"])
+        if filt is not None:  # dynamic sampling: the groups the step kept, wherever in the stream
+            before, sources, filtered = filt["steps"][str(s)]
+            sources = [(int(d), int(i)) for d, i in sources]
+            comps.update(stream_host_fields(ctx, prompts, sources, *rows))
+            prompts.cursor_before[s], prompts.sources[s], prompts.filtered[s] = tuple(before), sources, int(filtered)
+        else:
+            batch = prompts.get(s)
+            comps.update(host_fields(ctx, batch, 0, len(batch.prompt_tokens), *rows))
         store.put_data("completions", s, comps)
         store.put_data("behav_logp", s, buffer[f"{s}/behav_logp/"])
+    if filt is not None:
+        prompts.cursor = tuple(int(x) for x in filt["cursor"])
     if ctx.engine is not None:
         if meta.get("engine") is None:
             raise ConfigError("rollout.admission", "continuous", f"checkpoint {step} holds no engine state")

@@ -12,6 +12,9 @@ must have the configured shape so pieces concatenate; under continuous admission
 rollout.max_new_tokens (a batch's longest response changes every step, and each new R would
 compile the training stages again).
 
+DAPO's filters: `filtered_piece` is step admission's dynamic sampling (rl.filter_groups), and
+`score_rows` adds the soft overlong penalty (rl.overlong=soft_penalty) to every reward.
+
 Called by: runtime/kernels.py (generate, reward), runtime/setup.py (RolloutBuffer, StepPrompts),
 runtime/trainer.py (token statistics, the staleness check, step FLOPs), runtime/resume.py
 (host_fields).
@@ -28,10 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from rpeg_jax.data.rewards import Sample
+from rpeg_jax.data.rewards import Sample, overlong_penalty, truncated
 from rpeg_jax.data.rewards import score as score_samples
 from rpeg_jax.data.tokenizer import completion_ids
-from rpeg_jax.runtime.admission import forced_lengths, occupancy, rollout_seed
+from rpeg_jax.runtime.admission import FilterExhausted, forced_lengths, occupancy, rollout_seed
 from rpeg_jax.sampling import SamplingParams
 
 LENGTH_BUCKET = 8
@@ -48,11 +51,19 @@ def bucket(n: int, fixed: int | None) -> int:
 @dataclass
 class StepPrompts:
     """The data-iterator state node's value: one PromptBatch per step, fetched in step order.
-    Remembers the pipeline state before each fetch, so a checkpoint can rewind to it."""
+    Remembers the pipeline state before each fetch, so a checkpoint can rewind to it.
+
+    Under dynamic sampling with step admission (rl.filter_groups) a step draws prompts from the
+    stream by `draw` instead: `cursor` is the stream's next (data step, index), `cursor_before[t]`
+    where step t started drawing and `sources[t]` the (data step, index) of each group of its batch."""
 
     pipeline: Any
     cache: dict[int, Any] = field(default_factory=dict)
     before: dict[int, dict] = field(default_factory=dict)
+    cursor: tuple[int, int] = (0, 0)
+    cursor_before: dict[int, tuple[int, int]] = field(default_factory=dict)
+    sources: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    filtered: dict[int, int] = field(default_factory=dict)  # groups dropped so far for step t
 
     def get(self, step: int):
         while step not in self.cache:
@@ -63,9 +74,28 @@ class StepPrompts:
                 raise RuntimeError(f"data pipeline is at step {batch.step}, step {step} was asked for")
         for s in [s for s in self.cache if s < step - 1]:
             del self.cache[s]
-        for s in [s for s in self.before if s < step - 16]:
+        floor = min([step - 16] + [d for d, _ in self.cursor_before.values()])  # a checkpoint may rewind there
+        for s in [s for s in self.before if s < floor]:
             del self.before[s]
         return self.cache[step]
+
+    def draw(self, n: int) -> list[tuple[int, int, Any]]:
+        """The stream's next n prompts as (data step, index, PromptBatch), advancing the cursor."""
+        out = []
+        d, i = self.cursor
+        for _ in range(n):
+            batch = self.get(d)
+            out.append((d, i, batch))
+            d, i = (d + 1, 0) if i + 1 == len(batch.prompt_tokens) else (d, i + 1)
+        self.cursor = (d, i)
+        return out
+
+    def begin(self, step: int) -> None:
+        """Step `step` starts drawing its groups (dynamic sampling), at its first piece."""
+        self.cursor_before[step], self.sources[step], self.filtered[step] = self.cursor, [], 0
+        for t in [t for t in self.cursor_before if t < step - 32]:
+            for d in (self.cursor_before, self.sources, self.filtered):
+                d.pop(t, None)
 
     def state(self) -> dict:
         return self.pipeline.get_state()
@@ -73,6 +103,11 @@ class StepPrompts:
     def state_before(self, step: int) -> dict:
         """The pipeline state just before step `step`'s prompts were drawn."""
         return self.before[step]
+
+    def state_at(self, cursor: tuple[int, int]) -> dict:
+        """The pipeline state from which `draw` continues at `cursor` (its data step fetched again)."""
+        d = cursor[0]
+        return self.before[d] if d in self.before else self.pipeline.get_state()
 
 
 @dataclass
@@ -126,6 +161,94 @@ def generate_piece(ctx, params, version: int, batch, step: int, piece: int, piec
     return comps, behav, metrics
 
 
+def filtered_piece(ctx, params, version: int, prompts: StepPrompts, step: int, piece: int, pieces: int):
+    """Dynamic sampling (rl.filter_groups=zero_variance) under step admission: piece `piece` of step
+    `step` as the first groups drawn from the prompt stream whose rewards are not all equal. Each
+    round generates as many new prompts as groups are missing (its own sampler seed), scores them,
+    drops the zero-variance ones; at most rl.filter_max_rounds rounds (0: unbounded), else
+    FilterExhausted. The rewards ride along in host_rewards (the reward stage does not score again).
+    Returns (completions, behav_logp, metrics)."""
+    cfg, sampler = ctx.cfg, ctx.sampler
+    n = cfg.data.prompts_per_step // jax.process_count()  # this process's groups per step
+    lo, hi = piece * n // pieces, (piece + 1) * n // pieces
+    if sampler.version != version:
+        sampler.update_weights(params, version)
+    G, max_rounds = cfg.rl.group_size, cfg.rl.filter_max_rounds
+    draw_len = forced_lengths(cfg.rollout.forced_lengths, cfg.train.seed, G) if cfg.rollout.forced_lengths else None
+    if piece == 0:
+        prompts.begin(step)
+    kept: list[tuple] = []  # (prompt, completions, host, rewards, errors, truncated, source)
+    rounds, filtered, new_tokens, preempt, gen_s = 0, 0, 0, 0, 0.0
+    before = sampler.stats()
+    while len(kept) < hi - lo:
+        if max_rounds and rounds == max_rounds:
+            raise FilterExhausted(
+                f"step {step}: rl.filter_groups={cfg.rl.filter_groups} kept {len(kept)} of {hi - lo} groups after "
+                f"rl.filter_max_rounds={max_rounds} generation rounds ({filtered} groups had equal rewards); raise "
+                f"rl.filter_max_rounds (0 = unbounded) or use prompts the policy neither always solves nor always fails"
+            )
+        drawn = prompts.draw(hi - lo - len(kept))
+        sp = SamplingParams.from_rollout(cfg.rollout, n=G, seed=rollout_seed(cfg.train.seed + 7919 * rounds, step))
+        lengths = None if draw_len is None else [draw_len(d, i, 0) for d, i, _ in drawn]
+        ids = [ctx.prompt_offset + lo + len(kept) + j for j in range(len(drawn))]
+        t0 = time.perf_counter()
+        outs = sampler.generate([list(b.prompt_tokens[i]) for _, i, b in drawn], sp, prompt_ids=ids, lengths=lengths)
+        gen_s += time.perf_counter() - t0
+        rounds += 1
+        for (d, i, b), o in zip(drawn, outs):
+            host = {k: [getattr(b, a)[i]] * G for k, a in HOST_FIELDS}
+            rewards, errors, cut = score_group(ctx, [c.tokens for c in o.completions], host)
+            new_tokens += sum(len(c.tokens) for c in o.completions)
+            preempt += sum(c.num_preemptions for c in o.completions)
+            if np.all(rewards == rewards[0]):
+                filtered += 1
+                continue
+            kept.append((o.prompt_tokens, o.completions, {k: v[0] for k, v in host.items()}, rewards, errors, cut))
+            prompts.sources[step].append((d, i))
+    prompts.filtered[step] += filtered
+    rows = [(p, c.tokens, c.logprobs, c.policy_versions) for p, cs, *_ in kept for c in cs]
+    gids = np.repeat(np.arange(lo, hi, dtype=np.int32) + ctx.prompt_offset, G)
+    host = {k: [h[k] for _, _, h, *_ in kept] for k, _ in HOST_FIELDS}
+    comps, behav, _ = lay_out(ctx, rows, gids, host)
+    comps.update(_cached_scores([(r, e, c) for *_, r, e, c in kept]))
+    metrics = {
+        "perf/gen_tokens_per_s": new_tokens / gen_s if gen_s > 0 else 0.0,
+        "rollout/preemptions": float(preempt),
+        "rollout/weights_version": float(version),
+        "rollout/occupancy": occupancy(before, sampler.stats()),
+        "rollout/filtered_groups": float(prompts.filtered[step]),  # the step's total so far (pieces add up)
+        "rollout/filter_rounds": float(rounds),
+    }
+    return comps, behav, metrics
+
+
+def score_group(ctx, responses: list, host: dict) -> tuple[np.ndarray, int, np.ndarray]:
+    """score_rows for one group's G responses (token lists) and its host columns (G entries each)."""
+    lengths = np.array([len(t) for t in responses], int)
+    tokens = np.zeros((len(responses), max(1, int(lengths.max()))), np.int64)
+    for b, t in enumerate(responses):
+        tokens[b, : len(t)] = t
+    return score_rows(ctx, tokens, lengths, host)
+
+
+def group_scores(ctx, g) -> tuple[np.ndarray, int, np.ndarray]:
+    """Continuous admission's scorer (runtime/admission.py): the rewards of a completed Group."""
+    seqs = sorted(g.seqs, key=lambda s: s.sample_index)
+    return score_group(ctx, [s.tokens for s in seqs], {k: [g.host[k]] * len(seqs) for k, _ in HOST_FIELDS})
+
+
+def _cached_scores(kept) -> dict:
+    """host_rewards / host_reward_errors / host_truncated of scored groups (rewards, errors, truncated)."""
+    errs = [np.zeros(len(r), np.int32) for r, *_ in kept]
+    for e, (_, n, _) in zip(errs, kept):
+        e[0] = n
+    return {
+        "host_rewards": np.concatenate([r for r, *_ in kept]).astype(np.float32),
+        "host_reward_errors": np.concatenate(errs),
+        "host_truncated": np.concatenate([c for *_, c in kept]),
+    }
+
+
 def continuous_batch(ctx, params, version: int, prompts, step: int):
     """Step `step`'s batch from the engine that outlives the step (runtime/admission.py): the first
     groups to complete that meet the staleness bound; returns (completions, behav_logp, metrics)."""
@@ -139,6 +262,8 @@ def continuous_batch(ctx, params, version: int, prompts, step: int):
     gids = np.repeat(np.array([g.gid for g in groups], np.int32), G)
     host = {k: [g.host[k] for g in groups] for k, _ in HOST_FIELDS}
     comps, behav, new_tokens = lay_out(ctx, rows, gids, host)
+    if engine.scorer is not None:  # dynamic sampling scored every group as it completed
+        comps.update(_cached_scores([g.scores for g in groups]))
     metrics = {
         "perf/gen_tokens_per_s": new_tokens / gen_s if gen_s > 0 else 0.0,
         "rollout/preemptions": float(sum(s.preemptions for _, s in seqs)),
@@ -149,6 +274,8 @@ def continuous_batch(ctx, params, version: int, prompts, step: int):
         "rollout/in_flight": float(engine.in_flight_sequences()),
         "rollout/decode_steps": float(st.decode_steps),
     }
+    if engine.scorer is not None:
+        metrics["rollout/filtered_groups"] = float(st.filtered)
     return comps, behav, metrics
 
 
@@ -211,6 +338,13 @@ def host_fields(ctx, batch, lo: int, hi: int, tokens: np.ndarray, mask: np.ndarr
     return _host_columns(ctx.cfg.rl.group_size, host, tokens, mask)
 
 
+def stream_host_fields(ctx, prompts: StepPrompts, sources, tokens: np.ndarray, mask: np.ndarray) -> dict:
+    """Host-side fields of the prompts at `sources` ((data step, index) each) of the stream, G rows each."""
+    picked = [(prompts.get(d), i) for d, i in sources]
+    host = {k: [getattr(b, a)[i] for b, i in picked] for k, a in HOST_FIELDS}
+    return _host_columns(ctx.cfg.rl.group_size, host, tokens, mask)
+
+
 def _objects(values, index) -> np.ndarray:
     out = np.empty(len(index), dtype=object)
     for j, i in enumerate(index):
@@ -218,31 +352,55 @@ def _objects(values, index) -> np.ndarray:
     return out
 
 
+def stop_ids(cfg) -> tuple[int, ...]:
+    """The ids a response stops at (where the sampler stopped it: eos unless ignored, and stop ids)."""
+    eos = () if cfg.rollout.ignore_eos or cfg.rollout.forced_lengths is not None else cfg.model.end_ids
+    return (*eos, *cfg.rollout.stop_token_ids)
+
+
+def score_rows(ctx, tokens: np.ndarray, lengths: np.ndarray, host: dict) -> tuple[np.ndarray, int, np.ndarray]:
+    """Rewards [B] of response rows (tokens [B, R], their lengths, host columns prompt/answer/record)
+    with the configured verifier, plus DAPO's soft overlong penalty when rl.overlong=soft_penalty;
+    returns (rewards float32, reward errors, truncated [B]: hit rollout.max_new_tokens without a stop)."""
+    tok, cfg = ctx.tokenizer, ctx.cfg
+    text_stops = (*cfg.model.end_ids, *cfg.rollout.stop_token_ids)  # where the completion's text ends
+    samples = []
+    for b in range(tokens.shape[0]):
+        ids = completion_ids(tokens[b, : lengths[b]].tolist(), tok.eos_id, text_stops)
+        samples.append(
+            Sample(
+                prompt=host["prompt"][b],
+                completion=tok.decode(ids),
+                completion_ids=tuple(ids),
+                answer=host["answer"][b],
+                record=host["record"][b],
+            )
+        )
+    rewards, errors = score_samples(samples, ctx.reward_fn, cfg.data.reward_on_error, ctx.reward_name)
+    last = tokens[np.arange(tokens.shape[0]), np.maximum(lengths - 1, 0)]
+    cut = truncated(np.where(lengths > 0, last, -1), lengths, cfg.rollout.max_new_tokens, stop_ids(cfg))
+    rl = cfg.rl
+    if rl.overlong == "soft_penalty":
+        cap = cfg.rollout.max_new_tokens
+        rewards = rewards + overlong_penalty(lengths, cap, rl.overlong_buffer, rl.overlong_penalty)
+    return rewards.astype(np.float32), errors, cut
+
+
 def score(ctx, comps: dict) -> tuple[Any, dict]:
-    """Rewards [B] of a rollout batch with the configured verifier (host), and metrics."""
-    tok = ctx.tokenizer
+    """Rewards [B] of a rollout batch with the configured verifier (host), and metrics. A batch
+    that dynamic sampling scored already (rl.filter_groups) carries its rewards in host_rewards."""
     R = comps["host_mask"].shape[1]
     tokens = comps["host_tokens"][:, -R:]
     lengths = comps["host_mask"].sum(1).astype(int)
-    stop_ids = (*ctx.cfg.model.end_ids, *ctx.cfg.rollout.stop_token_ids)  # where the sampler stopped
-    samples = []
-    for b in range(tokens.shape[0]):
-        ids = completion_ids(tokens[b, : lengths[b]].tolist(), tok.eos_id, stop_ids)
-        samples.append(
-            Sample(
-                prompt=comps["host_prompt"][b],
-                completion=tok.decode(ids),
-                completion_ids=tuple(ids),
-                answer=comps["host_answer"][b],
-                record=comps["host_record"][b],
-            )
-        )
+    host = {k: comps[f"host_{k}"] for k, _ in HOST_FIELDS}
     t0 = time.perf_counter()
-    rewards, errors = score_samples(samples, ctx.reward_fn, ctx.cfg.data.reward_on_error, ctx.reward_name)
-    return ctx.placement.put_batch(rewards), {
-        "reward/errors": float(errors),
-        "timing_s/reward_fn": time.perf_counter() - t0,
-    }
+    rewards, errors, cut = score_rows(ctx, tokens, lengths, host) if "host_rewards" not in comps else (None, 0, None)
+    if rewards is None:
+        rewards, errors, cut = comps["host_rewards"], int(comps["host_reward_errors"].sum()), comps["host_truncated"]
+    metrics = {"reward/errors": float(errors), "timing_s/reward_fn": time.perf_counter() - t0}
+    if ctx.cfg.rl.overlong != "none":
+        metrics["rollout/overlong"] = float(np.mean(cut)) if len(cut) else 0.0
+    return ctx.placement.put_batch(rewards), metrics
 
 
 @jax.jit

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ from rpeg_jax.graph.ir import Graph, StateKind
 from rpeg_jax.graph.plan import Plan
 from rpeg_jax.models import Transformer, load_hf
 from rpeg_jax.rl import make_optimizer, optimizer_steps
-from rpeg_jax.runtime import xla_flags
+from rpeg_jax.runtime import rollouts, xla_flags
 from rpeg_jax.runtime.admission import ContinuousRollouts, forced_lengths
 from rpeg_jax.runtime.executor import Store
 from rpeg_jax.runtime.offload import Offload
@@ -154,6 +155,14 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
             seed=cfg.train.seed,
             prompt_offset=jax.process_index() * (cfg.data.prompts_per_step // jax.process_count()),
             lengths=forced_lengths(r.forced_lengths, cfg.train.seed, G) if r.forced_lengths else None,
+            max_filtered=cfg.rl.filter_max_rounds * cfg.data.prompts_per_step,
+        )
+    elif cfg.rl.filter_groups != "none" and jax.process_count() > 1:
+        raise ConfigError(
+            "rl.filter_groups",
+            cfg.rl.filter_groups,
+            "under rollout.admission=step runs on one process for now (each process would refill its share "
+            "in its own number of rounds)",
         )
     ctx = RuntimeContext(
         cfg=cfg,
@@ -173,6 +182,8 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
         engine=engine,
         compiler_options=xla_flags.train_compiler_options(),
     )
+    if engine is not None and cfg.rl.filter_groups != "none":
+        engine.scorer = functools.partial(rollouts.group_scores, ctx)
     store = Store(keep_versions=graph.staleness + 2)  # generation reads t - k while training writes t + 1
     store.put_state("actor", 0, split["actor"][1])
     store.put_state(

@@ -46,7 +46,7 @@ from rpeg_jax.runtime.executor import Executor, Store
 from rpeg_jax.runtime.kernels import default_registry
 from rpeg_jax.runtime.metrics import MetricsWriter, prediction_metrics
 from rpeg_jax.runtime.resume import TRAIN_STATES
-from rpeg_jax.runtime.rollouts import StalenessError
+from rpeg_jax.runtime.rollouts import FilterExhausted, StalenessError
 from rpeg_jax.runtime.setup import RuntimeContext, build
 from rpeg_jax.runtime.trace import Tracer
 
@@ -59,7 +59,7 @@ class TrainingStopped(RuntimeError):
 
 def expected_failures() -> tuple[type[BaseException], ...]:
     """Failures that end a run with one clear line (exit 1) rather than a traceback."""
-    return (TrainingStopped, RewardError, NonFiniteError, StalenessError)
+    return (TrainingStopped, RewardError, NonFiniteError, StalenessError, FilterExhausted)
 
 
 def choose_plan(cfg: RunConfig, plan: Plan | None = None) -> tuple[RunConfig, Plan]:
