@@ -75,6 +75,11 @@ def check_batch(batch: dict, needs, cfg: RLConfig, stage: str, group_size: int =
     )
 
 
+def epoch_order(key, b: int, group_size: int = 1):
+    """The row order of one epoch: a permutation of the rows, of whole groups when group_size > 1."""
+    return jax.random.permutation(key, b) if group_size == 1 else group_permutation(key, b, group_size)
+
+
 def _tree_where(ok, new, old):
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
@@ -200,8 +205,7 @@ def make_update(
             if key is None:
                 data = batch
             else:
-                index = jax.random.permutation(key, b) if group_size == 1 else group_permutation(key, b, group_size)
-                data = permute_tree(batch, index)
+                data = permute_tree(batch, epoch_order(key, b, group_size))
             return jax.lax.scan(step, carry, split_tree(data, cfg.minibatches, group_size), unroll=unroll)
 
         keys = None if rng is None or rows else jax.random.split(rng, cfg.ppo_epochs)
