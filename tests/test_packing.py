@@ -148,3 +148,134 @@ def test_packed_forward_equals_padded(models, name):
     g0, g1 = jax.grad(loss)(params, False), jax.grad(loss)(params, True)
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5, rtol=1e-4, err_msg=str(path))
+
+
+# ---- one update with and without packing ---------------------------------------------------------
+B_UPD, G_UPD, P_UPD, R_UPD = 16, 4, 6, 12
+
+
+def update_batch(model, seed=0):
+    """A GRPO-shaped batch (groups of G rows share a prompt) with random advantages, old/ref
+    logprobs a little off the model's own, values and returns."""
+    rng = np.random.default_rng(seed)
+    P, R = P_UPD, R_UPD
+    tok, pos, seg = (np.zeros((B_UPD, P + R), np.int32) for _ in range(3))
+    for grp in range(B_UPD // G_UPD):
+        lp = int(rng.integers(1, P + 1))
+        prompt = rng.integers(3, 128, lp)
+        for j in range(G_UPD):
+            i, lr = grp * G_UPD + j, int(rng.integers(1, R + 1))
+            tok[i, P - lp : P], tok[i, P : P + lr] = prompt, rng.integers(3, 128, lr)
+            pos[i, P - lp : P + lr] = np.arange(lp + lr)
+            seg[i, P - lp : P + lr] = 1
+    mask = (seg[:, P:] > 0).astype(np.float32)
+    lp0, _ = plain(model, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(seg), P, R)
+    noise = lambda s: rng.normal(scale=s, size=mask.shape).astype(np.float32)  # noqa: E731
+    return {
+        "tokens_BxS": jnp.asarray(tok),
+        "positions_BxS": jnp.asarray(pos),
+        "segment_ids_BxS": jnp.asarray(seg),
+        "response_mask_BxR": jnp.asarray(mask),
+        "group_ids_B": jnp.asarray(np.repeat(np.arange(B_UPD // G_UPD), G_UPD).astype(np.int32)),
+        "old_logp_BxR": jnp.asarray(np.asarray(lp0) + noise(0.05) * mask),
+        "behav_logp_BxR": jnp.asarray(np.asarray(lp0) + noise(0.05) * mask),
+        "ref_logp_BxR": jnp.asarray(np.asarray(lp0) + noise(0.1) * mask),
+        "advantages_BxR": jnp.asarray(np.repeat(rng.normal(size=(B_UPD, 1)), R, 1).astype(np.float32) * mask),
+        "values_BxR": jnp.asarray(noise(0.5) * mask),
+        "returns_BxR": jnp.asarray(noise(1.0) * mask),
+    }
+
+
+def make_fns(graphdef, *, entropy, values):
+    """(padded policy_fn, packed policy_fn) as the runtime builds them (runtime/kernels.py)."""
+
+    def padded(params, b):
+        mdl = nnx.merge(graphdef, params)
+        lp, ent, h = plain(
+            mdl, b["tokens_BxS"], b["positions_BxS"], b["segment_ids_BxS"], P_UPD, R_UPD,
+            with_entropy=entropy, return_hidden=True,
+        )  # fmt: skip
+        return {"logp": lp, "entropy": ent, "values": mdl.values(h) if values else None}
+
+    def packed(params, b):
+        mdl = nnx.merge(graphdef, params)
+        return packed_outputs(
+            mdl, b["tokens_BxS"], b["positions_BxS"], b[packing.PLAN_KEY], entropy=entropy, values=values
+        )
+
+    return padded, packed
+
+
+UPDATE_CASES = {
+    "token-mean": {},
+    "seq-mean-token-mean": dict(loss_agg="seq-mean-token-mean"),
+    "seq-mean-token-sum-norm": dict(loss_agg="seq-mean-token-sum-norm"),
+    "gspo-seq-mean": dict(policy_loss="gspo", loss_agg="seq-mean-token-mean"),
+    "kl-entropy-tis": dict(kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0),
+    "epochs-minibatches-micro": dict(ppo_epochs=2, minibatches=2, micro_batches=2, loss_agg="seq-mean-token-mean"),
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "group_size"),
+    [(c, 1) for c in UPDATE_CASES] + [("token-mean", G_UPD), ("epochs-minibatches-micro", G_UPD)],
+)
+def test_update_with_packing_equals_without(models, case, group_size):
+    """Same loss, metrics and parameters (rtol 1e-5 / atol 1e-6) after make_actor_update's steps,
+    shuffled (rng) and split into minibatches and micro-batches, with whole-group splits
+    (group_size=G, as when the unpacked update shares prompts) or row splits."""
+    import optax
+
+    from rpeg_jax import rl
+    from rpeg_jax.config import RLConfig
+
+    cfg = RLConfig(**UPDATE_CASES[case])
+    model = models["llama"]
+    graphdef, params = nnx.split(model, nnx.Param)
+    batch = update_batch(model)
+    padded, packed = make_fns(graphdef, entropy=cfg.entropy_coef > 0, values=False)
+    # Adam over one step; over several, SGD: Adam's later steps turn a float32-rounding
+    # difference of a near-zero gradient entry into a step difference of up to ~lr (seen: 4e-6
+    # on one of 4096 entries after 4 steps), which is Adam, not packing
+    one = cfg.ppo_epochs * cfg.minibatches == 1
+    tx = optax.adam(1e-3) if one else optax.sgd(0.1)
+    rng = jax.random.key(7)
+    kw = dict(group_size=group_size)
+    p0, s0, m0 = jax.jit(rl.make_actor_update(padded, tx, cfg, **kw))(params, tx.init(params), batch, rng)
+    plan = packing.update_plan(
+        batch["segment_ids_BxS"], R_UPD, epochs=cfg.ppo_epochs, minibatches=cfg.minibatches,
+        micro_batches=cfg.micro_batches, group_size=group_size, rng=rng,
+    )  # fmt: skip
+    b_piece = B_UPD // (cfg.minibatches * cfg.micro_batches)
+    rows = plan["src_NxT"].shape[3]
+    assert rows < b_piece if b_piece == B_UPD else rows <= b_piece  # the rewrite packs sequences together
+    p1, s1, m1 = jax.jit(rl.make_actor_update(packed, tx, cfg, **kw))(params, tx.init(params), batch, rng, plan)
+    assert float(m0["actor/updates"]) == cfg.ppo_epochs * cfg.minibatches
+    assert set(m0) == set(m1)
+    for k in m0:
+        np.testing.assert_allclose(float(m1[k]), float(m0[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(p0), jax.tree.leaves(p1)):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6, err_msg=str(path))
+    # the parameters moved (the comparison is not of two unchanged copies)
+    assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(params))) > 1e-4
+
+
+def test_packing_plan_follows_the_shuffle(models):
+    """A plan made for another shuffle than the update's gives other parameters (the plan's own
+    order is what the packed update trains on, so it must be the update's draw)."""
+    import optax
+
+    from rpeg_jax import rl
+    from rpeg_jax.config import RLConfig
+
+    cfg = RLConfig(minibatches=2)
+    graphdef, params = nnx.split(models["llama"], nnx.Param)
+    batch = update_batch(models["llama"])
+    padded, packed = make_fns(graphdef, entropy=False, values=False)
+    tx = optax.adam(1e-3)
+    rng = jax.random.key(7)
+    p0, _, _ = jax.jit(rl.make_actor_update(padded, tx, cfg))(params, tx.init(params), batch, rng)
+    kw = dict(epochs=1, minibatches=2, micro_batches=1)
+    other = packing.update_plan(batch["segment_ids_BxS"], R_UPD, rng=jax.random.key(8), **kw)
+    p1, _, _ = jax.jit(rl.make_actor_update(packed, tx, cfg))(params, tx.init(params), batch, rng, other)
+    assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1))) > 1e-4
