@@ -15,6 +15,10 @@ the forward runs each group's prompt once) the batch holds groups of G consecuti
 shuffles and splits move whole groups (rl.layout.split_groups). Each optimizer step sums the
 gradients of rl.micro_batches micro-batches (lax.scan); the loss weights are fixed over the
 minibatch (rl.losses.agg_weights), so accumulation equals the big-batch gradient.
+Sequence packing (train.pack_sequences): `update(..., pack=rl.packing.update_plan(...))` takes
+each epoch's row order from the plan (drawn on the host from the same key, so the same as without
+it) and hands each micro-batch its packing plan under `rl.packing.PLAN_KEY`, for a policy_fn that
+runs the packed forward (models/packing.py); losses and metrics are computed as without it.
 NaN guard: when the loss or the gradient norm of a step is not finite, the step keeps the old params
 and optimizer state and is counted in `<prefix>/nan_skipped`; with rl.on_nan=stop,
 `<prefix>/nan_stop` is 1 and the runtime must stop the run. A minibatch with no response tokens is
@@ -41,6 +45,7 @@ from rpeg_jax.rl.layout import group_permutation, merge_rows, permute_tree, spli
 from rpeg_jax.rl.losses import actor_objective, agg_weights, critic_objective
 from rpeg_jax.rl.masked import masked_count
 from rpeg_jax.rl.optimizer import current_lr
+from rpeg_jax.rl.packing import PLAN_KEY
 
 MASK = "response_mask_BxR"
 ACTOR_KEYS = (MASK, "advantages_BxR", "old_logp_BxR")
@@ -75,25 +80,35 @@ def check_batch(batch: dict, needs, cfg: RLConfig, stage: str, group_size: int =
     )
 
 
+def epoch_order(key, b: int, group_size: int = 1):
+    """The row order of one epoch: a permutation of the rows, of whole groups when group_size > 1."""
+    return jax.random.permutation(key, b) if group_size == 1 else group_permutation(key, b, group_size)
+
+
 def _tree_where(ok, new, old):
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
-def _minibatch_grads(grad_fn, params, mb, cfg: RLConfig, accum_dtype, group_size, rows=False):
+def _minibatch_grads(grad_fn, params, mb, cfg: RLConfig, accum_dtype, group_size, rows=False, plan=None):
     """(loss, summed metrics, grads) of one minibatch, accumulated over micro-batches.
-    rows: the aux is (metrics, {key: [b, ...]}); the per-row arrays are put back in row order."""
+    rows: the aux is (metrics, {key: [b, ...]}); the per-row arrays are put back in row order.
+    plan: the minibatch's packing plans [micro_batches, ...] (rl/packing.py); each micro-batch
+    gets its own under PLAN_KEY."""
     loss_w, tok_w = agg_weights(mb[MASK], cfg.loss_agg, cfg.loss_agg_norm)
     cast = lambda g: jax.tree.map(lambda x: x.astype(accum_dtype), g)  # noqa: E731
+    with_plan = lambda m, p: m if p is None else {**m, PLAN_KEY: p}  # noqa: E731
     if cfg.micro_batches == 1:
-        (loss, aux), grads = grad_fn(params, mb, loss_w, tok_w)
+        first = None if plan is None else jax.tree.map(lambda x: x[0], plan)
+        (loss, aux), grads = grad_fn(params, with_plan(mb, first), loss_w, tok_w)
         return loss, aux, cast(grads)
 
     def body(acc, piece):
-        (loss, aux), grads = grad_fn(params, *piece)
+        (m, lw, tw), p = piece
+        (loss, aux), grads = grad_fn(params, with_plan(m, p), lw, tw)
         return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads), (loss, aux)
 
     zeros = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=accum_dtype), params)
-    pieces = split_tree((mb, loss_w, tok_w), cfg.micro_batches, group_size)
+    pieces = (split_tree((mb, loss_w, tok_w), cfg.micro_batches, group_size), plan)
     grads, (losses, auxs) = jax.lax.scan(body, zeros, pieces)
     if rows:
         metrics, per_row = auxs
@@ -131,6 +146,20 @@ def _summarise(stats, cfg: RLConfig, prefix):
     if "actor/pg_clipfrac" in out:
         out["actor/clipfrac"] = out["actor/pg_clipfrac"]
     return out
+
+
+def check_pack(pack: dict, b: int, cfg: RLConfig) -> dict:
+    """A packing plan (rl/packing.update_plan) for this update: leading axes [epochs, minibatches,
+    micro_batches] (order_ExB: [epochs, B], the rows' order in each epoch)."""
+    pack = dict(pack)
+    order = pack["order_ExB"]
+    if tuple(order.shape) != (cfg.ppo_epochs, b):
+        raise ValueError(f"packing plan: order_ExB has shape {tuple(order.shape)}, expected ({cfg.ppo_epochs}, {b})")
+    lead = (cfg.ppo_epochs, cfg.minibatches, cfg.micro_batches)
+    for k, v in pack.items():
+        if k != "order_ExB" and tuple(v.shape[:3]) != lead:
+            raise ValueError(f"packing plan: {k} has shape {tuple(v.shape)}, expected leading axes {lead}")
+    return pack
 
 
 def check_one_step(cfg: RLConfig, what: str) -> None:
@@ -173,9 +202,10 @@ def make_update(
     outer = opt_memory is not None and not one  # around the whole update
     unroll = True if inner else 1
 
-    def step(carry, mb):
+    def step(carry, xs):
         params, opt_state = carry
-        loss, aux, grads = _minibatch_grads(grad_fn, params, mb, cfg, accum_dtype, group_size, rows)
+        mb, plan = xs
+        loss, aux, grads = _minibatch_grads(grad_fn, params, mb, cfg, accum_dtype, group_size, rows, plan)
         aux, per_row = aux if rows else (aux, None)
         gnorm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
@@ -192,22 +222,29 @@ def make_update(
         stats.update({f"{prefix}/loss": loss, f"{prefix}/grad_norm": gnorm})
         return carry, (stats, per_row) if rows else stats
 
-    def update(params, opt_state, batch: dict, rng=None):
+    def update(params, opt_state, batch: dict, rng=None, pack=None):
         check_batch(batch, needs, cfg, f"{prefix}_update", group_size)
         b = batch[MASK].shape[0]
 
-        def epoch(carry, key):
-            if key is None:
+        def epoch(carry, xs):
+            key, order, plan = xs
+            if order is not None:  # the order the plan was made for (the same draw from the same key)
+                data = permute_tree(batch, order)
+            elif key is None:
                 data = batch
             else:
-                index = jax.random.permutation(key, b) if group_size == 1 else group_permutation(key, b, group_size)
-                data = permute_tree(batch, index)
-            return jax.lax.scan(step, carry, split_tree(data, cfg.minibatches, group_size), unroll=unroll)
+                data = permute_tree(batch, epoch_order(key, b, group_size))
+            pieces = (split_tree(data, cfg.minibatches, group_size), plan)
+            return jax.lax.scan(step, carry, pieces, unroll=unroll)
 
         keys = None if rng is None or rows else jax.random.split(rng, cfg.ppo_epochs)
+        order = None
+        if pack is not None:
+            pack = check_pack(pack, b, cfg)
+            keys, order = None, pack.pop("order_ExB")
         opt_state = fetch(opt_state) if outer else opt_state
         (params, opt_state), stats = jax.lax.scan(
-            epoch, (params, opt_state), keys, length=cfg.ppo_epochs, unroll=unroll
+            epoch, (params, opt_state), (keys, order, pack), length=cfg.ppo_epochs, unroll=unroll
         )
         opt_state = park(opt_state) if outer else opt_state
         if rows:

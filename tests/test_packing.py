@@ -1,0 +1,281 @@
+"""Sequence packing (train.pack_sequences; rl/packing.py, models/packing.py).
+
+The plan against a brute-force check of its invariants on random batches (every real token of
+every sequence copied exactly once, rows within S, positions restarting, one segment id per
+sequence in a row, every response token's predictor and target in place); the packed forward
+against the padded plain pass (`token_logprobs`, itself tested against a float64 numpy decoder
+in test_models.py); one update with packing against the same update without it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rpeg_jax.config import model_preset
+from rpeg_jax.models import init_model, token_logprobs
+from rpeg_jax.models.packing import packed_outputs
+from rpeg_jax.rl import packing
+
+SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96, init_std=0.2)
+
+
+def rollout_batch(rng, b, P, R, *, min_resp=0):
+    """Rollout layout: prompts left-padded to P (1..P tokens), responses right-padded to R."""
+    tok, pos, seg = (np.zeros((b, P + R), np.int32) for _ in range(3))
+    for i in range(b):
+        lp, lr = int(rng.integers(1, P + 1)), int(rng.integers(min_resp, R + 1))
+        tok[i, P - lp : P + lr] = rng.integers(3, 128, lp + lr)
+        pos[i, P - lp : P + lr] = np.arange(lp + lr)
+        seg[i, P - lp : P + lr] = 1
+    mask = (seg[:, P:] > 0).astype(np.float32)
+    return tok, pos, seg, mask
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_plan_invariants(seed):
+    rng = np.random.default_rng(seed)
+    b, P, R = int(rng.integers(1, 24)), int(rng.integers(1, 9)), int(rng.integers(1, 17))
+    tok, pos, seg, mask = rollout_batch(rng, b, P, R)
+    S = P + R
+    start, length = packing.sequence_spans(seg)
+    need_rows, need_k = packing.piece_sizes(start, length, P, R)
+    rows, k = need_rows + int(rng.integers(0, 3)), need_k + int(rng.integers(0, 5))
+    plan = packing.piece_plan(start, length, P, R, rows=rows, tokens=k)
+    src, sg, pred, out = plan["src_NxT"], plan["seg_NxT"], plan["pred_K"], plan["out_BxR"]
+    assert src.shape == (rows, S) and sg.shape == (rows, S) and pred.shape == (k,) and out.shape == (b, R)
+    # every real token exactly once, nothing else
+    copied = np.sort(src[src >= 0])
+    real = np.flatnonzero(seg.reshape(-1) != 0)
+    np.testing.assert_array_equal(copied, real)
+    assert np.all((src >= 0) == (sg > 0))
+    ppos = np.where(src >= 0, pos.reshape(-1)[np.maximum(src, 0)], 0)
+    for r in range(rows):
+        ids = sg[r][sg[r] > 0]
+        # segments are contiguous runs 1, 2, 3, ... with one sequence each, positions restart at 0
+        assert np.all(np.diff(ids) >= 0) and (ids.size == 0 or ids[0] == 1) and np.all(np.diff(np.unique(ids)) == 1)
+        assert np.all(sg[r][ids.size :] == 0)  # real slots first, then empty ones
+        for j in np.unique(ids):
+            cols = np.flatnonzero(sg[r] == j)
+            seqs = np.unique(src[r, cols] // S)
+            assert seqs.size == 1
+            np.testing.assert_array_equal(ppos[r, cols], np.arange(cols.size))
+            np.testing.assert_array_equal(src[r, cols], seqs[0] * S + start[seqs[0]] + np.arange(cols.size))
+    # the response cells with a real target: predictor is the previous token of the same sequence
+    have = out >= 0
+    np.testing.assert_array_equal(have, (mask > 0) & (seg[:, P - 1 : P - 1 + R] > 0))
+    assert len(np.unique(out[have])) == have.sum() == need_k
+    for i, t in zip(*np.nonzero(have)):
+        slot = pred[out[i, t]]
+        assert src.reshape(-1)[slot] == i * S + P - 1 + t
+        assert src.reshape(-1)[slot + 1] == i * S + P + t
+    # first-fit-decreasing uses no more rows than the sequences' total length needs, twice over
+    assert need_rows <= max(1, -(-2 * int(length.sum()) // S))
+
+
+def test_first_fit_decreasing_brute_force():
+    """FFD against its definition, stepwise, on random item lists."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        cap = int(rng.integers(1, 20))
+        lengths = rng.integers(0, cap + 1, int(rng.integers(0, 15)))
+        bins = packing.first_fit_decreasing(lengths, cap)
+        ref: list[list[int]] = []
+        for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+            if lengths[i] == 0:
+                continue
+            for b in ref:
+                if sum(lengths[j] for j in b) + lengths[i] <= cap:
+                    b.append(i)
+                    break
+            else:
+                ref.append([i])
+        assert bins == ref
+    with pytest.raises(ValueError, match="exceeds the row length"):
+        packing.first_fit_decreasing([5], 4)
+
+
+def test_sequence_spans_refuses_non_contiguous():
+    seg = np.array([[0, 1, 1, 0], [1, 0, 1, 0]])
+    with pytest.raises(ValueError, match="rows \\[1\\]"):
+        packing.sequence_spans(seg)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {
+        "llama": init_model(model_preset("tiny", value_head=True, **SMALL), seed=3),
+        "qwen": init_model(model_preset("tiny", arch="qwen2", qkv_bias=True, tie_embeddings=True, **SMALL), seed=1),
+    }
+
+
+def plain(model, tok, pos, seg, P, R, **kw):
+    targets = jnp.concatenate([tok[:, 1:], jnp.zeros_like(tok[:, :1])], 1)
+    return token_logprobs(model, tok, pos, seg, targets, start=P - 1, length=R, **kw)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen"])
+def test_packed_forward_equals_padded(models, name):
+    model = models[name]
+    rng = np.random.default_rng(5)
+    b, P, R = 10, 6, 12
+    tok, pos, seg, mask = rollout_batch(rng, b, P, R)
+    start, length = packing.sequence_spans(seg)
+    rows, k = packing.piece_sizes(start, length, P, R)
+    assert rows < b  # the rewrite happened: fewer rows than the padded batch
+    plan = {x: jnp.asarray(v) for x, v in packing.piece_plan(start, length, P, R, rows=rows + 1, tokens=k + 3).items()}
+    lp0, ent0, h0 = plain(model, tok, pos, seg, P, R, temperature=0.8, with_entropy=True, return_hidden=True)
+    out = packed_outputs(model, tok, pos, plan, temperature=0.8, entropy=True, values=model.value_w is not None)
+    m = mask > 0
+    np.testing.assert_allclose(np.asarray(out["logp"])[m], np.asarray(lp0)[m], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(out["entropy"])[m], np.asarray(ent0)[m], atol=1e-5, rtol=0)
+    if model.value_w is not None:
+        np.testing.assert_allclose(np.asarray(out["values"])[m], np.asarray(model.values(h0))[m], atol=1e-5)
+    assert np.all(np.asarray(out["logp"])[~m] == 0)
+
+    graphdef, params = nnx.split(model, nnx.Param)
+    w = jnp.asarray(rng.normal(size=mask.shape) * mask, jnp.float32)
+
+    def loss(params, packed):
+        mdl = nnx.merge(graphdef, params)
+        if packed:
+            o = packed_outputs(mdl, tok, pos, plan, entropy=True)
+            lp, ent = o["logp"], o["entropy"]
+        else:
+            lp, ent = plain(mdl, tok, pos, seg, P, R, with_entropy=True)
+        return jnp.sum(jnp.where(mask > 0, lp + 0.3 * ent, 0.0) * w)
+
+    g0, g1 = jax.grad(loss)(params, False), jax.grad(loss)(params, True)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5, rtol=1e-4, err_msg=str(path))
+
+
+# ---- one update with and without packing ---------------------------------------------------------
+B_UPD, G_UPD, P_UPD, R_UPD = 16, 4, 6, 12
+
+
+def update_batch(model, seed=0):
+    """A GRPO-shaped batch (groups of G rows share a prompt) with random advantages, old/ref
+    logprobs a little off the model's own, values and returns."""
+    rng = np.random.default_rng(seed)
+    P, R = P_UPD, R_UPD
+    tok, pos, seg = (np.zeros((B_UPD, P + R), np.int32) for _ in range(3))
+    for grp in range(B_UPD // G_UPD):
+        lp = int(rng.integers(1, P + 1))
+        prompt = rng.integers(3, 128, lp)
+        for j in range(G_UPD):
+            i, lr = grp * G_UPD + j, int(rng.integers(1, R + 1))
+            tok[i, P - lp : P], tok[i, P : P + lr] = prompt, rng.integers(3, 128, lr)
+            pos[i, P - lp : P + lr] = np.arange(lp + lr)
+            seg[i, P - lp : P + lr] = 1
+    mask = (seg[:, P:] > 0).astype(np.float32)
+    lp0, _ = plain(model, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(seg), P, R)
+    noise = lambda s: rng.normal(scale=s, size=mask.shape).astype(np.float32)  # noqa: E731
+    return {
+        "tokens_BxS": jnp.asarray(tok),
+        "positions_BxS": jnp.asarray(pos),
+        "segment_ids_BxS": jnp.asarray(seg),
+        "response_mask_BxR": jnp.asarray(mask),
+        "group_ids_B": jnp.asarray(np.repeat(np.arange(B_UPD // G_UPD), G_UPD).astype(np.int32)),
+        "old_logp_BxR": jnp.asarray(np.asarray(lp0) + noise(0.05) * mask),
+        "behav_logp_BxR": jnp.asarray(np.asarray(lp0) + noise(0.05) * mask),
+        "ref_logp_BxR": jnp.asarray(np.asarray(lp0) + noise(0.1) * mask),
+        "advantages_BxR": jnp.asarray(np.repeat(rng.normal(size=(B_UPD, 1)), R, 1).astype(np.float32) * mask),
+        "values_BxR": jnp.asarray(noise(0.5) * mask),
+        "returns_BxR": jnp.asarray(noise(1.0) * mask),
+    }
+
+
+def make_fns(graphdef, *, entropy, values):
+    """(padded policy_fn, packed policy_fn) as the runtime builds them (runtime/kernels.py)."""
+
+    def padded(params, b):
+        mdl = nnx.merge(graphdef, params)
+        lp, ent, h = plain(
+            mdl, b["tokens_BxS"], b["positions_BxS"], b["segment_ids_BxS"], P_UPD, R_UPD,
+            with_entropy=entropy, return_hidden=True,
+        )  # fmt: skip
+        return {"logp": lp, "entropy": ent, "values": mdl.values(h) if values else None}
+
+    def packed(params, b):
+        mdl = nnx.merge(graphdef, params)
+        return packed_outputs(
+            mdl, b["tokens_BxS"], b["positions_BxS"], b[packing.PLAN_KEY], entropy=entropy, values=values
+        )
+
+    return padded, packed
+
+
+UPDATE_CASES = {
+    "token-mean": {},
+    "seq-mean-token-mean": dict(loss_agg="seq-mean-token-mean"),
+    "seq-mean-token-sum-norm": dict(loss_agg="seq-mean-token-sum-norm"),
+    "gspo-seq-mean": dict(policy_loss="gspo", loss_agg="seq-mean-token-mean"),
+    "kl-entropy-tis": dict(kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0),
+    "epochs-minibatches-micro": dict(ppo_epochs=2, minibatches=2, micro_batches=2, loss_agg="seq-mean-token-mean"),
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "group_size"),
+    [(c, 1) for c in UPDATE_CASES] + [("token-mean", G_UPD), ("epochs-minibatches-micro", G_UPD)],
+)
+def test_update_with_packing_equals_without(models, case, group_size):
+    """Same loss, metrics and parameters (rtol 1e-5 / atol 1e-6) after make_actor_update's steps,
+    shuffled (rng) and split into minibatches and micro-batches, with whole-group splits
+    (group_size=G, as when the unpacked update shares prompts) or row splits."""
+    import optax
+
+    from rpeg_jax import rl
+    from rpeg_jax.config import RLConfig
+
+    cfg = RLConfig(**UPDATE_CASES[case])
+    model = models["llama"]
+    graphdef, params = nnx.split(model, nnx.Param)
+    batch = update_batch(model)
+    padded, packed = make_fns(graphdef, entropy=cfg.entropy_coef > 0, values=False)
+    # Adam over one step; over several, SGD: Adam's later steps turn a float32-rounding
+    # difference of a near-zero gradient entry into a step difference of up to ~lr (seen: 4e-6
+    # on one of 4096 entries after 4 steps), which is Adam, not packing
+    one = cfg.ppo_epochs * cfg.minibatches == 1
+    tx = optax.adam(1e-3) if one else optax.sgd(0.1)
+    rng = jax.random.key(7)
+    kw = dict(group_size=group_size)
+    p0, s0, m0 = jax.jit(rl.make_actor_update(padded, tx, cfg, **kw))(params, tx.init(params), batch, rng)
+    plan = packing.update_plan(
+        batch["segment_ids_BxS"], R_UPD, epochs=cfg.ppo_epochs, minibatches=cfg.minibatches,
+        micro_batches=cfg.micro_batches, group_size=group_size, rng=rng,
+    )  # fmt: skip
+    b_piece = B_UPD // (cfg.minibatches * cfg.micro_batches)
+    rows = plan["src_NxT"].shape[3]
+    assert rows < b_piece if b_piece == B_UPD else rows <= b_piece  # the rewrite packs sequences together
+    p1, s1, m1 = jax.jit(rl.make_actor_update(packed, tx, cfg, **kw))(params, tx.init(params), batch, rng, plan)
+    assert float(m0["actor/updates"]) == cfg.ppo_epochs * cfg.minibatches
+    assert set(m0) == set(m1)
+    for k in m0:
+        np.testing.assert_allclose(float(m1[k]), float(m0[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(p0), jax.tree.leaves(p1)):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6, err_msg=str(path))
+    # the parameters moved (the comparison is not of two unchanged copies)
+    assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(params))) > 1e-4
+
+
+def test_packing_plan_follows_the_shuffle(models):
+    """A plan made for another shuffle than the update's gives other parameters (the plan's own
+    order is what the packed update trains on, so it must be the update's draw)."""
+    import optax
+
+    from rpeg_jax import rl
+    from rpeg_jax.config import RLConfig
+
+    cfg = RLConfig(minibatches=2)
+    graphdef, params = nnx.split(models["llama"], nnx.Param)
+    batch = update_batch(models["llama"])
+    padded, packed = make_fns(graphdef, entropy=False, values=False)
+    tx = optax.adam(1e-3)
+    rng = jax.random.key(7)
+    p0, _, _ = jax.jit(rl.make_actor_update(padded, tx, cfg))(params, tx.init(params), batch, rng)
+    kw = dict(epochs=1, minibatches=2, micro_batches=1)
+    other = packing.update_plan(batch["segment_ids_BxS"], R_UPD, rng=jax.random.key(8), **kw)
+    p1, _, _ = jax.jit(rl.make_actor_update(packed, tx, cfg))(params, tx.init(params), batch, rng, other)
+    assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1))) > 1e-4
