@@ -1,4 +1,4 @@
-"""Sequence packing (train.pack_sequences; rl/packing.py, models/packing.py).
+"""Sequence packing (train.pack_sequences; rl/packing.py, runtime/packed_forward.py).
 
 The plan against a brute-force check of its invariants on random batches (every real token of
 every sequence copied exactly once, rows within S, positions restarting, one segment id per
@@ -14,8 +14,8 @@ from flax import nnx
 
 from rpeg_jax.config import model_preset
 from rpeg_jax.models import init_model, token_logprobs
-from rpeg_jax.models.packing import packed_outputs
 from rpeg_jax.rl import packing
+from rpeg_jax.runtime.packed_forward import packed_outputs
 
 SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96, init_std=0.2)
 

@@ -35,7 +35,7 @@ Plan arrays of one micro-batch of b rows (flat indices, int32):
     pred_K    flat [N·S] slot of the hidden state predicting response token k (0 for filler)
     out_BxR   for each response cell of the padded window, its k, or -1 (no real target)
 
-Called by: runtime/kernels.py (the update stages' host step and forward, models/packing.py).
+Called by: runtime/kernels.py (the update stages' host step and forward, runtime/packed_forward.py).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-PLAN_KEY = "_packing"  # the micro-batch entry that carries its plan into policy_fn
+from rpeg_jax.rl.update import PLAN_KEY  # noqa: E402,F401 (the micro-batch entry carrying a plan)
+
 ROW_BUCKETS = 16  # N is a multiple of ceil(b / ROW_BUCKETS)
 TOKEN_BUCKETS = 8  # K is a multiple of ceil(b·R / TOKEN_BUCKETS)
 
@@ -157,7 +158,7 @@ def host_array(x) -> np.ndarray:
 
 def epoch_orders(rng, b: int, epochs: int, group_size: int) -> np.ndarray:
     """[epochs, b] row orders of make_update's epochs (identity when rng is None), drawn as it does."""
-    from rpeg_jax.rl.update import epoch_order  # noqa: PLC0415 (update imports this module)
+    from rpeg_jax.rl.update import epoch_order  # noqa: PLC0415
 
     if rng is None:
         return np.broadcast_to(np.arange(b, dtype=np.int32), (epochs, b)).copy()

@@ -18,7 +18,7 @@ minibatch (rl.losses.agg_weights), so accumulation equals the big-batch gradient
 Sequence packing (train.pack_sequences): `update(..., pack=rl.packing.update_plan(...))` takes
 each epoch's row order from the plan (drawn on the host from the same key, so the same as without
 it) and hands each micro-batch its packing plan under `rl.packing.PLAN_KEY`, for a policy_fn that
-runs the packed forward (models/packing.py); losses and metrics are computed as without it.
+runs the packed forward (runtime/packed_forward.py); losses and metrics are computed as without it.
 NaN guard: when the loss or the gradient norm of a step is not finite, the step keeps the old params
 and optimizer state and is counted in `<prefix>/nan_skipped`; with rl.on_nan=stop,
 `<prefix>/nan_stop` is 1 and the runtime must stop the run. A minibatch with no response tokens is
@@ -45,11 +45,13 @@ from rpeg_jax.rl.layout import group_permutation, merge_rows, permute_tree, spli
 from rpeg_jax.rl.losses import actor_objective, agg_weights, critic_objective
 from rpeg_jax.rl.masked import masked_count
 from rpeg_jax.rl.optimizer import current_lr
-from rpeg_jax.rl.packing import PLAN_KEY
 
 MASK = "response_mask_BxR"
 ACTOR_KEYS = (MASK, "advantages_BxR", "old_logp_BxR")
 CRITIC_KEYS = (MASK, "values_BxR", "returns_BxR")
+
+
+PLAN_KEY = "_packing"  # the micro-batch entry that carries its packing plan into policy_fn (rl/packing.py)
 
 
 def check_batch(batch: dict, needs, cfg: RLConfig, stage: str, group_size: int = 1) -> None:
