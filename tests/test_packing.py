@@ -279,3 +279,68 @@ def test_packing_plan_follows_the_shuffle(models):
     other = packing.update_plan(batch["segment_ids_BxS"], R_UPD, rng=jax.random.key(8), **kw)
     p1, _, _ = jax.jit(rl.make_actor_update(packed, tx, cfg))(params, tx.init(params), batch, rng, other)
     assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1))) > 1e-4
+
+
+# ---- the runtime --------------------------------------------------------------------------------
+@pytest.mark.slow  # ~23 s: two 3-step runs
+def test_runtime_packed_run_equals_padded(tmp_path):
+    """Three GRPO steps (KL to a reference, an entropy bonus, 2 minibatches, on the tests' 8 CPU
+    devices) with train.pack_sequences=true: the same metrics and final states as padded."""
+    from helpers import TINY, assert_same_run, run
+
+    lengths = ["rollout.max_new_tokens=16", "rollout.forced_lengths=[4,1.0,1,16]"]  # a long tail, as R2
+    # 64 sequences, 32 per minibatch: the 8 test devices' row quantum (8) leaves room to pack
+    grpo = TINY + lengths + ["data.prompts_per_step=16", "rl.kl_coef=0.04", "rl.entropy_coef=0.01", "rl.minibatches=2"]
+    padded = run(tmp_path, "padded", grpo)
+    packed = run(tmp_path, "packed", grpo + ["train.pack_sequences=true"])
+    fill = [r["perf/actor_pack_fill"] for r in packed.metrics]
+    assert all(0 < f <= 1 for f in fill) and all("perf/actor_pack_fill" not in r for r in padded.metrics)
+    rows = [r["perf/actor_pack_rows"] for r in packed.metrics]
+    assert all(r < 1 for r in rows), rows  # the update ran on fewer rows
+    assert_same_run(padded, packed)
+
+
+@pytest.mark.parametrize("which", ["critic", "actor-critic", "actor-critic-values"])
+def test_ppo_updates_with_packing_equal_without(models, which):
+    """The critic's update and the shared actor-critic update (values from the value head on the
+    packed hidden states; with values_from_update, V_old and GAE inside the loss) packed vs padded."""
+    import optax
+
+    from rpeg_jax import rl
+    from rpeg_jax.config import RLConfig
+
+    cfg = RLConfig(algorithm="ppo", micro_batches=2, loss_agg="seq-mean-token-mean")
+    graphdef, params = nnx.split(models["llama"], nnx.Param)
+    batch = update_batch(models["llama"])
+    batch["rewards_B"] = jnp.asarray(np.random.default_rng(3).normal(size=B_UPD).astype(np.float32))
+    padded, packed = make_fns(graphdef, entropy=False, values=True)
+    tx = optax.adam(1e-3)
+    rows = which == "actor-critic-values"
+    rng = None if rows else jax.random.key(3)
+    if which == "critic":
+        make = lambda f: rl.make_critic_update(f, tx, cfg)  # noqa: E731
+    else:
+        make = lambda f: rl.make_actor_critic_update(f, tx, cfg, values_from_update=rows)  # noqa: E731
+    plan = packing.update_plan(batch["segment_ids_BxS"], R_UPD, epochs=1, minibatches=1, micro_batches=2, rng=rng)
+    out0 = jax.jit(make(padded))(params, tx.init(params), batch, rng)
+    out1 = jax.jit(make(packed))(params, tx.init(params), batch, rng, plan)
+    m0, m1 = out0[2], out1[2]
+    assert set(m0) == set(m1) and any(k.startswith("critic/") for k in m0)
+    for k in m0:
+        np.testing.assert_allclose(float(m1[k]), float(m0[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(out0[0]), jax.tree.leaves(out1[0])):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6, err_msg=str(path))
+    if rows:  # V_old per row, in batch order, at the response tokens
+        m = np.asarray(batch["response_mask_BxR"]) > 0
+        np.testing.assert_allclose(
+            np.asarray(out1[3]["values_BxR"])[m], np.asarray(out0[3]["values_BxR"])[m], atol=1e-5
+        )
+
+
+def test_config_refuses_packing_with_explicit_axes():
+    from rpeg_jax.config import load_config
+    from rpeg_jax.config.base import ConfigError
+
+    load_config(None, ["train.pack_sequences=true"])  # the default sharding is fine
+    with pytest.raises(ConfigError, match="train.pack_sequences"):
+        load_config(None, ["train.pack_sequences=true", "sharding.axis_types=explicit"])

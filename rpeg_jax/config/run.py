@@ -125,6 +125,14 @@ class RunConfig:
                 self.train.offload,
                 "there is no reference model to offload with rl.kl_coef=0; use train.offload=optimizer",
             )
+        if self.train.pack_sequences:
+            check(
+                self.sharding.axis_types != "explicit",
+                "train.pack_sequences",
+                True,
+                "packing gathers rows across the batch, which sharding.axis_types=explicit does not "
+                "support yet; use sharding.axis_types=auto or train.pack_sequences=false",
+            )
         self._check_one_step_rewrites()
 
     def _check_one_step_rewrites(self) -> None:

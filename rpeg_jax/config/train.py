@@ -23,6 +23,11 @@ class TrainConfig:
     #   (pinned_host) between steps and moved to the device inside the programs that use it
     #   (runtime/offload.py): the optimizer states (actor, critic), and with "+reference" the
     #   reference model's weights too (an error with rl.kl_coef = 0: there is no reference then)
+    pack_sequences: bool = False  # the updates (actor, critic) run over packed rows: each micro-batch's
+    #   sequences (prompt + response, no padding) first-fit-decreasing into rows of P + R tokens, a
+    #   segment each (rl/packing.py); the same losses, metrics and optimizer steps as padded, to float32
+    #   rounding. Turns the shared-prompt pass (models/prefix.py) off in the updates; the scoring
+    #   forwards stay padded. Not with sharding.axis_types=explicit
 
     def validate(self, path: str) -> None:
         check(self.steps >= 0, key(path, "steps"), self.steps, "must be >= 0")

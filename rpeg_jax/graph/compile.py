@@ -55,6 +55,9 @@ class Kernel:
     fn: Callable[[Mapping[str, Any]], dict[str, Any]]
     jittable: bool = True
     donate: tuple[str, ...] = ()  # input ports whose buffers the program may reuse
+    prepare: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None  # host step before the
+    #   program: from the stage's inputs (host_* fields included) extra inputs for it, e.g. a
+    #   sequence-packing plan made from the batch's lengths (their shapes are part of its signature)
 
 
 class StageRuntime(Protocol):
@@ -147,7 +150,9 @@ class KernelRegistry:
             return {**{name: space[name] for name in outs}, "metrics": metrics}
 
         donate = tuple(sorted({d for k in kernels for d in k.donate}))
-        return Kernel(fn, jittable=all(k.jittable for k in kernels), donate=donate)
+        preps = [k.prepare for k in kernels if k.prepare is not None]
+        prepare = (lambda inputs: {k: v for p in preps for k, v in p(inputs).items()}) if preps else None
+        return Kernel(fn, jittable=all(k.jittable for k in kernels), donate=donate, prepare=prepare)
 
 
 def stage_ports(graph: Graph, name: str) -> tuple[tuple[Port, ...], tuple[Port, ...]]:
@@ -191,9 +196,10 @@ class CompiledStage:
         stage's layout, under the runtime's stage scope."""
         if not self.kernel.jittable:
             return self.kernel.fn(inputs)
+        extra = self.kernel.prepare(inputs) if self.kernel.prepare is not None else {}
         inputs = self.runtime.place_inputs(self, dict(inputs))
         donated = {k: device_view(v) for k, v in inputs.items() if k in self.kernel.donate}
-        kept = {k: device_view(v) for k, v in inputs.items() if k not in self.kernel.donate}
+        kept = {k: device_view(v) for k, v in inputs.items() if k not in self.kernel.donate} | extra
         with self.runtime.stage_scope(self):
             return self._jitted(donated, kept)
 

@@ -227,3 +227,32 @@ def unpack_response(plan: dict, x_K):
     """[K] per-response-token values -> the padded response window [b, R] (0 where no target)."""
     out = plan["out_BxR"]
     return jnp.where(out >= 0, x_K[jnp.maximum(out, 0)], jnp.zeros((), x_K.dtype))
+
+
+def stage_plan(completions: dict, rl_cfg, group_size: int, rng, devices: int = 1) -> dict:
+    """update_plan for an update stage over the rollout batch `completions` (the runtime's host
+    step before the update's program, runtime/kernels.py); `group_size`: the group size the update
+    shuffles and splits by (the unpacked update's, so the optimizer steps see the same rows)."""
+    return update_plan(
+        completions["segment_ids_BxS"],
+        completions["response_mask_BxR"].shape[1],
+        epochs=rl_cfg.ppo_epochs,
+        minibatches=rl_cfg.minibatches,
+        micro_batches=rl_cfg.micro_batches,
+        group_size=group_size,
+        rng=rng,
+        devices=devices,
+    )
+
+
+def plan_metrics(plan: dict | None, prefix: str) -> dict:
+    """perf/<prefix>_pack_fill: the fraction of the packed rows' slots holding real tokens, and
+    perf/<prefix>_pack_rows: packed rows per micro-batch over its sequences (1 = no packing gain);
+    {} without a plan. Computed in the update's program from the plan's arrays."""
+    if plan is None:
+        return {}
+    seg, out = plan["seg_NxT"], plan["out_BxR"]
+    return {
+        f"perf/{prefix}_pack_fill": jnp.mean((seg > 0).astype(jnp.float32)),
+        f"perf/{prefix}_pack_rows": jnp.float32(seg.shape[-2] / out.shape[-2]),
+    }

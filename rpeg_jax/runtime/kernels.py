@@ -40,6 +40,7 @@ from rpeg_jax.config.base import ConfigError
 from rpeg_jax.graph.compile import Kernel, KernelRegistry, StageEnv
 from rpeg_jax.graph.ir import StageKind
 from rpeg_jax.models.logprobs import token_logprobs
+from rpeg_jax.runtime.packed_forward import packed_forward_fn
 from rpeg_jax.models.prefix import group_hidden, group_token_logprobs
 from rpeg_jax.rl import (
     batch_metrics,
@@ -50,6 +51,7 @@ from rpeg_jax.rl import (
     make_critic_update,
     make_critic_values_update,
     overlong_mask,
+    packing,
 )
 from rpeg_jax.rl.layout import merge_rows, split_tree
 from rpeg_jax.runtime import rollouts
@@ -279,27 +281,48 @@ def advantage(env: StageEnv) -> Kernel:
 
 
 def _grouped_update(make, graphdef, optimizer, ctx, accum_dtype, devices, make_kw=None, **fwd_kw):
-    """update(params, opt_state, batch, rng) that shares each group's prompt in its forward passes
-    when the batch's minibatches and micro-batches split into whole groups (decided per batch
-    shape while tracing; the forward and the update's shuffles agree on it)."""
+    """update(params, opt_state, batch, rng, pack=None) that shares each group's prompt in its
+    forward passes when the batch's minibatches and micro-batches split into whole groups (decided
+    per batch shape while tracing; the forward and the update's shuffles agree on it). With a
+    packing plan (train.pack_sequences, `_pack_prepare`) the forward runs packed rows instead and
+    the shuffles and splits stay those of the unpacked update."""
     rl = ctx.cfg.rl
     updates = {}
 
-    def update(params, opt_state, batch, rng):
+    def update(params, opt_state, batch, rng, pack=None):
         g = shared_prompt_groups(batch, rl.group_size, rl.minibatches * rl.micro_batches, devices)
-        if g not in updates:
-            fwd = forward_fn(graphdef, temperature=ctx.temperature, group_size=g, **fwd_kw)
-            updates[g] = make(
-                lambda params, mb: fwd(params, mb),
+        if (g, pack is None) not in updates:
+            if pack is None:
+                fwd = forward_fn(graphdef, temperature=ctx.temperature, group_size=g, **fwd_kw)
+            else:
+                fwd = packed_forward_fn(graphdef, temperature=ctx.temperature, **fwd_kw)
+            updates[g, pack is None] = make(
+                lambda params, mb, fwd=fwd: fwd(params, mb),
                 optimizer,
                 rl,
                 accum_dtype=accum_dtype,
                 group_size=g,
                 **(make_kw or {}),
             )
-        return updates[g](params, opt_state, batch, rng)
+        return updates[g, pack is None](params, opt_state, batch, rng, pack)
 
     return update
+
+
+def _pack_prepare(env: StageEnv, port: str, rng_of):
+    """train.pack_sequences: the update's host step, its packing plan (rl/packing.py) from the
+    batch's segment ids, as input `port`; rng_of(inputs): the key the update shuffles with."""
+    ctx = env.context
+    if not ctx.cfg.train.pack_sequences:
+        return None
+    rl, devices = ctx.cfg.rl, _devices(env)
+
+    def prepare(i):
+        c = i["completions"]
+        g = shared_prompt_groups(c, rl.group_size, rl.minibatches * rl.micro_batches, devices)
+        return {port: packing.stage_plan(c, rl, g, rng_of(i), devices)}
+
+    return prepare
 
 
 def actor_update(env: StageEnv) -> Kernel:
@@ -322,13 +345,15 @@ def actor_update(env: StageEnv) -> Kernel:
         values=shared,
     )
 
+    rng_of = lambda i: jax.random.fold_in(ctx.update_key, i["_step"])  # noqa: E731
+
     def fn(i):
         batch = _actor_batch(i, ctx)
-        rng = jax.random.fold_in(ctx.update_key, i["_step"])
-        params, opt_state, metrics = update(i["actor"], i["actor_opt"], batch, rng)
+        params, opt_state, metrics = update(i["actor"], i["actor_opt"], batch, rng_of(i), i.get("_pack_actor"))
+        metrics.update(packing.plan_metrics(i.get("_pack_actor"), "actor"))
         return {"actor": params, "actor_opt": opt_state, "metrics": metrics}
 
-    return Kernel(fn, donate=("actor", "actor_opt"))
+    return Kernel(fn, donate=("actor", "actor_opt"), prepare=_pack_prepare(env, "_pack_actor", rng_of))
 
 
 def _critic_updater(make, env: StageEnv):
@@ -352,13 +377,15 @@ def critic_update(env: StageEnv) -> Kernel:
     ctx = env.context
     update = _critic_updater(make_critic_update, env)
 
+    rng_of = lambda i: jax.random.fold_in(ctx.update_key, i["_step"] + 1_000_003)  # noqa: E731
+
     def fn(i):
         batch = _rl_batch(i, _BATCH_KEYS)
-        rng = jax.random.fold_in(ctx.update_key, i["_step"] + 1_000_003)
-        params, opt_state, metrics = update(i["critic"], i["critic_opt"], batch, rng)
+        params, opt_state, metrics = update(i["critic"], i["critic_opt"], batch, rng_of(i), i.get("_pack_critic"))
+        metrics.update(packing.plan_metrics(i.get("_pack_critic"), "critic"))
         return {"critic": params, "critic_opt": opt_state, "metrics": metrics}
 
-    return Kernel(fn, donate=("critic", "critic_opt"))
+    return Kernel(fn, donate=("critic", "critic_opt"), prepare=_pack_prepare(env, "_pack_critic", rng_of))
 
 
 def critic_values_update(env: StageEnv) -> Kernel | None:
@@ -373,7 +400,7 @@ def critic_values_update(env: StageEnv) -> Kernel | None:
 
     def fn(i):
         batch = _rl_batch(i, _BATCH_KEYS)
-        params, opt_state, metrics, rows = update(i["critic"], i["critic_opt"], batch, None)
+        params, opt_state, metrics, rows = update(i["critic"], i["critic_opt"], batch, None, i.get("_pack_critic"))
         out, adv_metrics = _advantages({**batch, **rows}, ctx, i["_step"])
         return {
             "critic": params,
@@ -382,7 +409,7 @@ def critic_values_update(env: StageEnv) -> Kernel | None:
             "metrics": {**adv_metrics, **metrics},
         }
 
-    return Kernel(fn, donate=("critic", "critic_opt"))
+    return Kernel(fn, donate=("critic", "critic_opt"), prepare=_pack_prepare(env, "_pack_critic", lambda i: None))
 
 
 def shared_values_update(env: StageEnv) -> Kernel | None:
@@ -413,11 +440,11 @@ def shared_values_update(env: StageEnv) -> Kernel | None:
 
     def fn(i):
         batch = _actor_batch(i, ctx)
-        params, opt_state, metrics, rows = update(i["actor"], i["actor_opt"], batch, None)
+        params, opt_state, metrics, rows = update(i["actor"], i["actor_opt"], batch, None, i.get("_pack_actor"))
         _, adv_metrics = _advantages({**batch, **rows}, ctx, i["_step"])
         return {"actor": params, "actor_opt": opt_state, "metrics": {**adv_metrics, **metrics}}
 
-    return Kernel(fn, donate=("actor", "actor_opt"))
+    return Kernel(fn, donate=("actor", "actor_opt"), prepare=_pack_prepare(env, "_pack_actor", lambda i: None))
 
 
 # ---- host kernels -----------------------------------------------------------------------------

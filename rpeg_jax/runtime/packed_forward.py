@@ -49,3 +49,26 @@ def packed_outputs(
     if values:
         out["values"] = packing.unpack_response(plan, model.values(h_K))
     return out
+
+
+def packed_forward_fn(graphdef, *, temperature: float, logp: bool, entropy: bool, values: bool):
+    """(params, micro-batch) -> packed_outputs over the micro-batch's plan (rl.packing.PLAN_KEY):
+    the update's policy_fn under train.pack_sequences (runtime/kernels.py)."""
+    from flax import nnx  # noqa: PLC0415
+
+    def fn(params, mb):
+        if packing.PLAN_KEY not in mb:
+            raise ValueError("train.pack_sequences: the update's micro-batch carries no packing plan")
+        model = nnx.merge(graphdef, params)
+        return packed_outputs(
+            model,
+            mb["tokens_BxS"],
+            mb["positions_BxS"],
+            mb[packing.PLAN_KEY],
+            temperature=temperature,
+            logp=logp,
+            entropy=entropy,
+            values=values,
+        )
+
+    return fn
