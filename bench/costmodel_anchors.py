@@ -32,7 +32,7 @@ the recipes examples/configs/recipes/llm/performance/async-grpo-llama3.1-8b-inst
 (8 generation GPUs of 16) and grpo-qwen3-32b-8n8g-async-1off.yaml (32 of 64, vLLM TP 4).
 Response lengths: a shifted lognormal (sigma 0.6, the cost model's default shape; an assumption,
 NeMo publishes only the mean) whose median is solved so that the mean of 2048 responses is the
-table's "G-Average Seq len"; the trainer packs sequences (costmodel.sequence_packing, assumed).
+table's "G-Average Seq len"; the trainer packs sequences (train.pack_sequences, assumed).
 
 Models: Llama-3.1-8B has the llama3-8b preset's shape (L 32, D 4096, H 32, K 8, F 14336, V 128256;
 3.1 changes RoPE scaling and context, not the shape). Qwen3-32B is the qwen2-32b preset with
@@ -125,7 +125,7 @@ def anchor_config(a: Anchor):
         "costmodel.response_len_min=1",
         f"costmodel.response_len_median={med:.3f}",
         f"costmodel.response_len_sigma={SIGMA}",
-        "costmodel.sequence_packing=true",
+        "train.pack_sequences=true",
         "costmodel.max_staleness=1",
         *a.extra,
     ]

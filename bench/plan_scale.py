@@ -42,7 +42,7 @@ WORKLOAD = [
     "costmodel.response_len_min=4096",
     "costmodel.response_len_median=6144",
     "costmodel.response_len_sigma=0.8",
-    "costmodel.sequence_packing=true",
+    "train.pack_sequences=true",
     "rl.kl_coef=0.001",
 ]
 ALGOS = {

@@ -225,7 +225,7 @@ def _search(sigma, n=16):
             "costmodel.response_len_min=256",
             "costmodel.response_len_median=1024",
             f"costmodel.response_len_sigma={sigma}",
-            "costmodel.sequence_packing=true",
+            "train.pack_sequences=true",
             "costmodel.max_staleness=2",
             "costmodel.search_algorithmic=true",
         ],

@@ -30,7 +30,7 @@ P1 = [
     "costmodel.response_len_min=256",
     "costmodel.response_len_median=1024",
     "costmodel.response_len_sigma=0.8",
-    "costmodel.sequence_packing=true",
+    "train.pack_sequences=true",
 ]
 PPO = ["rl.algorithm=ppo", "rl.group_size=1", "data.prompts_per_step=128", "rl.kl_coef=0.05"]
 

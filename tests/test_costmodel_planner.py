@@ -39,7 +39,7 @@ P1 = [
     "costmodel.response_len_min=256",
     "costmodel.response_len_median=1024",
     "costmodel.response_len_sigma=0.8",
-    "costmodel.sequence_packing=true",
+    "train.pack_sequences=true",
 ]
 
 

@@ -25,7 +25,7 @@ WORKLOAD = [
     "rollout.max_new_tokens=4096",
     "costmodel.response_len_min=256",
     "costmodel.response_len_median=1024",
-    "costmodel.sequence_packing=true",
+    "train.pack_sequences=true",
     "rl.kl_coef=0.001",
 ]
 

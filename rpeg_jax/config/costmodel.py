@@ -1,6 +1,6 @@
 """Cost-model section: the hardware profile, the planner's search space and budget, and the
 workload assumptions the model needs beyond the other sections (response-length distribution,
-attention kernel, sequence packing). Read by rpeg_jax/costmodel (no JAX)."""
+attention kernel; sequence packing is train.pack_sequences). Read by rpeg_jax/costmodel (no JAX)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ class CostModelConfig:
     response_len_min: int = 1  # tokens; shortest response
     response_len_sigma: float = 0.6  # lognormal shape of response lengths (long tail); 0 = fixed
     attention: Literal["auto", "dense", "flash"] = "auto"  # auto: dense on cpu, flash on accelerators
-    sequence_packing: bool = False  # trainer packs sequences (no padding to max_new_tokens)
     kv_pool: Literal["replicated", "sharded"] = "sharded"  # sampler KV pages over the generation data
     #   axis: one pool per replica (what the sampler does: sampling/sharding.py) or replicated (every device
     #   holds all replicas' pages); a run with rollout.kv_pool=replicated is priced replicated either way
