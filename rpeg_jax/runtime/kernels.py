@@ -40,7 +40,6 @@ from rpeg_jax.config.base import ConfigError
 from rpeg_jax.graph.compile import Kernel, KernelRegistry, StageEnv
 from rpeg_jax.graph.ir import StageKind
 from rpeg_jax.models.logprobs import token_logprobs
-from rpeg_jax.runtime.packed_forward import packed_forward_fn
 from rpeg_jax.models.prefix import group_hidden, group_token_logprobs
 from rpeg_jax.rl import (
     batch_metrics,
@@ -55,6 +54,7 @@ from rpeg_jax.rl import (
 )
 from rpeg_jax.rl.layout import merge_rows, split_tree
 from rpeg_jax.runtime import rollouts
+from rpeg_jax.runtime.packed_forward import packed_forward_fn
 from rpeg_jax.sharding.axes import explicit_spec
 
 K = StageKind
