@@ -444,3 +444,34 @@ def test_generation_prices_the_samplers_host_cost_per_sequence():
         b = S.generate_stage(costly, ms, n, [t], [slots], async_ks=(1,))
         assert b[0][0] - a[0][0] == pytest.approx(96 * 4e-4, rel=1e-9)
         assert b[3][1][0] - a[3][1][0] == pytest.approx(96 * 4e-4, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "B,P,R,micro,devices",
+    [(128, 16, 256, 1, 1), (128, 16, 256, 2, 1), (128, 16, 256, 4, 2), (64, 64, 128, 1, 1), (256, 8, 512, 8, 4)],
+)
+def test_packed_rows_are_the_runtimes_plan(B, P, R, micro, devices):
+    """stages.packed_per_seq (what a packed pass computes per sequence) against the plan the
+    runtime makes (rl/packing.update_plan on the same lengths in the rollout layout: prompt of P
+    real tokens, response of its drawn length): rows N and scored positions K."""
+    from rpeg_jax.rl import packing
+
+    dist = LengthDist(max_len=R, min_len=4, median=24, sigma=1.0)
+    st = dataclasses.replace(setting("cpu", B=B, P=P, R=R), dist=dist, packing=True)
+    lens = dist.lengths(B)
+    S_ = P + st.R_train
+    seg = (np.arange(S_)[None, :] < (P + lens)[:, None]).astype(np.int32)
+    plan = packing.update_plan(seg, st.R_train, epochs=1, minibatches=1, micro_batches=micro, devices=devices)
+    b = B // micro
+    rows, tokens = plan["seg_NxT"].shape[-2], plan["pred_K"].shape[-1]
+    tok, sumsq, scored = S.packed_per_seq(st, b, devices)
+    assert tok == pytest.approx(rows * S_ / b)
+    assert sumsq == pytest.approx(rows * S_**2 / b)
+    assert scored == pytest.approx(tokens / b)
+    assert tok < S_  # a gain over the padded pass
+    rng = np.random.default_rng(B + micro)
+    for _ in range(20):  # the planner's own first-fit-decreasing count is the runtime's
+        x = rng.integers(0, S_ + 1, size=b)
+        assert S.ffd_bins(x, S_) == len(packing.first_fit_decreasing(x, S_))
+    got, _, _ = S.pass_tokens(st, np.array([1, 1]), 1, np.array([micro, micro]), devices, packed=True)
+    np.testing.assert_allclose(got, [rows * S_ / b] * 2)

@@ -321,7 +321,7 @@ def continuous_R(st: S.Setting, k: int) -> int:
     The runtime lays such batches out at R = rollout.max_new_tokens (runtime/rollouts.lay_out: the
     batch's longest response changes every step, and each new width would compile the training
     stages again), so "the first groups to complete" being biased short makes the update no cheaper
-    unless the trainer packs sequences (Setting.packing prices the mean length then)."""
+    unless the updates pack sequences (Setting.packing: stages.packed_per_seq prices the packed rows)."""
     del k
     return st.R
 

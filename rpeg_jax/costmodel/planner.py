@@ -112,7 +112,7 @@ def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processe
         dist=length_dist(cfg),
         causal_skip=flash,
         dense_scores=not flash,
-        packing=cfg.train.pack_sequences,  # the runtime packs the updates only; priced: every trainer pass
+        packing=cfg.train.pack_sequences,  # the updates and scoring forwards pack their rows
         budget_bytes=c.memory_budget * hw.hbm_bytes,
         kv_replicated="replicated" in (c.kv_pool, cfg.rollout.kv_pool),  # the run's pool, or a what-if
         prompt_sharing=cfg.sharding.axis_types != "explicit",  # kernels: explicit keeps the plain pass

@@ -53,7 +53,7 @@ class Setting:
     dist: LengthDist
     causal_skip: bool  # attention kernel skips the masked half (flash) or not (dense)
     dense_scores: bool  # attention materialises [T, T] scores (dense) and saves them
-    packing: bool  # trainer packs sequences instead of padding to R
+    packing: bool  # training passes pack sequences (train.pack_sequences: the updates and scoring forwards)
     budget_bytes: float  # memory per device plans may use
     kv_replicated: bool = False  # the sampler's page pool is replicated over the generation data axis
     prompt_sharing: bool = False  # training passes run a group's prompt once (models/prefix.py) where
@@ -78,20 +78,73 @@ class Setting:
 
     @property
     def seq_tokens(self) -> float:
-        """Tokens per sequence the trainer computes on."""
-        return self.P + (self.dist.mean(self.B) if self.packing else self.R_train)
+        """Tokens per sequence of a padded pass (without train.pack_sequences)."""
+        return self.P + self.R_train
 
     @property
     def seq_sumsq(self) -> float:
-        if self.packing:
-            ln = self.dist.lengths(self.B).astype(np.float64)
-            return float(np.mean((self.P + ln) ** 2))
         return float((self.P + self.R_train) ** 2)
 
     @property
     def seq_scored(self) -> float:
         """Positions with logits per sequence (the response window)."""
-        return self.dist.mean(self.B) if self.packing else float(self.R_train)
+        return float(self.R_train)
+
+
+PACK_ROW_BUCKETS = 16  # rl/packing.row_quantum: packed rows rounded up to a multiple of b/16
+PACK_TOKEN_BUCKETS = 8  # rl/packing.TOKEN_BUCKETS: scored positions to a multiple of b·R/8
+
+
+def ffd_bins(lengths, capacity: int) -> int:
+    """Rows first-fit-decreasing packs `lengths` into (rl/packing.first_fit_decreasing's rule; the
+    planner imports no JAX, so the count is made here; tests/test_costmodel_formulas checks they
+    agree on the runtime's plans)."""
+    free: list[int] = []
+    for n in sorted((int(x) for x in lengths if x > 0), reverse=True):
+        for j, room in enumerate(free):
+            if n <= room:
+                free[j] -= n
+                break
+        else:
+            free.append(capacity - n)
+    return len(free)
+
+
+def packed_per_seq(st: Setting, b: int, devices: int) -> tuple[float, float, float]:
+    """(tokens computed, Σ context² of attention, scored positions) per sequence of an update that
+    packs its micro-batches of b sequences (train.pack_sequences, rl/packing.py): every
+    micro-batch runs as N rows of S = P + R_train columns, N the most any micro-batch of the
+    step needs (the sample of st.dist split into strided micro-batches, each packed
+    first-fit-decreasing: `ffd_bins`), rounded up to a multiple of ceil(b/16) rounded up to the
+    devices; all N·S slots are computed, and the dense attention over a packed row is S²
+    whatever its segments. K scored positions: the most real response tokens of
+    a micro-batch, rounded up to a multiple of b·R_train/8."""
+    b = max(int(b), 1)
+    S = st.P + st.R_train
+    n = max(int(st.B // b), 1) * b
+    lens = st.dist.lengths(n).reshape(b, -1).T  # strided pieces, as rl/layout.split_tree splits
+    rows_needed = max(ffd_bins(st.P + piece, S) for piece in lens)
+    q = -(-(-(-b // PACK_ROW_BUCKETS)) // max(int(devices), 1)) * max(int(devices), 1)
+    rows = max(q, -(-int(rows_needed) // q) * q)
+    kq = max(-(-b * st.R_train // PACK_TOKEN_BUCKETS), 1)
+    scored = max(kq, -(-int(lens.sum(axis=1).max()) // kq) * kq)
+    return rows * S / b, rows * float(S) ** 2 / b, scored / b
+
+
+def pass_tokens(st: Setting, d, f, pieces, t=1, packed: bool = False):
+    """(tokens, Σ context², scored positions) per sequence of a training/scoring pass over `pieces`
+    micro-batches on a d x f x t mesh: packed (an update under train.pack_sequences: no prompt
+    sharing there) or padded (`shared_tokens`)."""
+    d, f, pieces, t = (np.asarray(x, np.float64) for x in (d, f, pieces, t))
+    if not packed:
+        tok, sq = shared_tokens(st, d, f, pieces, t)
+        return tok, sq, st.seq_scored + 0.0 * tok
+    d, f, pieces, t = np.broadcast_arrays(d, f, pieces, t)
+    keys = np.stack([np.ravel(st.B / pieces), np.ravel(d * f * t)], axis=1)
+    uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+    vals = np.array([packed_per_seq(st, int(round(bb)), int(round(dv))) for bb, dv in uniq])
+    out = vals[np.ravel(inv)].reshape(*d.shape, 3)
+    return out[..., 0], out[..., 1], out[..., 2]
 
 
 def shared_tokens(st: Setting, d, f, pieces, t=1):
@@ -189,9 +242,9 @@ def train_stage(
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
     seqs = st.B / (d * f)  # sequences per device per epoch
     n_mb = minibatches * micro
-    seq_tok, seq_sq = shared_tokens(st, d, f, n_mb, t)
+    seq_tok, seq_sq, scored = pass_tokens(st, d, f, n_mb, t, packed=st.packing)
     tok_mb = seqs * seq_tok / n_mb
-    fwd = ms.forward_flops(seqs * seq_tok, seqs * st.seq_scored * heads, seqs * seq_sq, st.causal_skip) / t
+    fwd = ms.forward_flops(seqs * seq_tok, seqs * scored * heads, seqs * seq_sq, st.causal_skip) / t
     rate, bw, ovh = rates(hw, ms.dtype, busy)
     # One forward's kernels; the backward does twice the work at the profile's backward_factor
     # (1 on GPUs; more where transposed matmuls and weight-gradient reductions run slower), and
@@ -247,7 +300,8 @@ def train_memory(st: Setting, ms: ModelShape, d, f, t, micro, remat: str, miniba
     """Peak bytes per device of a training stage: resident state + update buffers + activations."""
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
     seqs_mb = st.B / (d * f) / (minibatches * micro)
-    tok_mb = seqs_mb * shared_tokens(st, d, f, minibatches * micro, t)[0]
+    seq_tok, _, scored = pass_tokens(st, d, f, minibatches * micro, t, packed=st.packing)
+    tok_mb = seqs_mb * seq_tok
     dense_ctx = st.P + st.R_train if st.dense_scores else 0.0
     eff = st.hw.efficiency
     act = ms.L * tok_mb * ms.act_bytes_per_token_layer(t, remat, dense_ctx)
@@ -256,7 +310,7 @@ def train_memory(st: Setting, ms: ModelShape, d, f, t, micro, remat: str, miniba
     weights = ms.pass_weight_bytes(
         f, t, eff.fsdp_gather, eff.weight_copies, train=True, looped=(micro > 1) | (remat != "none")
     )
-    logits = ms.logits_bytes(seqs_mb * st.seq_scored, t)
+    logits = ms.logits_bytes(seqs_mb * scored, t)
     state = (ms.resident_state_bytes() + ms.update_state_bytes(micro)) / (f * t)
     return state + eff.act_memory_factor * (act + logits) + weights
 
@@ -266,9 +320,9 @@ def forward_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, heads: int 
     hw = st.hw
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
     seqs = st.B / (d * f)
-    seq_tok, seq_sq = shared_tokens(st, d, f, micro, t)
+    seq_tok, seq_sq, scored = pass_tokens(st, d, f, micro, t, packed=st.packing)
     tok_mb = seqs * seq_tok / micro
-    flops = ms.forward_flops(seqs * seq_tok, seqs * st.seq_scored * heads, seqs * seq_sq, st.causal_skip) / t
+    flops = ms.forward_flops(seqs * seq_tok, seqs * scored * heads, seqs * seq_sq, st.causal_skip) / t
     rate, bw, ovh = rates(hw, ms.dtype, busy)
     ew = elementwise_bytes(st, ms, t, seqs * seq_tok)
     core, mm, ewt = layer_core(
@@ -293,12 +347,13 @@ def forward_memory(st: Setting, ms: ModelShape, d, f, t, micro):
     """Transient bytes per device of a forward (weights are counted by the caller)."""
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
     seqs_mb = st.B / (d * f) / micro
-    tok_mb = seqs_mb * shared_tokens(st, d, f, micro, t)[0]
+    seq_tok, _, scored = pass_tokens(st, d, f, micro, t, packed=st.packing)
+    tok_mb = seqs_mb * seq_tok
     dense_ctx = st.P + st.R_train if st.dense_scores else 0.0
     eff = st.hw.efficiency
     live = tok_mb * ms.act_bytes_per_token_layer(t, "none", dense_ctx, score_arrays=1)  # one layer's
     weights = ms.pass_weight_bytes(f, t, eff.fsdp_gather, eff.weight_copies, train=False)
-    return eff.fwd_act_memory_factor * (live + ms.logits_bytes(seqs_mb * st.seq_scored, t)) + weights
+    return eff.fwd_act_memory_factor * (live + ms.logits_bytes(seqs_mb * scored, t)) + weights
 
 
 def kv_bytes_per_seq(st: Setting, ms: ModelShape, t):
