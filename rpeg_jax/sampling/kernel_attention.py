@@ -76,9 +76,10 @@ def attend_kernel(q_BxTxHxE, k_pool, v_pool, layer, table_BxW, kv_len_B, *, inte
     if heads_mesh is not None:
         heads = P(None, None, TENSOR)  # [B, T, H, E] over its head axis
         pool = P(None, TENSOR)  # [L, K, P, S, E] over its kv-head axis
+        context = jax.sharding.get_abstract_mesh()  # inside the engine's shard_map over data: its mesh
         fn = jax.shard_map(
             fn,
-            mesh=heads_mesh,
+            mesh=heads_mesh if context.empty else context,
             in_specs=(heads, pool, pool, P(), P(), P()),
             out_specs=heads,
             axis_names={TENSOR},
