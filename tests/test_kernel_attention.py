@@ -30,6 +30,7 @@ from rpeg_jax.sampling.kernel_attention import attend_kernel, kernel_blocks
 HF = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 ATOL = 2e-6  # float32 kernel vs float64 reference, O(1) inputs, up to 256 key columns
 LP_ATOL = 1e-5  # float32 logprobs, kernel vs gather sampler
+TF32_ATOL, TF32_LP_ATOL = 5e-3, 1e-2  # on a GPU: the compiled kernel's float32 products are TF32
 
 
 def reference(q_BxHxE, k_pool, v_pool, layer, table_BxW, kv_len_B):
@@ -130,6 +131,18 @@ def test_heads_sharded_over_tensor_mesh():
     check(q, k_pool, v_pool, table, lengths, fn=fn)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 32, 64])
+def test_compiled_kernel_on_gpu(page_size):
+    """The Triton-compiled kernel (no interpreter) against the same reference, GQA 2 and MQA. Its
+    float32 products are TF32 (the kernel's `dot` at default precision; docs/kernels.md)."""
+    compiled = jax.jit(lambda q, kp, vp, layer, t, n: attend_kernel(q[:, None], kp, vp, layer, t, n, interpret=False))
+    for kv_heads in (2, 1):
+        q, k_pool, v_pool, table, lengths = case(page_size, kv_heads, 4, 4, boundary_lengths(page_size, 4))
+        got = np.asarray(compiled(q, k_pool, v_pool, jnp.int32(1), table, lengths))[:, 0]
+        np.testing.assert_allclose(got, reference(q, k_pool, v_pool, 1, table, lengths), atol=TF32_ATOL, rtol=0)
+
+
 # ---- end to end on the Hugging Face fixtures ----------------------------------------------------
 FIXED = dict(max_seq_len=48, min_prefill_len=32, min_prefill_rows=8, min_table_width=4)
 GREEDY = SamplingParams(n=2, temperature=0.0, max_new_tokens=30, ignore_eos=True)
@@ -172,6 +185,21 @@ def test_sampler_kernel_sharded_pool_and_heads():
     assert kern.stats()["pool_shards"] == 2 and kern.sharding.heads_sharded and kern._heads_mesh is not None
     for params in (GREEDY, SAMPLED):
         assert_same(kern.generate(prompts(), params), ref.generate(prompts(), params))
+
+
+@pytest.mark.gpu
+def test_sampler_auto_on_gpu_is_the_kernel_and_equals_gather():
+    model = load_hf(os.path.join(HF, "llama_tiny"))
+    base = dict(page_size=16, max_slots=8, chunk_steps=8, **FIXED)
+    kern, ref = Sampler(model, SamplerConfig(**base)), Sampler(model, SamplerConfig(attention="gather", **base))
+    assert kern._attention == "kernel"
+    matched = total = 0  # TF32 products: compare each greedy run up to its first differing token
+    for o, r in zip(kern.generate(prompts(), GREEDY), ref.generate(prompts(), GREEDY), strict=True):
+        for c, d in zip(o.completions, r.completions, strict=True):
+            n = next((i for i, (x, y) in enumerate(zip(c.tokens, d.tokens)) if x != y), len(c.tokens))
+            np.testing.assert_allclose(c.logprobs[:n], d.logprobs[:n], atol=TF32_LP_ATOL, rtol=0)
+            matched, total = matched + n, total + len(c.tokens)
+    assert matched >= 0.9 * total, f"greedy tokens agree on {matched} of {total}"
 
 
 # ---- backend checks --------------------------------------------------------------------------
