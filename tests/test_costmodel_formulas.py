@@ -475,3 +475,43 @@ def test_packed_rows_are_the_runtimes_plan(B, P, R, micro, devices):
         assert S.ffd_bins(x, S_) == len(packing.first_fit_decreasing(x, S_))
     got, _, _ = S.pass_tokens(st, np.array([1, 1]), 1, np.array([micro, micro]), devices, packed=True)
     np.testing.assert_allclose(got, [rows * S_ / b] * 2)
+
+
+def test_kernel_attention_prices_decode_kv_read_once():
+    # rollout.attention resolving to "kernel" on a GPU profile (auto there) reads the KV pages in
+    # place: decode moves the cached KV bytes once (kv_read_factor 1), gather the profile's factor
+    # (2 on the GPU presets: the pages are copied, then read). Hand roofline of a memory-bound step.
+    from rpeg_jax.config import load_config
+    from rpeg_jax.costmodel.hardware import interp_eff
+    from rpeg_jax.costmodel.planner import make_context
+
+    st, ms = setting("h200"), shape("tiny")
+    hw = st.hw
+    assert hw.efficiency.kv_read_factor == 2.0
+    b, ctx = 64, 4096
+
+    def hand(factor):
+        nbytes = ms.weight_bytes() + b * ctx * ms.kv_bytes_per_token / min(1, ms.K) * factor + b * ms.V * 4.0
+        comp = float(ms.decode_flops(b, ctx)) / (
+            hw.peak(ms.dtype) * float(interp_eff(hw.efficiency.matmul, 2.0 * b * ms.D * ms.F))
+        )
+        mem = nbytes / (hw.device.memory_bw * float(interp_eff(hw.efficiency.memory, nbytes)))
+        assert mem > comp  # memory-bound: the KV read shows in the step time
+        return mem + hw.efficiency.decode_step_s + ms.L * hw.efficiency.decode_layer
+
+    gather = float(S.decode_step_time(st, ms, 1, 1, b, ctx))
+    kernel = float(S.decode_step_time(dataclasses.replace(st, kv_read_once=True), ms, 1, 1, b, ctx))
+    assert gather == pytest.approx(hand(2.0), rel=1e-9) and kernel == pytest.approx(hand(1.0), rel=1e-9)
+    assert kernel < 0.75 * gather
+    # What the planner sets from the run's config and the profile.
+    cpu = load_hardware("cpu", calibrated=False)
+    for attention, kind_hw, once in [
+        ("auto", hw, True),
+        ("kernel", hw, True),
+        ("gather", hw, False),
+        ("chunk", hw, False),
+        ("auto", cpu, False),  # auto on a CPU is the chunk attention
+        ("kernel", cpu, False),  # the interpreter on a CPU: no GPU kernel
+    ]:
+        cfg = load_config(None, [f"rollout.attention={attention}"])
+        assert make_context(cfg, 8, kind_hw).st.kv_read_once == once, (attention, kind_hw.kind)

@@ -7,6 +7,29 @@ from typing import Literal
 
 from rpeg_jax.config.base import check, key
 
+ATTENTIONS = ("auto", "gather", "blocked", "chunk", "kernel")
+
+
+def resolve_attention(attention: str, backend: str) -> str:
+    """The decode attention `attention` means on `backend` (jax.default_backend(), or a hardware
+    profile's kind): auto = "chunk" on CPU (fastest there, sampling/chunk_attention.py), "kernel" on
+    GPU (pages read in place, sampling/kernel_attention.py), "gather" elsewhere."""
+    if attention != "auto":
+        return attention
+    return {"cpu": "chunk", "gpu": "kernel"}.get(backend, "gather")
+
+
+def check_attention_backend(attention: str, interpret: bool, backend: str, path: str) -> None:
+    """ConfigError unless the resolved attention can run on `backend`: the "kernel" attention is a
+    Pallas Triton (GPU) kernel, elsewhere it runs only through the Pallas interpreter."""
+    check(
+        resolve_attention(attention, backend) != "kernel" or backend == "gpu" or interpret,
+        key(path, "attention"),
+        attention,
+        f"the Pallas paged-attention kernel needs a GPU (the backend is {backend}): "
+        f"set {key(path, 'kernel_interpret')}=true to run it through the Pallas interpreter, or use gather/chunk",
+    )
+
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
@@ -34,8 +57,10 @@ class RolloutConfig:
     #   older than the bound k when consumed is generated again from its prompt, or dropped
     forced_lengths: tuple[float, float, int, int] | None = None  # benchmarks (R2): each response stops at
     #   its own length, lognormal (median, sigma) clipped to [min, max] tokens, seeded per sequence; eos ignored
-    attention: Literal["auto", "gather", "blocked", "chunk"] = "auto"  # decode attention over pages
-    #   (sampling/types.py): auto = "chunk" on CPU, "gather" elsewhere
+    attention: Literal["auto", "gather", "blocked", "chunk", "kernel"] = "auto"  # decode attention over
+    #   pages (sampling/types.py): auto = "chunk" on CPU, "kernel" on GPU, "gather" elsewhere; "kernel"
+    #   (a Pallas kernel reading the pages in place, docs/kernels.md) needs a GPU or kernel_interpret
+    kernel_interpret: bool = False  # attention=kernel through the Pallas interpreter (runs on CPU, slowly)
     kv_pool: Literal["sharded", "replicated"] = "sharded"  # KV page pool over the generation mesh's data
     #   axis: one pool per data shard, or every device holding all pages (sampling/sharding.py)
 
@@ -61,10 +86,10 @@ class RolloutConfig:
         check(self.min_chunk_steps >= 1, key(path, "min_chunk_steps"), self.min_chunk_steps, "must be >= 1")
         check(0.0 <= self.watermark < 1.0, key(path, "watermark"), self.watermark, "must be in [0, 1)")
         check(
-            self.attention in ("auto", "gather", "blocked", "chunk"),
+            self.attention in ATTENTIONS,
             key(path, "attention"),
             self.attention,
-            "must be 'auto', 'gather', 'blocked' or 'chunk'",
+            "must be 'auto', 'gather', 'blocked', 'chunk' or 'kernel'",
         )
         if self.forced_lengths is not None:
             median, sigma, lo, hi = self.forced_lengths

@@ -30,6 +30,7 @@ import numpy as np
 
 from rpeg_jax.config.base import ConfigError
 from rpeg_jax.config.pipeline import PipelineConfig
+from rpeg_jax.config.rollout import RolloutConfig, resolve_attention
 from rpeg_jax.config.run import RunConfig
 from rpeg_jax.costmodel import candidates as C
 from rpeg_jax.costmodel import offload as OFF
@@ -93,6 +94,13 @@ def prompt_len(cfg: RunConfig, length_bucket: int) -> int:
     return min(cap, S.round_up(p, length_bucket))
 
 
+def kv_read_once(r: RolloutConfig, kind: str) -> bool:
+    """The run's decode attention on a profile of `kind` reads the KV pages in place: "kernel"
+    (auto on GPU) compiled for a GPU; gather / blocked / chunk copy them first (the profile's
+    kv_read_factor), and the interpreter is no GPU kernel."""
+    return kind == "gpu" and resolve_attention(r.attention, kind) == "kernel" and not r.kernel_interpret
+
+
 def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processes: int = 1) -> Context:
     if num_devices < 1:
         raise GraphError("num_devices", f"{num_devices} must be >= 1")
@@ -124,6 +132,7 @@ def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processe
         min_chunk_steps=cfg.rollout.min_chunk_steps,
         recompute_kv=cfg.rollout.on_weight_update == "recompute",
         static_rows=hw.kind == "cpu",
+        kv_read_once=kv_read_once(cfg.rollout, hw.kind),
     )
     return Context(cfg, hw, num_devices, st, base, processes)
 

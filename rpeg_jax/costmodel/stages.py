@@ -65,6 +65,10 @@ class Setting:
     min_chunk_steps: int = 8  # rollout.min_chunk_steps: a chunk ends early (to admit) only after these
     recompute_kv: bool = False  # continuous admission with rollout.on_weight_update=recompute: the KV of
     #   the sequences in flight is rebuilt at each weight update
+    kv_read_once: bool = False  # the sampler's decode attention reads each cached KV byte once, in
+    #   place (rollout.attention resolves to "kernel" on a GPU profile: sampling/kernel_attention.py):
+    #   decode is priced with kv_read_factor 1 instead of the profile's (gather copies the pages, then
+    #   reads the copy)
     static_rows: bool = False  # a decode step costs what all its slots cost, busy or not: the sampler's
     #   decode program always runs max_slots rows, and on a CPU (planner: hw.kind == "cpu") their work
     #   is the step's cost (R2, 2026-12-01: ~23 ms per step at occupancy 0.16 and ~26 ms at 0.89); on
@@ -390,6 +394,11 @@ def max_slots(st: Setting, ms: ModelShape, t, free_bytes, reps=1):
     return np.floor(np.maximum(free_bytes - ms.weight_bytes() / t, 0.0) / per)
 
 
+def kv_read_factor(st: Setting) -> float:
+    """KV bytes a decode step moves per cached byte: 1 with the in-place kernel, else the profile's."""
+    return 1.0 if st.kv_read_once else st.hw.efficiency.kv_read_factor
+
+
 def decode_step_time(st: Setting, ms: ModelShape, t, busy, batch, ctx):
     """Seconds of one decode step per replica with `batch` active sequences of context `ctx`."""
     hw = st.hw
@@ -398,7 +407,7 @@ def decode_step_time(st: Setting, ms: ModelShape, t, busy, batch, ctx):
     flops = ms.decode_flops(batch, ctx) / t
     nbytes = (
         ms.weight_bytes() / t
-        + batch * ctx * ms.kv_bytes_per_token / ms.kv_shards(t) * hw.efficiency.kv_read_factor
+        + batch * ctx * ms.kv_bytes_per_token / ms.kv_shards(t) * kv_read_factor(st)
         + batch * ms.V * 4.0
     )
     if hw.shared_host:  # a CPU's decode kernels (small GEMMs, page gathers, softmax) run one after

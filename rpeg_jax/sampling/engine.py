@@ -123,6 +123,8 @@ def _decode_step(
     attention: str,
     block_pages: int,
     heads_sharded: bool,
+    interpret: bool,
+    heads_mesh,
 ):
     """One step for every slot: write K/V at pos, attend, sample the token at pos + 1. `cache` is the
     pools, or the chunk buffers (kt, v) for the "chunk" attention (the pools are flushed after)."""
@@ -135,7 +137,16 @@ def _decode_step(
         num_pages, page_size = cache[0].shape[2], cache[0].shape[3]
         page, off = write_targets(st.table_BxW, pos_Bx1, active_B[:, None], num_pages, page_size)
         attn = PagedAttention(
-            page, off, st.table_BxW, pos_Bx1, kv_len_B, block_pages if attention == "blocked" else 0, heads_sharded
+            page,
+            off,
+            st.table_BxW,
+            pos_Bx1,
+            kv_len_B,
+            block_pages if attention == "blocked" else 0,
+            heads_sharded,
+            kernel=attention == "kernel",
+            interpret=interpret,
+            heads_mesh=heads_mesh,
         )
     h, cache = fwd.hidden(params, token_B[:, None], pos_Bx1, attn, cache)
     logits_BxV = fwd.logits(params, h[:, 0])
@@ -145,7 +156,7 @@ def _decode_step(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("fwd", "chunk", "attention", "block_pages", "mesh", "heads_sharded"),
+    static_argnames=("fwd", "chunk", "attention", "block_pages", "mesh", "heads_sharded", "interpret", "heads_mesh"),
     donate_argnames=("pools",),
 )
 def decode_chunk(
@@ -161,11 +172,16 @@ def decode_chunk(
     block_pages: int = 4,
     mesh=None,
     heads_sharded: bool = False,
+    interpret: bool = False,
+    heads_mesh=None,
 ):
     """Up to min(num_steps, chunk) decode steps in one while_loop; exits early once every slot has
     stopped (stop id sampled or end reached). `attention`: "gather" (gather the pages every step),
-    "blocked" (online softmax over blocks of `block_pages` pages) or "chunk" (gather them once into
-    dense buffers for the whole chunk, sampling/chunk_attention.py). Returns (pools, ChunkResult).
+    "blocked" (online softmax over blocks of `block_pages` pages), "chunk" (gather them once into
+    dense buffers for the whole chunk, sampling/chunk_attention.py) or "kernel" (a Pallas kernel
+    reads the pages in place, sampling/kernel_attention.py; `interpret`: through the Pallas
+    interpreter; `heads_mesh`: the mesh whose `tensor` axis splits the kv heads, for the kernel's
+    per-head-shard shard_map). Returns (pools, ChunkResult).
     `release` (int32 [2], optional: (min steps, slots)): also exit once at least `slots` slots have
     stopped in this chunk and at least `min steps` steps ran, so that a waiting group can be admitted
     (continuous admission); slots > max_slots never exits early.
@@ -174,7 +190,14 @@ def decode_chunk(
     if release is None:
         release = jnp.array([0, st.token_B.shape[0] + 1], jnp.int32)
     body = functools.partial(
-        _decode_chunk, fwd, chunk=chunk, attention=attention, block_pages=block_pages, heads_sharded=heads_sharded
+        _decode_chunk,
+        fwd,
+        chunk=chunk,
+        attention=attention,
+        block_pages=block_pages,
+        heads_sharded=heads_sharded,
+        interpret=interpret,
+        heads_mesh=heads_mesh,
     )
     if mesh is not None:
         body = _steps_per_shard(body)
@@ -202,6 +225,8 @@ def _decode_chunk(
     attention: str,
     block_pages: int,
     heads_sharded: bool,
+    interpret: bool,
+    heads_mesh,
 ):
     b = st.token_B.shape[0]
     keys_Bx2 = sequence_keys(st.seed_B, st.prompt_id_B, st.sample_id_B)
@@ -222,7 +247,19 @@ def _decode_chunk(
     def body(carry):
         step, cache, token_B, pos_B, active_B, tok_KxB, logp_KxB = carry
         cache, new_B, logp_B = _decode_step(
-            fwd, params, cache, st, keys_Bx2, token_B, pos_B, active_B, attention, block_pages, heads_sharded
+            fwd,
+            params,
+            cache,
+            st,
+            keys_Bx2,
+            token_B,
+            pos_B,
+            active_B,
+            attention,
+            block_pages,
+            heads_sharded,
+            interpret,
+            heads_mesh,
         )
         stopped = jnp.any(new_B[:, None] == st.stop_ids_BxN, axis=1) | (pos_B + 2 >= st.end_B)
         tok_KxB = tok_KxB.at[step].set(jnp.where(active_B, new_B, -1))

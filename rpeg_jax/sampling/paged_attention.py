@@ -18,16 +18,20 @@ only reaches its own score, which is replaced, not multiplied) AND zeroed in V b
 NaN there cannot leak into the output even as NaN * 0.
 
 Implementations behind `PagedAttention`: "gather" (`attend_pages`: gather the table's pages, one
-dense product) and "blocked" (`attend_blocked`: an online-softmax loop over blocks of pages that
-stops at the longest sequence). A fused GPU kernel can be added as a third.
+dense product), "blocked" (`attend_blocked`: an online-softmax loop over blocks of pages that
+stops at the longest sequence) and, for the decode step, "kernel" (sampling/kernel_attention.py:
+JAX's Pallas paged-attention kernel reading the pages in place; the K/V write stays `write_pages`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from rpeg_jax.sampling.kernel_attention import attend_kernel
 
 NEG_INF = -1e30  # finite, as in the model's attention: masked scores, never NaN from inf - inf
 
@@ -153,11 +157,26 @@ class PagedAttention:
     kv_len_B: jax.Array
     block_pages: int = 0  # 0: "gather" implementation; > 0: "blocked" with this many pages per block
     batched_heads: bool = False  # kv heads sharded over a mesh axis (see gather_pages)
+    kernel: bool = False  # the "kernel" implementation (decode only: T = 1); overrides block_pages
+    interpret: bool = False  # run the kernel through the Pallas interpreter (CPU)
+    heads_mesh: Any = None  # with `kernel`: the mesh whose `tensor` axis splits the kv heads
 
     def __call__(self, q_BxTxHxE, k_BxTxKxE, v_BxTxKxE, *, layer, cache):
         k_pool, v_pool = cache
         k_pool = write_pages(k_pool, layer, k_BxTxKxE, self.write_page_BxT, self.write_off_BxT)
         v_pool = write_pages(v_pool, layer, v_BxTxKxE, self.write_page_BxT, self.write_off_BxT)
+        if self.kernel:  # the query of a decode step sits at kv_len - 1: the length mask is causal
+            out = attend_kernel(
+                q_BxTxHxE,
+                k_pool,
+                v_pool,
+                layer,
+                self.table_BxW,
+                self.kv_len_B,
+                interpret=self.interpret,
+                heads_mesh=self.heads_mesh,
+            )
+            return out, (k_pool, v_pool)
         args = (q_BxTxHxE, k_pool, v_pool, layer, self.table_BxW, self.q_pos_BxT, self.kv_len_B)
         if self.block_pages:
             out = attend_blocked(*args, block_pages=self.block_pages, batched_heads=self.batched_heads)

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rpeg_jax.config.rollout import resolve_attention
 from rpeg_jax.sampling import engine
 from rpeg_jax.sampling.allocator import ShardedPages
 from rpeg_jax.sampling.forward import choose_forward
@@ -78,6 +79,8 @@ class Sampler:
         cfg = config or SamplerConfig()
         cfg.validate()
         mcfg = model.cfg
+        backend = jax.default_backend()
+        cfg.check_backend(backend, mcfg.head_size)  # before anything is placed or compiled
         self.cfg, self.model_cfg, self.tokenizer = cfg, mcfg, tokenizer
         self.max_seq_len = cfg.max_seq_len or mcfg.max_position_embeddings
         if self.max_seq_len > mcfg.max_position_embeddings:
@@ -110,9 +113,9 @@ class Sampler:
         # What the device functions read: the params themselves (model forward; the caller must not
         # donate them afterwards) or per-layer copies (split forward).
         self._weights = self._fwd.prepare(params)
-        self._attention = (
-            cfg.attention if cfg.attention != "auto" else ("chunk" if jax.default_backend() == "cpu" else "gather")
-        )
+        self._attention = resolve_attention(cfg.attention, backend)
+        # the kernel's shard_map over kv-head shards (sampling/kernel_attention.py)
+        self._heads_mesh = self.sharding.mesh if self._attention == "kernel" and self.sharding.heads_sharded else None
         self.num_pages = per_shard * d  # global, with the D null pages
         self.pages_per_shard = per_shard
         # The widest table any sequence needs; the last width bucket is capped here, not rounded up
@@ -329,6 +332,8 @@ class Sampler:
             block_pages=self.cfg.block_pages,
             mesh=self.sharding.shard_mesh,
             heads_sharded=self.sharding.heads_sharded,
+            interpret=self.cfg.kernel_interpret and self._attention == "kernel",
+            heads_mesh=self._heads_mesh,
         )
         toks, logps, steps = jax.device_get((res.tokens_KxB, res.logprobs_KxB, res.steps))
         steps = int(np.max(steps))  # one count per shard with a sharded pool (shards loop on their own)

@@ -14,7 +14,7 @@ from typing import Literal
 import numpy as np
 
 from rpeg_jax.config.base import check
-from rpeg_jax.config.rollout import RolloutConfig
+from rpeg_jax.config.rollout import ATTENTIONS, RolloutConfig, check_attention_backend, resolve_attention
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,11 +36,14 @@ class SamplerConfig:
     #   under continuous admission, where a group always waits; the sampled tokens do not change)
     on_weight_update: Literal["finish", "recompute", "continue"] = "finish"  # policy for in-flight
     #   sequences when weights change: finish them on the old weights, recompute their KV, or continue
-    attention: Literal["auto", "gather", "blocked", "chunk"] = "auto"  # decode attention over pages:
-    #   "gather" the table's pages every step then dense attention; "blocked": an online-softmax loop
-    #   over blocks of pages that stops at the longest sequence; "chunk": gather the pages once per
+    attention: Literal["auto", "gather", "blocked", "chunk", "kernel"] = "auto"  # decode attention over
+    #   pages: "gather" the table's pages every step then dense attention; "blocked": an online-softmax
+    #   loop over blocks of pages that stops at the longest sequence; "chunk": gather the pages once per
     #   decode chunk into dense buffers (fastest on CPU, costs a dense copy of the chunk's KV);
-    #   "auto" = chunk on CPU, gather elsewhere. Prefill always uses "gather".
+    #   "kernel": JAX's Pallas paged-attention kernel reads each sequence's pages in place through its
+    #   block table (GPU, or kernel_interpret; docs/kernels.md); "auto" = chunk on CPU, kernel on GPU,
+    #   gather elsewhere. Prefill always uses "gather".
+    kernel_interpret: bool = False  # run the "kernel" attention through the Pallas interpreter (CPU)
     block_pages: int = 4  # pages per block of the "blocked" attention
     forward: Literal["auto", "model", "split", "split_t"] = "auto"  # the model's own forward, or its
     #   layers over per-layer weight copies ("split_t": transposed copies, faster for few rows); see
@@ -61,6 +64,8 @@ class SamplerConfig:
     #   decode shapes (about log(max pages) / log(growth))
     seed: int = 0  # base seed for requests whose SamplingParams.seed is None
     debug_checks: bool = False  # check allocator invariants after every operation
+    config_path: str = "sampler"  # the config section these settings come from ("rollout" from a run
+    #   config): the checks the Sampler makes against the backend name its keys
 
     def validate(self, path: str = "sampler") -> None:
         for name in (
@@ -101,11 +106,27 @@ class SamplerConfig:
             "must be 'sharded' or 'replicated'",
         )
         check(
-            self.attention in ("auto", "gather", "blocked", "chunk"),
+            self.attention in ATTENTIONS,
             f"{path}.attention",
             self.attention,
-            "must be 'auto', 'gather', 'blocked' or 'chunk'",
+            "must be 'auto', 'gather', 'blocked', 'chunk' or 'kernel'",
         )
+
+    def check_backend(self, backend: str, head_dim: int) -> None:
+        """ConfigError (naming `config_path`'s keys) unless the decode attention runs on `backend`:
+        "kernel" needs a GPU or kernel_interpret, and the compiled (Triton) kernel power-of-two
+        blocks of at least 16: page_size and the model's head_dim (docs/kernels.md)."""
+        path = self.config_path
+        check_attention_backend(self.attention, self.kernel_interpret, backend, path)
+        if resolve_attention(self.attention, backend) != "kernel" or self.kernel_interpret:
+            return
+        for name, v in ((f"{path}.page_size", self.page_size), ("model.head_dim", head_dim)):
+            check(
+                v >= 16 and v & (v - 1) == 0,
+                name,
+                v,
+                f"{path}.attention=kernel on GPU needs a power of two >= 16 (Triton blocks; docs/kernels.md)",
+            )
 
     @classmethod
     def from_rollout(
@@ -123,7 +144,9 @@ class SamplerConfig:
             release_slots=r.admission == "continuous",
             on_weight_update=r.weight_update_policy,
             attention=r.attention,
+            kernel_interpret=r.kernel_interpret,
             kv_pool=r.kv_pool,
+            config_path="rollout",
         )
         return cls(**{**kw, **overrides})
 
