@@ -94,7 +94,9 @@ def causal_segment_mask(segment_ids_BxT: jax.Array) -> jax.Array:
 @functools.cache
 def _cuda_capability() -> tuple[int, int] | None:
     """The first device's CUDA compute capability, None when the backend is not CUDA."""
-    if jax.default_backend() != "gpu" or "cuda" not in jax.extend.backend.get_backend().platform_version.lower():
+    from jax.extend import backend  # noqa: PLC0415 (jax does not import jax.extend itself)
+
+    if jax.default_backend() != "gpu" or "cuda" not in backend.get_backend().platform_version.lower():
         return None
     major, minor = str(jax.devices()[0].compute_capability).split(".")[:2]
     return int(major), int(minor)
