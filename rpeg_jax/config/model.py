@@ -63,6 +63,10 @@ class ModelConfig:
     value_head: bool = False  # scalar value head (critic, or shared actor-critic)
     param_dtype: DType = "float32"
     dtype: DType = "float32"  # compute dtype of matmuls; logits/logprobs are always float32
+    attention: Literal["auto", "xla", "cudnn", "pallas"] = "auto"  # training/scoring attention (models/
+    #   attention.py): xla = the einsum path; cudnn = cuDNN flash attention (NVIDIA GPU, bf16/fp16);
+    #   pallas = JAX's Pallas flash kernel (GPU); auto = cudnn where it can run, else xla
+    attention_interpret: bool = False  # model.attention=pallas in Pallas interpret mode (any backend; slow: tests)
     remat: Literal["none", "full", "dots"] = "none"  # rematerialisation of each layer in backward
     scan_layers: bool | None = None  # layers under lax.scan (compile time flat in depth) or unrolled
     #   (faster on CPU for a few layers); None -> scan when num_layers > UNROLL_MAX_LAYERS
@@ -136,6 +140,18 @@ class ModelConfig:
             check(0 <= v < self.vocab_size, key(path, name), v, f"must be in [0, vocab_size={self.vocab_size})")
         for v in self.eos_ids:
             check(0 <= v < self.vocab_size, key(path, "eos_ids"), v, f"must be in [0, vocab_size={self.vocab_size})")
+        check(
+            self.attention != "cudnn" or self.dtype in ("bfloat16", "float16"),
+            key(path, "attention"),
+            self.attention,
+            f"cuDNN flash attention needs model.dtype bfloat16 or float16, not {self.dtype}",
+        )
+        check(
+            not self.attention_interpret or self.attention == "pallas",
+            key(path, "attention_interpret"),
+            self.attention_interpret,
+            f"interpret mode is for model.attention=pallas, not {self.attention}",
+        )
         if self.preset is not None:
             check(
                 self.preset in PRESETS,

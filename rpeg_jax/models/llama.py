@@ -7,7 +7,8 @@ Layer parameters are stacked along a leading `layers` axis and the layers run un
 `jax.lax.scan` (compile time independent of depth) or unrolled (`model.scan_layers=false`).
 Every parameter is an `nnx.Param` whose metadata `axes` holds its logical axis names; sharding
 rules map those names to mesh axes (rpeg_jax/sharding). Attention is pluggable
-(models/attention.py) so the sampler can run the same weights over paged KV caches.
+(models/attention.py) so the sampler can run the same weights over paged KV caches; the
+training/scoring attention's kernel is model.attention (xla, cudnn, pallas; auto).
 
 Called by: the trainer stages (logprobs, values, updates), the sampler (prefill/decode), HF interop.
 """
@@ -21,10 +22,22 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rpeg_jax.config.model import ModelConfig
-from rpeg_jax.models.attention import DenseAttention
+from rpeg_jax.models.attention import DenseAttention, resolve_attention
 from rpeg_jax.models.dense import compute_layout, dense, embed_lookup
 from rpeg_jax.models.rope import apply_rope, inv_frequencies, rope_tables
-from rpeg_jax.sharding.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, SEQ, VOCAB, constrain
+from rpeg_jax.sharding.axes import (
+    BATCH,
+    EMBED,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    LAYERS,
+    MLP,
+    SEQ,
+    VOCAB,
+    constrain,
+    explicit_spec,
+)
 
 LAYER_PARAMS = ("attn_norm", "wq", "bq", "wk", "bk", "wv", "bv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
@@ -141,10 +154,12 @@ class Transformer(nnx.Module):
             positions_BxT = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1], dtype=jnp.int32), tokens_BxT.shape)
         if segment_ids_BxT is None:
             segment_ids_BxT = jnp.ones_like(tokens_BxT)
-        if attention is None:
-            attention = DenseAttention(jnp.asarray(segment_ids_BxT, jnp.int32))
         dt = jnp_dtype(cfg.dtype)
         x = constrain(embed_lookup(self.embed[...], tokens_BxT, dt), (BATCH, SEQ, EMBED))
+        if attention is None:
+            attention = DenseAttention(
+                jnp.asarray(segment_ids_BxT, jnp.int32), impl=self.attention_impl(x), interpret=cfg.attention_interpret
+            )
         cos, sin = rope_tables(positions_BxT, inv_frequencies(cfg))
 
         def body(carry, xs):
@@ -163,6 +178,10 @@ class Transformer(nnx.Module):
             for i in range(cfg.num_layers):
                 (x, cache), _ = body((x, cache), ({n: w[i] for n, w in stacked.items()}, layer_ids[i]))
         return rms_norm(x, compute_layout(self.final_norm[...], x), cfg.rms_norm_eps), cache
+
+    def attention_impl(self, x_BxTxD) -> str:
+        """model.attention resolved for activations like `x_BxTxD` (models/attention.resolve_attention)."""
+        return resolve_attention(self.cfg, explicit_sharding=explicit_spec(x_BxTxD) is not None)
 
     def output_matrix(self) -> jax.Array:
         """[D, V] unembedding (the transposed embedding when tied)."""

@@ -27,6 +27,7 @@ from rpeg_jax.data.rewards import resolve_reward
 from rpeg_jax.graph.ir import Graph, StateKind
 from rpeg_jax.graph.plan import Plan
 from rpeg_jax.models import Transformer, load_hf
+from rpeg_jax.models.attention import resolve_attention
 from rpeg_jax.rl import make_optimizer, optimizer_steps
 from rpeg_jax.runtime import rollouts, xla_flags
 from rpeg_jax.runtime.admission import ContinuousRollouts, forced_lengths
@@ -74,6 +75,7 @@ def _model(cfg_model, path: str | None, seed: int, layout, value_head: bool = Fa
     """A model built directly in `layout`: a sharded init, or loaded from a local HF checkpoint
     (each process reads only the slices of the files its devices hold)."""
     mcfg = dataclasses.replace(cfg_model, value_head=value_head or cfg_model.value_head)
+    resolve_attention(mcfg)  # model.attention=cudnn|pallas where it cannot run: ConfigError before any compile
     if path:
         model = load_hf(path, value_head=value_head, dtype=cfg_model.param_dtype, shardings=layout.params)
         shape = [("head_size" if f == "head_dim" else f) for f in FIXED]  # head_dim None = implied
