@@ -433,19 +433,23 @@ def test_scoring_stages_with_packing_equal_without(scorers, case):
 # ---- the runtime --------------------------------------------------------------------------------
 @pytest.mark.slow  # ~23 s: two 3-step runs
 def test_runtime_packed_run_equals_padded(tmp_path):
-    """Three GRPO steps (KL to a reference, an entropy bonus, 2 minibatches, on the tests' 8 CPU
-    devices) with train.pack_sequences=true: the same metrics and final states as padded."""
+    """Three GRPO steps (KL to a reference, an entropy bonus, 2 minibatches, π_old from an
+    old_forward, the scoring forwards in 2 micro-batches, on the tests' 8 CPU devices) with
+    train.pack_sequences=true: the same metrics and final states as padded; the update and the
+    ref / old forwards ran packed."""
     from helpers import TINY, assert_same_run, run
 
     lengths = ["rollout.max_new_tokens=16", "rollout.forced_lengths=[4,1.0,1,16]"]  # a long tail, as R2
     # 64 sequences, 32 per minibatch: the 8 test devices' row quantum (8) leaves room to pack
     grpo = TINY + lengths + ["data.prompts_per_step=16", "rl.kl_coef=0.04", "rl.entropy_coef=0.01", "rl.minibatches=2"]
+    grpo += ["pipeline.elide_old_forward=false", "rl.forward_micro_batches=2"]
     padded = run(tmp_path, "padded", grpo)
     packed = run(tmp_path, "packed", grpo + ["train.pack_sequences=true"])
-    fill = [r["perf/actor_pack_fill"] for r in packed.metrics]
-    assert all(0 < f <= 1 for f in fill) and all("perf/actor_pack_fill" not in r for r in padded.metrics)
-    rows = [r["perf/actor_pack_rows"] for r in packed.metrics]
-    assert all(r < 1 for r in rows), rows  # the update ran on fewer rows
+    for stage in ("actor", "ref_forward", "old_forward"):
+        fill = [r[f"perf/{stage}_pack_fill"] for r in packed.metrics]
+        assert all(0 < f <= 1 for f in fill) and all(f"perf/{stage}_pack_fill" not in r for r in padded.metrics)
+        rows = [r[f"perf/{stage}_pack_rows"] for r in packed.metrics]
+        assert all(r < 1 for r in rows), (stage, rows)  # the pass ran on fewer rows
     assert_same_run(padded, packed)
 
 

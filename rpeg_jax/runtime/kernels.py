@@ -18,6 +18,8 @@ Forward passes (scoring and updates) run each group's shared prompt once when th
 explicit mesh axes on the batch); the update then shuffles and splits whole groups. Same values to float32 rounding.
 The scoring forwards (ref / old / critic) run in rl.forward_micro_batches pieces when asked
 (`scoring_fn`: a loop inside the one program, pieces spread over all devices, same values).
+With train.pack_sequences every forward runs packed rows instead (runtime/packed_forward.py), the
+plan made by the stage's host step (`Kernel.prepare`: `_pack_prepare`, `_forward_pack_prepare`).
 
 One-step rewrites (graph/passes.py): an actor update with options.proximal_from_update takes π_old
 from its own forward; a fused advantage+critic_update (or advantage+actor_update on a shared
