@@ -281,22 +281,175 @@ def test_packing_plan_follows_the_shuffle(models):
     assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1))) > 1e-4
 
 
+# ---- the scoring forwards (ref / old / critic) ------------------------------------------------------
+def scoring_models():
+    """Actor, reference and critic of the kernel tests: three different weight sets, the critic's
+    value head non-zero (it starts at zero: values would be 0 == 0)."""
+    out = {}
+    for role, seed in (("actor", 3), ("reference", 4), ("critic", 5)):
+        mdl = init_model(model_preset("tiny", value_head=True, **SMALL), seed=seed)
+        rng = np.random.default_rng(seed)
+        mdl.value_w.set_value(jnp.asarray(rng.normal(size=mdl.value_w.get_value().shape), jnp.float32))
+        mdl.value_b.set_value(jnp.float32(0.3))
+        out[role] = nnx.split(mdl, nnx.Param)
+    return out
+
+
+@pytest.fixture(scope="module")
+def scorers():
+    return scoring_models()
+
+
+def assert_scored_equal(packed, padded, mask, keys):
+    """Every real response token's output at rtol 1e-5 / atol 1e-6 x the output's scale (a value
+    near 0 is a sum of terms of that scale: seen 2.6e-6 off at |v| = 0.03, max |v| = 10); the packed
+    pass's other cells 0."""
+    m = np.asarray(mask) > 0
+    assert m.sum() > m.shape[0]
+    for k in keys:
+        a, b = np.asarray(packed[k]), np.asarray(padded[k])
+        assert a.shape == b.shape == m.shape and np.abs(b[m]).max() > 0.5, k
+        np.testing.assert_allclose(a[m], b[m], rtol=1e-5, atol=1e-6 * max(1.0, np.abs(b[m]).max()), err_msg=k)
+        assert np.all(a[~m] == 0), k
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+@pytest.mark.parametrize("group_size", [G_UPD, 1])  # the padded pass shares each group's prompt / plain
+def test_scoring_forward_with_packing_equals_without(scorers, micro, group_size):
+    """runtime/kernels.scoring_fn over rl/packing.forward_plan (rl.forward_micro_batches pieces,
+    merged back in batch order) against the padded pass (group-shared prompt or plain)."""
+    from rpeg_jax.runtime.kernels import scoring_fn, shared_prompt_groups
+
+    graphdef, params = scorers["critic"]
+    c = {k: v for k, v in update_batch(nnx.merge(graphdef, params)).items() if not k.endswith("_BxR") or "mask" in k}
+    assert shared_prompt_groups(c, group_size, micro) == group_size  # the padded reference shares when asked
+    kw = dict(temperature=0.8, logp=True, entropy=False, values=True)
+    padded = jax.jit(scoring_fn(graphdef, group_size, 1, micro, **kw))(params, c)
+    plan = packing.forward_plan(c, micro)
+    assert plan["src_NxT"].shape[0] == micro and plan["src_NxT"].shape[1] < B_UPD // micro  # packed: fewer rows
+    packed = jax.jit(scoring_fn(graphdef, group_size, 1, micro, **kw))(params, c, plan)
+    assert_scored_equal(packed, padded, c["response_mask_BxR"], ("logp", "values"))
+
+
+def test_forward_plan_packs_the_strided_pieces_in_batch_order():
+    """forward_plan's piece u packs rows u, u+n, u+2n, ... (rl/layout.split_rows, the pieces the
+    scoring pass runs) in that order, with the update's rounding of N (devices) and K."""
+    seg = np.asarray(update_batch(init_model(model_preset("tiny", **SMALL), seed=0))["segment_ids_BxS"])
+    c = {"segment_ids_BxS": seg, "response_mask_BxR": np.zeros((B_UPD, R_UPD), np.float32)}
+    n, devices = 4, 2
+    plan = packing.forward_plan(c, n, devices=devices)
+    start, length = packing.sequence_spans(seg)
+    sizes = [packing.piece_sizes(start[u::n], length[u::n], P_UPD, R_UPD) for u in range(n)]
+    b = B_UPD // n
+    rows = packing.round_up(max(r for r, _ in sizes), packing.row_quantum(b, devices))
+    tokens = packing.round_up(max(k for _, k in sizes), -(-b * R_UPD // packing.TOKEN_BUCKETS))
+    assert rows % devices == 0 and set(plan) == {"src_NxT", "seg_NxT", "pred_K", "out_BxR"}
+    for u in range(n):
+        want = packing.piece_plan(start[u::n], length[u::n], P_UPD, R_UPD, rows=rows, tokens=tokens)
+        for k, v in want.items():
+            np.testing.assert_array_equal(plan[k][u], v, err_msg=f"piece {u} {k}")
+
+
+class ScoringRuntime:
+    """The part of runtime/setup.RuntimeContext that the kernels read, on one device, inputs left
+    where they are (graph/compile.PlainRuntime)."""
+
+    compiler_options: dict = {}
+
+    def __init__(self, cfg, models):
+        import optax
+
+        from rpeg_jax.runtime.offload import Offload
+
+        self.cfg, self.temperature = cfg, 0.8
+        self.graphdefs = {role: gd for role, (gd, _) in models.items()}
+        self.optimizers = {"actor": optax.sgd(0.1), "critic": optax.sgd(0.1)}
+        self.update_key, self.offload = jax.random.key(0), Offload((), None)
+
+    def place_inputs(self, stage, inputs):
+        return inputs
+
+    def stage_scope(self, stage):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+SCORING_KINDS = {"ref_forward", "old_forward", "critic_forward"}
+SCORING_CASES = {
+    "grpo": ["rl.kl_coef=0.04", "pipeline.elide_old_forward=false"],
+    "grpo-micro2": ["rl.kl_coef=0.04", "pipeline.elide_old_forward=false", "rl.forward_micro_batches=2"],
+    "ppo": ["rl.algorithm=ppo", "rl.kl_coef=0.04"],
+    "ppo-micro2": ["rl.algorithm=ppo", "rl.kl_coef=0.04", "rl.forward_micro_batches=2"],
+    "ppo-fused": ["rl.algorithm=ppo", "rl.kl_coef=0.04", "pipeline.fuse=[forwards]", "rl.forward_micro_batches=2"],
+    "grpo-fused": ["rl.kl_coef=0.04", "pipeline.fuse=[forwards,advantage]"],
+}
+
+
+def scoring_stages(overrides, models):
+    """The compiled scoring stages (single or fused) of a run of that config, on one device."""
+    from helpers import TINY
+
+    from rpeg_jax.config import load_config
+    from rpeg_jax.graph.compile import compile_graph
+    from rpeg_jax.graph.plan import graph_for_plan, plan_from_config
+    from rpeg_jax.runtime.kernels import default_registry
+
+    cfg = load_config(None, TINY + [f"data.max_prompt_len={P_UPD}", f"rollout.max_new_tokens={R_UPD}"] + overrides)
+    graph = graph_for_plan(cfg)
+    program = compile_graph(graph, plan_from_config(cfg, 1, graph), default_registry(), ScoringRuntime(cfg, models))
+    kinds = lambda cs: {p.kind.value for p in cs.stage.parts} or {cs.stage.kind.value}  # noqa: E731
+    return [cs for cs in program.stages if kinds(cs) & SCORING_KINDS]
+
+
+@pytest.mark.parametrize("case", list(SCORING_CASES))
+def test_scoring_stages_with_packing_equal_without(scorers, case):
+    """The runtime's ref / old / critic forward stages (and a fused forwards stage) with
+    train.pack_sequences=true against the same stages padded: every output at every real response
+    token, GRPO-shaped groups (the padded pass shares their prompts), rl.forward_micro_batches 1/2."""
+    overrides = SCORING_CASES[case]
+    padded, packed = (scoring_stages(overrides + [f"train.pack_sequences={p}"], scorers) for p in ("false", "true"))
+    batch = update_batch(nnx.merge(*scorers["actor"]))
+    c = {k: batch[k] for k in ("tokens_BxS", "positions_BxS", "segment_ids_BxS", "response_mask_BxR", "group_ids_B")}
+    inputs = {"completions": c, **{role: params for role, (_, params) in scorers.items()}}
+    if "fused" in case:
+        assert [len(cs.stage.parts) for cs in packed] == [3 if case.startswith("ppo") else 2]
+    names = set()
+    for a, b in zip(padded, packed, strict=True):
+        assert b.kernel.prepare is not None and a.kernel.prepare is None
+        sub = lambda cs: {p.name: inputs[p.name] for p in cs.reads if p.name in inputs}  # noqa: E731
+        out0, out1 = a(sub(a)), b(sub(b))
+        keys = [p.name for p in a.writes if p.name in ("ref_logp", "old_logp", "values")]
+        names |= set(keys)
+        assert_scored_equal(out1, out0, c["response_mask_BxR"], keys)
+        parts = [p.name for p in b.stage.parts] or [b.name]
+        fill = {k: float(v) for k, v in out1["metrics"].items() if k.endswith("_pack_fill")}
+        assert set(fill) == {f"perf/{p}_pack_fill" for p in parts} and all(0 < f <= 1 for f in fill.values())
+        assert all(float(out1["metrics"][f"perf/{p}_pack_rows"]) < 1 for p in parts)  # fewer rows than padded
+        assert not (out0.get("metrics") or {})
+    assert names == ({"ref_logp", "old_logp", "values"} if case.startswith("ppo") else {"ref_logp", "old_logp"})
+
+
 # ---- the runtime --------------------------------------------------------------------------------
 @pytest.mark.slow  # ~23 s: two 3-step runs
 def test_runtime_packed_run_equals_padded(tmp_path):
-    """Three GRPO steps (KL to a reference, an entropy bonus, 2 minibatches, on the tests' 8 CPU
-    devices) with train.pack_sequences=true: the same metrics and final states as padded."""
+    """Three GRPO steps (KL to a reference, an entropy bonus, 2 minibatches, π_old from an
+    old_forward, the scoring forwards in 2 micro-batches, on the tests' 8 CPU devices) with
+    train.pack_sequences=true: the same metrics and final states as padded; the update and the
+    ref / old forwards ran packed."""
     from helpers import TINY, assert_same_run, run
 
     lengths = ["rollout.max_new_tokens=16", "rollout.forced_lengths=[4,1.0,1,16]"]  # a long tail, as R2
     # 64 sequences, 32 per minibatch: the 8 test devices' row quantum (8) leaves room to pack
     grpo = TINY + lengths + ["data.prompts_per_step=16", "rl.kl_coef=0.04", "rl.entropy_coef=0.01", "rl.minibatches=2"]
+    grpo += ["pipeline.elide_old_forward=false", "rl.forward_micro_batches=2"]
     padded = run(tmp_path, "padded", grpo)
     packed = run(tmp_path, "packed", grpo + ["train.pack_sequences=true"])
-    fill = [r["perf/actor_pack_fill"] for r in packed.metrics]
-    assert all(0 < f <= 1 for f in fill) and all("perf/actor_pack_fill" not in r for r in padded.metrics)
-    rows = [r["perf/actor_pack_rows"] for r in packed.metrics]
-    assert all(r < 1 for r in rows), rows  # the update ran on fewer rows
+    for stage in ("actor", "ref_forward", "old_forward"):
+        fill = [r[f"perf/{stage}_pack_fill"] for r in packed.metrics]
+        assert all(0 < f <= 1 for f in fill) and all(f"perf/{stage}_pack_fill" not in r for r in padded.metrics)
+        rows = [r[f"perf/{stage}_pack_rows"] for r in packed.metrics]
+        assert all(r < 1 for r in rows), (stage, rows)  # the pass ran on fewer rows
     assert_same_run(padded, packed)
 
 

@@ -35,7 +35,11 @@ Plan arrays of one micro-batch of b rows (flat indices, int32):
     pred_K    flat [N·S] slot of the hidden state predicting response token k (0 for filler)
     out_BxR   for each response cell of the padded window, its k, or -1 (no real target)
 
-Called by: runtime/kernels.py (the update stages' host step and forward, runtime/packed_forward.py).
+The scoring forwards (ref / old / critic) pack too (`forward_plan`): the batch in its own order,
+split into rl.forward_micro_batches strided pieces as the padded scoring pass splits it.
+
+Called by: runtime/kernels.py (the update and scoring stages' host step and forward,
+runtime/packed_forward.py).
 """
 
 from __future__ import annotations
@@ -243,6 +247,23 @@ def stage_plan(completions: dict, rl_cfg, group_size: int, rng, devices: int = 1
         rng=rng,
         devices=devices,
     )
+
+
+def forward_plan(completions: dict, micro_batches: int, devices: int = 1) -> dict:
+    """The plan of a scoring forward (ref / old / critic) over the rollout batch `completions`:
+    update_plan of one epoch in batch order (no shuffle), one minibatch, split into the
+    rl.forward_micro_batches strided pieces that runtime/kernels.scoring_fn runs (row splits:
+    packed passes share no prompts), each piece packed as an update's micro-batch is. The
+    piece_plan arrays with a leading [micro_batches] axis (no order: the batch's own)."""
+    plan = update_plan(
+        completions["segment_ids_BxS"],
+        completions["response_mask_BxR"].shape[1],
+        epochs=1,
+        minibatches=1,
+        micro_batches=micro_batches,
+        devices=devices,
+    )
+    return {k: v[0, 0] for k, v in plan.items() if k != "order_ExB"}
 
 
 def plan_metrics(plan: dict | None, prefix: str) -> dict:

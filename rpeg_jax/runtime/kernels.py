@@ -18,6 +18,8 @@ Forward passes (scoring and updates) run each group's shared prompt once when th
 explicit mesh axes on the batch); the update then shuffles and splits whole groups. Same values to float32 rounding.
 The scoring forwards (ref / old / critic) run in rl.forward_micro_batches pieces when asked
 (`scoring_fn`: a loop inside the one program, pieces spread over all devices, same values).
+With train.pack_sequences every forward runs packed rows instead (runtime/packed_forward.py), the
+plan made by the stage's host step (`Kernel.prepare`: `_pack_prepare`, `_forward_pack_prepare`).
 
 One-step rewrites (graph/passes.py): an actor update with options.proximal_from_update takes π_old
 from its own forward; a fused advantage+critic_update (or advantage+actor_update on a shared
@@ -157,19 +159,54 @@ def scoring_fn(graphdef, group_size: int, devices: int, micro: int = 1, **kw):
     micro > 1 (rl.forward_micro_batches): the batch is split into `micro` strided pieces (whole
     groups when the prompt is shared; each piece spread over every device, rl.layout.split_tree),
     run one after the other in a loop (lax.map: one piece's activations live at a time), and
-    the per-row outputs are put back in batch order. Every row's values are those of the single pass."""
+    the per-row outputs are put back in batch order. Every row's values are those of the single pass.
+
+    With a packing plan (train.pack_sequences: `pack`, rl/packing.forward_plan, leading [micro])
+    each piece is a row split (packed passes share no prompts) run as its plan's packed rows
+    (runtime/packed_forward.py); the outputs are 0 at response cells without a real token."""
     fwds = {}
 
-    def fn(params, c):
-        g = shared_prompt_groups(c, group_size, micro, devices)
-        if g not in fwds:
-            fwds[g] = forward_fn(graphdef, group_size=g, **kw)
+    def fn(params, c, pack=None):
+        g = 1 if pack is not None else shared_prompt_groups(c, group_size, micro, devices)
+        if (g, pack is None) not in fwds:
+            fwds[g, pack is None] = (
+                forward_fn(graphdef, group_size=g, **kw) if pack is None else packed_forward_fn(graphdef, **kw)
+            )
+        fwd = fwds[g, pack is None]
         if micro == 1:
-            return fwds[g](params, c)
-        out = jax.lax.map(lambda piece: fwds[g](params, piece), split_tree(c, micro, g))
+            return fwd(params, c if pack is None else {**c, packing.PLAN_KEY: jax.tree.map(lambda p: p[0], pack)})
+        pieces = split_tree(c, micro, g)
+        if pack is not None:
+            pieces[packing.PLAN_KEY] = pack
+        out = jax.lax.map(lambda piece: fwd(params, piece), pieces)
         return jax.tree.map(lambda y: merge_rows(y, g), out)
 
     return fn
+
+
+FORWARD_PACK = "_pack_forward"  # the scoring stages' input port carrying their packing plan
+
+
+def _forward_pack_prepare(env: StageEnv):
+    """train.pack_sequences: a scoring stage's host step, its packing plan (rl/packing.forward_plan)
+    from the batch's segment ids, as input FORWARD_PACK (the parts of a fused forwards stage each
+    make the same one)."""
+    if not env.context.cfg.train.pack_sequences:
+        return None
+    micro, devices = forward_micro_batches(env), _devices(env)
+    return lambda i: {FORWARD_PACK: packing.forward_plan(i["completions"], micro, devices)}
+
+
+def _scoring_kernel(env: StageEnv, fn) -> Kernel:
+    """Kernel(fn) with the packing host step; fn's outputs get perf/<stage>_pack_fill and _pack_rows."""
+
+    def with_metrics(i):
+        out = fn(i)
+        if FORWARD_PACK in i:
+            out["metrics"] = packing.plan_metrics(i[FORWARD_PACK], env.stage.name)
+        return out
+
+    return Kernel(with_metrics, prepare=_forward_pack_prepare(env))
 
 
 def _rl_batch(inputs: dict, ports: dict[str, str]) -> dict:
@@ -222,7 +259,14 @@ def ref_forward(env: StageEnv) -> Kernel:
         values=False,
     )
     # train.offload=optimizer+reference: the weights come in from host memory inside this program
-    return Kernel(lambda i: {"ref_logp": fwd(ctx.offload.fetch("reference", i["reference"]), i["completions"])["logp"]})
+    return _scoring_kernel(
+        env,
+        lambda i: {
+            "ref_logp": fwd(ctx.offload.fetch("reference", i["reference"]), i["completions"], i.get(FORWARD_PACK))[
+                "logp"
+            ]
+        },
+    )
 
 
 def old_forward(env: StageEnv) -> Kernel:
@@ -241,13 +285,13 @@ def old_forward(env: StageEnv) -> Kernel:
     )
 
     def fn(i):
-        out = fwd(i["actor"], i["completions"])
+        out = fwd(i["actor"], i["completions"], i.get(FORWARD_PACK))
         res = {"old_logp": out["logp"]}
         if want_values:
             res["values"] = out["values"]
         return res
 
-    return Kernel(fn)
+    return _scoring_kernel(env, fn)
 
 
 def critic_forward(env: StageEnv) -> Kernel:
@@ -263,7 +307,7 @@ def critic_forward(env: StageEnv) -> Kernel:
         entropy=False,
         values=True,
     )
-    return Kernel(lambda i: {"values": fwd(i[src], i["completions"])["values"]})
+    return _scoring_kernel(env, lambda i: {"values": fwd(i[src], i["completions"], i.get(FORWARD_PACK))["values"]})
 
 
 def _advantages(batch: dict, ctx, step):
