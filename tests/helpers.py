@@ -5,6 +5,7 @@
   changed the stages the executor ran, or an ignored knob would pass the equality trivially;
 - the toy policy of the update tests: `policy_fn`, `value_fn`, `make_case`;
 - paged attention cases: `E`, `ref_attention`, `build_case`;
+- group-shared prompts for the prefix pass: `group_rollout`;
 - sampler cases: `HF`, `prompts_of`, `rollout_batch`, `sampler_trainer_gap`, `perturbed`,
   `model_with`, `shard`.
 
@@ -226,6 +227,22 @@ def build_case(page_size, kv_heads, lengths, shared, seed=0, num_layers=2, layer
             pool_k[layer, :, table[i, j], : hi - lo] = k[i, lo:hi].transpose(1, 0, 2)
             pool_v[layer, :, table[i, j], : hi - lo] = v[i, lo:hi].transpose(1, 0, 2)
     return k, v, table, pool_k, pool_v
+
+
+# ---- group-shared prompts (models/prefix.py) ---------------------------------------------------
+def group_rollout(rng, n_groups, G, P, R):
+    """Rollout layout of n_groups groups of G rows sharing one prompt (left-padded to P; prompt
+    lengths P, 3, 1, ...), responses right-padded to R (each group's first row full length):
+    numpy (tokens, positions, segment ids), each [n_groups·G, P + R]."""
+    tok, pos, seg = (np.zeros((n_groups * G, P + R), np.int32) for _ in range(3))
+    for grp, lp in enumerate((P, 3, 1)[:n_groups]):
+        prompt = rng.integers(3, 128, lp)
+        for j in range(G):
+            row, lr = grp * G + j, int(rng.integers(1, R + 1)) if j else R
+            tok[row, P - lp : P], tok[row, P : P + lr] = prompt, rng.integers(3, 128, lr)
+            pos[row, P - lp : P + lr] = np.arange(lp + lr)
+            seg[row, P - lp : P + lr] = 1
+    return tok, pos, seg
 
 
 # ---- sampler cases -------------------------------------------------------------------------------

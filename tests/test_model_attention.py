@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import group_rollout
 
 from rpeg_jax.config import model_preset
 from rpeg_jax.config.base import ConfigError
@@ -222,14 +223,7 @@ def test_shared_prompt_pass_equals_plain_xla(name, request):
     model0, model1 = models_for(name)
     rng = np.random.default_rng(2)
     n, G, P, R = 3, 4, 6, 7
-    tok, pos, seg = (np.zeros((n * G, P + R), np.int32) for _ in range(3))
-    for grp, lp in enumerate((P, 3, 1)):  # left-padded prompts of different lengths, one per group
-        prompt = rng.integers(3, 128, lp)
-        for j in range(G):
-            row, lr = grp * G + j, int(rng.integers(1, R + 1)) if j else R
-            tok[row, P - lp : P], tok[row, P : P + lr] = prompt, rng.integers(3, 128, lr)
-            pos[row, P - lp : P + lr] = np.arange(lp + lr)
-            seg[row, P - lp : P + lr] = 1
+    tok, pos, seg = group_rollout(rng, n, G, P, R)  # left-padded prompts of different lengths per group
     mask = seg[:, P:] > 0
     tok, pos, seg = jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(seg)
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import group_rollout
 
 from rpeg_jax.config import model_preset
 from rpeg_jax.models import init_model, token_logprobs
@@ -20,16 +21,7 @@ N_GROUPS, G, P, R = 3, 4, 6, 7
 
 def rollout_batch(seed=0):
     """Rollout layout: groups of G rows with one prompt (left-padded to P), responses right-padded."""
-    rng = np.random.default_rng(seed)
-    b = N_GROUPS * G
-    tok, pos, seg = (np.zeros((b, P + R), np.int32) for _ in range(3))
-    for grp, lp in enumerate((P, 3, 1)):
-        prompt = rng.integers(3, 128, lp)
-        for j in range(G):
-            row, lr = grp * G + j, int(rng.integers(1, R + 1)) if j else R
-            tok[row, P - lp : P], tok[row, P : P + lr] = prompt, rng.integers(3, 128, lr)
-            pos[row, P - lp : P + lr] = np.arange(lp + lr)
-            seg[row, P - lp : P + lr] = 1
+    tok, pos, seg = group_rollout(np.random.default_rng(seed), N_GROUPS, G, P, R)
     mask = (seg[:, P:] > 0).astype(np.float32)
     return jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(seg), mask
 
