@@ -46,6 +46,7 @@ def reference(dist, slots, groups, group, k, mode, chunk, min_chunk, steps, warm
 
     for t in range(warmup + 8 * steps):
         rec = dict(decode=0, busy=0, ctx=0, width=0, batch_tokens=0, longest=0, stale=0, requeued=0, admitted=0, smax=0)
+        rec["lengths"] = []
         if mode == "continuous":
             for g in list(done) + list(flight):
                 if info[g]["oldest"] is not None and info[g]["oldest"] < t - k:
@@ -98,6 +99,7 @@ def reference(dist, slots, groups, group, k, mode, chunk, min_chunk, steps, warm
         batch, done = done[:groups], done[groups:]
         for g in batch:
             rec["batch_tokens"] += sum(info[g]["len"])
+            rec["lengths"] += info[g]["len"]
             rec["longest"] = max(rec["longest"], max(info[g]["len"]))
             rec["stale"] += t - info[g]["oldest"]
             rec["smax"] = max(rec["smax"], t - info[g]["oldest"])
@@ -108,8 +110,9 @@ def reference(dist, slots, groups, group, k, mode, chunk, min_chunk, steps, warm
     a = dec[0]
     b = next((i for i in dec if i >= a + steps), len(hist))
     win = hist[a:b]
-    out = {key: sum(r[key] for r in win) / len(win) for key in win[0]}
+    out = {key: sum(r[key] for r in win) / len(win) for key in win[0] if key != "lengths"}
     out["smax"] = max(r["smax"] for r in win)
+    out["lengths"] = sorted(x for r in win for x in r["lengths"])
     return out
 
 
@@ -142,6 +145,7 @@ def test_admission_matches_a_decode_step_reference(case):
     assert got.ctx_width >= got.ctx
     assert got.batch_tokens == pytest.approx(ref["batch_tokens"], rel=1e-12)
     assert got.batch_longest == pytest.approx(ref["longest"], rel=1e-12)
+    assert list(got.consumed) == ref["lengths"]
     assert got.staleness_mean == pytest.approx(ref["stale"] / groups, rel=1e-12, abs=1e-12)
     assert got.staleness_max == ref["smax"] <= (k if mode == "continuous" else 0)
     assert got.requeued == pytest.approx(ref["requeued"], abs=1e-12)
@@ -296,3 +300,55 @@ def test_p1_preset_loads_and_plans(tmp_path, capsys):
     a = d["asynchrony"]
     assert a is not None and d["ratios"]["verl_like"] == pytest.approx(a["asynchrony"] * a["rest"], rel=1e-9)
     assert d["chosen"]["step_time_s"] == pytest.approx(a["sync_step_s"] / a["asynchrony"], rel=1e-9)
+
+
+def test_packed_updates_are_priced_on_the_consumed_batches():
+    # Continuous admission at k = 1 re-queues sequences that outlive the bound, so the consumed
+    # batches are biased short; a packed update computes on them (candidates.consumed_setting), a
+    # padded one on R columns whatever the lengths.
+    from rpeg_jax.config.model import model_preset
+    from rpeg_jax.costmodel import stages as S
+    from rpeg_jax.costmodel.candidates import Roles, consumed_columns, consumed_setting
+    from rpeg_jax.costmodel.shape import ModelShape
+    from rpeg_jax.graph.algorithms import model_dims
+
+    ms = ModelShape.of(model_dims(model_preset("tiny"), "actor"))
+    dist = LengthDist(max_len=256, min_len=4, median=32, sigma=1.2)
+    st = S.Setting(
+        hw=CPU,
+        B=128,
+        P=16,
+        R=256,
+        G=8,
+        dist=dist,
+        causal_skip=False,
+        dense_scores=True,
+        packing=True,
+        budget_bytes=CPU.hbm_bytes,
+        chunk_steps=32,
+    )
+    a = S.admission_of(st, 1, 64, 1)
+    assert a.requeued > 0 and len(a.consumed) % st.B == 0
+    sc = consumed_setting(st, 1, 64, 1)
+    assert sc.dist.samples == a.consumed and np.mean(a.consumed) < 0.95 * dist.mean()
+    assert S.packed_per_seq(sc, st.B, 1)[0] < S.packed_per_seq(st, st.B, 1)[0]
+    assert consumed_setting(dataclasses.replace(st, packing=False), 1, 64, 1).dist == dist
+    one = np.array([1])
+    row = {
+        "n_gen": one,
+        "t_g": one,
+        "d": one,
+        "f": one,
+        "t": one,
+        "fd": one,
+        "ff": one,
+        "ft": one,
+        "micro": one,
+        "remat": np.array([0]),
+        "fmicro": one,
+    }
+    roles = Roles(actor=ms, critic=None, ref=None, epochs=1, minibatches=1, offload="none")
+    cols = consumed_columns(st, roles, 1, row, 1, np.array([64]))
+    want = S.train_stage(sc, ms, 1, one, one, one, one, "none", 1, 1)[0]
+    assert cols["t_upd_actor_c1"] == pytest.approx(want, rel=1e-12)
+    assert cols["t_upd_actor_c1"][0] < S.train_stage(st, ms, 1, one, one, one, one, "none", 1, 1)[0][0]

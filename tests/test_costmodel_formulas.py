@@ -477,7 +477,7 @@ def test_packed_rows_are_the_runtimes_plan(B, P, R, micro, devices):
     np.testing.assert_allclose(got, [rows * S_ / b] * 2)
 
 
-def test_kernel_attention_prices_decode_kv_read_once():
+def test_decode_kv_read_follows_the_attention():
     # rollout.attention resolving to "kernel" on a GPU profile (auto there) reads the KV pages in
     # place: decode moves the cached KV bytes once (kv_read_factor 1), gather the profile's factor
     # (2 on the GPU presets: the pages are copied, then read). Hand roofline of a memory-bound step.
@@ -500,18 +500,27 @@ def test_kernel_attention_prices_decode_kv_read_once():
         return mem + hw.efficiency.decode_step_s + ms.L * hw.efficiency.decode_layer
 
     gather = float(S.decode_step_time(st, ms, 1, 1, b, ctx))
-    kernel = float(S.decode_step_time(dataclasses.replace(st, kv_read_once=True), ms, 1, 1, b, ctx))
+    kernel = float(S.decode_step_time(dataclasses.replace(st, kv_read="once"), ms, 1, 1, b, ctx))
+    chunk = float(S.decode_step_time(dataclasses.replace(st, kv_read="chunk", chunk_steps=32), ms, 1, 1, b, ctx))
     assert gather == pytest.approx(hand(2.0), rel=1e-9) and kernel == pytest.approx(hand(1.0), rel=1e-9)
-    assert kernel < 0.75 * gather
+    # the chunk attention: pages copied once per chunk (read + write), the buffers read every step
+    assert chunk == pytest.approx(hand(1.0 + 2.0 / 32), rel=1e-9)
+    assert kernel < chunk < 0.75 * gather
     # What the planner sets from the run's config and the profile.
     cpu = load_hardware("cpu", calibrated=False)
-    for attention, kind_hw, once in [
-        ("auto", hw, True),
-        ("kernel", hw, True),
-        ("gather", hw, False),
-        ("chunk", hw, False),
-        ("auto", cpu, False),  # auto on a CPU is the chunk attention
-        ("kernel", cpu, False),  # the interpreter on a CPU: no GPU kernel
+    for attention, kind_hw, read in [
+        ("auto", hw, "once"),
+        ("kernel", hw, "once"),
+        ("gather", hw, "copy"),
+        ("blocked", hw, "copy"),
+        ("chunk", hw, "chunk"),
+        ("auto", cpu, "chunk"),  # auto on a CPU is the chunk attention
+        ("gather", cpu, "copy"),
+        ("kernel", cpu, "copy"),  # the interpreter on a CPU: no GPU kernel
     ]:
-        cfg = load_config(None, [f"rollout.attention={attention}"])
-        assert make_context(cfg, 8, kind_hw).st.kv_read_once == once, (attention, kind_hw.kind)
+        cfg = load_config(
+            None,
+            [f"rollout.attention={attention}"]
+            + (["rollout.kernel_interpret=true"] if kind_hw is cpu and attention == "kernel" else []),
+        )
+        assert make_context(cfg, 8, kind_hw).st.kv_read == read, (attention, kind_hw.kind)

@@ -176,6 +176,10 @@ class Admission:
     requeued: float  # groups per step that broke the bound k (re-queued or dropped)
     admitted: float  # groups admitted per step (prefills), re-admissions included
     chunks: float  # decode chunks (device calls) per step
+    # response lengths of the consumed batches' sequences over the measured steps (sorted): biased
+    # short against `dist` at small k (a long sequence outlives the bound and is re-queued), which is
+    # what a packed update computes on (candidates.consumed_setting)
+    consumed: tuple[int, ...] = ()
 
 
 def draw_lengths(dist: LengthDist, rng: np.random.Generator, n: int) -> np.ndarray:
@@ -278,6 +282,7 @@ def admission(
     nfree = slots  # slots with no sequence
     unfinished = 0  # members of submitted groups still to finish (ContinuousRollouts.in_flight_sequences)
     gid = 0
+    batches = []  # per step: the consumed batch's response lengths
     hist = []  # per step: decode steps, busy, batch tokens, longest, Σ ctx, Σ staleness, requeued, admitted,
     #            chunks, staleness max, Σ width
 
@@ -348,6 +353,8 @@ def admission(
             st[3] = max(st[3], lengths[g].max())
             st[5] += t - oldest[g]
             st[9] = max(st[9], t - oldest[g])
+        batches.append(np.concatenate([lengths[g] for g in batch]))
+        for g in batch:
             del lengths[g], oldest[g]
         hist.append(st)
     a, b = window(hist, warmup, steps)
@@ -365,4 +372,5 @@ def admission(
         requeued=float(m[6]),
         admitted=float(m[7]),
         chunks=float(m[8]),
+        consumed=tuple(sorted(np.concatenate(batches[a:b]).tolist())),
     )

@@ -94,11 +94,15 @@ def prompt_len(cfg: RunConfig, length_bucket: int) -> int:
     return min(cap, S.round_up(p, length_bucket))
 
 
-def kv_read_once(r: RolloutConfig, kind: str) -> bool:
-    """The run's decode attention on a profile of `kind` reads the KV pages in place: "kernel"
-    (auto on GPU) compiled for a GPU; gather / blocked / chunk copy them first (the profile's
-    kv_read_factor), and the interpreter is no GPU kernel."""
-    return kind == "gpu" and resolve_attention(r.attention, kind) == "kernel" and not r.kernel_interpret
+def kv_read_of(r: RolloutConfig, kind: str) -> str:
+    """Setting.kv_read of the run's decode attention on a profile of `kind`: "once" for "kernel"
+    (auto on GPU) compiled for a GPU (pages read in place), "chunk" for the chunk attention (auto on
+    CPU: pages copied once per chunk), else "copy" (gather / blocked copy the pages every step: the
+    profile's kv_read_factor; the kernel through the interpreter is no GPU kernel)."""
+    att = resolve_attention(r.attention, kind)
+    if att == "kernel" and kind == "gpu" and not r.kernel_interpret:
+        return "once"
+    return "chunk" if att == "chunk" else "copy"
 
 
 def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processes: int = 1) -> Context:
@@ -132,7 +136,7 @@ def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processe
         min_chunk_steps=cfg.rollout.min_chunk_steps,
         recompute_kv=cfg.rollout.on_weight_update == "recompute",
         static_rows=hw.kind == "cpu",
-        kv_read_once=kv_read_once(cfg.rollout, hw.kind),
+        kv_read=kv_read_of(cfg.rollout, hw.kind),
     )
     return Context(cfg, hw, num_devices, st, base, processes)
 

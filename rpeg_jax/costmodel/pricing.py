@@ -16,7 +16,7 @@ import dataclasses
 import numpy as np
 
 from rpeg_jax.config.run import RunConfig
-from rpeg_jax.costmodel.candidates import REMATS
+from rpeg_jax.costmodel.candidates import REMATS, consumed_columns
 from rpeg_jax.costmodel.devices import resolve
 from rpeg_jax.costmodel.planner import (
     GEN_SIDE,
@@ -123,7 +123,8 @@ def _continuous_at(ctx, g, sub: dict, slots: int) -> dict:
     """Rows with the continuous engine priced at exactly `slots` slots per replica (a run's
     rollout.max_slots) instead of the best count the table chose."""
     k, st, eff = g.staleness, ctx.st, ctx.hw.efficiency
-    actor = roles_of(ctx, g).actor
+    roles = roles_of(ctx, g)
+    actor = roles.actor
     out = dict(sub)
     secs, best = {}, {}
     for ng in set(sub["n_gen"].tolist()):
@@ -138,6 +139,14 @@ def _continuous_at(ctx, g, sub: dict, slots: int) -> dict:
         col[sel] = np.where(np.isfinite(col[sel]), secs[ng] + st.B * eff.host_seq_s + eff.host_step_s, np.inf)
         sl[sel] = best[ng]
     out[f"t_gen_c{k}"], out[f"slots_c{k}"] = col, sl
+    # the training stages on the consumed batches of that engine (candidates.consumed_columns)
+    for nt in set(sub["n_train"].tolist()):
+        sel = np.nonzero(sub["n_train"] == nt)[0]
+        cols = consumed_columns(st, roles, int(nt), take_rows(out, sel), k, sl[sel])
+        for name, v in cols.items():
+            if name in out:
+                out[name] = out[name].copy()
+                out[name][sel] = v
     return out
 
 

@@ -65,10 +65,12 @@ class Setting:
     min_chunk_steps: int = 8  # rollout.min_chunk_steps: a chunk ends early (to admit) only after these
     recompute_kv: bool = False  # continuous admission with rollout.on_weight_update=recompute: the KV of
     #   the sequences in flight is rebuilt at each weight update
-    kv_read_once: bool = False  # the sampler's decode attention reads each cached KV byte once, in
-    #   place (rollout.attention resolves to "kernel" on a GPU profile: sampling/kernel_attention.py):
-    #   decode is priced with kv_read_factor 1 instead of the profile's (gather copies the pages, then
-    #   reads the copy)
+    kv_read: str = "copy"  # how the sampler's decode attention reads the cached KV (planner.kv_read_of):
+    #   "copy": the profile's kv_read_factor per step (gather / blocked copy the pages, then read the
+    #   copy); "once": in place, 1 per step (rollout.attention resolving to "kernel" on a GPU profile:
+    #   sampling/kernel_attention.py); "chunk": the chunk attention (auto on a CPU,
+    #   sampling/chunk_attention.py) copies the pages into dense buffers once per chunk of
+    #   chunk_steps decode steps and reads the buffers once per step: 1 + 2 / chunk_steps
     static_rows: bool = False  # a decode step costs what all its slots cost, busy or not: the sampler's
     #   decode program always runs max_slots rows, and on a CPU (planner: hw.kind == "cpu") their work
     #   is the step's cost (R2, 2026-12-01: ~23 ms per step at occupancy 0.16 and ~26 ms at 0.89); on
@@ -395,8 +397,12 @@ def max_slots(st: Setting, ms: ModelShape, t, free_bytes, reps=1):
 
 
 def kv_read_factor(st: Setting) -> float:
-    """KV bytes a decode step moves per cached byte: 1 with the in-place kernel, else the profile's."""
-    return 1.0 if st.kv_read_once else st.hw.efficiency.kv_read_factor
+    """KV bytes a decode step moves per cached byte (Setting.kv_read)."""
+    if st.kv_read == "once":
+        return 1.0
+    if st.kv_read == "chunk":  # the buffers read every step; the pages read and the buffers written per chunk
+        return 1.0 + 2.0 / max(st.chunk_steps, 1)
+    return st.hw.efficiency.kv_read_factor
 
 
 def decode_step_time(st: Setting, ms: ModelShape, t, busy, batch, ctx):
