@@ -44,7 +44,7 @@
 #     grain==0.2.18 array_record==0.8.6 portpicker==1.6.0
 # Without grain parts 1-6 still run and 7-8 are skipped. Env: OUT (the output folder),
 # GPU_CHECK_NAIVE=0 skips the naive generation baseline; GPU_CHECK_DEADLINE (s, default 520; dry run
-# 400) bounds the whole run; GPU_CHECK_DRY_R2=1 runs part 8 in the dry run too (R2 --steps 2 took 63 s
+# 400) bounds the whole run; GPU_CHECK_DRY_R2=1 runs part 8 in the dry run too (R2 --steps 2 took 57-63 s
 # on the 2-core development CPU, so the dry run skips it by default).
 
 set -u -o pipefail
@@ -182,7 +182,7 @@ if $PY -c "import grain" 2>/dev/null; then
   step r1 $([ "$DRY" = 1 ] && echo 150 || echo 70) $PY bench/rl_step.py --workloads R1-a --steps 2 --warmup 1 \
     --run-dir "$TMPD/r1" --json "$OUT/rl_step.json"
   if [ "$DRY" = 1 ] && [ "${GPU_CHECK_DRY_R2:-0}" != 1 ]; then
-    echo "=== [r2] SKIPPED: dry run (R2 --steps 2 took 63 s on 2 CPU cores; GPU_CHECK_DRY_R2=1 runs it)"
+    echo "=== [r2] SKIPPED: dry run (R2 --steps 2 takes ~60 s on 2 CPU cores: 63 and 57 s; GPU_CHECK_DRY_R2=1 runs it)"
     printf 'r2\tskipped\t0\t0\n' >> "$STEPS"
   else
     step r2 $([ "$DRY" = 1 ] && echo 120 || echo 90) $PY bench/rl_step.py --workloads R2 --steps 2 --warmup 1 \
