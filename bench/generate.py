@@ -2,6 +2,7 @@
 baseline (bench/naive_generate.py), with the fraction of this machine's limit measured in the same run.
 
     python bench/generate.py --json out.json [--workloads G1-T-greedy,G1-S-greedy] [--reps 3] [--no-naive]
+                             [--attention auto|gather|blocked|chunk|kernel[,...]] [--kernel-interpret]
 
 Records: {workload, variant ("rpeg" | "naive"), new_tokens_per_s (best of reps), median_tokens_per_s,
 limit_fraction, limit_kind ("matmul" | "bandwidth"), limit_tokens_per_s, ...}. The limit:
@@ -9,6 +10,11 @@ limit_fraction, limit_kind ("matmul" | "bandwidth"), limit_tokens_per_s, ...}. T
   the mean context) over the measured float matmul rate;
 - bandwidth-bound ones (S, batch 8): bytes per decode step (all weights except the embedding table,
   plus the batch's KV at the mean context) over the measured memory bandwidth.
+`--attention` (SamplerConfig.attention; default auto = chunk on CPU, kernel on GPU,
+config/rollout.resolve_attention): a comma-separated list runs the sampler once per attention on the
+same model and prompts (the naive baseline once). "kernel" off a GPU needs `--kernel-interpret` (the
+Pallas interpreter: plumbing, slow). Every record has `attention` (as asked), `attention_resolved`
+and `kernel_interpret`; the naive baseline's are "dense" (its own dense-cache attention) and false.
 Timings follow one warm-up run of each workload (all compiles). On a shared machine they are noisy.
 On a CPU the limits are probed before the first workload and after each one, and every fraction is
 taken against the best rate seen (strict, like rl_step.py's; a single probe taken in a slow moment
@@ -43,6 +49,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rpeg_jax.config.model import ModelConfig, model_preset  # noqa: E402
+from rpeg_jax.config.rollout import ATTENTIONS, resolve_attention  # noqa: E402
 from rpeg_jax.models import init_model  # noqa: E402
 from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams  # noqa: E402
 
@@ -134,9 +141,13 @@ def data_mesh(n: int):
     return jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(n, 1, 1), ("data", "fsdp", "tensor"))
 
 
-def run_rpeg(model, prompts, n, new, temp, reps, devices: int = 1) -> list[float]:
+def run_rpeg(
+    model, prompts, n, new, temp, reps, devices: int = 1, attention: str = "auto", interpret: bool = False
+) -> list[float]:
     batch = len(prompts) * n
     cfg = SamplerConfig(
+        attention=attention,
+        kernel_interpret=interpret,
         page_size=16,
         max_slots=batch,
         max_seq_len=len(prompts[0]) + new,
@@ -184,7 +195,26 @@ def main(argv=None) -> int:
         default=None,
         help="devices of the sampler's data mesh for matmul-bound workloads (default: every CPU device, 1 on a GPU)",
     )
+    ap.add_argument(
+        "--attention",
+        default="auto",
+        help=f"the sampler's decode attention, comma-separated to run several (of {', '.join(ATTENTIONS)}; "
+        "auto = chunk on CPU, kernel on GPU)",
+    )
+    ap.add_argument(
+        "--kernel-interpret", action="store_true", help="run attention=kernel through the Pallas interpreter (CPU)"
+    )
     args = ap.parse_args(argv)
+    backend = jax.default_backend()
+    attentions = args.attention.split(",")
+    for a in attentions:
+        if a not in ATTENTIONS:
+            raise SystemExit(f"--attention: unknown {a!r}; known: {', '.join(ATTENTIONS)}")
+        if resolve_attention(a, backend) == "kernel" and backend != "gpu" and not args.kernel_interpret:
+            raise SystemExit(
+                f"--attention {a}: the Pallas kernel needs a GPU (the backend is {backend}); "
+                "add --kernel-interpret to run it through the interpreter, or use gather/chunk"
+            )
     data = args.data if args.data is not None else (1 if ON_GPU else jax.local_device_count())
     if not 1 <= data <= jax.local_device_count():
         raise SystemExit(f"--data {data}: must be in [1, {jax.local_device_count()}] (the devices JAX sees)")
@@ -214,15 +244,27 @@ def main(argv=None) -> int:
         pbytes = jnp.dtype(model.cfg.param_dtype).itemsize
         flops, step_bytes = work_per_token(model.cfg, batch, plen + new / 2, pbytes)
         devices = data if bound == "matmul" and batch % data == 0 else 1
-        variants = [("rpeg", lambda *a: run_rpeg(*a, devices=devices))] + (
-            [] if args.no_naive else [("naive", run_naive)]
-        )
-        for variant, fn in variants:
-            rates = fn(model, prompts, n, new, temp, args.reps)
+        variants = [
+            (
+                "rpeg",
+                a,
+                resolve_attention(a, backend),
+                args.kernel_interpret and resolve_attention(a, backend) == "kernel",
+            )
+            for a in attentions
+        ] + ([] if args.no_naive else [("naive", "dense", "dense", False)])
+        for variant, attention, resolved, interpret in variants:
+            if variant == "rpeg":
+                rates = run_rpeg(model, prompts, n, new, temp, args.reps, devices, resolved, interpret)
+            else:
+                rates = run_naive(model, prompts, n, new, temp, args.reps)
             best = max(rates)
             rec = dict(
                 workload=name,
                 variant=variant,
+                attention=attention,
+                attention_resolved=resolved,
+                kernel_interpret=interpret,
                 new_tokens_per_s=best,
                 median_tokens_per_s=statistics.median(rates),
                 limit_kind=bound,
@@ -235,13 +277,18 @@ def main(argv=None) -> int:
             )
             records.append(rec)
             print(
-                f"{name:14s} {variant:6s} {rec['devices']} dev {best:10.1f} new tok/s "
+                f"{name:14s} {variant:6s} {resolved:6s} {rec['devices']} dev {best:10.1f} new tok/s "
                 f"(median {rec['median_tokens_per_s']:.1f})",
                 flush=True,
             )
-        by = {r["variant"]: r["new_tokens_per_s"] for r in records if r["workload"] == name}
-        if "naive" in by:
-            print(f"{name:14s} rpeg / naive = {by['rpeg'] / by['naive']:.2f}x", flush=True)
+        mine = [r for r in records if r["workload"] == name]
+        naive = [r["new_tokens_per_s"] for r in mine if r["variant"] == "naive"]
+        for r in mine:
+            if naive and r["variant"] == "rpeg":
+                print(
+                    f"{name:14s} rpeg ({r['attention_resolved']}) / naive = {r['new_tokens_per_s'] / naive[0]:.2f}x",
+                    flush=True,
+                )
         if not ON_GPU:  # a CPU's rates move with the load: probe after every workload, keep the best
             probes.append(measure_limits(dtype))
     # The limit is the best rate any probe saw (strict: a probe taken in a slow moment would make
@@ -261,7 +308,8 @@ def main(argv=None) -> int:
             **limits,
         )
         print(
-            f"{rec['workload']:14s} {rec['variant']:6s} {rec['new_tokens_per_s']:10.1f} new tok/s = "
+            f"{rec['workload']:14s} {rec['variant']:6s} {rec['attention_resolved']:6s} "
+            f"{rec['new_tokens_per_s']:10.1f} new tok/s = "
             f"{rec['limit_fraction']:.1%} of the {rec['limit_kind']} limit ({rec['limit_tokens_per_s']:.0f} tok/s)"
         )
     if args.json:

@@ -3,7 +3,7 @@ update, weight handoff), the synchronous unfused baseline against the rewritten 
 step's FLOPs over this machine's matmul rate measured in the same run.
 
     python bench/rl_step.py --json out.json [--workloads R1-a,R1-b,R1-c] [--variants baseline,optimized]
-                            [--steps 5] [--warmup 2]
+                            [--steps 5] [--warmup 2] [--hardware cpu|h200|PROFILE.yaml]
 
 Workloads: R1-a GRPO without KL, R1-b GRPO with KL 0.04 to a reference model, R1-c PPO with a
 critic; all on model T, task "a+b=" (2-digit operands), 16 prompts x group 8, 32 new tokens at
@@ -373,6 +373,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps first (the first compiles)")
     ap.add_argument("--run-dir", default="/tmp/rpeg_bench_r1")
     ap.add_argument("--override", action="append", default=[], help="extra key=value for every pipeline")
+    ap.add_argument(
+        "--hardware",
+        default=None,
+        help="R2's cost-model profile: a YAML path (used as is) or a profile name (its calibrated copy, "
+        "calibrated now when missing); default cpu on a CPU, h200 on a GPU",
+    )
     args = ap.parse_args(argv)
     workloads, variants = args.workloads.split(","), args.variants.split(",")
     for name, known in ((workloads, WORKLOADS), (variants, VARIANTS)):
@@ -381,7 +387,12 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown {bad}; known: {', '.join(known)}")
     if args.steps < 1 or args.warmup < 1:
         raise SystemExit("--steps and --warmup must be >= 1 (the first step compiles)")
-    profile = calibrated_profile() if "R2" in workloads else None  # first: calibrating loads the machine
+    hw = args.hardware or ("h200" if jax.default_backend() == "gpu" else "cpu")
+    if hw.endswith((".yaml", ".yml")) and not os.path.isfile(hw):
+        raise SystemExit(f"--hardware {hw}: file not found")
+    profile = None
+    if "R2" in workloads:  # first: calibrating loads the machine
+        profile = hw if hw.endswith((".yaml", ".yml")) else calibrated_profile(hw)
     rate = MatmulRate()
     print(
         f"matmul rate {rate.measure() / 1e9:.1f} GFLOP/s on {jax.devices()[0].device_kind}; "
