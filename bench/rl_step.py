@@ -297,14 +297,19 @@ def r2_ceiling(r2: dict[str, dict]) -> dict:
     return {"ceiling": s["seconds_per_step"] / full, "windows": windows}
 
 
-def calibrated_profile(profile: str = "cpu") -> str:
-    """The calibrated profile R2's predictions use: the cached one (`rpeg calibrate` saved it), else
-    this machine is calibrated now, in a subprocess (it forces its own CPU devices), and cached."""
+def calibrated_profile(profile: str = "cpu", max_age_h: float = 12.0) -> str:
+    """The calibrated profile R2's predictions use: the cached one (`rpeg calibrate` saved it) when it
+    is at most `max_age_h` hours old, else this machine is calibrated now, in a subprocess (it forces
+    its own CPU devices), and cached. The age limit: this shared machine's rates drift from day to
+    day (2026-12-02 vs 12-03: matmul peak 265 vs 383 GFLOP/s, a 64 MB pass 3.8 vs 9.4 GB/s), and the
+    day-old profile priced R2's sync generation at 1.6x the sampler's measured time."""
     from rpeg_jax.costmodel.hardware import calibrated_path
 
     path = calibrated_path(profile)
-    if not os.path.exists(path):
-        print(f"no calibrated {profile} profile at {path}: running `rpeg calibrate` (minutes)", flush=True)
+    age_h = (time.time() - os.path.getmtime(path)) / 3600.0 if os.path.exists(path) else None
+    if age_h is None or age_h > max_age_h:
+        why = f"no calibrated {profile} profile at {path}" if age_h is None else f"{path} is {age_h:.1f} h old"
+        print(f"{why}: running `rpeg calibrate --profile {profile}` (about a minute)", flush=True)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         subprocess.run([sys.executable, "-m", "rpeg_jax.cli", "calibrate", "--profile", profile], cwd=root, check=True)
     return path
@@ -379,6 +384,12 @@ def main(argv=None) -> int:
         help="R2's cost-model profile: a YAML path (used as is) or a profile name (its calibrated copy, "
         "calibrated now when missing); default cpu on a CPU, h200 on a GPU",
     )
+    ap.add_argument(
+        "--profile-max-age-h",
+        type=float,
+        default=12.0,
+        help="R2 with a profile name: recalibrate its cached copy when older than this (hours; 0 = always)",
+    )
     args = ap.parse_args(argv)
     workloads, variants = args.workloads.split(","), args.variants.split(",")
     for name, known in ((workloads, WORKLOADS), (variants, VARIANTS)):
@@ -392,7 +403,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--hardware {hw}: file not found")
     profile = None
     if "R2" in workloads:  # first: calibrating loads the machine
-        profile = hw if hw.endswith((".yaml", ".yml")) else calibrated_profile(hw)
+        profile = hw if hw.endswith((".yaml", ".yml")) else calibrated_profile(hw, args.profile_max_age_h)
     rate = MatmulRate()
     print(
         f"matmul rate {rate.measure() / 1e9:.1f} GFLOP/s on {jax.devices()[0].device_kind}; "
