@@ -23,9 +23,8 @@ data x fsdp x tensor (Megatron's published TP/PP/CP are not expressible: no PP o
 
 Source of every anchor: NeMo-RL v0.4 performance table, `NVIDIA-NeMo/RL`
 docs/about/performance-summary.md ("Nemo RL v0.4", GRPO on OpenMathInstruct-2, DGX-H100, training
-and generation BF16, Megatron-core), as quoted in /work/shared/reference/costmodel-review.md §2
-(step times) and peers-2026.md §3 (the same table at v0.5). Workload per the table and
-costmodel-review.md §2: G-GBS 2048 samples per step (64 prompts x 32 generations), T-GBS 512 per
+and generation BF16, Megatron-core), for the step times. Workload per the
+table: G-GBS 2048 samples per step (64 prompts x 32 generations), T-GBS 512 per
 optimizer step (rl.minibatches = 4), T-max sequence length 4096 (prompt 128 + responses up to
 3968), KL 0.01 (a reference model), temperature 1 (no truncation). Splits of the off-policy runs:
 the recipes examples/configs/recipes/llm/performance/async-grpo-llama3.1-8b-instruct-2n8g.yaml
