@@ -170,12 +170,7 @@ def _alloc_rows(
     gl = gen_layouts(n_gen, st.B, actor, gen_tensor_sizes)
     if not len(lay) or not len(gl):
         return {}
-    trained = [actor] + ([roles.critic] if roles.critic is not None else [])
-    fwd_models = (
-        [("actor", actor)]
-        + ([("critic", roles.critic)] if roles.critic is not None else [])
-        + ([("ref", roles.ref)] if roles.ref is not None else [])
-    )
+    trained, fwd_models = _models(roles)
     up_t, up_m, up_opts = _best_train(st, roles, n_train, lay, trained)
     fw_times, fw_m, fw_micros = _best_forward(st, n_train, lay, [m for _, m in fwd_models])
     ft = lay[:, 1] * lay[:, 2]  # parameter shards of a layout (fsdp × tensor)
@@ -285,11 +280,7 @@ def _alloc_rows(
         row[f"mem_peak_c{k}"] = mem
         row[f"t_gen_c{k}"] = np.where(mem <= budget, gen_async[k], INF)
     # Per-role stage times at the chosen options.
-    moves = {
-        n: OFF.update_transfer_seconds(roles.offload, hw, ms, row["f"], row["t"])
-        for n, ms in zip(("actor", "critic"), trained)
-    }
-    fetch = {"ref": OFF.reference_transfer_seconds(roles.offload, hw, roles.ref, row["ff"], row["ft"])}
+    moves, fetch = _transfers(roles, hw, trained, row)
     for name, ms in zip(("actor", "critic"), trained):
         row[f"t_upd_{name}"] = _train_rows(st, ms, n_train, row, roles) + moves[name]
     for name, ms in fwd_models:
@@ -317,8 +308,9 @@ def consumed_setting(st: S.Setting, reps: int, slots: int, k: int) -> S.Setting:
     what it costs at k = 0. A packed update (Setting.packing: stages.packed_per_seq) computes on the
     consumed sequences' lengths: "the first groups to complete" under the per-token bound are biased
     short (a sequence that outlives k + 1 steps is re-queued), the simulated engine's
-    Admission.consumed (R2 on the CPU, 2026-12-02: 15% fewer response tokens at k = 1 than at
-    k = 0, 10% at k = 2, and a 27% cheaper update)."""
+    Admission.consumed (R2 on the CPU, 2026-12-03: 15% fewer response tokens at k = 1 than at
+    k = 0, 10% at k = 2, an 11% cheaper update measured; priced the same there, the packed rows
+    rounding to the same count)."""
     if not st.packing:
         return st
     a = S.admission_of(st, int(reps), int(slots), int(k))
@@ -333,36 +325,47 @@ def consumed_columns(st: S.Setting, roles: Roles, n_train: int, row: dict, k: in
     """Columns t_upd_{actor,critic}_c{k}, t_fwd_{model}_c{k}, t_adv_c{k} of `row` with the engine at
     `slots` slots per replica (per row): each row's training stages priced on its engine's consumed
     batches (consumed_setting), rows grouped by (replicas, slots)."""
-    hw, actor = st.hw, roles.actor
-    trained = [actor] + ([roles.critic] if roles.critic is not None else [])
-    fwd_models = (
-        [("actor", actor)]
-        + ([("critic", roles.critic)] if roles.critic is not None else [])
-        + ([("ref", roles.ref)] if roles.ref is not None else [])
-    )
+    hw = st.hw
+    trained, fwd_models = _models(roles)
     n = len(row["d"])
     reps = np.maximum(np.asarray(row["n_gen"]) // np.asarray(row["t_g"]), 1)
     slots = np.broadcast_to(np.asarray(slots, np.int64), (n,))
     out = {f"t_upd_{name}_c{k}": np.empty(n) for name in ("actor", "critic")[: len(trained)]}
     out |= {f"t_fwd_{name}_c{k}": np.empty(n) for name, _ in fwd_models}
     out[f"t_adv_c{k}"] = np.empty(n)
-    moves = {
-        name: OFF.update_transfer_seconds(roles.offload, hw, ms, row["f"], row["t"])
-        for name, ms in zip(("actor", "critic"), trained)
-    }
-    fetch = OFF.reference_transfer_seconds(roles.offload, hw, roles.ref, row["ff"], row["ft"])
-    fetch = {"ref": np.broadcast_to(np.asarray(fetch, np.float64), (n,))}
+    moves, fetch = _transfers(roles, hw, trained, row)
     for r, c in set(zip(reps.tolist(), slots.tolist())):
         sel = np.nonzero((reps == r) & (slots == c))[0]
         sc = consumed_setting(st, r, max(int(c), 1), k)
         sub = {key: np.asarray(row[key])[sel] for key in ("d", "f", "t", "fd", "ff", "ft", "micro", "remat", "fmicro")}
         for name, ms in zip(("actor", "critic"), trained):
-            out[f"t_upd_{name}_c{k}"][sel] = _train_rows(sc, ms, n_train, sub, roles) + np.asarray(moves[name])[sel]
+            out[f"t_upd_{name}_c{k}"][sel] = _train_rows(sc, ms, n_train, sub, roles) + moves[name][sel]
         for name, ms in fwd_models:
             t_f = S.forward_stage(sc, ms, n_train, sub["fd"], sub["ff"], sub["ft"], sub["fmicro"])[0]
             out[f"t_fwd_{name}_c{k}"][sel] = t_f + (fetch[name][sel] if name in fetch else 0.0)
         out[f"t_adv_c{k}"][sel] = float(S.elementwise_stage(sc, n_train))
     return out
+
+
+def _models(roles: Roles) -> tuple[list[ModelShape], list[tuple[str, ModelShape]]]:
+    """(trained models: actor [, critic]; the forwards' (name, model): actor [, critic] [, ref])."""
+    trained = [roles.actor] + ([roles.critic] if roles.critic is not None else [])
+    fwd_models = (
+        [("actor", roles.actor)]
+        + ([("critic", roles.critic)] if roles.critic is not None else [])
+        + ([("ref", roles.ref)] if roles.ref is not None else [])
+    )
+    return trained, fwd_models
+
+
+def _transfers(roles: Roles, hw, trained, row: dict) -> tuple[dict, dict]:
+    """Per row: seconds each update moves its offloaded optimizer state ({actor, critic}) and the
+    reference forward fetches its offloaded weights ({"ref"}), costmodel/offload.py."""
+    moves = {
+        n: OFF.update_transfer_seconds(roles.offload, hw, ms, row["f"], row["t"])
+        for n, ms in zip(("actor", "critic"), trained)
+    }
+    return moves, {"ref": OFF.reference_transfer_seconds(roles.offload, hw, roles.ref, row["ff"], row["ft"])}
 
 
 def _train_rows(st, ms, busy, row, roles: Roles) -> np.ndarray:

@@ -348,13 +348,12 @@ def admission(
             owner[fin] = -1
             done += sorted(complete)  # in submission order within the chunk (ContinuousRollouts._collect)
         batch, done = done[:groups], done[groups:]
+        batches.append(np.concatenate([lengths[g] for g in batch]))
         for g in batch:
             st[2] += lengths[g].sum()
             st[3] = max(st[3], lengths[g].max())
             st[5] += t - oldest[g]
             st[9] = max(st[9], t - oldest[g])
-        batches.append(np.concatenate([lengths[g] for g in batch]))
-        for g in batch:
             del lengths[g], oldest[g]
         hist.append(st)
     a, b = window(hist, warmup, steps)

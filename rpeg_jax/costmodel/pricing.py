@@ -140,13 +140,12 @@ def _continuous_at(ctx, g, sub: dict, slots: int) -> dict:
         sl[sel] = best[ng]
     out[f"t_gen_c{k}"], out[f"slots_c{k}"] = col, sl
     # the training stages on the consumed batches of that engine (candidates.consumed_columns)
+    new: dict[str, np.ndarray] = {}
     for nt in set(sub["n_train"].tolist()):
         sel = np.nonzero(sub["n_train"] == nt)[0]
-        cols = consumed_columns(st, roles, int(nt), take_rows(out, sel), k, sl[sel])
-        for name, v in cols.items():
-            if name in out:
-                out[name] = out[name].copy()
-                out[name][sel] = v
+        for name, v in consumed_columns(st, roles, int(nt), take_rows(out, sel), k, sl[sel]).items():
+            new.setdefault(name, out[name].copy())[sel] = v
+    out.update(new)
     return out
 
 
