@@ -15,6 +15,7 @@ Heavy imports (the trainer, the sampler) happen inside the functions that need t
 from __future__ import annotations
 
 import collections
+import importlib.util
 import os
 import re
 from typing import Any, NamedTuple
@@ -346,3 +347,16 @@ def on_step(step, metrics):
         os.kill(os.getpid(), signal.SIGKILL)
 train(load_config(None, sys.argv[2:]), on_step=on_step)
 """
+
+
+def load_file(name: str, path: str, register: bool = False):
+    """The module at `path` (a bench/ or launch/ script, a fixture), imported as `name`; `register`:
+    also in sys.modules (a module whose dataclasses look their module up)."""
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    if register:
+        sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -1,11 +1,11 @@
 """bench/ceiling.py prices the same work as bench/generate.py's limits: its decode-step weight
 products are the matmul FLOPs of G1's limit, and its K/V bytes the rest of G1's bytes per step."""
 
-import importlib.util
 import os
 import sys
 
 import pytest
+from helpers import load_file
 
 from rpeg_jax.config.model import model_preset
 
@@ -16,10 +16,7 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def ceiling():
     sys.path.insert(0, BENCH)
     try:
-        spec = importlib.util.spec_from_file_location("bench_ceiling", os.path.join(BENCH, "ceiling.py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        yield mod
+        yield load_file("bench_ceiling", os.path.join(BENCH, "ceiling.py"))
     finally:
         sys.path.remove(BENCH)
 

@@ -3,13 +3,13 @@
 the interpreter off a GPU is refused naming the flag. The workload is model T shrunk (4 prompts x 8
 new tokens) and the machine limits are a fixed stand-in: the limits are not under test here."""
 
-import importlib.util
 import json
 import os
 import sys
 
 import jax
 import pytest
+from helpers import load_file
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 LIMITS = dict(matmul_flops=1e11, bandwidth_bytes_s=1e10, bw_read=1e10, bw_rowsum=1e10, bw_gemv=1e10, bw_copy=1e10)
@@ -19,10 +19,7 @@ LIMITS = dict(matmul_flops=1e11, bandwidth_bytes_s=1e10, bw_read=1e10, bw_rowsum
 def gen():
     sys.path.insert(0, BENCH)  # generate.py imports naive_generate from its folder
     try:
-        spec = importlib.util.spec_from_file_location("bench_generate", os.path.join(BENCH, "generate.py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        yield mod
+        yield load_file("bench_generate", os.path.join(BENCH, "generate.py"))
     finally:
         sys.path.remove(BENCH)
 

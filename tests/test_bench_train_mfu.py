@@ -1,13 +1,13 @@
 """bench/train_mfu.py: its FLOP count (the cost model's) equals one counted from the model's own
 weight shapes, and its --dry-run runs one update and writes a finite record."""
 
-import importlib.util
 import json
 import os
 
 import jax
 import pytest
 from flax import nnx
+from helpers import load_file
 
 from rpeg_jax.config.model import model_preset
 from rpeg_jax.costmodel.shape import ModelShape
@@ -19,10 +19,7 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def tm():
-    spec = importlib.util.spec_from_file_location("bench_train_mfu", os.path.join(BENCH, "train_mfu.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file("bench_train_mfu", os.path.join(BENCH, "train_mfu.py"))
 
 
 def hand_flops(model, b: int, s: int, r: int) -> float:

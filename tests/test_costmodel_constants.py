@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import yaml
+from helpers import load_file
 
 from rpeg_jax.config import load_config
 from rpeg_jax.config.base import ConfigError
@@ -232,15 +233,10 @@ def test_saved_profiles_round_trip(tmp_path):
 def test_anchor_workloads_match_the_published_table():
     # bench/costmodel_anchors.py builds each anchor's config: its batch, lengths and model are the
     # published ones (G-average response length reproduced, 64 x 32 samples, Qwen3-32B's size).
-    import importlib.util
     import os
-    import sys
 
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "costmodel_anchors.py")
-    spec = importlib.util.spec_from_file_location("costmodel_anchors", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
+    mod = load_file("costmodel_anchors", path, register=True)  # its dataclasses look their module up
     for a in mod.ANCHORS:
         cfg, med = mod.anchor_config(a)
         ctx = P.make_context(cfg, a.gpus, H100)

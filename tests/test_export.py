@@ -8,7 +8,6 @@ transformers would compute. The tokenizer files are copied byte for byte; bad in
 exit 2."""
 
 import filecmp
-import importlib.util
 import json
 import os
 import shutil
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 import yaml
 from flax import nnx
-from helpers import HF, TINY, run
+from helpers import HF, TINY, load_file, run
 
 from rpeg_jax.cli import main
 from rpeg_jax.models import load_hf
@@ -38,10 +37,7 @@ SIDE_FILES = {  # written next to the source checkpoint; the export must carry t
 
 
 def numpy_reference():
-    spec = importlib.util.spec_from_file_location("numpy_reference", os.path.join(FIXTURES, "numpy_reference.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file("numpy_reference", os.path.join(FIXTURES, "numpy_reference.py"))
 
 
 @pytest.fixture(scope="module")

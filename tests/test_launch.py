@@ -1,7 +1,6 @@
 """launch/multihost.py: config and initialisation errors are reported (one line, exit 2 / 3), and
 `--local-processes 2` (4 CPU devices each) trains like one process with 8 devices."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,17 +8,14 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import SKIP
+from helpers import SKIP, load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(ROOT, "launch", "multihost.py")
 
 
 def _launcher():
-    spec = importlib.util.spec_from_file_location("rpeg_launch_multihost", LAUNCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file("rpeg_launch_multihost", LAUNCH)
 
 
 def _run(args, timeout=120, devices=8):

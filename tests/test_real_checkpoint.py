@@ -8,7 +8,6 @@ the tokenizer come from the checkpoint, the prompts are the chat template's rend
 wrote its files and metrics, and the export's logits equal the trained actor's (<= 1e-5, float32)
 and a float64 numpy forward of the exported files (tests/fixtures/numpy_reference.py)."""
 
-import importlib.util
 import json
 import os
 import random
@@ -21,6 +20,7 @@ import pytest
 import yaml
 from fixtures.checkpoint import write_qwen2_checkpoint
 from flax import nnx
+from helpers import load_file
 
 from rpeg_jax.cli import main
 from rpeg_jax.models import load_hf
@@ -40,10 +40,7 @@ def write_data(path, n: int, seed: int) -> None:
 
 
 def numpy_reference():
-    spec = importlib.util.spec_from_file_location("numpy_reference", os.path.join(FIXTURES, "numpy_reference.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file("numpy_reference", os.path.join(FIXTURES, "numpy_reference.py"))
 
 
 @pytest.mark.slow
