@@ -13,6 +13,7 @@ from rpeg_jax.costmodel import planner as P
 from rpeg_jax.costmodel.hardware import load_hardware
 from rpeg_jax.costmodel.lengths import LengthDist, LengthStream, admission
 from rpeg_jax.costmodel.pricing import predict_run, price_layout
+from rpeg_jax.sampling.sampler import width_bucket
 
 GH = load_hardware("gh200", calibrated=False)
 
@@ -28,8 +29,16 @@ def without_sync_costs(hw):
 CPU = load_hardware("cpu", calibrated=False)
 
 
-def reference(dist, slots, groups, group, k, mode, chunk, min_chunk, steps, warmup, seed=0):
-    """The engine one decode step at a time, plain Python: per-slot [group, tokens left, made]."""
+def reference(dist, slots, groups, group, k, mode, chunk, min_chunk, steps, warmup, seed=0, table=None):
+    """The engine one decode step at a time, plain Python: per-slot [group, tokens left, made].
+    `table` = (page_size, prompt, min_table_width, growth): the chunk is cut and its width read as
+    the sampler does (Sampler._width / _align_chunk with sampling/sampler.width_bucket)."""
+
+    def pages(k_):  # Sampler._width over the running slots, capped at the widest sequence's pages
+        page, prompt, lo, growth = table
+        need = max(prompt + min(s[2] + k_, s[2] + s[1] - 1) for s in slot if s is not None)
+        return min(width_bucket(-(-need // page), lo, growth), -(-(prompt + dist.max_len) // page))
+
     stream = LengthStream(dist, group, seed)
     slot = [None] * slots
     info = {}  # gid -> {"len": [...], "left": members decoding, "oldest": version or None}
@@ -73,6 +82,10 @@ def reference(dist, slots, groups, group, k, mode, chunk, min_chunk, steps, warm
                 info[g]["oldest"] = t
                 rec["admitted"] += 1
             limit = min(chunk, max(s[1] for s in slot if s is not None))
+            if table is not None:  # Sampler._align_chunk, by a linear scan
+                lo = min(limit, min_chunk)
+                limit = max(j for j in range(lo, limit + 1) if pages(j) <= pages(lo))
+                width = pages(limit) * table[0] - table[1]
             release = mode == "continuous" and bool(waiting)
             made = max(s[2] for s in slot if s is not None)  # the longest running sequence's tokens
             n, freed = 0, 0
@@ -92,7 +105,8 @@ def reference(dist, slots, groups, group, k, mode, chunk, min_chunk, steps, warm
                         freed += 1
                 n += 1
             rec["decode"] += n
-            rec["width"] += n * (made + n)  # every step of the chunk reads the tables to its end's width
+            # every step of the chunk reads the tables to its end's width (its bucket with `table`)
+            rec["width"] += n * (width if table is not None else made + n)
             for g in [g for g in flight if info[g]["left"] == 0]:
                 flight.remove(g)
                 done.append(g)
@@ -132,11 +146,15 @@ CASES = [  # (dist, slots, groups, group, k, mode, chunk, min_chunk)
 ]
 
 
+TABLES = [None, (4, 3, 1, 2.0), (2, 0, 2, 1.5)]  # no buckets; the sampler's defaults on 4-token pages; others
+
+
+@pytest.mark.parametrize("table", TABLES)
 @pytest.mark.parametrize("case", CASES)
-def test_admission_matches_a_decode_step_reference(case):
+def test_admission_matches_a_decode_step_reference(case, table):
     dist, slots, groups, group, k, mode, chunk, min_chunk = case
-    got = admission(dist, slots, groups, group, k, mode, chunk, min_chunk, steps=12, warmup=3, seed=5)
-    ref = reference(dist, slots, groups, group, k, mode, chunk, min_chunk, steps=12, warmup=3, seed=5)
+    got = admission(dist, slots, groups, group, k, mode, chunk, min_chunk, steps=12, warmup=3, seed=5, table=table)
+    ref = reference(dist, slots, groups, group, k, mode, chunk, min_chunk, steps=12, warmup=3, seed=5, table=table)
     assert got.decode_steps == pytest.approx(ref["decode"], rel=1e-12)
     assert got.tokens == pytest.approx(ref["busy"], rel=1e-12)
     assert got.occupancy == pytest.approx(ref["busy"] / (ref["decode"] * slots), rel=1e-12)
@@ -159,6 +177,24 @@ def test_the_reference_sees_the_tail_and_the_bound():
     step = reference(TAIL, 4, 2, 2, 1, "step", 6, 2, steps=12, warmup=3, seed=5)
     assert cont["busy"] / (cont["decode"] * 4) > step["busy"] / (step["decode"] * 4) + 0.1
     assert cont["smax"] == 1 and cont["requeued"] > 0
+
+
+def test_width_buckets_widen_the_tables_and_cut_chunks():
+    # The bucketed cases above are not the unbucketed ones: on the tail the tables are read wider
+    # (up to the bucket above the longest sequence) and chunks are cut where a bucket grows.
+    plain = admission(TAIL, 8, 4, 4, 1, "continuous", 4, 1, steps=12, warmup=3, seed=5)
+    buck = admission(TAIL, 8, 4, 4, 1, "continuous", 4, 1, steps=12, warmup=3, seed=5, table=(4, 3, 1, 2.0))
+    assert buck.ctx_width > 1.15 * plain.ctx_width  # 26.9 against 21.7 tokens
+    assert buck.chunks > plain.chunks
+    assert buck.decode_steps == pytest.approx(plain.decode_steps, rel=0.25)
+
+
+def test_the_cost_model_uses_the_samplers_width_buckets():
+    from rpeg_jax.costmodel.stages import SAMPLER_TABLE
+    from rpeg_jax.sampling.types import SamplerConfig
+
+    cfg = SamplerConfig(max_slots=8, max_seq_len=64)
+    assert SAMPLER_TABLE == (cfg.min_table_width, cfg.table_width_growth)
 
 
 def test_step_admission_is_todays_schedule():

@@ -169,7 +169,8 @@ class Admission:
     ctx: float  # mean tokens generated so far by a busy slot (its context beyond the prompt)
     # mean over decode steps of the page-table width a chunk needs, in tokens beyond the prompt: the
     # longest running sequence's tokens + the chunk's steps (Sampler._width covers the whole chunk),
-    # unbucketed. A decode step of static rows reads every slot's table to this width.
+    # rounded up to the sampler's width bucket when admission() is given the `table`. A decode step
+    # of static rows reads every slot's table to this width.
     ctx_width: float
     staleness_mean: float  # mean over consumed groups of t - (version of their oldest token)
     staleness_max: int
@@ -232,6 +233,44 @@ class LengthStream:
         return self.block[self.i - 1]
 
 
+class TableWidths:
+    """The sampler's page-table width buckets (sampling/sampler.py: width_bucket, Sampler._width,
+    Sampler._align_chunk) over a simulated engine's running slots, whose sequences have made `pos`
+    response tokens of their `end` (prompt excluded)."""
+
+    def __init__(self, page_size: int, prompt: int, min_width: int, growth: float, max_len: int):
+        self.page, self.prompt = max(int(page_size), 1), int(prompt)
+        self.max_pages = -(-(self.prompt + int(max_len)) // self.page)  # Sampler.max_width caps the last bucket
+        w, buckets = int(min_width), []
+        for need in range(self.max_pages + 1):
+            while w < need:
+                w = max(w + 1, int(np.ceil(w * growth)))
+            buckets.append(min(w, self.max_pages))
+        self.buckets = np.asarray(buckets, np.int64)
+
+    def pages(self, pos, end, k: int) -> int:
+        """The width bucket (pages) covering k more steps of every running sequence."""
+        if not len(pos):
+            return int(self.buckets[0])
+        need = int(np.max(np.minimum(pos + k, end - 1))) + self.prompt
+        return int(self.buckets[-(-need // self.page)])
+
+    def tokens(self, pos, end, k: int) -> int:
+        """That width in tokens beyond the prompt (Admission.ctx_width's unit)."""
+        return self.pages(pos, end, k) * self.page - self.prompt
+
+    def align(self, pos, end, k: int, min_steps: int) -> int:
+        """The largest k' in [min(k, min_steps), k] whose bucket is still that of min(k, min_steps)."""
+        lo = min(k, min_steps)
+        if k <= lo:
+            return k
+        w, hi = self.pages(pos, end, lo), k
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.pages(pos, end, mid) <= w else (lo, mid - 1)
+        return lo
+
+
 @functools.lru_cache(maxsize=4096)
 def admission(
     dist: LengthDist,
@@ -245,6 +284,7 @@ def admission(
     steps: int = 8,
     warmup: int | None = None,
     seed: int = 0,
+    table: tuple[int, int, int, float] | None = None,
 ) -> Admission:
     """Event simulation of the sampler's slots over RL steps (runtime/admission.ContinuousRollouts
     over sampling/sampler.Sampler.step), one decode chunk per event:
@@ -263,12 +303,16 @@ def admission(
     Lengths come from LengthStream(dist, group, seed), one group per submission. A group's oldest
     token has the version of the step that admitted it (weights are installed between steps, tokens
     are produced from the first chunk after admission). Not modelled: the KV page budget (slots are
-    the limit) and chunk ends at page-table width buckets (Sampler._align_chunk), which only end
-    chunks sooner. `warmup` steps (default k + 2: a group lives at most k + 1 steps in the engine)
-    run before the `steps` measured (P1's decode steps move < 2% from 8 to 16 measured steps)."""
+    the limit). `table` = (page_size, prompt tokens, min_table_width, table_width_growth): the
+    sampler's page-table width buckets (Sampler._width, _align_chunk): a chunk is cut where its
+    bucket would grow (after min_chunk_steps), and `ctx_width` is the bucket's width (tokens beyond
+    the prompt) that every slot's table is read to; None: the unbucketed width. `warmup` steps
+    (default k + 2: a group lives at most k + 1 steps in the engine) run before the `steps` measured
+    (P1's decode steps move < 2% from 8 to 16 measured steps)."""
     if slots < group or groups < 1 or group < 1:
         raise ValueError(f"admission: slots={slots} must hold a group of {group}; groups={groups} >= 1")
     stream = LengthStream(dist, group, seed)
+    widths = TableWidths(*table, dist.max_len) if table is not None else None
     warmup = staleness + 2 if warmup is None else warmup
     cont = mode == "continuous"
     rem = np.zeros(slots, np.int64)  # tokens left per slot (0: free)
@@ -325,11 +369,16 @@ def admission(
                     nfree -= group
                     st[7] += 1
             k = min(chunk_steps, int(rem.max()))  # free slots hold rem = 0 and decode nothing
+            if table is not None:  # the host's chunk: cut where the width bucket would grow
+                k = widths.align(pos[rem > 0], (pos + rem)[rem > 0], k, min_chunk_steps)
+                width = widths.tokens(pos[rem > 0], (pos + rem)[rem > 0], k)
             if cont and waiting and slots - nfree >= group:  # the group-th shortest running slot frees
                 j = nfree + group - 1
                 k = min(k, max(min_chunk_steps, int(np.partition(rem, j)[j])))
             n = np.minimum(rem, k)
-            st[10] += k * (int(pos[rem > 0].max(initial=0)) + k)  # the chunk's table width, k steps
+            if table is None:  # the chunk's table width, k steps
+                width = int(pos[rem > 0].max(initial=0)) + k
+            st[10] += k * width
             st[0] += k
             st[1] += n.sum()
             st[4] += float(np.dot(n, pos) + np.dot(n, n - 1) / 2)  # Σ generated-so-far over busy steps

@@ -445,6 +445,10 @@ def sampler_tp_time(hw: HardwareProfile, ms: ModelShape, rows, t):
     return hw.efficiency.decode_tp_factor * 2.0 * ms.L * ar
 
 
+# The sampler's page-table width buckets (SamplerConfig.min_table_width, table_width_growth; the
+# runtime keeps their defaults, tests/test_costmodel_admission.py checks they agree): with a tail in
+# flight a continuous engine's chunks read every slot's table to the bucket above the longest sequence.
+SAMPLER_TABLE = (1, 2.0)
 SLOT_FACTORS = (1.0, 1.5, 2.0, 3.0)  # continuous admission: slots tried, x one batch per replica
 
 
@@ -535,6 +539,7 @@ def admission_of(st: Setting, reps: int, slots: int, k: int) -> Admission:
         "continuous",
         int(st.chunk_steps),
         int(st.min_chunk_steps),
+        table=(int(st.page_size), int(st.P), *SAMPLER_TABLE),
     )
 
 
