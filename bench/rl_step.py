@@ -315,6 +315,19 @@ def calibrated_profile(profile: str = "cpu", max_age_h: float = 12.0) -> str:
     return path
 
 
+def profile_drift(profile: str, rate_best: float) -> float | None:
+    """This run's best matmul rate against the one `rpeg calibrate` measured for the profile
+    (calibrated.matmul_peak_measured), as a fraction (+0.2: the machine is 20% faster now); None
+    when the profile carries no calibration. On this shared machine the rate moves 25-40% within a
+    day (2026-12-03: 383 GFLOP/s at 06:10, 290-320 at 11:00), and a profile of the other state
+    misprices every stage by about as much."""
+    from rpeg_jax.costmodel.hardware import load_hardware
+
+    cal = getattr(load_hardware(profile), "calibrated", None) or {}
+    peak = cal.get("matmul_peak_measured")
+    return float(rate_best / peak - 1.0) if peak else None
+
+
 def predicted_step_s(p: "Pipeline", profile: str) -> float:
     """The cost model's seconds per step for the same run (its config, one device, its admission mode
     and slots): costmodel.pricing.predict_run with the calibrated profile."""
@@ -445,10 +458,19 @@ def main(argv=None) -> int:
     best = max(rate.samples)
     records = [summarise(p, compile_s[(p.workload, p.variant)], best, paired[(p.workload, p.variant)]) for p in pipes]
     if profile is not None:
+        drift = profile_drift(profile, best)
         for p, rec in zip(pipes, records):
             if p.workload == "R2":
                 rec["predicted_seconds_per_step"] = predicted_step_s(p, profile)
                 rec["prediction_error"] = rec["predicted_seconds_per_step"] / rec["seconds_per_step"] - 1.0
+                rec["profile_matmul_drift"] = drift
+        if drift is not None and abs(drift) > 0.15:
+            print(
+                f"warning: this run's best matmul rate is {drift:+.0%} off the profile's calibrated one "
+                f"({profile}): the predictions price another state of this machine; rerun with "
+                "--profile-max-age-h 0 to recalibrate first",
+                flush=True,
+            )
     for rec in records:
         rec.update(matmul_samples=rate.samples, load_avg=loads)
     print(
