@@ -315,25 +315,30 @@ def calibrated_profile(profile: str = "cpu", max_age_h: float = 12.0) -> str:
     return path
 
 
-def profile_drift(profile: str, rate_best: float) -> float | None:
-    """This run's best matmul rate against the one `rpeg calibrate` measured for the profile
-    (calibrated.matmul_peak_measured), as a fraction (+0.2: the machine is 20% faster now); None
-    when the profile carries no calibration. On this shared machine the rate moves 25-40% within a
-    day (2026-12-03: 383 GFLOP/s at 06:10, 290-320 at 11:00), and a profile of the other state
-    misprices every stage by about as much."""
+def profile_drift(profile: str) -> float | None:
+    """The matmul peak measured now, as `rpeg calibrate` measures it (calibrate.bench_matmul, its CPU
+    sizes from 512 up), against the profile's calibrated.matmul_peak_measured, as a fraction (+0.2:
+    the machine is 20% faster now than when the profile was made); None when the profile carries no
+    calibration. On this shared machine the rate moves 25-50% within a day (2026-12-03: 383 GFLOP/s at
+    06:10, 290-320 at 11:00; 2026-12-04 03:30: 179), and a profile of another state misprices every
+    stage by about as much. (This bench's own MatmulRate uses other shapes: not comparable.)"""
+    from rpeg_jax.costmodel.calibrate import bench_matmul
     from rpeg_jax.costmodel.hardware import load_hardware
 
-    cal = getattr(load_hardware(profile), "calibrated", None) or {}
-    peak = cal.get("matmul_peak_measured")
-    return float(rate_best / peak - 1.0) if peak else None
+    peak = (getattr(load_hardware(profile), "calibrated", None) or {}).get("matmul_peak_measured")
+    if not peak:
+        return None
+    now = max(r for _, r in bench_matmul("float32", (512, 1024, 2048), repeats=3))
+    return float(now / peak - 1.0)
 
 
-def predicted_step_s(p: "Pipeline", profile: str) -> float:
+def predicted_step_s(p: "Pipeline", profile: str) -> tuple[float, dict[str, float]]:
     """The cost model's seconds per step for the same run (its config, one device, its admission mode
-    and slots): costmodel.pricing.predict_run with the calibrated profile."""
+    and slots), and its seconds per stage: costmodel.pricing.predict_run with the calibrated profile."""
     from rpeg_jax.costmodel.pricing import predict_run
 
-    return float(predict_run(p.cfg, profile, 1).step_time_s)
+    pred = predict_run(p.cfg, profile, 1)
+    return float(pred.step_time_s), {k: float(v) for k, v in pred.stage_s.items()}
 
 
 def print_table(records: list[dict]) -> None:
@@ -369,17 +374,25 @@ def print_table(records: list[dict]) -> None:
     for r in records:
         if r["workload"] == "R2":
             pred = r.get("predicted_seconds_per_step")
+            stages = " ".join(f"{k}={v:.3f}" for k, v in r.get("predicted_stages_s", {}).items() if v >= 0.0005)
             print(
                 f"R2 {r['variant']:9s} staleness_max {r['staleness_max']:.0f} occupancy {r['occupancy']:.2f} "
                 f"requeued {r['requeued']:.0f} dropped {r['dropped']:.0f} response tokens/step "
                 f"{r['response_tokens_per_step']:.0f} GFLOP/step {r['flops_per_step'] / 1e9:.1f}"
-                + (f" predicted {pred:.3f}s ({r['prediction_error']:+.0%})" if pred is not None else "")
+                + (f" predicted {pred:.3f}s ({r['prediction_error']:+.0%}: {stages})" if pred is not None else "")
             )
     for a, b in (("sync", "async-k1"), ("sync", "async-k2")):
         if a in r2 and b in r2 and r2[a].get("predicted_seconds_per_step"):
             meas = r2[a]["seconds_per_step"] / r2[b]["seconds_per_step"]
             pred = r2[a]["predicted_seconds_per_step"] / r2[b]["predicted_seconds_per_step"]
             print(f"R2 {a}/{b}: measured {meas:.2f}x, predicted {pred:.2f}x ({pred / meas - 1:+.0%})")
+    if "async-k1" in r2 and "async-k2" in r2:  # k2 consumes longer responses (fewer re-queued): more work
+        k1, k2 = r2["async-k1"], r2["async-k2"]
+        per = [r["seconds_per_step"] / r["flops_per_step"] * 1e9 for r in (k1, k2)]
+        print(
+            f"R2 async-k1/async-k2: {k1['seconds_per_step'] / k2['seconds_per_step']:.2f}x per step, "
+            f"{per[0] / per[1]:.2f}x per GFLOP of the step ({per[0] * 1e3:.1f} / {per[1] * 1e3:.1f} ms per GFLOP)"
+        )
 
 
 def main(argv=None) -> int:
@@ -458,15 +471,15 @@ def main(argv=None) -> int:
     best = max(rate.samples)
     records = [summarise(p, compile_s[(p.workload, p.variant)], best, paired[(p.workload, p.variant)]) for p in pipes]
     if profile is not None:
-        drift = profile_drift(profile, best)
+        drift = profile_drift(profile)
         for p, rec in zip(pipes, records):
             if p.workload == "R2":
-                rec["predicted_seconds_per_step"] = predicted_step_s(p, profile)
+                rec["predicted_seconds_per_step"], rec["predicted_stages_s"] = predicted_step_s(p, profile)
                 rec["prediction_error"] = rec["predicted_seconds_per_step"] / rec["seconds_per_step"] - 1.0
                 rec["profile_matmul_drift"] = drift
         if drift is not None and abs(drift) > 0.15:
             print(
-                f"warning: this run's best matmul rate is {drift:+.0%} off the profile's calibrated one "
+                f"warning: the matmul peak measured after the run is {drift:+.0%} off the profile's calibrated one "
                 f"({profile}): the predictions price another state of this machine; rerun with "
                 "--profile-max-age-h 0 to recalibrate first",
                 flush=True,
