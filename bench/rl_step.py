@@ -338,7 +338,7 @@ def predicted_step_s(p: "Pipeline", profile: str) -> tuple[float, dict[str, floa
     from rpeg_jax.costmodel.pricing import predict_run
 
     pred = predict_run(p.cfg, profile, 1)
-    return float(pred.step_time_s), {k: float(v) for k, v in pred.stage_s.items()}
+    return float(pred.step_time_s), {k: float(v) for k, v in pred.stage_times_s.items()}
 
 
 def print_table(records: list[dict]) -> None:
