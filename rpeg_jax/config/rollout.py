@@ -46,6 +46,10 @@ class RolloutConfig:
     chunk_steps: int = 64  # K: decode steps per jitted while_loop chunk (at most)
     min_chunk_steps: int = 8  # chunks end early where the page-table width bucket grows, not before
     #                           this many steps (= chunk_steps: one chunk per call when K allows)
+    table_width_growth: float = 2.0  # ratio of consecutive decode page-table width buckets: every slot's
+    #   table is read to the bucket above the longest running sequence, so smaller wastes fewer key
+    #   columns per decode step (most where the tail is in flight: continuous admission) and compiles more
+    #   decode programs (about log(max pages) / log(growth)); R2 on a CPU runs 1.25 (bench/NOTES.md)
     watermark: float = 0.01  # fraction of pages kept free when admitting groups
     on_weight_update: Literal["auto", "finish", "recompute", "continue"] = "auto"  # sequences in flight when
     #   new weights arrive: finish on the old ones, recompute their KV with the new, or continue (partial
@@ -85,6 +89,7 @@ class RolloutConfig:
         check(self.chunk_steps >= 1, key(path, "chunk_steps"), self.chunk_steps, "must be >= 1")
         check(self.min_chunk_steps >= 1, key(path, "min_chunk_steps"), self.min_chunk_steps, "must be >= 1")
         check(0.0 <= self.watermark < 1.0, key(path, "watermark"), self.watermark, "must be in [0, 1)")
+        check(self.table_width_growth > 1.0, key(path, "table_width_growth"), self.table_width_growth, "must be > 1")
         check(
             self.attention in ATTENTIONS,
             key(path, "attention"),

@@ -134,6 +134,7 @@ def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processe
         length_bucket=bucket,
         chunk_steps=cfg.rollout.chunk_steps,
         min_chunk_steps=cfg.rollout.min_chunk_steps,
+        table_growth=cfg.rollout.table_width_growth,
         recompute_kv=cfg.rollout.on_weight_update == "recompute",
         static_rows=hw.kind == "cpu",
         kv_read=kv_read_of(cfg.rollout, hw.kind),

@@ -63,6 +63,7 @@ class Setting:
     #   (runtime/rollouts.LENGTH_BUCKET, unless shapes are fixed): the trainer computes on R_train columns
     chunk_steps: int = 64  # rollout.chunk_steps: decode steps per chunk at most (continuous admission)
     min_chunk_steps: int = 8  # rollout.min_chunk_steps: a chunk ends early (to admit) only after these
+    table_growth: float = 2.0  # rollout.table_width_growth: the sampler's page-table width buckets
     recompute_kv: bool = False  # continuous admission with rollout.on_weight_update=recompute: the KV of
     #   the sequences in flight is rebuilt at each weight update
     kv_read: str = "copy"  # how the sampler's decode attention reads the cached KV (planner.kv_read_of):
@@ -445,10 +446,11 @@ def sampler_tp_time(hw: HardwareProfile, ms: ModelShape, rows, t):
     return hw.efficiency.decode_tp_factor * 2.0 * ms.L * ar
 
 
-# The sampler's page-table width buckets (SamplerConfig.min_table_width, table_width_growth; the
-# runtime keeps their defaults, tests/test_costmodel_admission.py checks they agree): with a tail in
-# flight a continuous engine's chunks read every slot's table to the bucket above the longest sequence.
-SAMPLER_TABLE = (1, 2.0)
+# The sampler's smallest page-table width bucket (SamplerConfig.min_table_width; the runtime keeps its
+# default, tests/test_costmodel_admission.py checks they agree; the growth is Setting.table_growth):
+# with a tail in flight a continuous engine's chunks read every slot's table to the bucket above the
+# longest sequence.
+SAMPLER_MIN_TABLE_WIDTH = 1
 SLOT_FACTORS = (1.0, 1.5, 2.0, 3.0)  # continuous admission: slots tried, x one batch per replica
 
 
@@ -539,7 +541,7 @@ def admission_of(st: Setting, reps: int, slots: int, k: int) -> Admission:
         "continuous",
         int(st.chunk_steps),
         int(st.min_chunk_steps),
-        table=(int(st.page_size), int(st.P), *SAMPLER_TABLE),
+        table=(int(st.page_size), int(st.P), SAMPLER_MIN_TABLE_WIDTH, float(st.table_growth)),
     )
 
 

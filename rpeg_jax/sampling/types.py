@@ -141,6 +141,7 @@ class SamplerConfig:
             chunk_steps=r.chunk_steps,
             min_chunk_steps=r.min_chunk_steps,
             watermark=r.watermark,
+            table_width_growth=float(r.table_width_growth),
             release_slots=r.admission == "continuous",
             on_weight_update=r.weight_update_policy,
             attention=r.attention,
