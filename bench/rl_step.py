@@ -102,13 +102,17 @@ WORKLOADS = {
     # R1-a with a long tail: every sequence ignores eos and stops at its own length, lognormal
     # (median 24, sigma 1.0) clipped to [4, 256] (runtime/admission.forced_lengths). The update packs
     # its sequences (train.pack_sequences, verl's use_remove_padding): padded to the 256 cap, the
-    # update alone took ~2/3 of the async step (session 11), which no asynchrony hides.
+    # update alone took ~2/3 of the async step (session 11), which no asynchrony hides. The sampler's
+    # page-table width buckets grow by 1.25, not 2: every slot's table is read to the bucket above the
+    # longest sequence in flight, and with the tail always in flight a 2x bucket reads ~1.4x the
+    # columns it needs (session 17: generation -11% at k = 1, -16% at k = 2, -2% sync).
     "R2": [
         "rl.algorithm=grpo",
         "rl.kl_coef=0.0",
         "rollout.max_new_tokens=256",
         "rollout.forced_lengths=[24,1.0,4,256]",
         "train.pack_sequences=true",
+        "rollout.table_width_growth=1.25",
     ],
 }
 R1_NAMES = ("R1-a", "R1-b", "R1-c")
