@@ -1,6 +1,7 @@
 """Calibration: fitting measured micro-benchmarks into a valid profile, and the `rpeg calibrate`
 command end to end (tiny sizes)."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -42,6 +43,44 @@ def test_fit_gpu_keeps_nominal_peak():
     prof = fit(base, meas)
     assert prof.device.peak_flops == base.device.peak_flops
     assert interp_eff(prof.efficiency.matmul, 1e11) == pytest.approx(7e14 / base.device.peak_flops)
+
+
+def test_kv_attend_copy_is_the_samplers_chunk_attention():
+    # calibrate's jnp copy of sampling/chunk_attention.attend_dense_t (costmodel imports no sampler
+    # code) computes the same thing: what bench_kv_attend times is what the sampler runs.
+    import jax
+    import numpy as np
+
+    from rpeg_jax.costmodel.calibrate import attend_dense_t as ours
+    from rpeg_jax.sampling.chunk_attention import attend_dense_t as sampler
+
+    k = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(k[0], (5, 4, 8))
+    kt = jax.random.normal(k[1], (2, 5, 8, 12))
+    v = jax.random.normal(k[2], (2, 5, 12, 8))
+    kv_len = jax.numpy.asarray([12, 3, 0, 7, 1], jax.numpy.int32)
+    np.testing.assert_allclose(np.asarray(ours(q, kt, v, kv_len)), np.asarray(sampler(q, kt, v, kv_len)), atol=1e-5)
+    assert not np.allclose(np.asarray(ours(q, kt, v, kv_len)), np.asarray(ours(q, kt, v, kv_len + 1)))
+
+
+def test_kv_attend_rate_is_fitted_and_prices_the_cpu_decode_step():
+    from rpeg_jax.config import load_config
+    from rpeg_jax.costmodel import stages as S
+    from rpeg_jax.costmodel.calibrate import bench_kv_attend
+
+    small = dict(B=8, K=2, H=4, E=16, L=2)
+    assert bench_kv_attend(1, shape=small, widths=(16, 64), steps=2) > 0
+    base = load_hardware("cpu", calibrated=False)
+    assert fit(base, synthetic()).efficiency.kv_attend_bw is None  # not measured: the memory table
+    prof = fit(base, {**synthetic(), "kv_attend": 5e9})
+    assert prof.efficiency.kv_attend_bw == 5e9
+    ctx = P.make_context(load_config(None, ["model.preset=tiny"]), 1, prof)
+    ms = P.roles_of(ctx, ctx.base).actor
+    slow = S.decode_step_time(ctx.st, ms, 1, 1, 64, 200.0)
+    faster = dataclasses.replace(prof, efficiency=dataclasses.replace(prof.efficiency, kv_attend_bw=1e10))
+    fast = S.decode_step_time(dataclasses.replace(ctx.st, hw=faster), ms, 1, 1, 64, 200.0)
+    kv = 64 * 200.0 * ms.kv_bytes_per_token * S.kv_read_factor(ctx.st)  # float64: the KV part halves
+    assert slow - fast == pytest.approx(kv / 5e9 - kv / 1e10, rel=1e-9)
 
 
 def test_monotone_table_drops_time_reversals():

@@ -114,6 +114,59 @@ def bench_overheads(repeats: int) -> dict[str, float]:
     return {"dispatch_s": dispatch, "layer_s": layer, "decode_step_s": max((l272 - l16) / 256.0, 0.0)}
 
 
+def attend_dense_t(q, kt, v, kv_len):
+    """sampling/chunk_attention.attend_dense_t in plain jnp (costmodel imports no sampler code;
+    tests/test_costmodel_calibrate.py checks they agree): one query per slot, q [B, H, E] over keys
+    transposed kt [K, B, E, C] and values v [K, B, C, E], columns >= kv_len masked."""
+    import jax.numpy as jnp
+
+    b, h, e = q.shape
+    kh, c = kt.shape[0], kt.shape[3]
+    qg = q.reshape(b, kh, h // kh, e).swapaxes(0, 1)
+    s = jnp.einsum("kbge,kbec->kbgc", qg, kt, preferred_element_type=jnp.float32) * (e**-0.5)
+    s = jnp.where((jnp.arange(c)[None, :] < kv_len[:, None])[None, :, None, :], s, -1e30)
+    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+    o = jnp.einsum("kbgc,kbce->kbge", p, v, preferred_element_type=jnp.float32) / jnp.sum(p, -1, keepdims=True)
+    return jnp.where(kv_len[None, :, None, None] > 0, o, 0.0).swapaxes(0, 1).reshape(b, h, e)
+
+
+KV_ATTEND_SHAPE = dict(B=128, K=2, H=4, E=64, L=4)  # model T's decode at R2's 128 slots
+KV_ATTEND_WIDTHS = (64, 256)  # key columns: the slope between them excludes the per-step fixed cost
+
+
+def bench_kv_attend(repeats: int, shape=KV_ATTEND_SHAPE, widths=KV_ATTEND_WIDTHS, steps: int = 16) -> float:
+    """Bytes of cached K and V per second of a decode step's attention over dense per-layer buffers,
+    as the CPU sampler runs it (sampling/chunk_attention.py: every step writes one column per slot in
+    place, then two batched products), in a while loop of `steps` steps: the slope of the step's
+    time over the key widths (its fixed part is the decode_step_s / decode_layer_s overheads')."""
+    import jax
+    import jax.numpy as jnp
+
+    B, K, H, E, L = (shape[k] for k in "BKHEL")
+    rows = jnp.arange(B)
+
+    def per_step(c: int) -> float:
+        kt = tuple(jnp.full((K, B, E, c), 0.01, jnp.float32) for _ in range(L))
+        v = tuple(jnp.full((K, B, c, E), 0.01, jnp.float32) for _ in range(L))
+        q, kv_len = jnp.full((B, H, E), 0.1, jnp.float32), jnp.full((B,), c, jnp.int32)
+
+        def body(i, carry):
+            q, kt, v = carry
+            col = jnp.full((B,), i % c, jnp.int32)
+            kt = tuple(x.at[:, rows, :, col].set(0.0, mode="drop") for x in kt)
+            v = tuple(x.at[:, rows, col].set(0.0, mode="drop") for x in v)
+            for layer in range(L):
+                q = q + 1e-3 * attend_dense_t(q, kt[layer], v[layer], kv_len)
+            return q, kt, v
+
+        f = jax.jit(lambda q, kt, v: jax.lax.fori_loop(0, steps, body, (q, kt, v))[0])
+        return _timeit(f, q, kt, v, repeats=repeats) / steps
+
+    lo, hi = (per_step(c) for c in widths)
+    nbytes = [2.0 * L * K * B * c * E * 4 for c in widths]
+    return (nbytes[1] - nbytes[0]) / max(hi - lo, 1e-9)
+
+
 def bench_allreduce(sizes_bytes, repeats: int) -> list[tuple[float, float, int]]:
     """[(bytes, seconds, devices)] of a psum over all local devices (shard_map)."""
     import jax
@@ -421,6 +474,8 @@ def fit(base: HardwareProfile, meas: dict) -> HardwareProfile:
         eff = dataclasses.replace(
             eff, intra_node=_monotone_table([(s, b / float(base.node_bw(n) if not cpu else link)) for s, b in busbw])
         )
+    if cpu and meas.get("kv_attend"):
+        eff = dataclasses.replace(eff, kv_attend_bw=float(meas["kv_attend"]))
     calibrated = {
         "time": time.time(),
         "matmul_peak_measured": max(r for _, r in mm),
@@ -444,6 +499,7 @@ def measure(dtype: str, quick: bool, accelerator: bool = False) -> dict:
         "memory": bench_memory(mem_sizes, reps),
         "overheads": bench_overheads(reps),
         "allreduce": bench_allreduce(ar_sizes, reps),
+        **({} if accelerator else {"kv_attend": bench_kv_attend(reps)}),
     }
 
 

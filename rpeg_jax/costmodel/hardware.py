@@ -137,6 +137,11 @@ class EfficiencySpec:
     decode_layer_s: float | None = None  # fixed cost per layer per decode step (page-table gathers,
     #   KV writes, launches), s; None -> layer_s
     kv_read_factor: float = 2.0  # KV bytes moved per cached byte per step (gather attention copies pages)
+    kv_attend_bw: float | None = None  # shared host (CPU): bytes/s at which a decode step's attention
+    #   gets through its cached KV (calibrate.bench_kv_attend: the chunk attention's batched products
+    #   over dense buffers, the slope of its time over key widths); None: the memory table. A decode
+    #   step's K.q and p.V run at ~10 GB/s on the 2-core CPU where the memory table, page faults and
+    #   all, said 3.8-9 GB/s from one day to the next (bench/NOTES.md session 17)
     decode_tp_factor: float = 1.0  # the sampler's tensor-parallel collective time per decode / prefill
     #   layer, in units of 2 all-reduces of the hidden state (fitted, >= 1; the CPU sampler's fused
     #   q/k/v and gate/up products also reshard their outputs every layer)
@@ -178,6 +183,8 @@ class EfficiencySpec:
             check_table(getattr(self, name), key(path, name))
         check(0.0 <= self.overlap <= 1.0, key(path, "overlap"), self.overlap, "must be in [0, 1]")
         check(self.kv_read_factor >= 1.0, key(path, "kv_read_factor"), self.kv_read_factor, "must be >= 1")
+        if self.kv_attend_bw is not None:
+            check(self.kv_attend_bw > 0, key(path, "kv_attend_bw"), self.kv_attend_bw, "must be > 0 (or null)")
         check(self.decode_tp_factor >= 1.0, key(path, "decode_tp_factor"), self.decode_tp_factor, "must be >= 1")
         check(
             0.0 <= self.matmul_size_exponent <= 2.0,
