@@ -325,7 +325,9 @@ def profile_drift(profile: str) -> float | None:
     the machine is 20% faster now than when the profile was made); None when the profile carries no
     calibration. On this shared machine the rate moves 25-50% within a day (2026-12-03: 383 GFLOP/s at
     06:10, 290-320 at 11:00; 2026-12-04 03:30: 179), and a profile of another state misprices every
-    stage by about as much. (This bench's own MatmulRate uses other shapes: not comparable.)"""
+    stage by about as much. Recorded, not acted on: measured in this process minutes after the
+    calibration subprocess it still reads -8% to +18% (2026-12-04): a record to read, not a trigger.
+    (This bench's own MatmulRate uses other shapes: not comparable.)"""
     from rpeg_jax.costmodel.calibrate import bench_matmul
     from rpeg_jax.costmodel.hardware import load_hardware
 
@@ -481,13 +483,6 @@ def main(argv=None) -> int:
                 rec["predicted_seconds_per_step"], rec["predicted_stages_s"] = predicted_step_s(p, profile)
                 rec["prediction_error"] = rec["predicted_seconds_per_step"] / rec["seconds_per_step"] - 1.0
                 rec["profile_matmul_drift"] = drift
-        if drift is not None and abs(drift) > 0.15:
-            print(
-                f"warning: the matmul peak measured after the run is {drift:+.0%} off the profile's calibrated one "
-                f"({profile}): the predictions price another state of this machine; rerun with "
-                "--profile-max-age-h 0 to recalibrate first",
-                flush=True,
-            )
     for rec in records:
         rec.update(matmul_samples=rate.samples, load_avg=loads)
     print(
