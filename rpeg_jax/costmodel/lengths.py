@@ -260,15 +260,15 @@ class TableWidths:
         return self.pages(pos, end, k) * self.page - self.prompt
 
     def align(self, pos, end, k: int, min_steps: int) -> int:
-        """The largest k' in [min(k, min_steps), k] whose bucket is still that of min(k, min_steps)."""
+        """The largest k' in [min(k, min_steps), k] whose bucket is still that of min(k, min_steps):
+        in closed form (the bucket of w pages holds cap = w * page - prompt response tokens, so only
+        the sequences that would outgrow it bound k'), equal to the sampler's search."""
         lo = min(k, min_steps)
         if k <= lo:
             return k
-        w, hi = self.pages(pos, end, lo), k
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self.pages(pos, end, mid) <= w else (lo, mid - 1)
-        return lo
+        cap = self.pages(pos, end, lo) * self.page - self.prompt
+        over = end - 1 > cap
+        return max(lo, min(k, cap - int(pos[over].max()))) if over.any() else k
 
 
 @functools.lru_cache(maxsize=4096)
@@ -370,8 +370,10 @@ def admission(
                     st[7] += 1
             k = min(chunk_steps, int(rem.max()))  # free slots hold rem = 0 and decode nothing
             if table is not None:  # the host's chunk: cut where the width bucket would grow
-                k = widths.align(pos[rem > 0], (pos + rem)[rem > 0], k, min_chunk_steps)
-                width = widths.tokens(pos[rem > 0], (pos + rem)[rem > 0], k)
+                busy = rem > 0
+                run_pos, run_end = pos[busy], pos[busy] + rem[busy]
+                k = widths.align(run_pos, run_end, k, min_chunk_steps)
+                width = widths.tokens(run_pos, run_end, k)
             if cont and waiting and slots - nfree >= group:  # the group-th shortest running slot frees
                 j = nfree + group - 1
                 k = min(k, max(min_chunk_steps, int(np.partition(rem, j)[j])))
