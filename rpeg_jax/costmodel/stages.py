@@ -414,16 +414,15 @@ def decode_step_time(st: Setting, ms: ModelShape, t, busy, batch, ctx):
     flops = ms.decode_flops(batch, ctx) / t
     kv = batch * ctx * ms.kv_bytes_per_token / ms.kv_shards(t) * kv_read_factor(st)
     nbytes = ms.weight_bytes() / t + kv + batch * ms.V * 4.0
-    if hw.shared_host and hw.efficiency.kv_attend_bw:  # the attention's KV at its measured rate
-        # (the host's share of it, as `rates` shares the memory bandwidth), the rest streamed
-        core = (
-            flops / (rate * mm_eff(hw, ms.mm_size(batch, t)))
-            + mem_time(hw, nbytes - kv, bw, busy)
-            + kv / (hw.efficiency.kv_attend_bw * bw / hw.device.memory_bw)
-        )
-    elif hw.shared_host:  # a CPU's decode kernels (small GEMMs, page gathers, softmax) run one after
+    if hw.shared_host:  # a CPU's decode kernels (small GEMMs, page gathers, softmax) run one after
         # another on the same cores: streaming the weights and KV does not hide behind the compute
-        core = flops / (rate * mm_eff(hw, ms.mm_size(batch, t))) + mem_time(hw, nbytes, bw, busy)
+        core = flops / (rate * mm_eff(hw, ms.mm_size(batch, t)))
+        if hw.efficiency.kv_attend_bw:  # the attention's KV at its measured rate (the host's share
+            # of it, as `rates` shares the memory bandwidth), the rest streamed
+            kv_bw = hw.efficiency.kv_attend_bw * bw / hw.device.memory_bw
+            core = core + mem_time(hw, nbytes - kv, bw, busy) + kv / kv_bw
+        else:
+            core = core + mem_time(hw, nbytes, bw, busy)
     else:
         core = roofline(hw, flops, nbytes, ms.mm_size(batch, t), rate, bw, busy)
     tp = sampler_tp_time(hw, ms, batch, t) * ovh
