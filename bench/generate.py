@@ -10,7 +10,7 @@ limit_fraction, limit_kind ("matmul" | "bandwidth"), limit_tokens_per_s, ...}. T
   the mean context) over the measured float matmul rate;
 - bandwidth-bound ones (S, batch 8): bytes per decode step (all weights except the embedding table,
   plus the batch's KV at the mean context) over the measured memory bandwidth.
-`--attention` (SamplerConfig.attention; default auto = chunk on CPU, kernel on GPU,
+`--attention` (SamplerConfig.attention; default auto = chunk on CPU, kernel on GPU where its blocks fit,
 config/rollout.resolve_attention): a comma-separated list runs the sampler once per attention on the
 same model and prompts (the naive baseline once). "kernel" off a GPU needs `--kernel-interpret` (the
 Pallas interpreter: plumbing, slow). Every record has `attention` (as asked), `attention_resolved`
@@ -141,6 +141,9 @@ def data_mesh(n: int):
     return jax.sharding.Mesh(np.array(jax.devices()[:n]).reshape(n, 1, 1), ("data", "fsdp", "tensor"))
 
 
+PAGE_SIZE = 16  # the sampler's pages in every run (a power of two >= 16: the GPU kernel's blocks)
+
+
 def run_rpeg(
     model, prompts, n, new, temp, reps, devices: int = 1, attention: str = "auto", interpret: bool = False
 ) -> list[float]:
@@ -148,7 +151,7 @@ def run_rpeg(
     cfg = SamplerConfig(
         attention=attention,
         kernel_interpret=interpret,
-        page_size=16,
+        page_size=PAGE_SIZE,
         max_slots=batch,
         max_seq_len=len(prompts[0]) + new,
         chunk_steps=new,
@@ -210,7 +213,7 @@ def main(argv=None) -> int:
     for a in attentions:
         if a not in ATTENTIONS:
             raise SystemExit(f"--attention: unknown {a!r}; known: {', '.join(ATTENTIONS)}")
-        if resolve_attention(a, backend) == "kernel" and backend != "gpu" and not args.kernel_interpret:
+        if a == "kernel" and backend != "gpu" and not args.kernel_interpret:
             raise SystemExit(
                 f"--attention {a}: the Pallas kernel needs a GPU (the backend is {backend}); "
                 "add --kernel-interpret to run it through the interpreter, or use gather/chunk"
@@ -248,8 +251,9 @@ def main(argv=None) -> int:
             (
                 "rpeg",
                 a,
-                resolve_attention(a, backend),
-                args.kernel_interpret and resolve_attention(a, backend) == "kernel",
+                resolve_attention(a, backend, page_size=PAGE_SIZE, head_dim=model.cfg.head_size),
+                args.kernel_interpret
+                and resolve_attention(a, backend, page_size=PAGE_SIZE, head_dim=model.cfg.head_size) == "kernel",
             )
             for a in attentions
         ] + ([] if args.no_naive else [("naive", "dense", "dense", False)])

@@ -334,7 +334,11 @@ def profile_drift(profile: str) -> float | None:
     peak = (getattr(load_hardware(profile), "calibrated", None) or {}).get("matmul_peak_measured")
     if not peak:
         return None
-    now = max(r for _, r in bench_matmul("float32", (512, 1024, 2048), repeats=3))
+    import jax
+
+    gpu = jax.default_backend() != "cpu"  # as calibrate.measure: bf16 at accelerator sizes there
+    sizes = (1024, 4096) if gpu else (512, 1024, 2048)
+    now = max(r for _, r in bench_matmul("bfloat16" if gpu else "float32", sizes, repeats=3, accelerator=gpu))
     return float(now / peak - 1.0)
 
 

@@ -412,3 +412,23 @@ def test_validation_measuring_order_spreads_each_kind_over_the_calibration_batch
         batch = order[i : i + 7]
         for v in (c for c in batch if c in CS.VALIDATION):
             assert any(c in CS.CALIBRATION and c[0] == v[0] for c in batch), (i // 7, v)
+
+
+def test_accelerator_rates_are_not_the_dispatch(monkeypatch):
+    # A simulated device: each call costs a 0.15 ms dispatch plus k units of work at 700 TFLOP/s (an
+    # H200's bf16 matmul). One 4096^2 matmul is 0.2 ms of work: a call of it alone times the dispatch
+    # as much as the matmul. The accelerator path sizes k from a first timing so that one call lasts
+    # about CALL_TARGET_S (dispatch ~1%); the CPU path keeps its fixed work target (k = 1 here).
+    from rpeg_jax.costmodel import calibrate as C
+
+    rate, dispatch, work = 7e14, 1.5e-4, 2.0 * 4096**3
+
+    class Made:
+        def __init__(self, k):
+            self.k = k
+
+    monkeypatch.setattr(C, "_timeit", lambda f, *a, repeats: dispatch + f.k * work / rate)
+    got = C._looped_rate(Made, (), work, 3, accelerator=True)
+    assert got == pytest.approx(rate, rel=0.02)
+    cpu = C._looped_rate(Made, (), work, 3, accelerator=False)
+    assert cpu == pytest.approx(work / (dispatch + work / rate)) and cpu < 0.6 * rate

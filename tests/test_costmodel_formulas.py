@@ -508,19 +508,21 @@ def test_decode_kv_read_follows_the_attention():
     assert kernel < chunk < 0.75 * gather
     # What the planner sets from the run's config and the profile.
     cpu = load_hardware("cpu", calibrated=False)
-    for attention, kind_hw, read in [
-        ("auto", hw, "once"),
-        ("kernel", hw, "once"),
-        ("gather", hw, "copy"),
-        ("blocked", hw, "copy"),
-        ("chunk", hw, "chunk"),
-        ("auto", cpu, "chunk"),  # auto on a CPU is the chunk attention
-        ("gather", cpu, "copy"),
-        ("kernel", cpu, "copy"),  # the interpreter on a CPU: no GPU kernel
+    for attention, kind_hw, read, extra in [
+        ("auto", hw, "once", []),
+        ("auto", hw, "copy", ["rollout.page_size=8"]),  # the kernel's blocks do not fit: auto is gather
+        ("kernel", hw, "once", []),
+        ("gather", hw, "copy", []),
+        ("blocked", hw, "copy", []),
+        ("chunk", hw, "chunk", []),
+        ("auto", cpu, "chunk", []),  # auto on a CPU is the chunk attention
+        ("gather", cpu, "copy", []),
+        ("kernel", cpu, "copy", []),  # the interpreter on a CPU: no GPU kernel
     ]:
         cfg = load_config(
             None,
             [f"rollout.attention={attention}"]
-            + (["rollout.kernel_interpret=true"] if kind_hw is cpu and attention == "kernel" else []),
+            + (["rollout.kernel_interpret=true"] if kind_hw is cpu and attention == "kernel" else [])
+            + extra,
         )
         assert make_context(cfg, 8, kind_hw).st.kv_read == read, (attention, kind_hw.kind)

@@ -215,12 +215,18 @@ def test_kernel_on_cpu_without_interpreter_is_one_config_error():
 
 
 def test_attention_resolution_and_gpu_block_rules():
-    assert [resolve_attention("auto", b) for b in ("cpu", "gpu", "tpu")] == ["chunk", "kernel", "gather"]
-    assert resolve_attention("gather", "gpu") == "gather"
+    fit = dict(page_size=16, head_dim=64)
+    assert [resolve_attention("auto", b, **fit) for b in ("cpu", "gpu", "tpu")] == ["chunk", "kernel", "gather"]
+    assert resolve_attention("gather", "gpu", **fit) == "gather"
+    # auto on a GPU takes the kernel only where its Triton blocks fit, else the gather attention
+    assert resolve_attention("auto", "gpu", page_size=4, head_dim=64) == "gather"
+    assert resolve_attention("auto", "gpu", page_size=16, head_dim=48) == "gather"
+    assert resolve_attention("kernel", "gpu", page_size=4, head_dim=64) == "kernel"  # explicit: kept, refused below
     SamplerConfig(attention="auto").check_backend("cpu", head_dim=8)  # auto on CPU: chunk, no rules
     SamplerConfig(attention="auto", page_size=16).check_backend("gpu", head_dim=64)
+    SamplerConfig(attention="auto", page_size=4).check_backend("gpu", head_dim=64)  # auto = gather there
     with pytest.raises(ConfigError, match=r"sampler\.page_size=4"):
-        SamplerConfig(attention="auto", page_size=4).check_backend("gpu", head_dim=64)
+        SamplerConfig(attention="kernel", page_size=4).check_backend("gpu", head_dim=64)
     with pytest.raises(ConfigError, match=r"model\.head_dim=48"):
         SamplerConfig(attention="kernel", page_size=32).check_backend("gpu", head_dim=48)
     with pytest.raises(ConfigError, match=r"sampler\.attention='kernel'"):

@@ -10,20 +10,29 @@ from rpeg_jax.config.base import check, key
 ATTENTIONS = ("auto", "gather", "blocked", "chunk", "kernel")
 
 
-def resolve_attention(attention: str, backend: str) -> str:
+def kernel_blocks_fit(page_size: int, head_dim: int) -> bool:
+    """The compiled (Pallas Triton) paged kernel's block rule: page_size and head_dim powers of two >= 16."""
+    return all(v >= 16 and v & (v - 1) == 0 for v in (page_size, head_dim))
+
+
+def resolve_attention(attention: str, backend: str, *, page_size: int, head_dim: int) -> str:
     """The decode attention `attention` means on `backend` (jax.default_backend(), or a hardware
     profile's kind): auto = "chunk" on CPU (fastest there, sampling/chunk_attention.py), "kernel" on
-    GPU (pages read in place, sampling/kernel_attention.py), "gather" elsewhere."""
+    GPU (pages read in place, sampling/kernel_attention.py) where its blocks fit (kernel_blocks_fit),
+    else "gather". An explicit choice is kept (SamplerConfig.check_backend refuses what cannot run)."""
     if attention != "auto":
         return attention
-    return {"cpu": "chunk", "gpu": "kernel"}.get(backend, "gather")
+    if backend == "gpu":
+        return "kernel" if kernel_blocks_fit(page_size, head_dim) else "gather"
+    return "chunk" if backend == "cpu" else "gather"
 
 
 def check_attention_backend(attention: str, interpret: bool, backend: str, path: str) -> None:
-    """ConfigError unless the resolved attention can run on `backend`: the "kernel" attention is a
-    Pallas Triton (GPU) kernel, elsewhere it runs only through the Pallas interpreter."""
+    """ConfigError unless the attention can run on `backend`: the "kernel" attention is a Pallas
+    Triton (GPU) kernel, elsewhere it runs only through the Pallas interpreter ("auto" never
+    resolves to it off a GPU)."""
     check(
-        resolve_attention(attention, backend) != "kernel" or backend == "gpu" or interpret,
+        attention != "kernel" or backend == "gpu" or interpret,
         key(path, "attention"),
         attention,
         f"the Pallas paged-attention kernel needs a GPU (the backend is {backend}): "

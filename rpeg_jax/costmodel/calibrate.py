@@ -26,6 +26,7 @@ functions only, so importing this module (and `rpeg plan`) never initialises a d
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import sys
 import time
@@ -57,38 +58,57 @@ def _timeit(fn, *args, repeats: int = 5, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def _loop_count(work: float, target: float) -> int:
-    """Repetitions inside one jitted call so that dispatch does not pollute small sizes."""
-    return int(min(256, max(1, target // max(work, 1.0))))
+CPU_LOOP_WORK = 2e8  # on a CPU: FLOPs (or bytes) per timed call; the CPU profile's tables were fitted so
+CALL_TARGET_S = 0.02  # on an accelerator: a timed call lasts about this long (a 0.1-0.2 ms dispatch: ~1-2%)
+MAX_LOOP = 4096
 
 
-def bench_matmul(dtype: str, sizes, repeats: int) -> list[tuple[float, float]]:
+def _looped_rate(make, args, work: float, repeats: int, accelerator: bool) -> float:
+    """work / second of `make(k)` (a jitted function doing `work` k times in one call) on `args`.
+    On a CPU k is min(256, CPU_LOOP_WORK / work) as the CPU profile was calibrated (a 64 MB pass runs
+    once: its page faults are part of what the decode step sees). On an accelerator k is sized from a
+    first timing at k = 1 so that one call lasts CALL_TARGET_S: the CPU's fixed work target left one
+    4096^2 bf16 matmul (0.2 ms) per call on an H200, timing the dispatch (calibrate read 200 TFLOP/s
+    and 571 GB/s there against 694 TFLOP/s and 3.67 TB/s measured by bench/generate.py; NOTES.md)."""
+    if not accelerator:
+        k = int(min(256, max(1, CPU_LOOP_WORK // max(work, 1.0))))
+        return k * work / _timeit(make(k), *args, repeats=repeats)
+    sec = _timeit(make(1), *args, repeats=repeats)
+    k = int(min(MAX_LOOP, max(1, math.ceil(CALL_TARGET_S / max(sec, 1e-9)))))
+    if k > 1:
+        sec = _timeit(make(k), *args, repeats=repeats)
+    return k * work / sec
+
+
+def bench_matmul(dtype: str, sizes, repeats: int, accelerator: bool = False) -> list[tuple[float, float]]:
     """[(FLOPs of one matmul, FLOP/s)] on the first device; small sizes repeat inside one call."""
     import jax
     import jax.numpy as jnp
 
     out = []
     for n in sizes:
-        k = _loop_count(2.0 * n**3, 2e8)
-        f = jax.jit(lambda a, b, k=k: jax.lax.fori_loop(0, k, lambda i, x: (x @ b) * 0.5, a))
+
+        def make(k):
+            return jax.jit(lambda a, b: jax.lax.fori_loop(0, k, lambda i, x: (x @ b) * 0.5, a))
+
         a = jnp.ones((n, n), dtype) * 0.5
-        sec = _timeit(f, a, a, repeats=repeats)
-        out.append((2.0 * n**3, k * 2.0 * n**3 / sec))
+        out.append((2.0 * n**3, _looped_rate(make, (a, a), 2.0 * n**3, repeats, accelerator)))
     return out
 
 
-def bench_memory(sizes_bytes, repeats: int) -> list[tuple[float, float]]:
+def bench_memory(sizes_bytes, repeats: int, accelerator: bool = False) -> list[tuple[float, float]]:
     """[(bytes touched, bytes/s)] of an elementwise pass (read + write) over float32 arrays."""
     import jax
     import jax.numpy as jnp
 
     out = []
     for nb in sizes_bytes:
-        k = _loop_count(2.0 * nb, 2e8)
-        f = jax.jit(lambda x, k=k: jax.lax.fori_loop(0, k, lambda i, y: y * 0.999 + 0.001, x))
+
+        def make(k):
+            return jax.jit(lambda x: jax.lax.fori_loop(0, k, lambda i, y: y * 0.999 + 0.001, x))
+
         x = jnp.ones((int(nb) // 4,), jnp.float32)
-        sec = _timeit(f, x, repeats=repeats)
-        out.append((2.0 * nb, k * 2.0 * nb / sec))
+        out.append((2.0 * nb, _looped_rate(make, (x,), 2.0 * nb, repeats, accelerator)))
     return out
 
 
@@ -495,8 +515,8 @@ def measure(dtype: str, quick: bool, accelerator: bool = False) -> dict:
         mem_sizes = (1 << 16, 1 << 20, 1 << 24) if quick else (1 << 14, 1 << 16, 1 << 20, 1 << 24, 1 << 26)
         ar_sizes = (1 << 12, 1 << 16, 1 << 20) if quick else (1 << 10, 1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
     return {
-        "matmul": bench_matmul(dtype, mm_sizes, reps),
-        "memory": bench_memory(mem_sizes, reps),
+        "matmul": bench_matmul(dtype, mm_sizes, reps, accelerator),
+        "memory": bench_memory(mem_sizes, reps, accelerator),
         "overheads": bench_overheads(reps),
         "allreduce": bench_allreduce(ar_sizes, reps),
         **({} if accelerator else {"kv_attend": bench_kv_attend(reps)}),

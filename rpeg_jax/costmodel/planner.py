@@ -94,12 +94,12 @@ def prompt_len(cfg: RunConfig, length_bucket: int) -> int:
     return min(cap, S.round_up(p, length_bucket))
 
 
-def kv_read_of(r: RolloutConfig, kind: str) -> str:
+def kv_read_of(r: RolloutConfig, kind: str, head_dim: int) -> str:
     """Setting.kv_read of the run's decode attention on a profile of `kind`: "once" for "kernel"
     (auto on GPU) compiled for a GPU (pages read in place), "chunk" for the chunk attention (auto on
     CPU: pages copied once per chunk), else "copy" (gather / blocked copy the pages every step: the
     profile's kv_read_factor; the kernel through the interpreter is no GPU kernel)."""
-    att = resolve_attention(r.attention, kind)
+    att = resolve_attention(r.attention, kind, page_size=r.page_size, head_dim=head_dim)
     if att == "kernel" and kind == "gpu" and not r.kernel_interpret:
         return "once"
     return "chunk" if att == "chunk" else "copy"
@@ -137,7 +137,7 @@ def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processe
         table_growth=cfg.rollout.table_width_growth,
         recompute_kv=cfg.rollout.on_weight_update == "recompute",
         static_rows=hw.kind == "cpu",
-        kv_read=kv_read_of(cfg.rollout, hw.kind),
+        kv_read=kv_read_of(cfg.rollout, hw.kind, cfg.model.head_size),
     )
     return Context(cfg, hw, num_devices, st, base, processes)
 

@@ -113,7 +113,7 @@ class Sampler:
         # What the device functions read: the params themselves (model forward; the caller must not
         # donate them afterwards) or per-layer copies (split forward).
         self._weights = self._fwd.prepare(params)
-        self._attention = resolve_attention(cfg.attention, backend)
+        self._attention = resolve_attention(cfg.attention, backend, page_size=cfg.page_size, head_dim=mcfg.head_size)
         # the kernel's shard_map over kv-head shards (sampling/kernel_attention.py)
         self._heads_mesh = self.sharding.mesh if self._attention == "kernel" and self.sharding.heads_sharded else None
         self.num_pages = per_shard * d  # global, with the D null pages

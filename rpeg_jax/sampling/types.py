@@ -14,7 +14,7 @@ from typing import Literal
 import numpy as np
 
 from rpeg_jax.config.base import check
-from rpeg_jax.config.rollout import ATTENTIONS, RolloutConfig, check_attention_backend, resolve_attention
+from rpeg_jax.config.rollout import ATTENTIONS, RolloutConfig, check_attention_backend
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,8 +41,9 @@ class SamplerConfig:
     #   loop over blocks of pages that stops at the longest sequence; "chunk": gather the pages once per
     #   decode chunk into dense buffers (fastest on CPU, costs a dense copy of the chunk's KV);
     #   "kernel": JAX's Pallas paged-attention kernel reads each sequence's pages in place through its
-    #   block table (GPU, or kernel_interpret; docs/kernels.md); "auto" = chunk on CPU, kernel on GPU,
-    #   gather elsewhere. Prefill always uses "gather".
+    #   block table (GPU, or kernel_interpret; docs/kernels.md); "auto" = chunk on CPU, kernel on GPU
+    #   where its blocks fit (page_size and head_dim powers of two >= 16; else gather), gather
+    #   elsewhere. Prefill always uses "gather".
     kernel_interpret: bool = False  # run the "kernel" attention through the Pallas interpreter (CPU)
     block_pages: int = 4  # pages per block of the "blocked" attention
     forward: Literal["auto", "model", "split", "split_t"] = "auto"  # the model's own forward, or its
@@ -118,7 +119,7 @@ class SamplerConfig:
         blocks of at least 16: page_size and the model's head_dim (docs/kernels.md)."""
         path = self.config_path
         check_attention_backend(self.attention, self.kernel_interpret, backend, path)
-        if resolve_attention(self.attention, backend) != "kernel" or self.kernel_interpret:
+        if self.attention != "kernel" or self.kernel_interpret:  # "auto" takes the kernel only where it fits
             return
         for name, v in ((f"{path}.page_size", self.page_size), ("model.head_dim", head_dim)):
             check(
