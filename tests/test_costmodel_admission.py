@@ -13,8 +13,7 @@ from rpeg_jax.costmodel import planner as P
 from rpeg_jax.costmodel.hardware import load_hardware
 from rpeg_jax.costmodel.lengths import LengthDist, LengthStream, admission
 from rpeg_jax.costmodel.pricing import predict_run, price_layout
-from rpeg_jax.sampling.sampler import width_bucket
-from rpeg_jax.sampling.types import SamplerConfig
+from rpeg_jax.shapes.buckets import width_bucket
 
 GH = load_hardware("gh200", calibrated=False)
 
@@ -33,11 +32,13 @@ CPU = load_hardware("cpu", calibrated=False)
 def reference(dist, slots, groups, group, k, mode, chunk, min_chunk, steps, warmup, seed=0, table=None):
     """The engine one decode step at a time, plain Python: per-slot [group, tokens left, made].
     `table` = (page_size, prompt, min_table_width, growth): the chunk is cut and its width read as
-    the sampler does (Sampler._width / _align_chunk with sampling/sampler.width_bucket)."""
+    the sampler does (Sampler._width / _align_chunk with shapes/buckets.width_bucket): k more steps
+    of a sequence that has made m tokens of its m + left need its cache to hold min(m + k, m + left)
+    - 1 tokens beyond the prompt's (the last token known is the next step's input)."""
 
     def pages(k_):  # Sampler._width over the running slots, capped at the widest sequence's pages
         page, prompt, lo, growth = table
-        need = max(prompt + min(s[2] + k_, s[2] + s[1] - 1) for s in slot if s is not None)
+        need = max(prompt - 1 + min(s[2] + k_, s[2] + s[1]) for s in slot if s is not None)
         return min(width_bucket(-(-need // page), lo, growth), -(-(prompt + dist.max_len) // page))
 
     stream = LengthStream(dist, group, seed)
@@ -192,10 +193,10 @@ def test_width_buckets_widen_the_tables_and_cut_chunks():
 
 def test_the_cost_model_uses_the_samplers_width_buckets():
     from rpeg_jax.config import load_config
-    from rpeg_jax.costmodel.stages import SAMPLER_MIN_TABLE_WIDTH
     from rpeg_jax.runtime.setup import sampler_config
+    from rpeg_jax.shapes.buckets import MIN_TABLE_WIDTH
 
-    assert SAMPLER_MIN_TABLE_WIDTH == SamplerConfig(max_slots=8, max_seq_len=64).min_table_width
+    assert sampler_config(load_config(None, ["model.preset=tiny"])).min_table_width == MIN_TABLE_WIDTH
     for growth in (2.0, 1.25):
         cfg = load_config(None, ["model.preset=tiny", f"rollout.table_width_growth={growth}"])
         assert sampler_config(cfg).table_width_growth == growth  # the engine runs it

@@ -341,8 +341,8 @@ def test_forward_plan_packs_the_strided_pieces_in_batch_order():
     start, length = packing.sequence_spans(seg)
     sizes = [packing.piece_sizes(start[u::n], length[u::n], P_UPD, R_UPD) for u in range(n)]
     b = B_UPD // n
-    rows = packing.round_up(max(r for r, _ in sizes), packing.row_quantum(b, devices))
-    tokens = packing.round_up(max(k for _, k in sizes), -(-b * R_UPD // packing.TOKEN_BUCKETS))
+    rows = packing.round_to_quantum(max(r for r, _ in sizes), packing.row_quantum(b, devices))
+    tokens = packing.round_to_quantum(max(k for _, k in sizes), -(-b * R_UPD // packing.TOKEN_BUCKETS))
     assert rows % devices == 0 and set(plan) == {"src_NxT", "seg_NxT", "pred_K", "out_BxR"}
     for u in range(n):
         want = packing.piece_plan(start[u::n], length[u::n], P_UPD, R_UPD, rows=rows, tokens=tokens)

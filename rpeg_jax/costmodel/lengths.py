@@ -25,6 +25,9 @@ from statistics import NormalDist
 
 import numpy as np
 
+from rpeg_jax.shapes import admission as policy
+from rpeg_jax.shapes.buckets import TableWidths
+
 NBINS = 32  # bins of the decode step axis (the cost model sums a roofline per bin)
 
 
@@ -181,6 +184,8 @@ class Admission:
     # short against `dist` at small k (a long sequence outlives the bound and is re-queued), which is
     # what a packed update computes on (candidates.consumed_setting)
     consumed: tuple[int, ...] = ()
+    trace: tuple | None = None  # admission(trace=True): per step (consumed (stream index, attempt)s,
+    #   re-queued, dropped, decode steps)
 
 
 def draw_lengths(dist: LengthDist, rng: np.random.Generator, n: int) -> np.ndarray:
@@ -233,44 +238,6 @@ class LengthStream:
         return self.block[self.i - 1]
 
 
-class TableWidths:
-    """The sampler's page-table width buckets (sampling/sampler.py: width_bucket, Sampler._width,
-    Sampler._align_chunk) over a simulated engine's running slots, whose sequences have made `pos`
-    response tokens of their `end` (prompt excluded)."""
-
-    def __init__(self, page_size: int, prompt: int, min_width: int, growth: float, max_len: int):
-        self.page, self.prompt = max(int(page_size), 1), int(prompt)
-        self.max_pages = -(-(self.prompt + int(max_len)) // self.page)  # Sampler.max_width caps the last bucket
-        w, buckets = int(min_width), []
-        for need in range(self.max_pages + 1):
-            while w < need:
-                w = max(w + 1, int(np.ceil(w * growth)))
-            buckets.append(min(w, self.max_pages))
-        self.buckets = np.asarray(buckets, np.int64)
-
-    def pages(self, pos, end, k: int) -> int:
-        """The width bucket (pages) covering k more steps of every running sequence."""
-        if not len(pos):
-            return int(self.buckets[0])
-        need = int(np.max(np.minimum(pos + k, end - 1))) + self.prompt
-        return int(self.buckets[-(-need // self.page)])
-
-    def tokens(self, pos, end, k: int) -> int:
-        """That width in tokens beyond the prompt (Admission.ctx_width's unit)."""
-        return self.pages(pos, end, k) * self.page - self.prompt
-
-    def align(self, pos, end, k: int, min_steps: int) -> int:
-        """The largest k' in [min(k, min_steps), k] whose bucket is still that of min(k, min_steps):
-        in closed form (the bucket of w pages holds cap = w * page - prompt response tokens, so only
-        the sequences that would outgrow it bound k'), equal to the sampler's search."""
-        lo = min(k, min_steps)
-        if k <= lo:
-            return k
-        cap = self.pages(pos, end, lo) * self.page - self.prompt
-        over = end - 1 > cap
-        return max(lo, min(k, cap - int(pos[over].max()))) if over.any() else k
-
-
 @functools.lru_cache(maxsize=4096)
 def admission(
     dist: LengthDist,
@@ -285,54 +252,72 @@ def admission(
     warmup: int | None = None,
     seed: int = 0,
     table: tuple[int, int, int, float] | None = None,
+    source=None,
+    requeue: bool = True,
+    trace: bool = False,
 ) -> Admission:
     """Event simulation of the sampler's slots over RL steps (runtime/admission.ContinuousRollouts
-    over sampling/sampler.Sampler.step), one decode chunk per event:
+    over sampling/sampler.Sampler.step), one decode chunk per event, deciding with the engine's own
+    rules (shapes/admission.py):
 
-    - `mode="continuous"`: whole groups of `group` sequences are queued until every slot is taken and
-      one group waits (ContinuousRollouts._top_up); at each chunk start the waiting groups are
-      admitted FIFO while `group` slots are free; a chunk runs min(chunk_steps, longest remaining)
-      decode steps, and ends early once `group` slots have freed in it after min_chunk_steps
-      (SamplerConfig.release_slots, a group always waits); a step's batch is the first `groups`
-      groups to complete; at the start of step t a group whose oldest token has version < t - k is
-      re-queued or dropped (rollout.stale_groups): either way another group of fresh lengths takes
-      its place, so the two policies cost the same here.
+    - `mode="continuous"`: at the start of step t the groups that broke the bound k are re-queued
+      (`requeue`: generated again before any new prompt) or dropped, the completed ones first; whole
+      groups of `group` sequences are queued while the unfinished sequences fit in the slots
+      (`wants_group`); at each chunk start the waiting groups are admitted FIFO while one fits
+      (`admits`); a chunk runs min(chunk_steps, longest remaining) decode steps, cut where the
+      page-table width would grow (`table`), and ends early once the first waiting group's slots
+      have freed after min_chunk_steps (`release_rule` / `chunk_length`); a step's batch is the
+      first `groups` groups to complete, in submission order within a chunk (`take_batch`).
     - `mode="step"`: each step queues its `groups` groups and decodes them to the end (no early
       release); what runtime/rollouts.generate_piece does with one piece.
 
-    Lengths come from LengthStream(dist, group, seed), one group per submission. A group's oldest
-    token has the version of the step that admitted it (weights are installed between steps, tokens
-    are produced from the first chunk after admission). Not modelled: the KV page budget (slots are
-    the limit). `table` = (page_size, prompt tokens, min_table_width, table_width_growth): the
-    sampler's page-table width buckets (Sampler._width, _align_chunk): a chunk is cut where its
-    bucket would grow (after min_chunk_steps), and `ctx_width` is the bucket's width (tokens beyond
-    the prompt) that every slot's table is read to; None: the unbucketed width. `warmup` steps
-    (default k + 2: a group lives at most k + 1 steps in the engine) run before the `steps` measured
-    (P1's decode steps move < 2% from 8 to 16 measured steps)."""
+    Lengths: `source(n, attempt)` gives the lengths of the stream's n-th prompt at its attempt-th
+    generation when given (tests drive the engine and this simulation on the same lengths); else
+    LengthStream(dist, group, seed), one group per submission (then a re-queued group and a new one
+    cost the same). A group's oldest token has the version of the step that admitted it (weights
+    are installed between steps, tokens are produced from the first chunk after admission). Not
+    modelled: the KV page budget (slots are the limit). `table` = (page_size, prompt tokens,
+    min_table_width, table_width_growth): the sampler's page-table width buckets (shapes/buckets.
+    TableWidths over the running sequences' positions), and `ctx_width` is the bucket's width
+    (tokens beyond the prompt) that every slot's table is read to; None: the unbucketed width.
+    `warmup` steps (default k + 2: a group lives at most k + 1 steps in the engine) run before the
+    `steps` measured (P1's decode steps move < 2% from 8 to 16 measured steps). `trace`: the result
+    carries, per step, (the consumed groups as (stream index, attempt), re-queued, dropped, decode
+    steps)."""
     if slots < group or groups < 1 or group < 1:
         raise ValueError(f"admission: slots={slots} must hold a group of {group}; groups={groups} >= 1")
     stream = LengthStream(dist, group, seed)
-    widths = TableWidths(*table, dist.max_len) if table is not None else None
+    if table is not None:
+        page, prompt, min_w, growth = table
+        widths = TableWidths(page, -(-(prompt + dist.max_len) // max(page, 1)), min_w, growth)
     warmup = staleness + 2 if warmup is None else warmup
     cont = mode == "continuous"
     rem = np.zeros(slots, np.int64)  # tokens left per slot (0: free)
     pos = np.zeros(slots, np.int64)  # tokens generated so far per slot
-    owner = np.full(slots, -1, np.int64)  # group id per slot
-    left: dict[int, int] = {}  # group -> members still decoding (admitted, not complete)
-    lengths: dict[int, np.ndarray] = {}  # group -> its members' lengths (submitted, not consumed)
-    oldest: dict[int, int] = {}  # group -> version of its oldest token (admitted, not consumed)
+    owner = np.full(slots, -1, np.int64)  # submission id per slot
+    left: dict[int, int] = {}  # submission -> members still decoding (admitted, not complete)
+    lengths: dict[int, np.ndarray] = {}  # submission -> its members' lengths (submitted, not consumed)
+    ident: dict[int, tuple[int, int]] = {}  # submission -> (stream index, attempt)
+    oldest: dict[int, int] = {}  # submission -> version of its oldest token (admitted, not consumed)
     waiting: list[int] = []  # submitted, not admitted (FIFO)
     done: list[int] = []  # complete, not consumed (in completion order)
+    retry: list[tuple[int, int]] = []  # re-queued (stream index, attempt), before new prompts
     nfree = slots  # slots with no sequence
     unfinished = 0  # members of submitted groups still to finish (ContinuousRollouts.in_flight_sequences)
-    gid = 0
+    gid, drawn = 0, 0
     batches = []  # per step: the consumed batch's response lengths
+    traced = []
     hist = []  # per step: decode steps, busy, batch tokens, longest, Σ ctx, Σ staleness, requeued, admitted,
     #            chunks, staleness max, Σ width
 
     def submit() -> None:
-        nonlocal gid, unfinished
-        lengths[gid] = stream.next()
+        nonlocal gid, drawn, unfinished
+        if retry:
+            who = retry.pop(0)
+        else:
+            who, drawn = (drawn, 0), drawn + 1
+        ident[gid] = who
+        lengths[gid] = stream.next() if source is None else np.asarray(source(*who), np.int64)
         waiting.append(gid)
         unfinished += group
         gid += 1
@@ -341,8 +326,10 @@ def admission(
     while not measured(hist, warmup, steps):
         t += 1
         st = np.zeros(11)
-        if cont:  # the bound at the start of step t: oldest version >= t - k
-            stale = [g for g, v in oldest.items() if v < t - staleness]
+        requeued = dropped = 0
+        if cont:  # the bound at the start of step t: completed groups first, then those in flight
+            stale = [g for g in done if not policy.fresh_enough(oldest[g], t, staleness)]
+            stale += [g for g in sorted(left) if not policy.fresh_enough(oldest[g], t, staleness)]
             for g in stale:
                 if g in left:  # in flight: abort, free its slots
                     busy = owner == g
@@ -351,35 +338,38 @@ def admission(
                     unfinished -= left.pop(g)
                 else:
                     done.remove(g)
+                if requeue:
+                    retry.append((ident[g][0], ident[g][1] + 1))
+                    requeued += 1
+                else:
+                    dropped += 1
                 del oldest[g], lengths[g]
             st[6] = len(stale)
         else:
             for _ in range(groups):
                 submit()
         while len(done) < groups:
-            while cont and unfinished <= slots:  # top up: every slot taken and one group waiting
+            while cont and policy.wants_group(unfinished, slots):  # top up
                 submit()
-            if waiting and nfree >= group:
-                free = np.flatnonzero(owner < 0)
-                while waiting and len(free) >= group:  # admit FIFO while a whole group fits
-                    g = waiting.pop(0)
-                    idx, free = free[:group], free[group:]
-                    rem[idx], pos[idx], owner[idx] = lengths[g], 0, g
-                    left[g], oldest[g] = group, t
-                    nfree -= group
-                    st[7] += 1
+            free = np.flatnonzero(owner < 0)
+            while waiting and policy.admits(group, len(free)):  # FIFO while a whole group fits
+                g = waiting.pop(0)
+                idx, free = free[:group], free[group:]
+                rem[idx], pos[idx], owner[idx] = lengths[g], 0, g
+                left[g], oldest[g] = group, t
+                nfree -= group
+                st[7] += 1
+            busy = rem > 0
             k = min(chunk_steps, int(rem.max()))  # free slots hold rem = 0 and decode nothing
             if table is not None:  # the host's chunk: cut where the width bucket would grow
-                busy = rem > 0
-                run_pos, run_end = pos[busy], pos[busy] + rem[busy]
-                k = widths.align(run_pos, run_end, k, min_chunk_steps)
-                width = widths.tokens(run_pos, run_end, k)
-            if cont and waiting and slots - nfree >= group:  # the group-th shortest running slot frees
-                j = nfree + group - 1
-                k = min(k, max(min_chunk_steps, int(np.partition(rem, j)[j])))
+                abs_pos, abs_end = prompt - 1 + pos[busy], prompt + pos[busy] + rem[busy]  # Sequence.pos / .end
+                k = widths.align(abs_pos, abs_end, k, min_chunk_steps)
+                width = widths.pages(abs_pos, abs_end, k) * widths.page - prompt
+            rule = policy.release_rule(cont, [group] if waiting else [], min_chunk_steps, slots)
+            k = policy.chunk_length(rem[busy], k, rule)
             n = np.minimum(rem, k)
             if table is None:  # the chunk's table width, k steps
-                width = int(pos[rem > 0].max(initial=0)) + k
+                width = int(pos[busy].max(initial=0)) + k
             st[10] += k * width
             st[0] += k
             st[1] += n.sum()
@@ -398,8 +388,10 @@ def admission(
                     del left[g]
             owner[fin] = -1
             done += sorted(complete)  # in submission order within the chunk (ContinuousRollouts._collect)
-        batch, done = done[:groups], done[groups:]
+        batch, done = policy.take_batch(done, groups)
         batches.append(np.concatenate([lengths[g] for g in batch]))
+        if trace:
+            traced.append((tuple(ident[g] for g in batch), requeued, dropped, int(st[0])))
         for g in batch:
             st[2] += lengths[g].sum()
             st[3] = max(st[3], lengths[g].max())
@@ -423,4 +415,5 @@ def admission(
         admitted=float(m[7]),
         chunks=float(m[8]),
         consumed=tuple(sorted(np.concatenate(batches[a:b]).tolist())),
+        trace=tuple(traced) if trace else None,
     )

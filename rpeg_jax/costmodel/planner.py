@@ -57,14 +57,12 @@ from rpeg_jax.graph.algorithms import build_graph
 from rpeg_jax.graph.ir import Graph, GraphError, Op, StageKind
 from rpeg_jax.graph.passes import apply_pipeline
 from rpeg_jax.graph.plan import DeviceGroup, Plan, StagePlan, knobs_of, layout_rules
+from rpeg_jax.shapes import buckets
 
 KEEP_ROWS = 256  # rows per family and proxy kept for schedule simulation
 
 
 # ---- context -------------------------------------------------------------------------------
-RUNTIME_LENGTH_BUCKET = 8  # runtime/rollouts.LENGTH_BUCKET (the cost model does not import the runtime)
-
-
 FORCED_SAMPLES = 4096  # draws standing for rollout.forced_lengths' distribution
 
 
@@ -86,12 +84,14 @@ def length_dist(cfg: RunConfig) -> LengthDist:
 def prompt_len(cfg: RunConfig, length_bucket: int) -> int:
     """Prompt columns the runtime computes on: the expected longest prompt (costmodel.prompt_len, else
     the data's longest) rounded up to the runtime's bucket, at most data.max_prompt_len; with fixed
-    shapes (length_bucket 1) always data.max_prompt_len."""
+    shapes (length_bucket 1) always data.max_prompt_len; the window shapes/buckets.length_bucket
+    gives, as runtime/rollouts.lay_out pads the longest prompt of a batch (never longer than
+    data.max_prompt_len)."""
     cap = cfg.data.max_prompt_len
     if length_bucket <= 1:
         return cap
     p = cfg.costmodel.prompt_len if cfg.costmodel.prompt_len is not None else cfg.data.longest_prompt()
-    return min(cap, S.round_up(p, length_bucket))
+    return buckets.length_bucket(min(p, cap))
 
 
 def kv_read_of(r: RolloutConfig, kind: str, head_dim: int) -> str:
@@ -114,7 +114,7 @@ def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processe
     flash = c.attention == "flash" or (c.attention == "auto" and hw.kind != "cpu")
     base = build_graph(cfg)
     sz = base.sizes
-    bucket = 1 if cfg.pipeline.microbatches > 1 else RUNTIME_LENGTH_BUCKET
+    bucket = 1 if cfg.pipeline.microbatches > 1 else buckets.LENGTH_BUCKET
     st = S.Setting(
         hw=hw,
         B=sz["B"],

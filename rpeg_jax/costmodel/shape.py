@@ -24,8 +24,9 @@ import numpy as np
 
 from rpeg_jax.config.model import UNROLL_MAX_LAYERS
 from rpeg_jax.graph.ir import DTYPE_BYTES, ModelDims
+from rpeg_jax.shapes.flops import Dims, attention_pairs
+from rpeg_jax.shapes.logits import chunk_elements
 
-LOGITS_BUDGET = 1 << 24  # float32 logits elements per chunk (models/logprobs.py LOGITS_BUDGET)
 UPDATE_COPIES = 2  # new m, v held beside the old ones by rl/update.py's NaN guard (the new params
 #                   fuse into its select); measured with XLA's memory analysis on CPU
 
@@ -71,38 +72,33 @@ class ModelShape:
             scanned=default_scanned(m.num_layers),
         )
 
-    # ---- FLOPs ---------------------------------------------------------------------------
+    # ---- FLOPs (shapes/flops.py: the one FLOP model) ------------------------------------------
+    @property
+    def dims(self) -> Dims:
+        return Dims(self.L, self.D, self.H, self.K, self.E, self.F, self.V)
+
     @property
     def layer_matmul_flops(self) -> int:
         """Forward matmul FLOPs per token per layer (Q, K, V, O projections and SwiGLU)."""
-        d, q, kv, f = self.D, self.H * self.E, self.K * self.E, self.F
-        return 2 * (d * q + 2 * d * kv + q * d + 3 * d * f)
+        return self.dims.layer_matmul_flops
 
     @property
     def head_flops(self) -> int:
         """LM head FLOPs per scored token."""
-        return 2 * self.D * self.V
+        return self.dims.head_flops
 
     def attn_flops(self, sum_sq, causal_skip: bool):
         """Attention score + value FLOPs (forward, all layers) for Σ s² over the sequences."""
-        return (2 if causal_skip else 4) * self.L * self.H * self.E * np.asarray(sum_sq, dtype=np.float64)
+        return self.dims.forward(0.0, 0.0, attention_pairs(sum_sq, causal_skip))
 
     def forward_flops(self, tokens, scored, sum_sq, causal_skip: bool):
         """One forward over `tokens` positions with logits at `scored` positions."""
-        return (
-            np.asarray(tokens, np.float64) * self.L * self.layer_matmul_flops
-            + np.asarray(scored, np.float64) * self.head_flops
-            + self.attn_flops(sum_sq, causal_skip)
-        )
+        return self.dims.forward(tokens, scored, attention_pairs(sum_sq, causal_skip))
 
     def decode_flops(self, batch, ctx):
         """One decode step: `batch` new tokens each attending over `ctx` cached positions."""
         b = np.asarray(batch, np.float64)
-        return b * (
-            self.L * self.layer_matmul_flops
-            + self.head_flops
-            + 4.0 * self.L * self.H * self.E * np.asarray(ctx, np.float64)
-        )
+        return self.dims.forward(b, b, b * np.asarray(ctx, np.float64))
 
     def mm_size(self, tokens, t):
         """FLOPs of the largest single matmul (the MLP up projection) for `tokens` rows on one
@@ -202,8 +198,7 @@ class ModelShape:
     def logits_bytes(self, scored_tokens, t=1):
         """Working set of one logits chunk (f32 logits + log-softmax temporaries, ≈3 copies); the
         vocabulary is split over the tensor axis (sharding/rules.py), so a device holds V/t columns."""
-        chunk = np.minimum(np.asarray(scored_tokens, np.float64) * self.V, LOGITS_BUDGET)
-        return 3.0 * 4.0 * chunk / np.asarray(t, np.float64)
+        return 3.0 * 4.0 * chunk_elements(scored_tokens, self.V) / np.asarray(t, np.float64)
 
     def pass_weight_bytes(self, f, t, mode: str, copies: float, train: bool, looped=False):
         """Weight buffers a forward-only pass or a training step holds beyond its resident shard

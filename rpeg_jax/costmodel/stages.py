@@ -31,14 +31,10 @@ from rpeg_jax.costmodel.comm import collective_time, reshard_time, transfer_time
 from rpeg_jax.costmodel.hardware import HardwareProfile, interp_eff
 from rpeg_jax.costmodel.lengths import Admission, LengthDist, admission, gen_schedule
 from rpeg_jax.costmodel.shape import ModelShape
+from rpeg_jax.shapes.buckets import MIN_TABLE_WIDTH, round_up
+from rpeg_jax.shapes.packing import first_fit_decreasing, packed_shape, prompt_groups_fit
 
 REMAT_EXTRA_FWD = {"none": 0.0, "dots": 0.0, "full": 1.0}  # extra forwards of the layers in backward
-
-
-def round_up(n: int, multiple: int) -> int:
-    """n rounded up to a multiple of `multiple` (the runtime's length buckets; <= 1: n)."""
-    b = max(int(multiple), 1)
-    return -(-int(n) // b) * b
 
 
 @dataclass(frozen=True)
@@ -60,7 +56,10 @@ class Setting:
     #   the layout allows it (`shared_tokens`)
     page_size: int = 1  # tokens per KV page of the sampler (rollout.page_size): a sequence holds whole pages
     length_bucket: int = 1  # the runtime pads the rollout's response window to a multiple of this
-    #   (runtime/rollouts.LENGTH_BUCKET, unless shapes are fixed): the trainer computes on R_train columns
+    #   (shapes/buckets.LENGTH_BUCKET, unless shapes are fixed): the trainer computes on R_train columns.
+    #   Under continuous admission the runtime's window is max_new_tokens itself (rollouts.lay_out),
+    #   R_train its bucket: the same unless max_new_tokens is not a multiple of 8 (priced as step
+    #   admission: the Setting is shared by candidates of both admissions)
     chunk_steps: int = 64  # rollout.chunk_steps: decode steps per chunk at most (continuous admission)
     min_chunk_steps: int = 8  # rollout.min_chunk_steps: a chunk ends early (to admit) only after these
     table_growth: float = 2.0  # rollout.table_width_growth: the sampler's page-table width buckets
@@ -98,43 +97,21 @@ class Setting:
         return float(self.R_train)
 
 
-PACK_ROW_BUCKETS = 16  # rl/packing.row_quantum: packed rows rounded up to a multiple of b/16
-PACK_TOKEN_BUCKETS = 8  # rl/packing.TOKEN_BUCKETS: scored positions to a multiple of b·R/8
-
-
-def ffd_bins(lengths, capacity: int) -> int:
-    """Rows first-fit-decreasing packs `lengths` into (rl/packing.first_fit_decreasing's rule; the
-    planner imports no JAX, so the count is made here; tests/test_costmodel_formulas checks they
-    agree on the runtime's plans)."""
-    free: list[int] = []
-    for n in sorted((int(x) for x in lengths if x > 0), reverse=True):
-        for j, room in enumerate(free):
-            if n <= room:
-                free[j] -= n
-                break
-        else:
-            free.append(capacity - n)
-    return len(free)
-
-
 def packed_per_seq(st: Setting, b: int, devices: int) -> tuple[float, float, float]:
     """(tokens computed, Σ context² of attention, scored positions) per sequence of an update that
     packs its micro-batches of b sequences (train.pack_sequences, rl/packing.py): every
     micro-batch runs as N rows of S = P + R_train columns, N the most any micro-batch of the
     step needs (the sample of st.dist split into strided micro-batches, each packed
-    first-fit-decreasing: `ffd_bins`), rounded up to a multiple of ceil(b/16) rounded up to the
-    devices; all N·S slots are computed, and the dense attention over a packed row is S²
-    whatever its segments. K scored positions: the most real response tokens of
-    a micro-batch, rounded up to a multiple of b·R_train/8."""
+    first-fit-decreasing), rounded up as shapes/packing.packed_shape rounds the runtime's: all
+    N·S slots are computed, and the dense attention over a packed row is S² whatever its
+    segments. K scored positions: the most real response tokens of a micro-batch, rounded up
+    the same way."""
     b = max(int(b), 1)
     S = st.P + st.R_train
     n = max(int(st.B // b), 1) * b
     lens = st.dist.lengths(n).reshape(b, -1).T  # strided pieces, as rl/layout.split_tree splits
-    rows_needed = max(ffd_bins(st.P + piece, S) for piece in lens)
-    q = -(-(-(-b // PACK_ROW_BUCKETS)) // max(int(devices), 1)) * max(int(devices), 1)
-    rows = max(q, -(-int(rows_needed) // q) * q)
-    kq = max(-(-b * st.R_train // PACK_TOKEN_BUCKETS), 1)
-    scored = max(kq, -(-int(lens.sum(axis=1).max()) // kq) * kq)
+    rows_needed = max(len(first_fit_decreasing(st.P + piece, S)) for piece in lens)
+    rows, scored = packed_shape(rows_needed, int(lens.sum(axis=1).max()), b, st.R_train, devices)
     return rows * S / b, rows * float(S) ** 2 / b, scored / b
 
 
@@ -163,10 +140,9 @@ def shared_tokens(st: Setting, d, f, pieces, t=1):
     P² attention rows once per group; its response rows still see the prompt."""
     d, f, pieces, t = (np.asarray(x, np.float64) for x in (d, f, pieces, t))
     tok, sq = st.seq_tokens, st.seq_sumsq
-    if not st.prompt_sharing or st.G < 2 or st.R < 2:
+    if not st.prompt_sharing or st.G < 2 or st.R_train < 2:  # the rollout's response columns, as the runtime
         return tok + 0.0 * d, sq + 0.0 * d
-    groups = st.B / (st.G * pieces)
-    ok = (np.mod(st.B, st.G * pieces) == 0) & (np.mod(groups, d * f * t) == 0)
+    ok = prompt_groups_fit(st.B, st.G, pieces.astype(np.int64), (d * f * t).astype(np.int64))
     # prompt rows: P x P once per group (were P x (P + response)); response rows unchanged
     return (np.where(ok, tok - st.P * (1.0 - 1.0 / st.G), tok), np.where(ok, sq - st.P * tok + st.P**2 / st.G, sq))
 
@@ -449,11 +425,6 @@ def sampler_tp_time(hw: HardwareProfile, ms: ModelShape, rows, t):
     return hw.efficiency.decode_tp_factor * 2.0 * ms.L * ar
 
 
-# The sampler's smallest page-table width bucket (SamplerConfig.min_table_width; the runtime keeps its
-# default, tests/test_costmodel_admission.py checks they agree; the growth is Setting.table_growth):
-# with a tail in flight a continuous engine's chunks read every slot's table to the bucket above the
-# longest sequence.
-SAMPLER_MIN_TABLE_WIDTH = 1
 SLOT_FACTORS = (1.0, 1.5, 2.0, 3.0)  # continuous admission: slots tried, x one batch per replica
 
 
@@ -544,7 +515,10 @@ def admission_of(st: Setting, reps: int, slots: int, k: int) -> Admission:
         "continuous",
         int(st.chunk_steps),
         int(st.min_chunk_steps),
-        table=(int(st.page_size), int(st.P), SAMPLER_MIN_TABLE_WIDTH, float(st.table_growth)),
+        # the sampler's width buckets (its smallest, shapes/buckets.MIN_TABLE_WIDTH, is the runtime's:
+        # SamplerConfig's default, which the run config does not change): with a tail in flight a
+        # continuous engine's chunks read every slot's table to the bucket above the longest sequence
+        table=(int(st.page_size), int(st.P), MIN_TABLE_WIDTH, float(st.table_growth)),
     )
 
 

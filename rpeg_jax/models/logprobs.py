@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from rpeg_jax.models.dense import dense
-
-LOGITS_BUDGET = 1 << 24  # float32 logits elements per chunk (64 MiB)
+from rpeg_jax.shapes.logits import logits_chunk
 
 
 def _chunk_logprobs(h_BxCxD, w_DxV, targets_BxC, temperature: float, with_entropy: bool):
@@ -48,7 +47,7 @@ def chunked_logprobs(
     w = w_DxV.astype(h_BxNxD.dtype)
     targets_BxN = targets_BxN.astype(jnp.int32)
     if chunk is None:
-        chunk = max(1, min(n, LOGITS_BUDGET // max(1, b * v)))
+        chunk = logits_chunk(b, n, v)
     num = -(-n // chunk)
     pad = num * chunk - n
     h = jnp.pad(h_BxNxD, ((0, 0), (0, pad), (0, 0)))

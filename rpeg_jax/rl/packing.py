@@ -50,9 +50,15 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from rpeg_jax.rl.update import PLAN_KEY  # noqa: E402,F401 (the micro-batch entry carrying a plan)
-
-ROW_BUCKETS = 16  # N is a multiple of ceil(b / ROW_BUCKETS)
-TOKEN_BUCKETS = 8  # K is a multiple of ceil(b·R / TOKEN_BUCKETS)
+from rpeg_jax.shapes.packing import (  # noqa: F401 (the floor's rule, re-exported for the learner's callers)
+    ROW_BUCKETS,
+    TOKEN_BUCKETS,
+    first_fit_decreasing,
+    packed_shape,
+    round_to_quantum,
+    row_quantum,
+    token_quantum,
+)
 
 
 def sequence_spans(segment_ids_BxS: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -72,41 +78,6 @@ def sequence_spans(segment_ids_BxS: np.ndarray) -> tuple[np.ndarray, np.ndarray]
             "of real tokens (the rollout layout); cannot pack them"
         )
     return start.astype(np.int64), length.astype(np.int64)
-
-
-def first_fit_decreasing(lengths, capacity: int) -> list[list[int]]:
-    """Bins (lists of item indices) of total length <= capacity: items longest first (ties in index
-    order), each into the first bin it fits. Items of length 0 are left out; longer than capacity
-    is an error."""
-    lengths = np.asarray(lengths, np.int64)
-    if lengths.size and lengths.max() > capacity:
-        raise ValueError(f"first_fit_decreasing: an item of length {lengths.max()} exceeds the row length {capacity}")
-    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
-    bins: list[list[int]] = []
-    free: list[int] = []
-    for i in order:
-        n = int(lengths[i])
-        if n == 0:
-            continue
-        for j, f in enumerate(free):
-            if n <= f:
-                bins[j].append(i)
-                free[j] -= n
-                break
-        else:
-            bins.append([i])
-            free.append(capacity - n)
-    return bins
-
-
-def row_quantum(b: int, devices: int = 1) -> int:
-    """Packed rows are a multiple of this: ceil(b / ROW_BUCKETS) rounded up to the devices."""
-    q = -(-b // ROW_BUCKETS)
-    return -(-q // devices) * devices
-
-
-def round_up(n: int, q: int) -> int:
-    return max(q, -(-n // q) * q)
 
 
 def piece_plan(start_b, length_b, prompt_len: int, response_len: int, *, rows: int, tokens: int) -> dict:
@@ -198,8 +169,7 @@ def update_plan(
     flat = [u for e in pieces for m in e for u in m]
     b = len(flat[0])
     sizes = [piece_sizes(start[u], length[u], P, R) for u in flat]
-    rows = round_up(max(s[0] for s in sizes), row_quantum(b, devices))
-    tokens = round_up(max(s[1] for s in sizes), -(-b * R // TOKEN_BUCKETS))
+    rows, tokens = packed_shape(max(s[0] for s in sizes), max(s[1] for s in sizes), b, R, devices)
     plans = [piece_plan(start[u], length[u], P, R, rows=rows, tokens=tokens) for u in flat]
     lead = (epochs, minibatches, micro_batches)
     out = {k: np.stack([p[k] for p in plans]).reshape(*lead, *v.shape) for k, v in plans[0].items()}

@@ -28,7 +28,9 @@ weights, graph/passes.bounded_async(k, ahead=0)): what the asynchrony buys is th
 on across weight updates, so the engine stays full instead of draining every step.
 
 Everything is a function of the seeds, the data order and the decode-chunk count, never of timing:
-runs are reproducible. Called by: runtime/kernels.py (the generate stage), runtime/setup.py.
+runs are reproducible. The policy's decisions are shapes/admission.py's, which the cost model's
+simulation of this engine (costmodel/lengths.admission) makes too. Called by: runtime/kernels.py
+(the generate stage), runtime/setup.py.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import numpy as np
 
 from rpeg_jax.sampling import SamplingParams
 from rpeg_jax.sampling.scheduler import Sequence
+from rpeg_jax.shapes import admission as policy
 
 
 class FilterExhausted(RuntimeError):
@@ -128,9 +131,8 @@ class ContinuousRollouts:
         stats = StepStats()
         if self.sampler.version != version:
             self.sampler.update_weights(params, version)
-        floor = step - self.staleness  # the oldest version step `step` may consume
-        self.done = [g for g in self.done if self._keep(g, floor, stats)]
-        for g in [g for g in self.in_flight if not self._fresh_enough(g, floor)]:
+        self.done = [g for g in self.done if self._keep(g, step, stats)]
+        for g in [g for g in self.in_flight if not self._fresh_enough(g, step)]:
             self.sampler.abort(g.seqs)
             self.in_flight.remove(g)
             self._stale(g, stats)
@@ -139,11 +141,11 @@ class ContinuousRollouts:
             self._top_up(prompts)
             finished = self.sampler.step()
             if finished:
-                self._collect(floor, stats)
+                self._collect(step, stats)
         after = self.sampler.stats()
         stats.decode_steps = after["decode_steps"] - before["decode_steps"]
         stats.occupancy = occupancy(before, after)
-        batch, self.done = self.done[: self.groups_per_step], self.done[self.groups_per_step :]
+        batch, self.done = policy.take_batch(self.done, self.groups_per_step)
         return batch, stats
 
     # ---- checkpoints ----------------------------------------------------------------------------
@@ -180,12 +182,11 @@ class ContinuousRollouts:
         return sum(1 for g in self.in_flight for s in g.seqs if s.finish_reason is None)
 
     # ---- bookkeeping --------------------------------------------------------------------------
-    def _fresh_enough(self, g: Group, floor: int) -> bool:
-        oldest = g.oldest_version
-        return oldest is None or oldest >= floor
+    def _fresh_enough(self, g: Group, step: int) -> bool:
+        return policy.fresh_enough(g.oldest_version, step, self.staleness)
 
-    def _keep(self, g: Group, floor: int, stats: StepStats) -> bool:
-        if self._fresh_enough(g, floor):
+    def _keep(self, g: Group, step: int, stats: StepStats) -> bool:
+        if self._fresh_enough(g, step):
             return True
         self._stale(g, stats)
         return False
@@ -198,11 +199,11 @@ class ContinuousRollouts:
         else:
             stats.dropped += 1
 
-    def _collect(self, floor: int, stats: StepStats) -> None:
+    def _collect(self, step: int, stats: StepStats) -> None:
         """Move complete groups from in flight to done (in admission order within this chunk)."""
         for g in [g for g in self.in_flight if g.complete]:
             self.in_flight.remove(g)
-            if self._keep(g, floor, stats) and not self._filtered(g, stats):
+            if self._keep(g, step, stats) and not self._filtered(g, stats):
                 self.done.append(g)
 
     def _filtered(self, g: Group, stats: StepStats) -> bool:
@@ -222,8 +223,7 @@ class ContinuousRollouts:
 
     def _top_up(self, prompts) -> None:
         """Queue whole groups until every slot is taken and one group waits for the next to free."""
-        cap = self.sampler.cfg.max_slots + self.group_size
-        while self.in_flight_sequences() + self.group_size <= cap:
+        while policy.wants_group(self.in_flight_sequences(), self.sampler.cfg.max_slots):
             g = self.retry.pop(0) if self.retry else self._draw(prompts)
             self._submit(g)
 

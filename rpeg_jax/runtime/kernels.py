@@ -57,6 +57,7 @@ from rpeg_jax.rl import (
 from rpeg_jax.rl.layout import merge_rows, split_tree
 from rpeg_jax.runtime import rollouts
 from rpeg_jax.runtime.packed_forward import packed_forward_fn
+from rpeg_jax.shapes.packing import prompt_groups_fit
 from rpeg_jax.sharding.axes import explicit_spec
 
 K = StageKind
@@ -77,7 +78,7 @@ def shared_prompt_groups(c: dict, group_size: int, pieces: int = 1, devices: int
     in types) keeps the plain pass."""
     tokens, r = c["tokens_BxS"], c["response_mask_BxR"].shape[1]
     b = tokens.shape[0]
-    if group_size < 2 or b % (group_size * pieces) or (b // (group_size * pieces)) % devices:
+    if not prompt_groups_fit(b, group_size, pieces, devices):
         return 1
     if r < 2 or tokens.shape[1] <= r or explicit_spec(tokens) is not None:
         return 1

@@ -6,7 +6,7 @@ P, responses RIGHT-padded to R, S = P + R. `completions` holds global arrays sha
 (tokens_BxS, positions_BxS, segment_ids_BxS: 1 on real tokens, 0 on padding; response_mask_BxR,
 versions_BxR: the policy version of each sampled token; group_ids_B) plus host-only `host_*`
 fields (tokens, mask, prompt, answer, record) for the reward; the behaviour logprobs are a
-separate [B, R] array. P and R are bucketed up to a multiple of `LENGTH_BUCKET` (fewer padded
+separate [B, R] array. P and R are bucketed up to a multiple of shapes/buckets.LENGTH_BUCKET (fewer padded
 tokens, few distinct compiled shapes) unless the run streams micro-batches, where every piece
 must have the configured shape so pieces concatenate; under continuous admission R is
 rollout.max_new_tokens (a batch's longest response changes every step, and each new R would
@@ -36,16 +36,12 @@ from rpeg_jax.data.rewards import score as score_samples
 from rpeg_jax.data.tokenizer import completion_ids
 from rpeg_jax.runtime.admission import FilterExhausted, forced_lengths, occupancy, rollout_seed
 from rpeg_jax.sampling import SamplingParams
-
-LENGTH_BUCKET = 8
+from rpeg_jax.shapes.buckets import length_bucket
+from rpeg_jax.shapes.flops import Dims
 
 
 class StalenessError(RuntimeError):
     pass
-
-
-def bucket(n: int, fixed: int | None) -> int:
-    return fixed if fixed is not None else max(LENGTH_BUCKET, -(-n // LENGTH_BUCKET) * LENGTH_BUCKET)
 
 
 @dataclass
@@ -293,11 +289,11 @@ def lay_out(ctx, rows, gids: np.ndarray, host: dict[str, list]) -> tuple[dict, A
     longest = np.array([max(len(r[0]) for r in rows), max(len(t) for t in toks)])
     if jax.process_count() > 1:  # every process must lay its rows out with the same P and R
         longest = multihost_utils.process_allgather(longest).max(axis=0)
-    P = bucket(int(longest[0]), cfg.data.max_prompt_len if fixed else None)
+    P = length_bucket(int(longest[0]), cfg.data.max_prompt_len if fixed else None)
     # under continuous admission each batch's longest response varies from step to step (whichever
     # groups completed first), so R is the cap: one compiled shape for the training stages
     fixed_r = fixed or cfg.rollout.admission == "continuous"
-    R = bucket(int(longest[1]), cfg.rollout.max_new_tokens if fixed_r else None)
+    R = length_bucket(int(longest[1]), cfg.rollout.max_new_tokens if fixed_r else None)
     B = len(rows)
     tokens = np.full((B, P + R), cfg.model.pad_id, np.int32)
     positions = np.zeros((B, P + R), np.int32)
@@ -435,24 +431,12 @@ def assert_staleness(stats: dict, step: int, k: int) -> None:
         )
 
 
-def _matmul_weights(m) -> tuple[int, int]:
-    """(weights the decoder body multiplies per token, weights of the LM head), for FLOP counts:
-    the embedding is a lookup, not a matmul; the head is D x V whether or not it is tied."""
-    head = m.hidden_size * m.vocab_size
-    body = m.num_params(with_lm_head=True) - head - (0 if m.tie_embeddings else head)
-    return body, head
-
-
 def generation_flops(cfg, stats: dict) -> float:
-    """Sampling: 2·(body + head) per generated token, the prompt once per group through the body
-    (its logits are not needed), attention over each token's context (4·L·H·E per pair)."""
-    m = cfg.model
-    body, head = _matmul_weights(m)
-    attn = 4 * m.num_layers * m.num_heads * m.head_size
-    return (
-        2.0 * (body + head) * stats["resp"]
-        + 2.0 * body * stats["prompt"] / cfg.rl.group_size
-        + attn * stats["resp_ctx"]
+    """Sampling: the body and the head per generated token, the prompt once per group through the
+    body (its logits are not needed), attention over each token's context (shapes/flops.Dims)."""
+    d = Dims.of(cfg.model)
+    return float(
+        d.forward(stats["resp"], stats["resp"], stats["resp_ctx"]) + d.body_flops * stats["prompt"] / cfg.rl.group_size
     )
 
 
@@ -461,11 +445,9 @@ def pass_flops(m, stats: dict, group_size: int, *, logits: bool = True) -> float
     token and on each group's shared prompt once, the LM head only where a response token is
     scored (prompt logits are never needed; none for a value model), attention causal (the
     prompt's own pairs once per group, each response token over its prompt and predecessors)."""
-    body, head = _matmul_weights(m)
-    attn = 4 * m.num_layers * m.num_heads * m.head_size
     tokens = stats["resp"] + stats["prompt"] / group_size
     pairs = stats["resp_ctx"] + stats["prompt_sq"] / group_size
-    return 2.0 * body * tokens + (2.0 * head * stats["resp"] if logits else 0.0) + attn * pairs
+    return float(Dims.of(m).forward(tokens, stats["resp"] if logits else 0.0, pairs))
 
 
 def step_flops(cfg, stats: dict, staleness: int) -> float:

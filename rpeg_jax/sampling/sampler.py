@@ -49,20 +49,10 @@ from rpeg_jax.sampling.sharding import SamplerSharding, mesh_of
 from rpeg_jax.sampling.stops import StopMatcher
 from rpeg_jax.sampling.types import Completion, RequestOutput, SamplerConfig, SamplingParams
 from rpeg_jax.sampling.weights import CompileCounter, ParamSignature, as_params
+from rpeg_jax.shapes import admission as policy
+from rpeg_jax.shapes.buckets import TableWidths, pow2ceil
 
 _COMPILES = CompileCounter()
-
-
-def pow2ceil(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def width_bucket(need: int, lo: int, growth: float) -> int:
-    """The smallest page-table width >= need in the sequence lo, max(lo+1, ceil(lo*growth)), ..."""
-    w = lo
-    while w < need:
-        w = max(w + 1, math.ceil(w * growth))
-    return w
 
 
 class Sampler:
@@ -121,6 +111,7 @@ class Sampler:
         # The widest table any sequence needs; the last width bucket is capped here, not rounded up
         # (a rounded-up last bucket made the final chunk's attention read up to ~2x the columns).
         self.max_width = per_seq
+        self.widths = TableWidths(cfg.page_size, per_seq, cfg.min_table_width, cfg.table_width_growth)
         self.eos_ids = tuple(cfg.eos_token_ids if cfg.eos_token_ids is not None else mcfg.end_ids)
         kv_dtype = jnp.dtype(cfg.kv_dtype or mcfg.dtype)
         self.pools = engine.make_pools(
@@ -359,27 +350,22 @@ class Sampler:
     def _release(self):
         """decode_chunk's early exit: (min steps, slots freed) = (min_chunk_steps, the first waiting
         group's size) with release_slots and a group waiting; else never (slots > max_slots)."""
-        waiting = self.sched.waiting
-        if self.cfg.release_slots and waiting and self._pending is None:
-            return np.array([self.cfg.min_chunk_steps, len(waiting[0].seqs)], np.int32)
-        return np.array([0, self.cfg.max_slots + 1], np.int32)
+        release = self.cfg.release_slots and self._pending is None
+        first = [len(self.sched.waiting[0].seqs)] if self.sched.waiting else []
+        return np.array(policy.release_rule(release, first, self.cfg.min_chunk_steps, self.cfg.max_slots), np.int32)
+
+    def _running_ends(self) -> tuple[np.ndarray, np.ndarray]:
+        seqs = self.sched.running_seqs()
+        return np.array([s.pos for s in seqs], np.int64), np.array([s.end for s in seqs], np.int64)
 
     def _width(self, k: int) -> int:
         """Page-table width bucket covering k more steps of every running sequence."""
-        need = max(self.alloc.pages_for(min(s.pos + k, s.end - 1)) for s in self.sched.running_seqs())
-        return min(width_bucket(need, self.cfg.min_table_width, self.cfg.table_width_growth), self.max_width)
+        return self.widths.pages(*self._running_ends(), k)
 
     def _align_chunk(self, k: int) -> int:
         """End the chunk where the width bucket would grow (after at least min_chunk_steps), so
         every step gathers at most ~2x the columns it needs instead of the chunk's final width."""
-        lo = min(k, self.cfg.min_chunk_steps)
-        if k <= lo:
-            return k
-        w, hi = self._width(lo), k
-        while lo < hi:  # largest k' in [lo, k] whose width is still w (width is monotone in k')
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self._width(mid) <= w else (lo, mid - 1)
-        return lo
+        return self.widths.align(*self._running_ends(), k, self.cfg.min_chunk_steps)
 
     def _decode_state(self, seqs: list[Sequence], k: int) -> engine.DecodeState:
         b, cfg = self.cfg.max_slots, self.cfg

@@ -34,6 +34,7 @@ import dataclasses
 from typing import Any
 
 from rpeg_jax.sampling.allocator import ShardedPages
+from rpeg_jax.shapes import admission as policy
 
 
 @dataclasses.dataclass(eq=False)
@@ -131,7 +132,7 @@ class Scheduler:
         while self.waiting:
             g = self.waiting[0]
             need = self._group_need(g, k)
-            open_ = [d for d in shards if len(g.seqs) <= len(self.free_slots[d])]
+            open_ = [d for d in shards if policy.admits(len(g.seqs), len(self.free_slots[d]))]
             if not open_:
                 break
             # Balance: most free slots, then most free pages; prefer a shard the group fits in.

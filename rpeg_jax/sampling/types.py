@@ -15,6 +15,7 @@ import numpy as np
 
 from rpeg_jax.config.base import check
 from rpeg_jax.config.rollout import ATTENTIONS, RolloutConfig, check_attention_backend
+from rpeg_jax.shapes.buckets import MIN_TABLE_WIDTH
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,7 +59,7 @@ class SamplerConfig:
     min_prefill_len: int = 16  # smallest prefill length bucket (powers of two above it)
     min_prefill_rows: int = 1  # smallest prefill row bucket (powers of two above it; with a sharded
     #                            pool the rows of all shards together: D blocks of the per-shard bucket)
-    min_table_width: int = 1  # smallest decode page-table width bucket, in pages (fewer compiles
+    min_table_width: int = MIN_TABLE_WIDTH  # smallest decode page-table width bucket, in pages (fewer compiles
     #                           against more gathered columns; capped at the widest table)
     table_width_growth: float = 2.0  # ratio of consecutive decode page-table width buckets (2: powers of
     #   two from min_table_width); smaller reads fewer unused key columns per step but compiles more

@@ -1,0 +1,70 @@
+"""One FLOP model of the decoder (matmul FLOPs; norms, biases and elementwise work are not counted):
+the runtime's `perf/flops` and `perf/mfu` (runtime/rollouts.step_flops), the cost model's stage
+prices and utilization (costmodel/shape.ModelShape) and the benchmarks' MFU all count with these.
+
+Per token and layer: the Q, K, V, O projections and the SwiGLU MLP (3 matrices), 2 FLOPs per
+multiply-add. The LM head: 2·D·V per position whose logits are computed. Attention: 4·H·E per
+(query, key) pair and layer (the scores and the weighted values); causal attention over a sequence
+of s tokens has s²/2 pairs (counted as s²/2, the diagonal's half pair ignored), a dense one s².
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The decoder's sizes: L layers, D hidden, H query heads, K kv heads, E head dim, F MLP, V vocab."""
+
+    L: int
+    D: int
+    H: int
+    K: int
+    E: int
+    F: int
+    V: int
+
+    @classmethod
+    def of(cls, m) -> "Dims":
+        """From a model config (config/model.ModelConfig: head_size) or graph dims (head_dim)."""
+        e = getattr(m, "head_size", None) or getattr(m, "head_dim", None) or m.hidden_size // m.num_heads
+        return cls(m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, int(e), m.intermediate_size, m.vocab_size)
+
+    @property
+    def layer_matmul_flops(self) -> int:
+        """Forward matmul FLOPs per token per layer (Q, K, V, O projections and SwiGLU)."""
+        d, q, kv, f = self.D, self.H * self.E, self.K * self.E, self.F
+        return 2 * (d * q + 2 * d * kv + q * d + 3 * d * f)
+
+    @property
+    def body_flops(self) -> int:
+        """Forward matmul FLOPs per token through every layer."""
+        return self.L * self.layer_matmul_flops
+
+    @property
+    def head_flops(self) -> int:
+        """LM head FLOPs per position with logits."""
+        return 2 * self.D * self.V
+
+    @property
+    def pair_flops(self) -> int:
+        """Attention FLOPs per (query, key) pair over all layers."""
+        return 4 * self.L * self.H * self.E
+
+    def forward(self, tokens, scored, pairs):
+        """One forward: the body over `tokens` positions, the head at `scored`, attention over
+        `pairs` (query, key) pairs (arrays broadcast, float64)."""
+        f = np.float64
+        return (
+            np.asarray(tokens, f) * self.body_flops
+            + np.asarray(scored, f) * self.head_flops
+            + np.asarray(pairs, f) * self.pair_flops
+        )
+
+
+def attention_pairs(sum_sq, causal: bool):
+    """(query, key) pairs of sequences whose squared lengths sum to `sum_sq`: s²/2 each if causal."""
+    return np.asarray(sum_sq, np.float64) * (0.5 if causal else 1.0)
