@@ -54,7 +54,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from rpeg_jax.config.model import model_preset  # noqa: E402
-from rpeg_jax.runtime import rollouts  # noqa: E402
+from rpeg_jax.runtime.rollout import stats as rollouts  # noqa: E402
 
 DECODE_STEPS = 32
 

@@ -36,7 +36,7 @@ first and runs `--warmup` steps; then the measured steps are interleaved round b
 the median seconds per step (spread = max/min), the median of every stage (timing_s/*, as the
 executor times them, each stage synchronised), and the compile step's seconds.
 
-Step FLOPs (the useful work; runtime/rollouts.py): real tokens only (no padding), prompt logits
+Step FLOPs (the useful work; runtime/rollout/stats.py): real tokens only (no padding), prompt logits
 never, the shared prompt of a group once in generation, no second forward where the sampler's
 logprobs serve, no proximal or values forward where the update takes one optimizer step (its own
 forward serves: rollouts.step_flops); so every variant of a workload has the same FLOPs:
@@ -70,9 +70,9 @@ import numpy as np  # noqa: E402
 from rpeg_jax.config import load_config  # noqa: E402
 from rpeg_jax.graph.compile import compile_graph  # noqa: E402
 from rpeg_jax.graph.plan import graph_for_plan, plan_for_config, widen_generation  # noqa: E402
-from rpeg_jax.runtime import rollouts  # noqa: E402
 from rpeg_jax.runtime.executor import Executor  # noqa: E402
 from rpeg_jax.runtime.kernels import default_registry  # noqa: E402
+from rpeg_jax.runtime.rollout import stats as rollouts  # noqa: E402
 from rpeg_jax.runtime.setup import build  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -100,7 +100,7 @@ WORKLOADS = {
     "R1-b": ["rl.algorithm=grpo", "rl.kl_coef=0.04"],
     "R1-c": ["rl.algorithm=ppo", "rl.kl_coef=0.0"],
     # R1-a with a long tail: every sequence ignores eos and stops at its own length, lognormal
-    # (median 24, sigma 1.0) clipped to [4, 256] (runtime/admission.forced_lengths). The update packs
+    # (median 24, sigma 1.0) clipped to [4, 256] (runtime/rollout/continuous.forced_lengths). The update packs
     # its sequences (train.pack_sequences, verl's use_remove_padding): padded to the 256 cap, the
     # update alone took ~2/3 of the async step (session 11), which no asynchrony hides. The sampler's
     # page-table width buckets grow by 1.25, not 2: every slot's table is read to the bucket above the
@@ -130,7 +130,7 @@ VARIANTS = {
     # k = 1; π_prox = sg(π_θ) of the update's own forward (exact with one optimizer step).
     "async": ["pipeline.staleness=1", "pipeline.proximal_from_update=true", "pipeline.fuse=[forwards,advantage]"],
     # R2: the same stages in all three (no π_old pass: the sampler's logprobs at k = 0, the update's
-    # own forward at k >= 1), on one device; k >= 1 with continuous admission (runtime/admission.py).
+    # own forward at k >= 1), on one device; k >= 1 with continuous admission (runtime/rollout/continuous.py).
     "sync": ["pipeline.elide_old_forward=true", "pipeline.fuse=[forwards,advantage]"],
     "async-k1": [
         "pipeline.staleness=1",

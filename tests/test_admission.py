@@ -1,4 +1,4 @@
-"""Continuous admission (rollout.admission=continuous, runtime/admission.py) end to end on a tiny
+"""Continuous admission (rollout.admission=continuous, runtime/rollout/continuous.py) end to end on a tiny
 model, with response lengths forced into a long tail so that sequences run across several weight
 updates: the staleness bound holds for every consumed token (checked from the version tags the
 sampler gives each token), stale groups are re-queued or dropped and counted, the schedule is a
@@ -120,7 +120,7 @@ def test_continuous_admission_lays_batches_out_at_the_response_cap(admission):
     from types import SimpleNamespace
 
     from rpeg_jax.config import load_config
-    from rpeg_jax.runtime.rollouts import lay_out
+    from rpeg_jax.runtime.rollout.layout import lay_out
 
     extra = ["pipeline.staleness=1"] if admission == "continuous" else []
     cfg = load_config(None, ["rl.group_size=2", "rollout.max_new_tokens=40", f"rollout.admission={admission}"] + extra)

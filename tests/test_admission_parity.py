@@ -1,5 +1,5 @@
-"""The engine and the cost model decide continuous admission alike: runtime/admission.
-ContinuousRollouts over a real Sampler (a tiny model, response lengths forced) and the cost model's
+"""The engine and the cost model decide continuous admission alike: runtime/rollout/
+continuous.ContinuousRollouts over a real Sampler (a tiny model, response lengths forced) and the cost model's
 event simulation (costmodel/lengths.admission) are driven on the same seeded lengths, and every
 step they consume the same groups (prompt and attempt, in the same order), re-queue or drop as
 many, and decode as many steps. Both decide through shapes/admission.py and shapes/buckets.py;
@@ -14,7 +14,7 @@ from flax import nnx
 from rpeg_jax.config.model import model_preset
 from rpeg_jax.costmodel.lengths import LengthDist, admission
 from rpeg_jax.models.llama import init_model
-from rpeg_jax.runtime.admission import ContinuousRollouts, forced_lengths
+from rpeg_jax.runtime.rollout.continuous import ContinuousRollouts, forced_lengths
 from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
 
 PROMPT = 5  # every prompt's length (the simulation prices one prompt length)

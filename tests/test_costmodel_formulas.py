@@ -370,7 +370,7 @@ def test_generation_memory_whole_pages_and_cpu_chunk_working_set():
 
 
 def test_trainer_prices_the_runtime_length_bucket_sampler_the_decoded_steps():
-    # runtime/rollouts.py pads the response window to a multiple of LENGTH_BUCKET (8) unless shapes
+    # runtime/rollout/layout.py pads the response window to a multiple of LENGTH_BUCKET (8) unless shapes
     # are fixed: max_new_tokens=12 trains on 16 columns, 6 on 8; the sampler still decodes 12 / 6.
     ms = shape("tiny")
     for R, padded in ((12, 16), (6, 8), (8, 8)):
@@ -405,7 +405,7 @@ def test_planner_setting_uses_the_length_bucket_unless_shapes_are_fixed():
 
 @pytest.mark.parametrize("task,digits", [("reverse", 3), ("add", 5), ("sort", 9)])
 def test_planner_prices_the_prompt_columns_the_runtime_pads_to(task, digits):
-    """The model's P is what runtime/rollouts lays out: the longest tokenized prompt of the data,
+    """The model's P is what runtime/rollout/layout lays out: the longest tokenized prompt of the data,
     bucketed (not data.max_prompt_len); fixed shapes keep max_prompt_len; an override is bucketed."""
     from rpeg_jax.config import load_config
     from rpeg_jax.costmodel.planner import make_context

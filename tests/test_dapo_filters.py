@@ -233,7 +233,7 @@ def test_filter_off_logs_nothing_new(tmp_path):
 
 
 def test_exhausted_rounds_fail_clearly(tmp_path):
-    from rpeg_jax.runtime.admission import FilterExhausted
+    from rpeg_jax.runtime.rollout.continuous import FilterExhausted
 
     with pytest.raises(FilterExhausted, match="rl.filter_max_rounds=1"):
         run(tmp_path, "few", FILTER + ["rl.filter_max_rounds=1"], steps=1)

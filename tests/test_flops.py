@@ -4,7 +4,7 @@ out here per weight matrix, for GRPO, GRPO with a reference model, and PPO with 
 import pytest
 
 from rpeg_jax.config import load_config
-from rpeg_jax.runtime.rollouts import step_flops
+from rpeg_jax.runtime.rollout.stats import step_flops
 
 
 def matmul_flops_per_token(cfg, head=True):

@@ -22,7 +22,7 @@ from rpeg_jax.graph.passes import (
     share_actor_critic,
     values_from_critic_update,
 )
-from rpeg_jax.runtime.rollouts import step_flops
+from rpeg_jax.runtime.rollout.stats import step_flops
 
 SIZES = ["data.prompts_per_step=4", "rl.group_size=2", "data.max_prompt_len=5", "rollout.max_new_tokens=7"]
 

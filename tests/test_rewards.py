@@ -71,17 +71,19 @@ def test_make_samples_groups_and_eos():
         enc("43") + [2] + [0, 0],
         enc("4x") + [49, 2, 0],
     ]  # prompt 1
-    samples = make_samples(batch, completions, tok, group_size=2)
+    samples = make_samples(batch.prompts, batch.answers, batch.records, completions, tok, group_size=2)
     assert [s.prompt for s in samples] == ["r12=", "r12=", "r34=", "r34="]
     assert [s.completion for s in samples] == ["21", "2", "43", "4x1"]
     assert samples[0].completion_ids == (50, 49) and samples[2].record == {"task": "reverse"}
     rewards, errors = score(samples, "reverse")
     np.testing.assert_allclose(rewards, [1.0, 0.5, 1.0, 0.5])  # "2" vs "21": 1/2; "4x1" vs "43": 1/2
     assert rewards.dtype == np.float32 and errors == 0
-    cut = make_samples(batch, completions, tok, group_size=2, lengths=[1, 1, 2, 1])
+    cut = make_samples(
+        batch.prompts, batch.answers, batch.records, completions, tok, group_size=2, lengths=[1, 1, 2, 1]
+    )
     assert [s.completion for s in cut] == ["2", "2", "43", "4"]
     with pytest.raises(ValueError, match="3 completions for 2 prompts x group 2"):
-        make_samples(batch, completions[:3], tok, group_size=2)
+        make_samples(batch.prompts, batch.answers, batch.records, completions[:3], tok, group_size=2)
 
 
 def _flaky(sample):

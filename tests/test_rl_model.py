@@ -1,7 +1,7 @@
 """A real update on the tiny Transformer (2 layers, hidden 64) through the shared actor-critic step.
 
 The policy function is built the way the runtime builds it: `token_logprobs` over the rollout
-layout of runtime/rollouts.py (prompts left-padded to P, responses right-padded to R, response token i at
+layout of runtime/rollout/layout.py (prompts left-padded to P, responses right-padded to R, response token i at
 column P+i predicted from column P+i-1), values from the value head on the same hidden states.
 Checks after one SGD step (first order, lr small): every positive-advantage response's summed
 log-probability rises, every negative one's falls; the value loss falls.

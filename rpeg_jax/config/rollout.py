@@ -65,7 +65,7 @@ class RolloutConfig:
     #   rollout); auto = finish with admission=step, continue with admission=continuous
     admission: Literal["step", "continuous"] = "step"  # step: each RL step samples its prompts to the end;
     #   continuous (pipeline.staleness k >= 1): one engine across steps keeps max_slots sequences in flight,
-    #   a step's batch is the first groups to complete (runtime/admission.py)
+    #   a step's batch is the first groups to complete (runtime/rollout/continuous.py)
     stale_groups: Literal["requeue", "drop"] = "requeue"  # continuous: a group whose oldest token would be
     #   older than the bound k when consumed is generated again from its prompt, or dropped
     forced_lengths: tuple[float, float, int, int] | None = None  # benchmarks (R2): each response stops at

@@ -303,7 +303,7 @@ def _alloc_rows(
 def consumed_setting(st: S.Setting, reps: int, slots: int, k: int) -> S.Setting:
     """The Setting the training stages are priced with under continuous admission at staleness k
     with `reps` engines of `slots` slots. The runtime lays such batches out at R =
-    rollout.max_new_tokens (runtime/rollouts.lay_out: the batch's longest response changes every
+    rollout.max_new_tokens (runtime/rollout/layout.lay_out: the batch's longest response changes every
     step, and each new width would compile the training stages again), so a padded update costs
     what it costs at k = 0. A packed update (Setting.packing: stages.packed_per_seq) computes on the
     consumed sequences' lengths: "the first groups to complete" under the per-token bound are biased

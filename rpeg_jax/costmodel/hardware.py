@@ -128,7 +128,7 @@ class EfficiencySpec:
     #   block tables, stop checks, results), s; fitted on generation stage points
     host_seq_s: float = 0.0  # runtime host cost per sequence per step (rows, reward, bookkeeping), s
     admission_group_s: float = 4.7e-3  # host cost per group admitted under continuous admission (the
-    #   engine's bookkeeping, runtime/admission.py, and its own prefill call), s: the default config's
+    #   engine's bookkeeping, runtime/rollout/continuous.py, and its own prefill call), s: the default config's
     #   step took 0.434 s with it against 0.359 s without (16 groups, bench/NOTES.md session 10); not fitted
     host_step_s: float = 0.0  # runtime host cost per step whatever its size (data, scheduling, metrics), s;
     #   fitted on whole steps of two batch sizes (with host_seq_s and piece_s)

@@ -9,7 +9,7 @@ with `slots` concurrent sequences (refill on finish) and compresses the step axi
     T_gen = Σ_bins steps_i · t_step(b_i, c_i)      (b_i active sequences, c_i their mean context)
 
 That is one step-admission generate call. `admission` simulates the engine across RL steps
-(rollout.admission=continuous, runtime/admission.py: groups admitted at decode-chunk ends, the
+(rollout.admission=continuous, runtime/rollout/continuous.py: groups admitted at decode-chunk ends, the
 batch the first groups to complete, the staleness bound) and returns its steady state per step
 (`Admission`: decode steps, occupancy, tokens, staleness, re-queues).
 
@@ -161,7 +161,7 @@ def gen_schedule(
 class Admission:
     """Steady-state behaviour of one sampler engine per RL step (means over the measured steps).
 
-    Defined as the runtime logs them (runtime/admission.py, Sampler.stats()): `occupancy` =
+    Defined as the runtime logs them (runtime/rollout/continuous.py, Sampler.stats()): `occupancy` =
     busy slot-steps / (decode steps x slots), where a busy slot-step is one decoded token."""
 
     decode_steps: float  # decode steps per RL step
@@ -256,7 +256,7 @@ def admission(
     requeue: bool = True,
     trace: bool = False,
 ) -> Admission:
-    """Event simulation of the sampler's slots over RL steps (runtime/admission.ContinuousRollouts
+    """Event simulation of the sampler's slots over RL steps (runtime/rollout/continuous.ContinuousRollouts
     over sampling/sampler.Sampler.step), one decode chunk per event, deciding with the engine's own
     rules (shapes/admission.py):
 
@@ -269,7 +269,7 @@ def admission(
       have freed after min_chunk_steps (`release_rule` / `chunk_length`); a step's batch is the
       first `groups` groups to complete, in submission order within a chunk (`take_batch`).
     - `mode="step"`: each step queues its `groups` groups and decodes them to the end (no early
-      release); what runtime/rollouts.generate_piece does with one piece.
+      release); what runtime/rollout/sources.generate_piece does with one piece.
 
     Lengths: `source(n, attempt)` gives the lengths of the stream's n-th prompt at its attempt-th
     generation when given (tests drive the engine and this simulation on the same lengths); else

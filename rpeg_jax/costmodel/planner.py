@@ -85,7 +85,7 @@ def prompt_len(cfg: RunConfig, length_bucket: int) -> int:
     """Prompt columns the runtime computes on: the expected longest prompt (costmodel.prompt_len, else
     the data's longest) rounded up to the runtime's bucket, at most data.max_prompt_len; with fixed
     shapes (length_bucket 1) always data.max_prompt_len; the window shapes/buckets.length_bucket
-    gives, as runtime/rollouts.lay_out pads the longest prompt of a batch (never longer than
+    gives, as runtime/rollout/layout.lay_out pads the longest prompt of a batch (never longer than
     data.max_prompt_len)."""
     cap = cfg.data.max_prompt_len
     if length_bucket <= 1:

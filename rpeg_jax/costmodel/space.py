@@ -60,7 +60,7 @@ def structural_options(ctx, placement: str, share: bool, equal_algorithm: bool =
         elides, ks = [True], [0]
     if equal_algorithm:
         share = False
-    # Pieces split each process's prompts evenly (runtime/rollouts.py generate_piece).
+    # Pieces split each process's prompts evenly (runtime/rollout/sources.generate_piece).
     prompts = ctx.base.sizes["N"] // ctx.processes
     pieces = [1] if placement == "colocated" else [m for m in (1, *PIECES) if prompts % m == 0]
     prox, vals = one_step_rewrites(cfg, share)

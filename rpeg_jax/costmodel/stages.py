@@ -57,7 +57,7 @@ class Setting:
     page_size: int = 1  # tokens per KV page of the sampler (rollout.page_size): a sequence holds whole pages
     length_bucket: int = 1  # the runtime pads the rollout's response window to a multiple of this
     #   (shapes/buckets.LENGTH_BUCKET, unless shapes are fixed): the trainer computes on R_train columns.
-    #   Under continuous admission the runtime's window is max_new_tokens itself (rollouts.lay_out),
+    #   Under continuous admission the runtime's window is max_new_tokens itself (runtime/rollout/layout.lay_out),
     #   R_train its bucket: the same unless max_new_tokens is not a multiple of 8 (priced as step
     #   admission: the Setting is shared by candidates of both admissions)
     chunk_steps: int = 64  # rollout.chunk_steps: decode steps per chunk at most (continuous admission)

@@ -7,7 +7,8 @@ The runtime's view:
     reward_name, reward_fn = data.resolve_reward(cfg.data)     # at start-up: unknown names fail early
     batch = next(pipe)                                         # PromptBatch
     tokens_BxP, positions_BxP, segments_BxP = data.left_pad(batch.prompt_tokens, P, pipe.tokenizer.pad_id)
-    samples = data.make_samples(batch, completions_BxR, pipe.tokenizer, group_size=G, lengths=lens_B)
+    samples = data.make_samples(batch.prompts, batch.answers, batch.records, completions_BxR, pipe.tokenizer,
+                                group_size=G, lengths=lens_B)
     rewards_B, num_errors = data.score(samples, reward_fn, cfg.data.reward_on_error, reward_name)
     state = pipe.get_state(); pipe.set_state(state)            # JSON; saved with checkpoints
 

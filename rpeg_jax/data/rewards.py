@@ -95,19 +95,22 @@ def resolve_reward(cfg: DataConfig) -> tuple[str, RewardFn]:
 
 
 def make_samples(
-    batch,
+    prompts: Sequence[str],
+    answers: Sequence[Any],
+    records: Sequence[dict],
     completions: Sequence[Sequence[int]],
     tokenizer: Tokenizer,
     group_size: int = 1,
     stop_ids: Sequence[int] = (),
     lengths: Sequence[int] | None = None,
 ) -> list[Sample]:
-    """Samples for the B = len(batch) * group_size completions of a PromptBatch, grouped by prompt:
-    row b belongs to prompt b // group_size (the runtime's group_ids). Each completion row (e.g.
-    tokens_BxS[:, P:]) is first cut to lengths[b] when given (response_mask_BxR.sum(1)), then at
-    its first eos or stop id, then decoded."""
-    if len(completions) != len(batch.prompts) * group_size:
-        raise ValueError(f"{len(completions)} completions for {len(batch.prompts)} prompts x group {group_size}")
+    """Samples for the B = len(prompts) * group_size completions of prompts with their answers and
+    records (a PromptBatch's columns), grouped by prompt: row b belongs to prompt b // group_size
+    (the runtime's group_ids). Each completion row (e.g. tokens_BxS[:, P:]) is first cut to
+    lengths[b] when given (response_mask_BxR.sum(1)), then at its first eos or stop id, then
+    decoded. Every scorer (the reward stage, dynamic sampling, evaluation) builds its samples here."""
+    if len(completions) != len(prompts) * group_size:
+        raise ValueError(f"{len(completions)} completions for {len(prompts)} prompts x group {group_size}")
     out = []
     for b, ids in enumerate(completions):
         i = b // group_size
@@ -116,11 +119,11 @@ def make_samples(
         cut = completion_ids(ids, tokenizer.eos_id, stop_ids)
         out.append(
             Sample(
-                prompt=batch.prompts[i],
+                prompt=prompts[i],
                 completion=tokenizer.decode(cut),
                 completion_ids=tuple(cut),
-                answer=batch.answers[i],
-                record=batch.records[i],
+                answer=answers[i],
+                record=records[i],
             )
         )
     return out

@@ -106,7 +106,7 @@ def bounded_async(g: Graph, k: int, ahead: int | None = None) -> Graph:
     k becomes the graph's `staleness` (the one value every reader of the bound uses). Generation
     runs `ahead` steps ahead of training (default k: generate at step t reads the actor at version
     t - k, a whole step's batch generated ahead). With ahead < k (continuous admission,
-    runtime/admission.py: ahead 0) generate reads the newest weights and sequences may run on
+    runtime/rollout/continuous.py: ahead 0) generate reads the newest weights and sequences may run on
     across up to k weight updates. For ahead >= 1 a rollout buffer (checkpointed state) holds the
     rollouts made ahead of their update: the runtime admits a rollout only while it will be
     consumed within k versions. For k >= 1 the actor update

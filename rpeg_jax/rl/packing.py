@@ -1,6 +1,6 @@
 """Sequence packing for the training update (train.pack_sequences; verl's use_remove_padding).
 
-The rollout layout (runtime/rollouts.py) pads every sequence to S = P + R columns (prompt
+The rollout layout (runtime/rollout/layout.py) pads every sequence to S = P + R columns (prompt
 left-padded to P, response right-padded to R, under continuous admission R = the response cap),
 so an update over it pays for padding. Packed, a (micro-)batch of b sequences runs as N rows of
 the same length S, each holding several sequences' real tokens back to back:

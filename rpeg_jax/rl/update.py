@@ -5,7 +5,7 @@
 
 `policy_fn(params, batch) -> {"logp": [B,R], "entropy": [B,R] | None, "values": [B,R] | None}` is
 built by the runtime from the model; this package never sees the model. `batch` is a flat dict
-of arrays, each with the leading batch axis B (keys as in the rollout layout of runtime/rollouts.py, e.g.
+of arrays, each with the leading batch axis B (keys as in the rollout layout of runtime/rollout/layout.py, e.g.
 response_mask_BxR, advantages_BxR, old_logp_BxR; anything else policy_fn needs rides along).
 
 One call runs rl.ppo_epochs × rl.minibatches optimizer steps (a per-epoch permutation drawn

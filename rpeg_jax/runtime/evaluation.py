@@ -39,7 +39,6 @@ import dataclasses
 import json
 import os
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -161,13 +160,16 @@ class Evaluator:
         stops = (*sampler.eos_ids, *self.params.stop_token_ids)  # where the sampler stops a sequence
         del sampler, model  # its KV pool goes with it
         n = self.cfg.eval.n
-        batch = SimpleNamespace(
-            prompts=[r["prompt"] for r in self.records],
-            answers=[r["answer"] for r in self.records],
-            records=[{k: v for k, v in r.items() if k not in RECORD_KEYS} for r in self.records],
-        )
         comps = [c.tokens.tolist() for o in outs for c in o.completions]
-        samples = make_samples(batch, comps, self.tokenizer, group_size=n, stop_ids=stops)
+        samples = make_samples(
+            [r["prompt"] for r in self.records],
+            [r["answer"] for r in self.records],
+            [{k: v for k, v in r.items() if k not in RECORD_KEYS} for r in self.records],
+            comps,
+            self.tokenizer,
+            group_size=n,
+            stop_ids=stops,
+        )
         rewards, errors = score(samples, self.reward_fn, self.cfg.data.reward_on_error, self.reward_name)
         scores = rewards.reshape(len(self.records), n)
         if self.chief:

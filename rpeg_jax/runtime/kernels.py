@@ -8,7 +8,7 @@ A factory gets its StageEnv (stage, plan entry, ports, the RuntimeContext) and r
 compiler as one program per (fused) stage; `generate`, `reward` and `weight_sync` are host
 kernels (the sampler needs host control; verifiers are Python; resharding is its own program).
 
-Data values (see runtime/rollouts.py): `completions` is a dict of [B, ...] arrays in the rollout
+Data values (see runtime/rollout/layout.py): `completions` is a dict of [B, ...] arrays in the rollout
 layout (prompts left-padded to P, responses right-padded to R) plus `host_*` metadata; every
 per-token output is response-aligned [B, R]. Host kernels also receive `_step` (int) and
 `_piece`/`_pieces` from the executor.
@@ -55,8 +55,8 @@ from rpeg_jax.rl import (
     packing,
 )
 from rpeg_jax.rl.layout import merge_rows, split_tree
-from rpeg_jax.runtime import rollouts
 from rpeg_jax.runtime.packed_forward import packed_forward_fn
+from rpeg_jax.runtime.rollout import scoring
 from rpeg_jax.shapes.packing import prompt_groups_fit
 from rpeg_jax.sharding.axes import explicit_spec
 
@@ -241,7 +241,7 @@ def _actor_batch(inputs: dict, ctx) -> dict:
             batch["tokens_BxS"][:, -r:],
             batch["response_mask_BxR"],
             ctx.cfg.rollout.max_new_tokens,
-            rollouts.stop_ids(ctx.cfg),
+            scoring.stop_ids(ctx.cfg),
         )
     return batch
 
@@ -504,19 +504,9 @@ def generate(env: StageEnv) -> Kernel:
         version = max(0, step + weights_offset)
         if "rollout_buffer" in i:
             i["rollout_buffer"].admit(step, version)
-        if ctx.engine is not None:
-            comps, behav, metrics = rollouts.continuous_batch(
-                ctx, i["rollout_weights"], version, i["data_iterator"], step
-            )
-        elif ctx.cfg.rl.filter_groups != "none":  # dynamic sampling: prompts drawn from the stream
-            comps, behav, metrics = rollouts.filtered_piece(
-                ctx, i["rollout_weights"], version, i["data_iterator"], step, piece, pieces
-            )
-        else:
-            prompts = i["data_iterator"].get(step)
-            comps, behav, metrics = rollouts.generate_piece(
-                ctx, i["rollout_weights"], version, prompts, step, piece, pieces
-            )
+        comps, behav, metrics = ctx.rollout.batch(
+            i["rollout_weights"], version, i["data_iterator"], step, piece, pieces
+        )
         out = {"completions": comps, "behav_logp": behav, "data_iterator": i["data_iterator"], "metrics": metrics}
         if "rollout_buffer" in i:
             out["rollout_buffer"] = i["rollout_buffer"]
@@ -529,7 +519,7 @@ def reward(env: StageEnv) -> Kernel:
     ctx = env.context
 
     def fn(i):
-        rewards, metrics = rollouts.score(ctx, i["completions"])
+        rewards, metrics = scoring.score(ctx, i["completions"])
         return {"rewards": rewards, "metrics": metrics}
 
     return Kernel(fn, jittable=False)

@@ -24,7 +24,7 @@ import numpy as np
 from rpeg_jax.config.base import ConfigError
 from rpeg_jax.runtime.checkpoint import Checkpointer
 from rpeg_jax.runtime.executor import Executor, Store
-from rpeg_jax.runtime.rollouts import host_fields, stream_host_fields
+from rpeg_jax.runtime.rollout.layout import host_fields, stream_host_fields
 
 TRAIN_STATES = ("actor", "actor_opt", "critic", "critic_opt")
 BUFFERED = ("completions", "behav_logp")

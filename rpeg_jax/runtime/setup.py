@@ -29,12 +29,14 @@ from rpeg_jax.graph.plan import Plan
 from rpeg_jax.models import Transformer, load_hf
 from rpeg_jax.models.attention import resolve_attention
 from rpeg_jax.rl import make_optimizer, optimizer_steps
-from rpeg_jax.runtime import rollouts, xla_flags
-from rpeg_jax.runtime.admission import ContinuousRollouts, forced_lengths
+from rpeg_jax.runtime import xla_flags
 from rpeg_jax.runtime.executor import Store
 from rpeg_jax.runtime.offload import Offload
 from rpeg_jax.runtime.placement import Placement
-from rpeg_jax.runtime.rollouts import RolloutBuffer, StepPrompts
+from rpeg_jax.runtime.rollout.continuous import ContinuousRollouts, forced_lengths
+from rpeg_jax.runtime.rollout.prompts import RolloutBuffer, StepPrompts
+from rpeg_jax.runtime.rollout.scoring import group_scores
+from rpeg_jax.runtime.rollout.sources import make_source
 from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
 from rpeg_jax.sharding import shard_model
 
@@ -60,6 +62,7 @@ class RuntimeContext:
     prompt_offset: int = 0  # this process's first prompt index within a step's batch
     data_skipped: dict[str, int] = field(default_factory=dict)  # bad JSONL lines skipped at start-up, by reason
     engine: ContinuousRollouts | None = None  # rollout.admission=continuous: the engine across steps
+    rollout: Any = None  # the RolloutSource every step's batch comes from (runtime/rollout/sources.py), set by build
     compiler_options: dict[str, str] = field(default_factory=dict)  # stage programs' XLA options (xla_flags)
 
     # ---- graph.compile.StageRuntime ----------------------------------------------------------------
@@ -185,7 +188,8 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
         compiler_options=xla_flags.train_compiler_options(),
     )
     if engine is not None and cfg.rl.filter_groups != "none":
-        engine.scorer = functools.partial(rollouts.group_scores, ctx)
+        engine.scorer = functools.partial(group_scores, ctx)
+    ctx.rollout = make_source(ctx)  # where each step's batch comes from, chosen once
     store = Store(keep_versions=graph.staleness + 2)  # generation reads t - k while training writes t + 1
     store.put_state("actor", 0, split["actor"][1])
     store.put_state(

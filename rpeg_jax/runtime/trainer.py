@@ -39,14 +39,16 @@ from rpeg_jax.data.rewards import RewardError
 from rpeg_jax.graph.compile import compile_graph
 from rpeg_jax.graph.ir import Graph
 from rpeg_jax.graph.plan import Plan, config_for_plan, graph_for_plan, plan_for_config
-from rpeg_jax.runtime import resume, rollouts
+from rpeg_jax.runtime import resume
 from rpeg_jax.runtime.checkpoint import Checkpointer, NonFiniteError
 from rpeg_jax.runtime.evaluation import Evaluator, due
 from rpeg_jax.runtime.executor import Executor, Store
 from rpeg_jax.runtime.kernels import default_registry
 from rpeg_jax.runtime.metrics import MetricsWriter, prediction_metrics
 from rpeg_jax.runtime.resume import TRAIN_STATES
-from rpeg_jax.runtime.rollouts import FilterExhausted, StalenessError
+from rpeg_jax.runtime.rollout import stats as rollout_stats
+from rpeg_jax.runtime.rollout.continuous import FilterExhausted
+from rpeg_jax.runtime.rollout.prompts import StalenessError
 from rpeg_jax.runtime.setup import RuntimeContext, build
 from rpeg_jax.runtime.trace import Tracer
 
@@ -247,11 +249,13 @@ def _peak_flops(cfg: RunConfig) -> float | None:
 
 def _step_metrics(cfg, ctx: RuntimeContext, ex: Executor, store: Store, plan: Plan, t: int, peak: float | None) -> dict:
     m = {k: v for k, v in jax.device_get(ex.metrics.pop(t, {})).items()}
-    stats = rollouts.token_stats(store.get_data("completions", t))
-    rollouts.assert_staleness(stats, t, ex.staleness)
+    stats = rollout_stats.token_stats(store.get_data("completions", t))
+    rollout_stats.assert_staleness(stats, t, ex.staleness)
     step_s = m.get("timing_s/step", float("nan"))
     m["perf/tokens_per_s"] = stats["seq"] / step_s
-    flops = rollouts.step_flops(cfg, stats, ex.staleness)  # useful work only: a rewrite that saves a pass saves time
+    flops = rollout_stats.step_flops(
+        cfg, stats, ex.staleness
+    )  # useful work only: a rewrite that saves a pass saves time
     m["perf/flops"] = flops
     m["perf/tflops_per_device"] = flops / step_s / jax.device_count() / 1e12
     if peak:

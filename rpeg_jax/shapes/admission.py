@@ -1,5 +1,5 @@
 """The continuous-admission policy's decisions (rollout.admission=continuous), as pure functions of
-counts and versions: the engine (runtime/admission.ContinuousRollouts over sampling/sampler.Sampler)
+counts and versions: the engine (runtime/rollout/continuous.ContinuousRollouts over sampling/sampler.Sampler)
 and the cost model's event simulation of it (costmodel/lengths.admission) both decide with these, so
 the simulation prices what the engine does (tests/test_admission_parity.py drives both on the same
 seeded lengths and compares their decisions step by step).

@@ -1,5 +1,5 @@
 """One FLOP model of the decoder (matmul FLOPs; norms, biases and elementwise work are not counted):
-the runtime's `perf/flops` and `perf/mfu` (runtime/rollouts.step_flops), the cost model's stage
+the runtime's `perf/flops` and `perf/mfu` (runtime/rollout/stats.step_flops), the cost model's stage
 prices and utilization (costmodel/shape.ModelShape) and the benchmarks' MFU all count with these.
 
 Per token and layer: the Q, K, V, O projections and the SwiGLU MLP (3 matrices), 2 FLOPs per

@@ -1,0 +1,95 @@
+"""Sampler outputs -> the rollout batch layout.
+
+B = prompts x G sequences (a prompt's G rows adjacent), prompts LEFT-padded to P, responses
+RIGHT-padded to R, S = P + R. `completions` holds global arrays sharded over `data` (tokens_BxS,
+positions_BxS, segment_ids_BxS: 1 on real tokens, 0 on padding; response_mask_BxR, versions_BxR: the
+policy version of each sampled token; group_ids_B) plus host-only `host_*` fields (tokens, mask,
+prompt, answer, record) for the reward; the behaviour logprobs are a separate [B, R] array. P and R
+are bucketed (shapes/buckets.length_bucket: fewer padded tokens, few distinct compiled shapes)
+unless the run streams micro-batches, where every piece must have the configured shape so pieces
+concatenate; under continuous admission R is rollout.max_new_tokens (a batch's longest response
+changes every step, and each new R would compile the training stages again).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from rpeg_jax.runtime.rollout.prompts import StepPrompts
+from rpeg_jax.shapes.buckets import length_bucket
+
+HOST_FIELDS = (("prompt", "prompts"), ("answer", "answers"), ("record", "records"))
+
+
+def lay_out(ctx, rows, gids: np.ndarray, host: dict[str, list]) -> tuple[dict, Any, int]:
+    """Rows (prompt tokens, response tokens, their logprobs, their policy versions) -> the rollout
+    layout (module docstring) as this process's share of global arrays, plus host fields; returns
+    (completions, behav_logp, new tokens)."""
+    cfg, fixed = ctx.cfg, ctx.fixed_shapes
+    toks = [np.asarray(t, np.int32) for _, t, _, _ in rows]
+    lps = [np.asarray(lp, np.float32) for _, _, lp, _ in rows]
+    vers = [np.asarray(v, np.int32) for _, _, _, v in rows]
+    longest = np.array([max(len(r[0]) for r in rows), max(len(t) for t in toks)])
+    if jax.process_count() > 1:  # every process must lay its rows out with the same P and R
+        longest = multihost_utils.process_allgather(longest).max(axis=0)
+    P = length_bucket(int(longest[0]), cfg.data.max_prompt_len if fixed else None)
+    # under continuous admission each batch's longest response varies from step to step (whichever
+    # groups completed first), so R is the cap: one compiled shape for the training stages
+    fixed_r = fixed or cfg.rollout.admission == "continuous"
+    R = length_bucket(int(longest[1]), cfg.rollout.max_new_tokens if fixed_r else None)
+    B = len(rows)
+    tokens = np.full((B, P + R), cfg.model.pad_id, np.int32)
+    positions = np.zeros((B, P + R), np.int32)
+    segments = np.zeros((B, P + R), np.int32)
+    mask = np.zeros((B, R), np.float32)
+    behav = np.zeros((B, R), np.float32)
+    versions = np.zeros((B, R), np.int32)
+    for b, (p, *_) in enumerate(rows):
+        lp, lr = len(p), len(toks[b])
+        tokens[b, P - lp : P] = p
+        tokens[b, P : P + lr] = toks[b]
+        positions[b, P - lp : P + lr] = np.arange(lp + lr)
+        segments[b, P - lp : P + lr] = 1
+        mask[b, :lr] = 1.0
+        behav[b, :lr] = lps[b]
+        versions[b, :lr] = vers[b]
+    comps = {
+        "tokens_BxS": tokens,
+        "positions_BxS": positions,
+        "segment_ids_BxS": segments,
+        "response_mask_BxR": mask,
+        "versions_BxR": versions,
+        "group_ids_B": gids,
+    }
+    comps = {k: ctx.placement.put_batch(v) for k, v in comps.items()}
+    comps.update(_host_columns(ctx.cfg.rl.group_size, host, tokens, mask))
+    return comps, ctx.placement.put_batch(behav), int(mask.sum())
+
+
+def _host_columns(G: int, host: dict[str, list], tokens: np.ndarray, mask: np.ndarray) -> dict:
+    pi = np.repeat(np.arange(len(host["prompt"])), G)
+    return {"host_tokens": tokens, "host_mask": mask, **{f"host_{k}": _objects(v, pi) for k, v in host.items()}}
+
+
+def host_fields(ctx, batch, lo: int, hi: int, tokens: np.ndarray, mask: np.ndarray) -> dict:
+    """Host-side fields of prompts [lo, hi) of a PromptBatch, G rows each (for the reward)."""
+    host = {k: [getattr(batch, a)[i] for i in range(lo, hi)] for k, a in HOST_FIELDS}
+    return _host_columns(ctx.cfg.rl.group_size, host, tokens, mask)
+
+
+def stream_host_fields(ctx, prompts: StepPrompts, sources, tokens: np.ndarray, mask: np.ndarray) -> dict:
+    """Host-side fields of the prompts at `sources` ((data step, index) each) of the stream, G rows each."""
+    picked = [(prompts.get(d), i) for d, i in sources]
+    host = {k: [getattr(b, a)[i] for b, i in picked] for k, a in HOST_FIELDS}
+    return _host_columns(ctx.cfg.rl.group_size, host, tokens, mask)
+
+
+def _objects(values, index) -> np.ndarray:
+    out = np.empty(len(index), dtype=object)
+    for j, i in enumerate(index):
+        out[j] = values[i]
+    return out
