@@ -12,7 +12,7 @@ its family on the same hardware) and their ratios; and the search time on one co
 The planner searches rollout.admission (step | continuous) and k like its other knobs; "async"
 is the part of the chosen plan's gain over the verl-like plan that comes from asynchrony (the
 chosen layout priced at k = 0 with step admission: speedup = async x the rest). Our sampler's KV
-page pool is split per replica over the generation group's data axis (costmodel.kv_pool=replicated
+page pool is split per replica over the generation group's data axis (rollout.kv_pool=replicated
 prices a pool replicated on every device instead). The baselines are priced with their own
 engines (one KV pool per replica).
 """

@@ -182,3 +182,14 @@ def test_rollout_kv_pool_reaches_the_sampler_and_the_cost_model():
         assert make_context(cfg, 8, load_hardware("gh200", calibrated=False)).st.kv_replicated == (pool == "replicated")
     with pytest.raises(ConfigError, match="rollout.kv_pool"):
         load_config(None, ["rollout.kv_pool=mirrored"])
+
+
+@pytest.mark.parametrize(
+    "override,names",
+    [("costmodel.attention=flash", "model.attention"), ("costmodel.kv_pool=replicated", "rollout.kv_pool")],
+)
+def test_a_removed_key_names_the_key_to_set(override, names):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    msg = str(err.value)
+    assert "\n" not in msg and override.split("=")[0] in msg and names in msg

@@ -7,8 +7,10 @@ A read of field `f` of section `S` is, in rpeg_jax/ outside rpeg_jax/config/ or 
   a parameter annotated with S's class;
 - `getattr(<x>.S, name)` in a module whose string constants include `f` (the plan's KNOBS), or the
   dotted string "S.f" (the plan's PLAN_SETTINGS);
-- a read of a config method or property (not `validate`) of S that reads `self.f`, e.g.
-  ModelConfig.scanned reading scan_layers, RunConfig.critic_model reading critic.
+- a read of a config method or property (not `validate`) of S or of a class S's class is built on
+  that reads `self.f`, e.g. ModelConfig.scanned reading scan_layers, RunConfig.critic_model reading
+  critic, or every field of X by `getattr(self, f.name) for f in dataclasses.fields(X)`
+  (EngineSettings.engine_settings, which SamplerConfig.from_rollout copies).
 A section that reuses another's class (critic: ModelConfig, critic_optim: OptimConfig) is passed on
 whole where its twin is: its fields count as read when the section is read and the twin's field is.
 LOADER_KEYS act while the config is loaded and are named with the code that consumes them.
@@ -137,8 +139,12 @@ def through_config_methods(reads, config_sources, sections) -> set[tuple[str, st
     that code outside the config package reads (validation does not count as use)."""
     out = set(reads)
     by_class = {}
+    classes = {}
     for name, cls in sections.items():
-        by_class.setdefault(cls.__name__, []).append(name)
+        for base in cls.__mro__[:-1]:  # a section's methods include its base classes' (RolloutConfig's
+            #                            EngineSettings / SamplingSettings)
+            by_class.setdefault(base.__name__, []).append(name)
+            classes[base.__name__] = base
     by_class.setdefault("RunConfig", []).append("")  # RunConfig's own properties: `cfg.critic_model`
     for _ in range(2):  # a property may use another property
         for _, text in config_sources:
@@ -150,6 +156,15 @@ def through_config_methods(reads, config_sources, sections) -> set[tuple[str, st
                         used = (sec, fn.name) in out or (sec == "" and any(f == fn.name for _, f in out))
                         if used:
                             for a in ast.walk(fn):
+                                # `getattr(self, f.name) for f in dataclasses.fields(X)`: every field of X
+                                if (
+                                    isinstance(a, ast.Call)
+                                    and getattr(a.func, "attr", getattr(a.func, "id", None)) == "fields"
+                                    and a.args
+                                    and isinstance(a.args[0], ast.Name)
+                                    and a.args[0].id in classes
+                                ):
+                                    out |= {(sec, f.name) for f in dataclasses.fields(classes[a.args[0].id])}
                                 if (
                                     isinstance(a, ast.Attribute)
                                     and isinstance(a.value, ast.Name)

@@ -382,7 +382,7 @@ def test_packed_updates_are_priced_on_the_consumed_batches():
         budget_bytes=CPU.hbm_bytes,
         chunk_steps=32,
     )
-    a = S.admission_of(st, 1, 64, 1)
+    a = S.continuous_admission(st, 1, 64, 1)
     assert a.requeued > 0 and len(a.consumed) % st.B == 0
     sc = consumed_setting(st, 1, 64, 1)
     assert sc.dist.samples == a.consumed and np.mean(a.consumed) < 0.95 * dist.mean()

@@ -145,7 +145,7 @@ def _all_periods(ctx, placement, share, graph, tab):
 @pytest.mark.parametrize("algo, n", [("grpo", 8), pytest.param("ppo", 8, marks=pytest.mark.slow)])
 def test_search_finds_the_optimum_of_its_space_and_baselines_are_family_best(algo, n):
     # With the same generation engine (per-replica KV pools) our space contains both baselines.
-    cfg = cfg_of(f"rl.algorithm={algo}", "rl.kl_coef=0.05", "costmodel.kv_pool=sharded")
+    cfg = cfg_of(f"rl.algorithm={algo}", "rl.kl_coef=0.05", "rollout.kv_pool=sharded")
     res = P.search(cfg, n, GH)
     ctx = P.make_context(cfg, n, GH)
     cache = {}
@@ -177,8 +177,8 @@ def test_search_finds_the_optimum_of_its_space_and_baselines_are_family_best(alg
 def test_baselines_use_their_own_engines():
     # Our sampler shards its KV pool per replica (kv_pool=replicated prices the older sampler); the
     # verl/ReaL engines are priced with their own engines (no straw men), whatever kv_pool says.
-    rep = P.search(cfg_of("costmodel.kv_pool=replicated"), 16, GH)
-    shd = P.search(cfg_of("costmodel.kv_pool=sharded"), 16, GH)
+    rep = P.search(cfg_of("rollout.kv_pool=replicated"), 16, GH)
+    shd = P.search(cfg_of("rollout.kv_pool=sharded"), 16, GH)
     for name in ("verl_like", "real_like"):
         assert rep.baselines[name].step_time_s == pytest.approx(shd.baselines[name].step_time_s)
     assert shd.chosen.step_time_s <= rep.chosen.step_time_s + 1e-9
@@ -187,7 +187,7 @@ def test_baselines_use_their_own_engines():
 def test_replicated_kv_pool_costs_memory_per_replica():
     from rpeg_jax.costmodel import stages as S
 
-    ctx = P.make_context(cfg_of("costmodel.kv_pool=replicated", model="qwen2-7b"), 16, GH)
+    ctx = P.make_context(cfg_of("rollout.kv_pool=replicated", model="qwen2-7b"), 16, GH)
     ms = P.roles_of(ctx, ctx.base).actor
     st = ctx.st
     one = float(S.generate_memory(st, ms, 4, 8, reps=1))

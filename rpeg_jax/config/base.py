@@ -133,6 +133,14 @@ def suggest(name: str, options: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+# Keys that were renamed or folded into another: one line naming the key to set instead.
+REMOVED_KEYS = {
+    "costmodel.attention": "removed: the cost model prices model.attention (xla: dense; cudnn, pallas: flash; "
+    "auto: flash on an accelerator profile); set model.attention",
+    "costmodel.kv_pool": "removed: the cost model prices the run's rollout.kv_pool; set rollout.kv_pool",
+}
+
+
 def build(cls: type, data: dict[str, Any] | None, path: str = "") -> Any:
     """Build dataclass `cls` from a nested dict, checking keys and types; calls `validate()`."""
     data = dict(data or {})
@@ -142,6 +150,8 @@ def build(cls: type, data: dict[str, Any] | None, path: str = "") -> Any:
     for key, value in data.items():
         dotted = f"{path}.{key}" if path else str(key)
         if key not in names:
+            if dotted in REMOVED_KEYS:
+                raise ConfigError(dotted, value, REMOVED_KEYS[dotted])
             raise ConfigError(dotted, value, "unknown key" + suggest(str(key), names))
         kwargs[key] = _coerce(hints[key], value, dotted)
     obj = cls(**kwargs)

@@ -1,11 +1,11 @@
 """Cost-model section: the hardware profile, the planner's search space and budget, and the
-workload assumptions the model needs beyond the other sections (response-length distribution,
-attention kernel; sequence packing is train.pack_sequences). Read by rpeg_jax/costmodel (no JAX)."""
+workload assumptions the model needs beyond the other sections (the response-length distribution;
+the attention kernel is model.attention's, the KV pool rollout.kv_pool's, sequence packing
+train.pack_sequences: the cost model prices the keys the run runs). Read by rpeg_jax/costmodel (no JAX)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from rpeg_jax.config.base import check, key
 
@@ -22,10 +22,6 @@ class CostModelConfig:
     response_len_median: float | None = None  # tokens; None -> halfway to rollout.max_new_tokens
     response_len_min: int = 1  # tokens; shortest response
     response_len_sigma: float = 0.6  # lognormal shape of response lengths (long tail); 0 = fixed
-    attention: Literal["auto", "dense", "flash"] = "auto"  # auto: dense on cpu, flash on accelerators
-    kv_pool: Literal["replicated", "sharded"] = "sharded"  # sampler KV pages over the generation data
-    #   axis: one pool per replica (what the sampler does: sampling/sharding.py) or replicated (every device
-    #   holds all replicas' pages); a run with rollout.kv_pool=replicated is priced replicated either way
     # Search space (structural knobs the planner may change).
     search_algorithmic: bool = False  # may the search change the algorithm the learner runs: staleness
     #   k in 1..max_staleness (it trains on data from a policy up to k updates old) and, for PPO, one

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -41,25 +42,89 @@ def check_attention_backend(attention: str, interpret: bool, backend: str, path:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RolloutConfig:
+class SamplingSettings:
+    """How a response is drawn (vLLM's names). Declared once: the run config's rollout section has
+    these fields, and sampling/types.SamplingParams (one request's settings) is built on them."""
+
     max_new_tokens: int = 32
-    temperature: float = 1.0
+    temperature: float = 1.0  # T; 0 = greedy
     top_k: int = 0  # 0 disables
-    top_p: float = 1.0
-    min_p: float = 0.0
-    stop_token_ids: tuple[int, ...] = ()  # besides the model's eos_id
-    ignore_eos: bool = False
-    page_size: int = 16
-    num_pages: int | None = None  # None -> enough for every slot at max length (+ watermark)
-    max_slots: int | None = None  # concurrent sequences; None -> one step's whole batch
+    top_p: float = 1.0  # 1 disables
+    min_p: float = 0.0  # 0 disables
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's eos ids; they stop even with ignore_eos
+    ignore_eos: bool = False  # benchmarks: run to max_new_tokens
+
+    def check_sampling(self, path: str) -> None:
+        check(
+            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+            key(path, "max_new_tokens"),
+            self.max_new_tokens,
+            "must be an int >= 1",
+        )
+        check(self.temperature >= 0, key(path, "temperature"), self.temperature, "must be >= 0 (0 = greedy)")
+        check(isinstance(self.top_k, int) and self.top_k >= 0, key(path, "top_k"), self.top_k, "must be an int >= 0")
+        check(0.0 < self.top_p <= 1.0, key(path, "top_p"), self.top_p, "must be in (0, 1]")
+        check(0.0 <= self.min_p < 1.0, key(path, "min_p"), self.min_p, "must be in [0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSettings:
+    """The generation engine's settings a run chooses. Declared once: the run config's rollout
+    section has these fields, and sampling/types.SamplerConfig (the engine's full settings: these
+    plus what the runtime derives, slots, lengths, buckets) is built on them."""
+
+    page_size: int = 16  # tokens per KV page
+    num_pages: int | None = None  # GLOBAL pages incl. the null page(s); None -> every slot at max length
+    #   (+ watermark). With the pool split over D data shards each shard gets ceil(num_pages / D) pages
     chunk_steps: int = 64  # K: decode steps per jitted while_loop chunk (at most)
-    min_chunk_steps: int = 8  # chunks end early where the page-table width bucket grows, not before
+    min_chunk_steps: int = 8  # chunks end early where the page-table width bucket grows (or, under
+    #                           continuous admission, once a waiting group's slots freed), not before
     #                           this many steps (= chunk_steps: one chunk per call when K allows)
     table_width_growth: float = 2.0  # ratio of consecutive decode page-table width buckets: every slot's
     #   table is read to the bucket above the longest running sequence, so smaller wastes fewer key
     #   columns per decode step (most where the tail is in flight: continuous admission) and compiles more
     #   decode programs (about log(max pages) / log(growth)); R2 on a CPU runs 1.25 (bench/NOTES.md)
     watermark: float = 0.01  # fraction of pages kept free when admitting groups
+    attention: Literal["auto", "gather", "blocked", "chunk", "kernel"] = "auto"  # decode attention over
+    #   pages (sampling/types.py): auto = "chunk" on CPU, "kernel" on GPU where its blocks fit (page_size
+    #   and head_dim powers of two >= 16; else "gather"), "gather" elsewhere; "kernel" (a Pallas kernel
+    #   reading the pages in place, docs/kernels.md) needs a GPU or kernel_interpret
+    kernel_interpret: bool = False  # attention=kernel through the Pallas interpreter (runs on CPU, slowly)
+    kv_pool: Literal["sharded", "replicated"] = "sharded"  # KV page pool over the generation mesh's data
+    #   axis: one pool per data shard, or every device holding all pages (sampling/sharding.py)
+
+    def check_engine(self, path: str) -> None:
+        for name in ("page_size", "chunk_steps", "min_chunk_steps"):
+            v = getattr(self, name)
+            check(isinstance(v, int) and v >= 1, key(path, name), v, "must be an int >= 1")
+        if self.num_pages is not None:
+            check(self.num_pages >= 2, key(path, "num_pages"), self.num_pages, "must be >= 2 (page 0 is the null page)")
+        check(0.0 <= self.watermark < 1.0, key(path, "watermark"), self.watermark, "must be in [0, 1)")
+        check(self.table_width_growth > 1.0, key(path, "table_width_growth"), self.table_width_growth, "must be > 1")
+        check(
+            self.attention in ATTENTIONS,
+            key(path, "attention"),
+            self.attention,
+            "must be 'auto', 'gather', 'blocked', 'chunk' or 'kernel'",
+        )
+        check(
+            self.kv_pool in ("sharded", "replicated"),
+            key(path, "kv_pool"),
+            self.kv_pool,
+            "must be 'sharded' or 'replicated'",
+        )
+
+    def engine_settings(self) -> dict:
+        """These fields by name (SamplerConfig.from_rollout copies them)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineSettings)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig(SamplingSettings, EngineSettings):
+    """The run's rollout section: sampling (SamplingSettings), the engine (EngineSettings) and how
+    generation meets training (slots, weight updates, admission)."""
+
+    max_slots: int | None = None  # concurrent sequences; None -> one step's whole batch
     on_weight_update: Literal["auto", "finish", "recompute", "continue"] = "auto"  # sequences in flight when
     #   new weights arrive: finish on the old ones, recompute their KV with the new, or continue (partial
     #   rollout); auto = finish with admission=step, continue with admission=continuous
@@ -70,12 +135,6 @@ class RolloutConfig:
     #   older than the bound k when consumed is generated again from its prompt, or dropped
     forced_lengths: tuple[float, float, int, int] | None = None  # benchmarks (R2): each response stops at
     #   its own length, lognormal (median, sigma) clipped to [min, max] tokens, seeded per sequence; eos ignored
-    attention: Literal["auto", "gather", "blocked", "chunk", "kernel"] = "auto"  # decode attention over
-    #   pages (sampling/types.py): auto = "chunk" on CPU, "kernel" on GPU, "gather" elsewhere; "kernel"
-    #   (a Pallas kernel reading the pages in place, docs/kernels.md) needs a GPU or kernel_interpret
-    kernel_interpret: bool = False  # attention=kernel through the Pallas interpreter (runs on CPU, slowly)
-    kv_pool: Literal["sharded", "replicated"] = "sharded"  # KV page pool over the generation mesh's data
-    #   axis: one pool per data shard, or every device holding all pages (sampling/sharding.py)
 
     @property
     def weight_update_policy(self) -> str:
@@ -85,26 +144,10 @@ class RolloutConfig:
         return "continue" if self.admission == "continuous" else "finish"
 
     def validate(self, path: str) -> None:
-        check(self.max_new_tokens >= 1, key(path, "max_new_tokens"), self.max_new_tokens, "must be >= 1")
-        check(self.temperature >= 0, key(path, "temperature"), self.temperature, "must be >= 0 (0 = greedy)")
-        check(self.top_k >= 0, key(path, "top_k"), self.top_k, "must be >= 0")
-        check(0.0 < self.top_p <= 1.0, key(path, "top_p"), self.top_p, "must be in (0, 1]")
-        check(0.0 <= self.min_p < 1.0, key(path, "min_p"), self.min_p, "must be in [0, 1)")
-        check(self.page_size >= 1, key(path, "page_size"), self.page_size, "must be >= 1")
-        if self.num_pages is not None:
-            check(self.num_pages >= 2, key(path, "num_pages"), self.num_pages, "must be >= 2")
+        self.check_sampling(path)
+        self.check_engine(path)
         if self.max_slots is not None:
             check(self.max_slots >= 1, key(path, "max_slots"), self.max_slots, "must be >= 1")
-        check(self.chunk_steps >= 1, key(path, "chunk_steps"), self.chunk_steps, "must be >= 1")
-        check(self.min_chunk_steps >= 1, key(path, "min_chunk_steps"), self.min_chunk_steps, "must be >= 1")
-        check(0.0 <= self.watermark < 1.0, key(path, "watermark"), self.watermark, "must be in [0, 1)")
-        check(self.table_width_growth > 1.0, key(path, "table_width_growth"), self.table_width_growth, "must be > 1")
-        check(
-            self.attention in ATTENTIONS,
-            key(path, "attention"),
-            self.attention,
-            "must be 'auto', 'gather', 'blocked', 'chunk' or 'kernel'",
-        )
         if self.forced_lengths is not None:
             median, sigma, lo, hi = self.forced_lengths
             check(
@@ -120,9 +163,3 @@ class RolloutConfig:
                 self.on_weight_update,
                 "admission=continuous keeps sequences in flight across weight updates: use continue or recompute",
             )
-        check(
-            self.kv_pool in ("sharded", "replicated"),
-            key(path, "kv_pool"),
-            self.kv_pool,
-            "must be 'sharded' or 'replicated'",
-        )

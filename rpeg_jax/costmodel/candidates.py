@@ -313,7 +313,7 @@ def consumed_setting(st: S.Setting, reps: int, slots: int, k: int) -> S.Setting:
     rounding to the same count)."""
     if not st.packing:
         return st
-    a = S.admission_of(st, int(reps), int(slots), int(k))
+    a = S.continuous_admission(st, int(reps), int(slots), int(k))
     if not a.consumed:
         return st
     return dataclasses.replace(

@@ -105,13 +105,23 @@ def kv_read_of(r: RolloutConfig, kind: str, head_dim: int) -> str:
     return "chunk" if att == "chunk" else "copy"
 
 
+def attention_is_flash(attention: str, kind: str) -> bool:
+    """Whether the training passes' attention (model.attention) skips the masked half and keeps no
+    [T, T] scores: cudnn and pallas do; xla materialises them; auto is priced as flash on an
+    accelerator profile (the runtime takes cuDNN there when the model fits it: bfloat16 / float16,
+    head size a multiple of 8; a float32 model runs xla, and plan_warnings flags float32 on a GPU)."""
+    if attention == "auto":
+        return kind != "cpu"
+    return attention in ("cudnn", "pallas")
+
+
 def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processes: int = 1) -> Context:
     if num_devices < 1:
         raise GraphError("num_devices", f"{num_devices} must be >= 1")
     if processes < 1 or num_devices % processes:
         raise GraphError("processes", f"{processes} processes cannot share {num_devices} devices evenly")
     c = cfg.costmodel
-    flash = c.attention == "flash" or (c.attention == "auto" and hw.kind != "cpu")
+    flash = attention_is_flash(cfg.model.attention, hw.kind)
     base = build_graph(cfg)
     sz = base.sizes
     bucket = 1 if cfg.pipeline.microbatches > 1 else buckets.LENGTH_BUCKET
@@ -126,7 +136,7 @@ def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processe
         dense_scores=not flash,
         packing=cfg.train.pack_sequences,  # the updates and scoring forwards pack their rows
         budget_bytes=c.memory_budget * hw.hbm_bytes,
-        kv_replicated="replicated" in (c.kv_pool, cfg.rollout.kv_pool),  # the run's pool, or a what-if
+        kv_replicated=cfg.rollout.kv_pool == "replicated",
         prompt_sharing=cfg.sharding.axis_types != "explicit",  # kernels: explicit keeps the plain pass
         page_size=cfg.rollout.page_size,
         # the runtime pads prompts and responses to its length bucket unless shapes are
@@ -194,9 +204,8 @@ def reference_flops(ctx: Context) -> float:
 
 # ---- durations of a graph's stages for a table of rows ------------------------------------------
 def admission_of(graph: Graph) -> str:
-    """rollout.admission of a planned graph: continuous where generation keeps the staleness bound
-    without running ahead (graph/passes.bounded_async(k, ahead=0))."""
-    return "continuous" if graph.staleness and not graph.generation_ahead else "step"
+    """rollout.admission of a planned graph (Graph.admission)."""
+    return graph.admission
 
 
 def _part_time(kind: StageKind, tab: dict, graph: Graph) -> np.ndarray:

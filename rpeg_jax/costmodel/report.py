@@ -141,7 +141,7 @@ def admission_summary(ctx: Context, p: Prediction) -> Admission | None:
     g = p.layout["generate"]
     if g.get("admission") != "continuous":
         return None
-    return S.admission_of(ctx.st, g["replicas"], g["slots"], p.knobs["staleness"])
+    return S.continuous_admission(ctx.st, g["replicas"], g["slots"], p.knobs["staleness"])
 
 
 def explain(ctx: Context, res: SearchResult) -> list[str]:

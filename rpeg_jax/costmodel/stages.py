@@ -501,7 +501,7 @@ def continuous_slots(per_replica: int, cap: int) -> list[int]:
     return [c for c in opts if c >= 1] or [max(cap, 1)]
 
 
-def admission_of(st: Setting, reps: int, slots: int, k: int) -> Admission:
+def continuous_admission(st: Setting, reps: int, slots: int, k: int) -> Admission:
     """The engine's steady state under continuous admission for `reps` replicas of `slots` slots:
     simulated as one pool of reps x slots slots (a group is admitted into one replica's shard, so
     its unit is at most one replica's slots: the sampler splits a larger group)."""
@@ -529,7 +529,7 @@ def continuous_step(st: Setting, ms: ModelShape, n_gen: int, t: int, reps: int, 
     changes the number of steps, not their price), else of its busy rows, at the busy slots' mean
     context, plus one prefill per admitted group and its host work (admission_group_s)
     (its prompt once), plus with `recompute` re-prefilling the sequences in flight at every update."""
-    a = admission_of(st, reps, slots, k)
+    a = continuous_admission(st, reps, slots, k)
     # Static rows (the CPU): every slot's page table is read to the chunk's width, which the
     # longest running sequence sets (with a long tail in flight, well above the busy mean).
     # Otherwise the busy rows at their mean context (as DecodeProfile.ctx: prompt + the token fed +

@@ -327,6 +327,13 @@ class Graph:
         offs = [e.offset for e in self.inputs(gen.name) if e.src == "rollout_weights"] if gen is not None else []
         return -min(offs) if offs else 0
 
+    @property
+    def admission(self) -> str:
+        """rollout.admission this graph runs: "continuous" where generation keeps the staleness bound
+        k >= 1 without running ahead (graph/passes.bounded_async(k, ahead=0): one engine across
+        steps, runtime/rollout/continuous.py), else "step". Every reader takes it from here, as k."""
+        return "continuous" if self.staleness and not self.generation_ahead else "step"
+
     def stages(self) -> list[Stage]:
         return [self.nodes[n] for n in self.topo_order()]
 

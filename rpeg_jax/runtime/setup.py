@@ -62,6 +62,7 @@ class RuntimeContext:
     prompt_offset: int = 0  # this process's first prompt index within a step's batch
     data_skipped: dict[str, int] = field(default_factory=dict)  # bad JSONL lines skipped at start-up, by reason
     engine: ContinuousRollouts | None = None  # rollout.admission=continuous: the engine across steps
+    admission: str = "step"  # rollout.admission as the graph runs it (Graph.admission, like k)
     rollout: Any = None  # the RolloutSource every step's batch comes from (runtime/rollout/sources.py), set by build
     compiler_options: dict[str, str] = field(default_factory=dict)  # stage programs' XLA options (xla_flags)
 
@@ -141,7 +142,7 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
     )
     reward_name, reward_fn = resolve_reward(cfg.data)
     engine = None
-    if cfg.rollout.admission == "continuous":
+    if graph.admission == "continuous":
         if jax.process_count() > 1:  # every process has its own engine; a checkpoint holds one engine state
             raise ConfigError(
                 "rollout.admission",
@@ -185,6 +186,7 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
         prompt_offset=jax.process_index() * (cfg.data.prompts_per_step // jax.process_count()),
         data_skipped=dict(pipeline.skipped),
         engine=engine,
+        admission=graph.admission,
         compiler_options=xla_flags.train_compiler_options(),
     )
     if engine is not None and cfg.rl.filter_groups != "none":

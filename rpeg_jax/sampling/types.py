@@ -14,67 +14,51 @@ from typing import Literal
 import numpy as np
 
 from rpeg_jax.config.base import check
-from rpeg_jax.config.rollout import ATTENTIONS, RolloutConfig, check_attention_backend
+from rpeg_jax.config.rollout import EngineSettings, RolloutConfig, SamplingSettings, check_attention_backend
 from rpeg_jax.shapes.buckets import MIN_TABLE_WIDTH
 
 
 @dataclass(frozen=True, kw_only=True)
-class SamplerConfig:
-    """Engine settings (fixed for a Sampler's lifetime: they set the compiled shapes)."""
+class SamplerConfig(EngineSettings):
+    """Engine settings (fixed for a Sampler's lifetime: they set the compiled shapes): the run's
+    (config/rollout.EngineSettings: page_size, num_pages, chunk_steps, min_chunk_steps,
+    table_width_growth, watermark, attention, kernel_interpret, kv_pool; declared there once) and
+    those the runtime derives or a direct user sets."""
 
-    page_size: int = 16  # S: tokens per KV page
-    num_pages: int | None = None  # P: GLOBAL pages incl. the null page(s); None -> max_slots
-    #   full-length sequences (+ watermark). With the pool split over D data shards each shard gets
-    #   ceil(num_pages / D) pages, one of them its null page (the total rounds up to a multiple of D)
     max_slots: int = 64  # B: concurrent sequences (decode batch)
     max_seq_len: int | None = None  # prompt + completion tokens; None -> model max positions
-    chunk_steps: int = 64  # K: decode steps per jitted while_loop chunk (at most)
-    min_chunk_steps: int = 8  # a chunk ends early where the page-table width bucket grows, but
-    #                           not before this many steps (= chunk_steps: never end early)
-    watermark: float = 0.01  # fraction of pages kept free when admitting groups
     release_slots: bool = False  # end a decode chunk (after min_chunk_steps) once the first waiting
     #   group's worth of slots has freed, so it is admitted without idling to the chunk's end (set
     #   under continuous admission, where a group always waits; the sampled tokens do not change)
     on_weight_update: Literal["finish", "recompute", "continue"] = "finish"  # policy for in-flight
     #   sequences when weights change: finish them on the old weights, recompute their KV, or continue
-    attention: Literal["auto", "gather", "blocked", "chunk", "kernel"] = "auto"  # decode attention over
-    #   pages: "gather" the table's pages every step then dense attention; "blocked": an online-softmax
-    #   loop over blocks of pages that stops at the longest sequence; "chunk": gather the pages once per
-    #   decode chunk into dense buffers (fastest on CPU, costs a dense copy of the chunk's KV);
-    #   "kernel": JAX's Pallas paged-attention kernel reads each sequence's pages in place through its
-    #   block table (GPU, or kernel_interpret; docs/kernels.md); "auto" = chunk on CPU, kernel on GPU
-    #   where its blocks fit (page_size and head_dim powers of two >= 16; else gather), gather
-    #   elsewhere. Prefill always uses "gather".
-    kernel_interpret: bool = False  # run the "kernel" attention through the Pallas interpreter (CPU)
+    #   Decode attention (EngineSettings.attention): "gather" the table's pages every step then dense
+    #   attention; "blocked": an online-softmax loop over blocks of pages that stops at the longest
+    #   sequence; "chunk": gather the pages once per decode chunk into dense buffers (fastest on CPU,
+    #   costs a dense copy of the chunk's KV); "kernel": JAX's Pallas paged-attention kernel reads each
+    #   sequence's pages in place through its block table (GPU, or kernel_interpret; docs/kernels.md).
+    #   Prefill always uses "gather".
     block_pages: int = 4  # pages per block of the "blocked" attention
     forward: Literal["auto", "model", "split", "split_t"] = "auto"  # the model's own forward, or its
     #   layers over per-layer weight copies ("split_t": transposed copies, faster for few rows); see
     #   sampling/forward.py; auto = split on CPU (split_t up to 16 slots), model elsewhere
     kv_dtype: str | None = None  # KV pool dtype; None -> the model's compute dtype
-    kv_pool: Literal["sharded", "replicated"] = "sharded"  # on a mesh with a `data` axis D > 1 that
-    #   divides max_slots: split the page pool over data (each shard holds num_pages / D pages and
-    #   its slots' KV) or keep a whole pool per data shard; see sampling/sharding.py
     eos_token_ids: tuple[int, ...] | None = None  # None -> model.cfg.end_ids (eos_id + eos_ids)
     max_stop_ids: int = 8  # N: stop token ids per sequence on device (eos + stop_token_ids)
     min_prefill_len: int = 16  # smallest prefill length bucket (powers of two above it)
     min_prefill_rows: int = 1  # smallest prefill row bucket (powers of two above it; with a sharded
     #                            pool the rows of all shards together: D blocks of the per-shard bucket)
-    min_table_width: int = MIN_TABLE_WIDTH  # smallest decode page-table width bucket, in pages (fewer compiles
-    #                           against more gathered columns; capped at the widest table)
-    table_width_growth: float = 2.0  # ratio of consecutive decode page-table width buckets (2: powers of
-    #   two from min_table_width); smaller reads fewer unused key columns per step but compiles more
-    #   decode shapes (about log(max pages) / log(growth))
+    min_table_width: int = MIN_TABLE_WIDTH  # smallest decode page-table width bucket, in pages (fewer
+    #                           compiles against more gathered columns; capped at the widest table)
     seed: int = 0  # base seed for requests whose SamplingParams.seed is None
     debug_checks: bool = False  # check allocator invariants after every operation
     config_path: str = "sampler"  # the config section these settings come from ("rollout" from a run
     #   config): the checks the Sampler makes against the backend name its keys
 
     def validate(self, path: str = "sampler") -> None:
+        self.check_engine(path)
         for name in (
-            "page_size",
             "max_slots",
-            "chunk_steps",
-            "min_chunk_steps",
             "max_stop_ids",
             "min_prefill_len",
             "min_prefill_rows",
@@ -83,12 +67,8 @@ class SamplerConfig:
         ):
             v = getattr(self, name)
             check(isinstance(v, int) and v >= 1, f"{path}.{name}", v, "must be an int >= 1")
-        if self.num_pages is not None:
-            check(self.num_pages >= 2, f"{path}.num_pages", self.num_pages, "must be >= 2 (page 0 is the null page)")
         if self.max_seq_len is not None:
             check(self.max_seq_len >= 2, f"{path}.max_seq_len", self.max_seq_len, "must be >= 2")
-        check(0.0 <= self.watermark < 1.0, f"{path}.watermark", self.watermark, "must be in [0, 1)")
-        check(self.table_width_growth > 1.0, f"{path}.table_width_growth", self.table_width_growth, "must be > 1")
         check(
             self.on_weight_update in ("finish", "recompute", "continue"),
             f"{path}.on_weight_update",
@@ -100,18 +80,6 @@ class SamplerConfig:
             f"{path}.forward",
             self.forward,
             "must be 'auto', 'model', 'split' or 'split_t'",
-        )
-        check(
-            self.kv_pool in ("sharded", "replicated"),
-            f"{path}.kv_pool",
-            self.kv_pool,
-            "must be 'sharded' or 'replicated'",
-        )
-        check(
-            self.attention in ATTENTIONS,
-            f"{path}.attention",
-            self.attention,
-            "must be 'auto', 'gather', 'blocked', 'chunk' or 'kernel'",
         )
 
     def check_backend(self, backend: str, head_dim: int) -> None:
@@ -136,52 +104,30 @@ class SamplerConfig:
     ) -> "SamplerConfig":
         """Engine settings from the run config's rollout section."""
         kw = dict(
-            page_size=r.page_size,
-            num_pages=r.num_pages,
+            r.engine_settings(),  # declared once (config/rollout.EngineSettings): copied by name
             max_slots=r.max_slots or max_slots,
             max_seq_len=max_seq_len,
-            chunk_steps=r.chunk_steps,
-            min_chunk_steps=r.min_chunk_steps,
-            watermark=r.watermark,
-            table_width_growth=float(r.table_width_growth),
             release_slots=r.admission == "continuous",
             on_weight_update=r.weight_update_policy,
-            attention=r.attention,
-            kernel_interpret=r.kernel_interpret,
-            kv_pool=r.kv_pool,
             config_path="rollout",
         )
         return cls(**{**kw, **overrides})
 
 
 @dataclass(frozen=True, kw_only=True)
-class SamplingParams:
-    """Per-request sampling (vLLM names). temperature 0 = greedy. `stop` holds stop sequences:
-    token-id tuples, or strings (these need a tokenizer given to the Sampler)."""
+class SamplingParams(SamplingSettings):
+    """Per-request sampling (vLLM names; config/rollout.SamplingSettings: max_new_tokens, temperature
+    (0 = greedy), top_k, top_p, min_p, stop_token_ids, ignore_eos, declared there once) plus the
+    request's own: `n` completions, `stop` sequences (token-id tuples, or strings: these need a
+    tokenizer given to the Sampler) and the seed."""
 
     n: int = 1  # G: completions per prompt (a GRPO group; the prompt is prefilled once)
-    temperature: float = 1.0  # T
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    min_p: float = 0.0  # 0 = off
-    max_new_tokens: int = 32
-    stop_token_ids: tuple[int, ...] = ()  # besides eos; they stop even with ignore_eos
     stop: tuple = ()  # stop sequences: tuple[int, ...] or str each
-    ignore_eos: bool = False  # benchmarks: run to max_new_tokens
     seed: int | None = None  # None -> sampler seed + call counter (fresh samples per call)
 
     def validate(self, path: str = "sampling_params") -> None:
         check(isinstance(self.n, int) and self.n >= 1, f"{path}.n", self.n, "must be an int >= 1")
-        check(self.temperature >= 0, f"{path}.temperature", self.temperature, "must be >= 0 (0 = greedy)")
-        check(isinstance(self.top_k, int) and self.top_k >= 0, f"{path}.top_k", self.top_k, "must be an int >= 0")
-        check(0.0 < self.top_p <= 1.0, f"{path}.top_p", self.top_p, "must be in (0, 1]")
-        check(0.0 <= self.min_p < 1.0, f"{path}.min_p", self.min_p, "must be in [0, 1)")
-        check(
-            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-            f"{path}.max_new_tokens",
-            self.max_new_tokens,
-            "must be an int >= 1",
-        )
+        self.check_sampling(path)
         for s in self.stop:
             ok = (isinstance(s, str) and s) or (
                 isinstance(s, (tuple, list)) and s and all(isinstance(t, int) for t in s)
@@ -190,17 +136,10 @@ class SamplingParams:
 
     @classmethod
     def from_rollout(cls, r: RolloutConfig, *, n: int = 1, seed: int | None = None) -> "SamplingParams":
-        return cls(
-            n=n,
-            temperature=r.temperature,
-            top_k=r.top_k,
-            top_p=r.top_p,
-            min_p=r.min_p,
-            max_new_tokens=r.max_new_tokens,
-            stop_token_ids=tuple(r.stop_token_ids),
-            ignore_eos=r.ignore_eos or r.forced_lengths is not None,  # forced lengths run to their own end
-            seed=seed,
-        )
+        kw = {f.name: getattr(r, f.name) for f in dataclasses.fields(SamplingSettings)}  # declared once
+        kw["stop_token_ids"] = tuple(r.stop_token_ids)
+        kw["ignore_eos"] = r.ignore_eos or r.forced_lengths is not None  # forced lengths run to their own end
+        return cls(**kw, n=n, seed=seed)
 
 
 FinishReason = Literal["stop", "length", "abort"]

@@ -39,7 +39,7 @@ def lay_out(ctx, rows, gids: np.ndarray, host: dict[str, list]) -> tuple[dict, A
     P = length_bucket(int(longest[0]), cfg.data.max_prompt_len if fixed else None)
     # under continuous admission each batch's longest response varies from step to step (whichever
     # groups completed first), so R is the cap: one compiled shape for the training stages
-    fixed_r = fixed or cfg.rollout.admission == "continuous"
+    fixed_r = fixed or ctx.admission == "continuous"
     R = length_bucket(int(longest[1]), cfg.rollout.max_new_tokens if fixed_r else None)
     B = len(rows)
     tokens = np.full((B, P + R), cfg.model.pad_id, np.int32)
