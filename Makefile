@@ -8,7 +8,7 @@ CONFIG ?= configs/default.yaml
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: env run test test-all lint format bench plan clean
+.PHONY: env run test test-all lint format bench plan rpeg clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,9 @@ format: $(STAMP)  ## apply ruff's fixes and formatting
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+rpeg: $(STAMP)  ## any rpeg command without activating the venv: make rpeg ARGS="plan --config configs/p1.yaml"
+	$(VENV)/bin/rpeg $(ARGS)
 
 plan: $(STAMP)
 	$(PY) -m rpeg_jax.cli plan --config $(CONFIG) $(ARGS)

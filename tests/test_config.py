@@ -18,8 +18,14 @@ YAMLS = sorted(glob.glob(os.path.join(CONFIG_DIR, "**", "*.yaml"), recursive=Tru
 NOT_RUN_CONFIGS = ("hardware",)  # configs/hardware/*.yaml are cost-model hardware profiles
 
 
+# presets that need what the user gives (a checkpoint, data): the test gives the fixtures'
+GIVEN = {
+    "finetune.yaml": ["model.path=tests/fixtures/hf/qwen2_tiny", "rollout.max_new_tokens=64", "data.max_prompt_len=32"]
+}
+
+
 @pytest.mark.parametrize("path", YAMLS, ids=lambda p: os.path.relpath(p, CONFIG_DIR))
-def test_every_preset_parses(path):
+def test_every_preset_parses(path, tmp_path, monkeypatch):
     rel = os.path.relpath(path, CONFIG_DIR)
     with open(path) as f:
         data = yaml.safe_load(f)
@@ -27,7 +33,12 @@ def test_every_preset_parses(path):
     if rel.split(os.sep)[0] in NOT_RUN_CONFIGS:  # a hardware profile: validated as one
         assert isinstance(load_hardware(path), HardwareProfile)
         return
-    cfg = load_config(path)
+    given = GIVEN.get(rel, [])
+    if given:
+        monkeypatch.chdir(os.path.dirname(CONFIG_DIR))  # the fixture paths are relative to the repository
+        (tmp_path / "train.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n')
+        given = given + [f"data.path={tmp_path / 'train.jsonl'}"]
+    cfg = load_config(path, given)
     assert isinstance(cfg, RunConfig)
     assert from_dict(to_dict(cfg)) == cfg  # the resolved config reloads to itself
 

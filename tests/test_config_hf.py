@@ -246,3 +246,29 @@ def test_a_jsonl_run_bounds_prompts_by_the_models_positions_unless_given():
     assert cfg.data.max_prompt_len == min(512, cfg.model.max_position_embeddings - 8)
     assert load_config(None, base + ["data.max_prompt_len=40"]).data.max_prompt_len == 40
     assert load_config(None, []).data.max_prompt_len == 32
+
+
+def test_the_finetune_preset_has_the_grpo_recipes_values_and_warns_otherwise(tmp_path):
+    """configs/finetune.yaml (the README's real-checkpoint recipe) with the Qwen2-family fixture: the
+    verl / TRL GRPO values for a pretrained model; the tiny-model default's lr on the same checkpoint
+    is warned about in one line, the preset's is not."""
+    from rpeg_jax.config.hf import PRETRAINED_LR_MAX, pretrained_warnings
+
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"question": "1+1?", "solution": "#### 2"}) + "\n")
+    given = [f"model.path={os.path.join(HF, 'qwen2_tiny')}", f"data.path={data}", "data.prompt_field=question"]
+    preset = os.path.join(ROOT, "configs", "finetune.yaml")
+    assert read_yaml(preset)["rollout"]["max_new_tokens"] == 256  # TRL's; the fixture holds 128 positions:
+    cfg = load_config(
+        preset, given + ["data.answer_field=solution", "rollout.max_new_tokens=64", "data.max_prompt_len=32"]
+    )
+    assert cfg.model.path and cfg.model.vocab_size == raw("qwen2_tiny")["vocab_size"]  # shape from the checkpoint
+    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.grad_clip, cfg.optim.warmup_steps) == (1e-6, 0.01, 1.0, 0)
+    assert (cfg.rl.algorithm, cfg.rl.group_size, cfg.rl.kl_coef, cfg.rl.kl_estimator) == ("grpo", 8, 0.001, "k3")
+    assert (cfg.rollout.temperature, cfg.data.prompts_per_step, cfg.data.task) == (1.0, 8, "jsonl")
+    assert pretrained_warnings(cfg) == []
+    tiny_lr = load_config(None, given + ["data.task=jsonl", "data.answer_field=solution", "data.max_prompt_len=32"])
+    assert tiny_lr.optim.lr > PRETRAINED_LR_MAX
+    (line,) = pretrained_warnings(tiny_lr)
+    assert "optim.lr=0.0002" in line and "configs/finetune.yaml" in line and "\n" not in line
+    assert pretrained_warnings(load_config(None, [])) == []  # the tiny random-init model: no warning

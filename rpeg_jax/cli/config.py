@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from rpeg_jax.config.hf import checkpoint_overrides
+from rpeg_jax.config.hf import checkpoint_overrides, pretrained_warnings
 from rpeg_jax.config.run import dump_yaml, load_config
 
 
@@ -18,5 +18,7 @@ def run(args) -> int:
     cfg = load_config(args.config, args.overrides)
     for line in checkpoint_overrides(cfg):  # fields given beside model.path override its config.json
         print(line, file=sys.stderr)
+    for line in pretrained_warnings(cfg):
+        print(f"warning: {line}", file=sys.stderr)
     print(dump_yaml(cfg), end="")
     return 0

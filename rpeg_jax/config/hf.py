@@ -256,5 +256,21 @@ def checkpoint_overrides(cfg) -> list[str]:
     return lines
 
 
+PRETRAINED_LR_MAX = 1e-5  # above this a pretrained model's GRPO run is likely to collapse (configs/finetune.yaml)
+
+
+def pretrained_warnings(cfg) -> list[str]:
+    """Settings that fit a random-init model but not a pretrained one (model.path given): one line
+    each, logged as warnings at start-up (the run goes on)."""
+    out = []
+    if cfg.model.path is not None and cfg.optim.lr > PRETRAINED_LR_MAX:
+        out.append(
+            f"optim.lr={cfg.optim.lr:g} on the pretrained model.path={cfg.model.path}: GRPO recipes (verl, TRL) use "
+            f"1e-6, and rates above {PRETRAINED_LR_MAX:g} tend to collapse a pretrained policy within a few steps; "
+            "start from configs/finetune.yaml (make run CONFIG=configs/finetune.yaml ARGS=...)"
+        )
+    return out
+
+
 def _shown(v: Any) -> str:
     return repr(to_dict(v)) if not isinstance(v, tuple) else repr(list(v))

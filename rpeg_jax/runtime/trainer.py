@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from rpeg_jax.config.hf import checkpoint_overrides
+from rpeg_jax.config.hf import checkpoint_overrides, pretrained_warnings
 from rpeg_jax.config.run import RunConfig, dump_yaml
 from rpeg_jax.costmodel import devices as cost_devices
 from rpeg_jax.costmodel.planner import choose_plan as cost_model_planner
@@ -101,6 +101,8 @@ def train(
     with StopSignals() as stop:
         for line in checkpoint_overrides(cfg):  # fields given beside model.path / critic.path
             log.info("%s", line)
+        for line in pretrained_warnings(cfg):  # a random-init model's settings on a pretrained one
+            log.warning("%s", line)
         cfg, plan = choose_plan(cfg, plan)
         graph = graph_for_plan(cfg, plan)
         evaluator = Evaluator.for_run(cfg)  # None without eval.path; the eval file is checked here
