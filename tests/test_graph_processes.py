@@ -104,3 +104,11 @@ def test_a_plan_file_with_continuous_admission_is_refused_on_two_processes(tmp_p
     assert run_cfg.rollout.admission == "continuous"  # the plan's setting, whatever the config said
     with pytest.raises(NotRunnable, match=r"^config error: rollout.admission='continuous': runs on one process"):
         check_plan(run_cfg, loaded, graph_for_plan(run_cfg, loaded), 2)
+
+
+def test_costmodel_processes_is_validated():
+    with pytest.raises(ConfigError, match=r"costmodel.processes=0: must be >= 1"):
+        load_config(None, ["costmodel.processes=0"])
+    with pytest.raises(ConfigError, match=r"costmodel.processes=3: must divide num_devices=8"):
+        load_config(None, ["costmodel.processes=3", "costmodel.num_devices=8"])
+    assert load_config(None, ["costmodel.processes=2", "costmodel.num_devices=8"]).costmodel.processes == 2

@@ -100,6 +100,36 @@ DEFAULT = os.path.join(ROOT, "configs", "default.yaml")
 QUIET = ["train.progress=false", "train.tensorboard=false", "train.checkpoint_every=0"]
 
 
+@pytest.mark.multihost
+@pytest.mark.slow  # four processes compiling on a shared 2-core machine: ~50 s warm, ~70 s cold XLA cache
+def test_the_plan_for_four_processes_runs_on_four_local_processes(tmp_path):
+    """`rpeg plan --processes 4` for a 4-process CPU cluster (2 devices each) chooses the plan that a
+    run on `--local-processes 4` (pipeline.plan=auto, planned for jax.process_count()) makes and
+    runs: plan.json equal."""
+    planned = tmp_path / "planned.json"
+    args = ["--config", DEFAULT, "--hardware", "cpu", "--gpus", "8", "--processes", "4", "--quiet"]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "rpeg_jax.cli", "plan", *args, "--save-plan", str(planned)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    four = _run(
+        ["--config", DEFAULT, "train.steps=1", *QUIET, f"train.run_dir={run_dir}"]
+        + ["--local-processes", "4", "--local-devices", "2"],
+        timeout=900,
+    )
+    assert four.returncode == 0, four.stderr[-3000:]
+    ran = json.loads((run_dir / "plan.json").read_text())
+    assert ran == json.loads(planned.read_text())
+    assert ran["predicted"]["processes"] == 4 and ran["settings"]["rollout.admission"] == "step"
+
+
 def _illegal_plan(tmp_path, what):
     """A plan file that one process runs and two cannot, and the line the runtime refuses it with."""
     from rpeg_jax.config import load_config
