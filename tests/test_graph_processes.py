@@ -94,6 +94,22 @@ def test_check_plan_reads_the_plan_and_names_its_source(tmp_path):
         check_plan(run_cfg, loaded, graph_for_plan(run_cfg, loaded), 2)
 
 
+def test_a_manual_plan_takes_generations_mesh_from_sharding_generate_mesh():
+    # Tensor-parallel training with data-parallel generation on several processes, by hand.
+    cfg = cfg_of("sharding.mesh={data: -1, tensor: 2}", "sharding.generate_mesh={data: -1}")
+    plan = plan_from_config(cfg, 8)
+    assert plan.stage("generate").mesh == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert plan.stage("actor_update").mesh == {"data": 4, "fsdp": 1, "tensor": 2}
+    check_plan(cfg, plan, graph_for_plan(cfg, plan), 2)
+    tp = cfg_of("sharding.generate_mesh={data: -1, tensor: 4}")
+    plan = plan_from_config(tp, 8)
+    assert plan.stage("generate").mesh == {"data": 2, "fsdp": 1, "tensor": 4}
+    with pytest.raises(NotRunnable, match=r"^config error: sharding.generate_mesh=\{'data': -1, 'tensor': 4\}: "):
+        check_plan(tp, plan, graph_for_plan(tp, plan), 2)
+    with pytest.raises(ConfigError, match=r"^config error: sharding.generate_mesh=\{'data': 3\}: covers 3 devices"):
+        plan_from_config(cfg_of("sharding.generate_mesh={data: 3}"), 8)
+
+
 def test_a_plan_file_with_continuous_admission_is_refused_on_two_processes(tmp_path):
     cfg = cfg_of("pipeline.staleness=1", "rollout.admission=continuous")
     path = str(tmp_path / "cont.json")

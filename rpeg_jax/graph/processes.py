@@ -23,8 +23,9 @@ that fails is returned: one line naming the key and the value):
                            processes, or the runtime would run the replicas data-parallel anyway)
 
 The last two are set by the plan's layout, so they name its source: `pipeline.plan` (auto or a
-plan file), or `sharding.mesh` for a manual plan. One process: every plan is legal. A field of Runs
-left None is not judged: the planner asks about one part of a candidate at a time.
+plan file), or for a manual plan `sharding.generate_mesh` (generation's mesh), else `sharding.mesh`.
+One process: every plan is legal. A field of Runs left None is not judged: the planner asks about
+one part of a candidate at a time.
 
 Callers: costmodel/planner.py and costmodel/space.py (filtering), runtime/setup.py (refusing).
 """
@@ -109,20 +110,19 @@ def why_not(cfg: RunConfig, processes: int, num_devices: int, runs: Runs | None 
         why = f"a stage runs on a group of {small[0]} devices; {procs} every stage runs on all {N}"
         return Illegal(key, value, why)
     if runs.gen_tensor is not None and runs.gen_tensor != 1:
-        return Illegal(
-            key,
-            value,
-            f"generation has tensor={runs.gen_tensor}; {procs} it runs data-parallel on each process's own "
-            "devices (tensor=1)",
-        )
+        hint = ": sharding.generate_mesh={data: -1}" if key.startswith("sharding.") else ""
+        why = f"generation has tensor={runs.gen_tensor}; {procs} it runs data-parallel on each process's own devices"
+        return Illegal(key, value, f"{why} (tensor=1{hint})")
     return None
 
 
 def runs_of(cfg: RunConfig, plan: Plan, graph: Graph) -> Runs:
     """What `plan` asks of the runtime, `cfg` being the config it implies (graph/plan.config_for_plan)."""
     gen = graph.find(StageKind.GENERATE)
-    manual = plan.source == "manual"  # else the planner's (pipeline.plan=auto) or a file's
-    layout = ("sharding.mesh", cfg.sharding.mesh) if manual else ("pipeline.plan", cfg.pipeline.plan)
+    layout = ("pipeline.plan", cfg.pipeline.plan)  # the planner's (auto) or a file's
+    if plan.source == "manual":  # generation's mesh: sharding.generate_mesh, else sharding.mesh
+        sh = cfg.sharding
+        layout = ("sharding.generate_mesh", sh.generate_mesh) if sh.generate_mesh else ("sharding.mesh", sh.mesh)
     return Runs(
         placement=cfg.pipeline.placement,
         admission=cfg.rollout.admission,
