@@ -8,7 +8,10 @@ For 64/128/256 GH200 (4 per node) and 8-GPU H100/H200 nodes, Qwen2-shaped 1.5B/7
 GRPO (G=16) and PPO, prompt 512, responses 4k-16k tokens long-tailed (4096 + lognormal, median
 6144, clipped at 16384), global batch 512 sequences: the chosen plan with its predicted step
 time, memory per GPU and utilization; the verl-like and ReaL-like baselines (each the best of
-its family on the same hardware) and their ratios; and the search time on one core.
+its family on the same hardware) and their ratios; and the search time on one core. Each cluster
+is planned as the processes that launch on it, one per node (P: 16 for 64 GH200), so only plans
+the runtime runs with P processes are searched; a workload P processes cannot run at all (32
+prompts on 64 processes) is reported as refused, with the key.
 The planner searches rollout.admission (step | continuous) and k like its other knobs; "async"
 is the part of the chosen plan's gain over the verl-like plan that comes from asynchrony (the
 chosen layout priced at k = 0 with step admission: speedup = async x the rest). Our sampler's KV
@@ -28,9 +31,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rpeg_jax.config import load_config  # noqa: E402
+from rpeg_jax.costmodel.devices import resolve  # noqa: E402
 from rpeg_jax.costmodel.hardware import load_hardware  # noqa: E402
 from rpeg_jax.costmodel.planner import search  # noqa: E402
 from rpeg_jax.graph.ir import GraphError  # noqa: E402
+from rpeg_jax.graph.processes import NotRunnable  # noqa: E402
 
 MODELS = {"1.5B": "qwen2-1.5b", "7B": "qwen2-7b", "32B": "qwen2-32b", "72B": "qwen2-72b"}
 WORKLOAD = [
@@ -56,14 +61,21 @@ def one(hw_name: str, gpus: int, model: str, algo: str) -> dict:
     return _search(hw_name, gpus, model, algo, [])
 
 
+def _failed(e: GraphError) -> dict:
+    short = f"refused: {e.key}={e.value}" if isinstance(e, NotRunnable) else "no layout fits in memory"
+    return {"fits": False, "reason": str(e), "short": short}
+
+
 def _search(hw_name: str, gpus: int, model: str, algo: str, extra: list[str]) -> dict:
     cfg = load_config(None, [f"model.preset={MODELS[model]}", *WORKLOAD, *ALGOS[algo], *extra])
-    row = {"hardware": hw_name, "gpus": gpus, "model": model, "algorithm": algo}
+    hw = load_hardware(hw_name, calibrated=False)
+    row = {"hardware": hw_name, "gpus": gpus, "processes": resolve(cfg, gpus, hw, None)[2]}
+    row.update(model=model, algorithm=algo)
     t0 = time.perf_counter()
     try:
-        res = search(cfg, gpus, load_hardware(hw_name, calibrated=False))
+        res = search(cfg, gpus, hw)
     except GraphError as e:
-        row.update(fits=False, reason=str(e), search_seconds=time.perf_counter() - t0)
+        row.update(_failed(e), search_seconds=time.perf_counter() - t0)
         return row
     c = res.chosen
     row.update(
@@ -97,11 +109,13 @@ def gains_row(gpus: int, model: str) -> dict:
     baselines, the chosen plan, the best plan at the synchronous algorithm and the gains by kind."""
     extra = ["costmodel.max_staleness=2", "costmodel.search_algorithmic=true"]
     cfg = load_config(None, [f"model.preset={MODELS[model]}", *WORKLOAD, *ALGOS["GRPO"], *extra])
-    row = {"hardware": "gh200", "gpus": gpus, "model": model, "algorithm": "GRPO"}
+    hw = load_hardware("gh200", calibrated=False)
+    row = {"hardware": "gh200", "gpus": gpus, "processes": resolve(cfg, gpus, hw, None)[2], "model": model}
+    row["algorithm"] = "GRPO"
     try:
-        res = search(cfg, gpus, load_hardware("gh200", calibrated=False))
+        res = search(cfg, gpus, hw)
     except GraphError as e:
-        return {**row, "fits": False, "reason": str(e)}
+        return {**row, **_failed(e)}
 
     def fields(p):
         return {
@@ -126,13 +140,13 @@ def gains_row(gpus: int, model: str) -> dict:
 
 def gains_table(rows: list[dict]) -> str:
     head = (
-        "| GH200 | model | verl-like s / util | ReaL-like s / util (calls) | best k=0 s / util | chosen s / util "
+        "| GH200 | P | model | verl-like s / util | ReaL-like s / util (calls) | best k=0 s / util | chosen s / util "
         "(own) / GB | chosen plan | systems | algorithmic | total | search s |"
     )
-    out = [head, "|" + "---|" * 11]
+    out = [head, "|" + "---|" * 12]
     for r in rows:
         if not r["fits"]:
-            out.append(f"| {r['gpus']} | {r['model']} | no layout fits in memory |" + " |" * 8)
+            out.append(f"| {r['gpus']} | {r['processes']} | {r['model']} | {r['short']} |" + " |" * 8)
             continue
         b, c, e, g = r["baselines"], r["chosen"], r["equal_algorithm"], r["gains"]
 
@@ -155,7 +169,8 @@ def gains_table(rows: list[dict]) -> str:
             return f"{v:.2f}x" if v is not None else "-"
 
         out.append(
-            f"| {r['gpus']} | {r['model']} | {su(b.get('verl_like'))} | {su(real)}{calls} | {su(e)} | "
+            f"| {r['gpus']} | {r['processes']} | {r['model']} | {su(b.get('verl_like'))} | {su(real)}{calls} | "
+            f"{su(e)} | "
             f"{c['step_time_s']:.1f} / {100 * c['utilization']:.1f}% ({100 * c['utilization_own_work']:.1f}%) / "
             f"{c['memory_per_gpu_gb']:.1f} | {plan} | {x(g['systems'])} | {x(g['algorithmic'])} | {x(g['total'])} | "
             f"{r['search_seconds']:.2f} |"
@@ -177,14 +192,14 @@ def describe(row: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     head = (
-        f"{'hw':<6}{'gpus':>5} {'model':<5} {'algo':<5} {'chosen plan':<44}{'step s':>8}{'util':>7}{'GB':>6}"
+        f"{'hw':<6}{'gpus':>5}{'P':>4} {'model':<5} {'algo':<5} {'chosen plan':<44}{'step s':>8}{'util':>7}{'GB':>6}"
         f"{'verl s':>9}{'x':>6}{'ReaL s':>9}{'x':>6}{'search s':>9}{'async':>7}"
     )
     out = [head, "-" * len(head)]
     for r in rows:
-        pre = f"{r['hardware']:<6}{r['gpus']:>5} {r['model']:<5} {r['algorithm']:<5} "
+        pre = f"{r['hardware']:<6}{r['gpus']:>5}{r['processes']:>4} {r['model']:<5} {r['algorithm']:<5} "
         if not r["fits"]:
-            out.append(pre + f"{'no layout fits in memory':<44}" + f"{'':>56}{r['search_seconds']:>9.2f}")
+            out.append(pre + f"{r['short'][:43]:<44}" + f"{'':>56}{r['search_seconds']:>9.2f}")
             continue
         c = r["chosen"]
         base = ""

@@ -289,7 +289,7 @@ def _search(sigma, n=16):
             "costmodel.search_algorithmic=true",
         ],
     )
-    return cfg, P.search(cfg, n, without_sync_costs(GH))
+    return cfg, P.search(cfg, n, without_sync_costs(GH), processes=1)  # continuous admission: one process
 
 
 def test_planner_searches_admission_and_splits_the_gain():
@@ -349,7 +349,9 @@ def test_p1_preset_loads_and_plans(tmp_path, capsys):
     assert cfg.data.max_prompt_len == 512 and cfg.rollout.max_new_tokens == 16384
     assert cfg.model.num_layers == 28 and cfg.model.hidden_size == 3584  # qwen2-7b
     out = tmp_path / "p1.json"
-    assert main(["plan", "--config", "configs/p1.yaml", "--hardware", "gh200", "--gpus", "64", "--json", str(out)]) == 0
+    # one process (the model's what-if: continuous admission), so that there is an asynchrony share
+    args = ["plan", "--config", "configs/p1.yaml", "--hardware", "gh200", "--gpus", "64", "--processes", "1"]
+    assert main([*args, "--json", str(out)]) == 0
     assert "of the" in capsys.readouterr().out  # the asynchrony share in the explanation
     d = json.loads(out.read_text())
     a = d["asynchrony"]

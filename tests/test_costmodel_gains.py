@@ -120,7 +120,7 @@ def test_algorithmic_knobs_are_off_unless_asked_and_the_gain_is_all_systems():
 
 def test_gains_split_staleness_from_systems_and_multiply_to_the_total():
     cfg = cfg_of(*GRPO16, "costmodel.search_algorithmic=true", "costmodel.response_len_sigma=1.0")
-    res = P.search(cfg, 16, GH)
+    res = P.search(cfg, 16, GH, processes=1)  # the whole space (one process: the model's what-if)
     c, g, a = res.chosen, res.gains, res.asynchrony
     assert c.knobs["staleness"] >= 1, "the tail should make staleness pay here"
     assert g["algorithmic_knobs"] == {"staleness": c.knobs["staleness"], "share_actor_critic": False}
@@ -139,7 +139,7 @@ def test_gains_split_staleness_from_systems_and_multiply_to_the_total():
 
 def test_a_pinned_staleness_still_gets_an_equal_algorithm_reference():
     cfg = cfg_of(*GRPO16, "pipeline.staleness=1", "costmodel.response_len_sigma=1.0")
-    res = P.search(cfg, 16, GH)
+    res = P.search(cfg, 16, GH, processes=1)  # as the brute force below (make_context: one process)
     assert res.chosen.knobs["staleness"] == 1  # the config's own choice is respected
     eq = res.equal_algorithm
     assert eq is not None and eq.knobs["staleness"] == 0 and eq is not res.chosen

@@ -115,10 +115,12 @@ def test_long_tail_favours_bounded_asynchrony_when_allowed():
     # overlap to pay; with the group's prompt run once in the training passes, GRPO without KL leaves
     # too little of it here.)
     keep = ("costmodel.search_elide_old_forward=false", "costmodel.search_one_step_rewrites=false", "rl.kl_coef=0.04")
+    # One process owning 16 GH200: the model's what-if (one per node, 4, runs no split or continuous
+    # admission: test_several_processes_search_only_what_the_runtime_runs).
     cfg = cfg_of("costmodel.max_staleness=1", "costmodel.search_algorithmic=true", *keep)
-    res = P.search(cfg, 16, GH)
+    res = P.search(cfg, 16, GH, processes=1)
     assert res.chosen.knobs["staleness"] == 1
-    sync_only = P.search(cfg_of("costmodel.max_staleness=0", *keep), 16, GH)
+    sync_only = P.search(cfg_of("costmodel.max_staleness=0", *keep), 16, GH, processes=1)
     assert sync_only.chosen.knobs["staleness"] == 0
     assert res.chosen.step_time_s < sync_only.chosen.step_time_s
 
@@ -126,9 +128,10 @@ def test_long_tail_favours_bounded_asynchrony_when_allowed():
 def test_continuous_admission_hides_the_tail():
     # Step admission: each step's batch is one generate call, tail included, and staleness only
     # overlaps the groups; continuous admission keeps the engine full across weight updates.
+    # (One process owning 16 GH200: the model's what-if, as above.)
     gh = without_sync_costs(GH)
-    base = P.search(cfg_of("costmodel.max_staleness=0"), 16, gh)
-    ca = P.search(cfg_of("costmodel.max_staleness=1", "costmodel.search_algorithmic=true"), 16, gh)
+    base = P.search(cfg_of("costmodel.max_staleness=0"), 16, gh, processes=1)
+    ca = P.search(cfg_of("costmodel.max_staleness=1", "costmodel.search_algorithmic=true"), 16, gh, processes=1)
     assert ca.chosen.layout["generate"]["admission"] == "continuous"
     assert ca.chosen.step_time_s < base.chosen.step_time_s
     assert ca.chosen.stage_times_s["generate"] < base.chosen.stage_times_s["generate"]
@@ -241,6 +244,7 @@ def test_256_gpu_search_is_fast():
         ),
         256,
         GH,
+        processes=1,  # the whole space (split, continuous admission); 64 processes would refuse 32 prompts
     )
     assert res.search_seconds < 60
     assert res.evaluations / res.search_seconds >= 1e3
@@ -259,8 +263,10 @@ def test_config_for_plan_applies_the_planner_settings():
     lay = res.chosen.layout
     assert out.rl.micro_batches == lay["train"]["micro_batches"]
     assert out.model.remat == lay["train"]["remat"]
-    # The sampler's max_slots spans its replicas (the slot axis is sharded over them).
-    assert out.rollout.max_slots == lay["generate"]["slots"] * lay["generate"]["replicas"]
+    # The sampler's max_slots spans a process's replicas (the slot axis is sharded over them); 16 GH200
+    # are 4 processes (one per node) by default.
+    assert res.processes == 4
+    assert out.rollout.max_slots == lay["generate"]["slots"] * lay["generate"]["replicas"] // 4
     assert out.pipeline.staleness == res.chosen.knobs["staleness"]
     assert out.pipeline.placement == res.chosen.knobs["placement"]
 
@@ -306,18 +312,97 @@ def test_mesh_axes_divide_the_batches_they_shard(hw):
     assert 7 not in sizes
 
 
-def test_several_processes_stay_colocated_with_per_process_generation():
-    cfg = load_config(None, ["costmodel.runners_up=12"])
-    res = P.search(cfg, 8, GH, processes=2)
+def _refused(cfg, plan, processes):
+    """The runtime's refusal (graph/processes.check_plan, as runtime/setup.build calls it) of a plan."""
+    from rpeg_jax.graph.plan import config_for_plan
+    from rpeg_jax.graph.processes import NotRunnable, check_plan
+
+    run_cfg, _ = config_for_plan(cfg, plan)
+    try:
+        check_plan(run_cfg, plan, graph_for_plan(run_cfg, plan), processes)
+    except NotRunnable as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("hw", [CPU, GH], ids=["cpu", "gh200"])
+def test_several_processes_search_only_what_the_runtime_runs(hw):
+    """The planner filters with the rules the runtime refuses by (graph/processes.py): with 2
+    processes every plan it offers passes the runtime's check, while one process is offered plans
+    two cannot run (a split, a sub-mesh, tensor-parallel generation, continuous admission). The
+    baselines keep their own engines' layouts."""
+    cfg = load_config(
+        None, ["costmodel.runners_up=12", "costmodel.search_algorithmic=true", "costmodel.max_staleness=1"]
+    )
+    one = P.search(cfg, 8, hw, processes=1)
+    res = P.search(cfg, 8, hw, processes=2)
+    ours = [res.chosen, *res.runners_up, res.equal_algorithm]
+    assert not [(p.label, _refused(cfg, p.plan, 2)) for p in ours if _refused(cfg, p.plan, 2)]
+    assert any(_refused(cfg, p.plan, 2) for p in [one.chosen, *one.runners_up])
     B = cfg.data.prompts_per_step * cfg.rl.group_size
-    for p in _candidates(res):
+    for p in ours:
         assert p.knobs["placement"] == "colocated" and p.layout["groups"] == {"all": 8}
-        assert p.layout["generate"]["tensor"] == 1
+        assert p.layout["generate"]["tensor"] == 1 and p.layout["generate"]["admission"] == "step"
     s = res.chosen.plan.settings
     assert s["rollout.max_slots"] == res.chosen.layout["generate"]["slots"] * 8 // 2 <= B // 2
-    assert res.chosen.plan.predicted["processes"] == 2
-    with pytest.raises(GraphError, match="processes"):
+    assert res.processes == res.chosen.plan.predicted["processes"] == 2
+    assert res.baselines["verl_like"].step_time_s == pytest.approx(one.baselines["verl_like"].step_time_s)
+    with pytest.raises(GraphError, match=r"costmodel.processes=3: 3 processes cannot own 8 devices"):
         P.search(cfg, 8, GH, processes=3)
+
+
+@pytest.mark.parametrize(
+    "over, key",
+    [
+        (["pipeline.staleness=1", "rollout.admission=continuous"], "rollout.admission='continuous'"),
+        (["rl.filter_groups=zero_variance"], "rl.filter_groups='zero_variance'"),
+        (["data.prompts_per_step=6"], "data.prompts_per_step=6"),
+    ],
+)
+def test_planner_refuses_a_config_several_processes_cannot_run(over, key, capsys):
+    """What the config pins and the runtime cannot run with 4 processes is one line naming the key and
+    the value (`rpeg plan` exits 2), the line the runtime gives (graph/processes.why_not)."""
+    from rpeg_jax.cli import main
+
+    with pytest.raises(GraphError, match=f"^config error: {key}: "):
+        P.search(load_config(None, over), 8, CPU, processes=4)
+    assert main(["plan", "--hardware", "cpu", "--gpus", "8", "--processes", "4", "--quiet", *over]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"config error: {key}: ") and "\n" not in err
+    P.search(load_config(None, over), 8, CPU, processes=1)  # one process runs it
+
+
+def test_a_cluster_is_planned_as_one_process_per_node():
+    from rpeg_jax.config import ConfigError
+    from rpeg_jax.costmodel.devices import resolve
+
+    cfg = load_config("configs/p1.yaml", [])
+    for n, procs in ((2, 1), (4, 1), (64, 16), (128, 32), (256, 64)):
+        assert resolve(cfg, n, "gh200", None)[2] == procs  # node.devices 4
+    assert resolve(cfg, 64, "h100", None)[2] == 8
+    assert resolve(cfg, 64, "gh200", 4)[2] == 4  # the caller's: rpeg plan --processes, the runtime's count
+    assert resolve(load_config("configs/p1.yaml", ["costmodel.processes=8"]), 64, "gh200", None)[2] == 8
+    with pytest.raises(ConfigError, match=r"^config error: costmodel.processes=None: 6 devices do not fill whole 4-"):
+        resolve(cfg, 6, "gh200", None)
+
+
+def test_rpeg_plan_prices_p1_as_the_processes_that_launch_on_it(tmp_path, capsys):
+    """`rpeg plan --config configs/p1.yaml --hardware gh200 --gpus N` plans N / 4 processes: the header
+    and the JSON say so, the chosen plan is one the runtime runs with them, and at 256 GPUs (64
+    processes for 32 prompts) it is refused in one line."""
+    from rpeg_jax.cli import main
+
+    out, saved = tmp_path / "p1.json", tmp_path / "plan.json"
+    args = ["plan", "--config", "configs/p1.yaml", "--hardware", "gh200"]
+    assert main([*args, "--gpus", "64", "--json", str(out), "--save-plan", str(saved)]) == 0
+    assert capsys.readouterr().out.startswith("rpeg plan: 64 x gh200 in 16 processes (4 devices each); ")
+    d = json.loads(out.read_text())
+    assert d["processes"] == 16 == d["chosen"]["plan"]["predicted"]["processes"]
+    assert _refused(load_config("configs/p1.yaml", []), Plan.load(str(saved)), 16) is None
+    assert main([*args, "--gpus", "256", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: data.prompts_per_step=32: must be a multiple of the 64 processes (each ")
+    assert err.count("\n") == 1
 
 
 def test_shared_host_groups_do_not_overlap_but_gpus_do():

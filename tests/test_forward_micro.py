@@ -245,7 +245,7 @@ def test_planner_picks_forward_micro_batches_when_one_pass_does_not_fit():
 
     gh = load_hardware("gh200", calibrated=False)
     cfg = _p1()
-    res = P.search(cfg, 8, gh)
+    res = P.search(cfg, 8, gh, processes=1)  # tensor-parallel generation (two processes fit nothing)
     fw = res.chosen.layout["forward"]
     ctx = P.make_context(cfg, 8, gh)
     st, ms = ctx.st, P.roles_of(ctx, ctx.base).actor
@@ -256,7 +256,7 @@ def test_planner_picks_forward_micro_batches_when_one_pass_does_not_fit():
     assert plan.settings["rl.forward_micro_batches"] == micro
     run_cfg, changed = config_for_plan(cfg, plan)
     assert run_cfg.rl.forward_micro_batches == micro and changed["rl.forward_micro_batches"] == (1, micro)
-    small = P.search(_p1(["data.prompts_per_step=8"]), 8, gh).chosen
+    small = P.search(_p1(["data.prompts_per_step=8"]), 8, gh, processes=1).chosen
     assert small.layout["forward"]["micro_batches"] == 1 == small.plan.settings["rl.forward_micro_batches"]
 
 

@@ -18,9 +18,13 @@ def _launcher():
     return load_file("rpeg_launch_multihost", LAUNCH)
 
 
-def _run(args, timeout=120, devices=8):
+def _run(args, timeout=120, devices=8, **env_extra):
     env = dict(
-        os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=ROOT,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        **env_extra,
     )
     return subprocess.run([sys.executable, LAUNCH] + args, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -90,3 +94,87 @@ def test_two_local_processes_match_one_process(tmp_path):
         for k in ra:
             # float32 collectives over gloo sum in another order than in one process: 1e-5 relative
             np.testing.assert_allclose(rb[k], ra[k], rtol=1e-5, atol=1e-7, err_msg=f"step {ra['step']} {k}")
+
+
+DEFAULT = os.path.join(ROOT, "configs", "default.yaml")
+QUIET = ["train.progress=false", "train.tensorboard=false", "train.checkpoint_every=0"]
+
+
+@pytest.mark.multihost
+@pytest.mark.slow  # four processes compiling on a shared 2-core machine: ~50 s warm, ~70 s cold XLA cache
+def test_the_plan_for_four_processes_runs_on_four_local_processes(tmp_path):
+    """`rpeg plan --processes 4` for a 4-process CPU cluster (2 devices each) chooses the plan that a
+    run on `--local-processes 4` (pipeline.plan=auto, planned for jax.process_count()) makes and
+    runs: plan.json equal."""
+    planned = tmp_path / "planned.json"
+    args = ["--config", DEFAULT, "--hardware", "cpu", "--gpus", "8", "--processes", "4", "--quiet"]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "rpeg_jax.cli", "plan", *args, "--save-plan", str(planned)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    four = _run(
+        ["--config", DEFAULT, "train.steps=1", *QUIET, f"train.run_dir={run_dir}"]
+        + ["--local-processes", "4", "--local-devices", "2"],
+        timeout=900,
+    )
+    assert four.returncode == 0, four.stderr[-3000:]
+    ran = json.loads((run_dir / "plan.json").read_text())
+    assert ran == json.loads(planned.read_text())
+    assert ran["predicted"]["processes"] == 4 and ran["settings"]["rollout.admission"] == "step"
+
+
+def _illegal_plan(tmp_path, what):
+    """A plan file that one process runs and two cannot, and the line the runtime refuses it with."""
+    from rpeg_jax.config import load_config
+    from rpeg_jax.graph.plan import plan_from_config
+
+    path = str(tmp_path / f"{what}.json")
+    if what == "continuous":  # k = 1 with the continuous engine: its setting rollout.admission
+        over, line = ["pipeline.staleness=1", "rollout.admission=continuous"], "rollout.admission='continuous'"
+    else:  # tensor-parallel generation: each tensor group spans both processes' devices in turn
+        over, line = ["sharding.mesh={data: -1, tensor: 2}"], f"pipeline.plan={path!r}"
+    plan_from_config(load_config(DEFAULT, ["pipeline.plan=manual", *over]), 8).save(path)
+    return path, f"config error: {line}: "
+
+
+def _refusal(path, processes):
+    """The line graph/processes.check_plan refuses the plan file with, here in this process."""
+    from rpeg_jax.config import load_config
+    from rpeg_jax.graph.plan import config_for_plan, graph_for_plan, plan_for_config
+    from rpeg_jax.graph.processes import NotRunnable, check_plan
+
+    cfg = load_config(DEFAULT, [f"pipeline.plan={path}"])
+    plan = plan_for_config(cfg, 8)
+    cfg, _ = config_for_plan(cfg, plan)
+    with pytest.raises(NotRunnable) as e:
+        check_plan(cfg, plan, graph_for_plan(cfg, plan), processes)
+    check_plan(cfg, plan, graph_for_plan(cfg, plan), 1)  # one process runs it
+    return str(e.value)
+
+
+@pytest.mark.multihost
+@pytest.mark.parametrize("what", ["continuous", "tensor"])
+def test_a_plan_two_processes_cannot_run_is_refused_in_one_line(tmp_path, what):
+    """pipeline.plan=<file> with continuous admission or tensor-parallel generation under
+    `--local-processes 2`: every process stops with the same one-line ConfigError naming the knob
+    (exit 2), before anything compiles (JAX logs every compilation with JAX_LOG_COMPILES)."""
+    path, line = _illegal_plan(tmp_path, what)
+    r = _run(
+        ["--config", DEFAULT, f"pipeline.plan={path}", "train.steps=1", *QUIET, f"train.run_dir={tmp_path / 'r'}"]
+        + ["--local-processes", "2", "--local-devices", "4"],
+        timeout=300,
+        JAX_LOG_COMPILES="1",
+    )
+    assert r.returncode == 2, r.stderr[-3000:]
+    want = _refusal(path, 2)
+    assert want.startswith(line) and "\n" not in want
+    # each process prints it once (the two processes' lines may interleave with the other's log lines)
+    assert r.stderr.count(want) == 2 == r.stderr.count("config error"), r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "Compiling" not in r.stderr, r.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""`rpeg plan --config X [--hardware gh200] [--gpus 256] [--model qwen2-7b] [--json out.json] [k=v ...]`.
+"""`rpeg plan --config X [--hardware gh200] [--gpus 256] [--processes 64] [--model M] [--json out.json] [k=v ...]`.
 
 Prints the chosen plan (predicted step time, memory per GPU, utilization, per-stage breakdown),
 the runners-up, the verl-like and ReaL-like baselines with their ratios, the gain over verl-like
@@ -8,8 +8,10 @@ search time;
 `--json` writes the same (see costmodel/report.py for the fields), `--save-plan` the chosen
 Plan (loadable with `pipeline.plan: <path>`). Defaults are what a run would see: the device
 count and kind JAX reports here (1 CPU device for `make run` on a plain CPU) and the calibrated
-profile of that kind when `rpeg calibrate` saved one. With --gpus and --hardware given it
-imports no JAX and touches no device.
+profile of that kind when `rpeg calibrate` saved one. With --gpus, the cluster is planned as the
+processes that launch on it, one per node unless --processes says otherwise, and only plans the
+runtime runs with that many processes are searched (graph/processes.py); the header shows P.
+With --gpus and --hardware given it imports no JAX and touches no device.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ def add_arguments(p) -> None:
         "--processes",
         type=int,
         default=None,
-        help="JAX processes owning the devices (default: this process's jax.process_count())",
+        help="JAX processes owning the devices, P (= costmodel.processes; default: one per node of the hardware "
+        "profile, or jax.process_count() when planning for the devices JAX sees here); the plan is one the "
+        "runtime runs with P processes",
     )
     p.add_argument("--model", default=None, help="model preset, e.g. qwen2-7b (= model.preset=...)")
     p.add_argument("--json", default=None, help="write the result as JSON here")
@@ -68,7 +72,7 @@ def run(args) -> int:
     for line in checkpoint_overrides(cfg):  # fields given beside model.path override its config.json
         print(line, file=sys.stderr)
     try:
-        hw, n, procs = resolve(cfg, args.gpus, args.hardware, args.processes or (1 if args.gpus else None))
+        hw, n, procs = resolve(cfg, args.gpus, args.hardware, args.processes)
         res = search(cfg, n, hw, procs)
     except GraphError as e:
         print(str(e), file=sys.stderr)

@@ -14,6 +14,11 @@ from rpeg_jax.config.base import check, key
 class CostModelConfig:
     hardware: str = "auto"  # profile name in configs/hardware/, a YAML path, or auto (the devices the run sees)
     num_devices: int | None = None  # None -> the devices JAX sees
+    processes: int | None = None  # P, the JAX processes owning the devices (N / P each; SLURM: one per
+    #   node). None -> one per node of the hardware profile (node.devices), or the processes JAX sees when
+    #   planning for its devices. The planner searches only plans the runtime runs with P processes
+    #   (graph/processes.py). At train time the run's own jax.process_count(), as num_devices gives way
+    #   to the devices JAX sees
     memory_budget: float = 0.9  # fraction of device memory plans may use
     # Workload assumptions.
     prompt_len: int | None = None  # tokens per prompt (bos included) the model prices; None -> the data's
@@ -46,6 +51,15 @@ class CostModelConfig:
             check(self.prompt_len >= 1, key(path, "prompt_len"), self.prompt_len, "must be >= 1")
         if self.num_devices is not None:
             check(self.num_devices >= 1, key(path, "num_devices"), self.num_devices, "must be >= 1")
+        if self.processes is not None:
+            check(self.processes >= 1, key(path, "processes"), self.processes, "must be >= 1")
+            if self.num_devices is not None:
+                check(
+                    self.num_devices % self.processes == 0,
+                    key(path, "processes"),
+                    self.processes,
+                    f"must divide num_devices={self.num_devices} (each process owns N / P devices)",
+                )
         if self.response_len_median is not None:
             check(
                 self.response_len_median >= self.response_len_min,

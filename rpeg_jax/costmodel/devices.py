@@ -3,6 +3,7 @@
     info = local_devices()                      # imports JAX (lazily): count, processes, platform, kind
     name = profile_for(info.platform, info.kind)  # "cpu", "h200", "h100", "gh200"
     hw, n, procs = resolve(cfg, num_devices, hardware, processes)   # what the planner plans for
+    procs = processes_per_node(hw, n)           # the default process count: one per node
 
 `costmodel.hardware: auto` (the default) means "the profile of the devices this run sees": the
 CPU profile on a CPU backend, the GPU profile named by the device kind on a GPU. `rpeg plan`
@@ -10,6 +11,12 @@ without --gpus plans for the devices `make run` would see (jax.device_count(): 1
 CPU, 8 under --xla_force_host_platform_device_count=8). The planner asks JAX only when the caller
 did not say (a named profile, a device count and a process count given explicitly never touch
 JAX); in the runtime JAX is imported already. The rest of the cost model stays device-free.
+
+Processes: a cluster is planned as the JAX processes that launch on it, since what the runtime can
+run depends on them (graph/processes.py). The count is the caller's (`rpeg plan --processes`; the
+runtime passes jax.process_count()), else `costmodel.processes`, else, planning for the devices
+JAX sees here, their jax.process_count(), else one process per node of the hardware profile, as
+SLURM launches one task per node (`node.devices`: 16 processes for 64 GH200).
 
 A CPU profile's memory per device is what this host has: the RAM available now (host_memory:
 /proc/meminfo's MemAvailable, capped by a cgroup memory limit; else os.sysconf's available
@@ -81,14 +88,22 @@ def profile_for(platform: str, kind: str) -> str:
     return DEFAULT_GPU
 
 
-def processes_of_running_jax() -> int:
-    """jax.process_count() when JAX is already imported (the runtime), else 1: the planner never
-    initialises a backend just to learn it."""
-    if "jax" not in sys.modules:
-        return 1
-    import jax
+def processes_per_node(hw, num_devices: int) -> int:
+    """One process per node of `hw` (node.devices each): 1 up to one node, else the node count; a
+    device count that does not fill whole nodes is a ConfigError naming costmodel.processes."""
+    from rpeg_jax.config.base import ConfigError
 
-    return int(jax.process_count())
+    per = int(hw.node.devices)
+    if num_devices <= per:
+        return 1
+    if num_devices % per:
+        raise ConfigError(
+            "costmodel.processes",
+            None,
+            f"{num_devices} devices do not fill whole {per}-device nodes of {hw.name}, so one process per "
+            "node is no default: give the process count (costmodel.processes, rpeg plan --processes)",
+        )
+    return num_devices // per
 
 
 def _read_int(path: str) -> int | None:
@@ -139,7 +154,8 @@ def host_budget(hw, num_devices: int, available: float | None = None):
 
 def resolve(cfg, num_devices: int | None, hardware, processes: int | None):
     """(HardwareProfile, device count, process count) to plan for: explicit arguments, else the
-    config (costmodel.hardware / costmodel.num_devices), else the local devices."""
+    config (costmodel.hardware / num_devices / processes), else the local devices; processes with
+    neither: one per node of the profile (module docstring)."""
     from rpeg_jax.costmodel.hardware import HardwareProfile, load_hardware
 
     name = hardware if hardware is not None else cfg.costmodel.hardware
@@ -150,10 +166,13 @@ def resolve(cfg, num_devices: int | None, hardware, processes: int | None):
         hw = name
     else:
         hw = load_hardware(profile_for(info.platform, info.kind) if auto else name)
-    if not n:
+    seen = not n  # the devices JAX sees here, in the processes it sees
+    if seen:
         n = info.count
     if not isinstance(name, HardwareProfile):  # a CPU profile by name: this host's RAM, split
         hw = host_budget(hw, n)
     if processes is None:
-        processes = info.processes if info is not None else processes_of_running_jax()
+        processes = cfg.costmodel.processes
+    if processes is None:
+        processes = info.processes if seen else processes_per_node(hw, n)
     return hw, int(n), int(processes)

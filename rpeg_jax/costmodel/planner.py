@@ -17,6 +17,11 @@ Baselines are the best plan of their own family on the same table (no straw men)
   ReaL-like: colocated, synchronous, unfused, per-stage layouts with parameter reallocation, or
              the scoring forwards concurrent on disjoint sub-meshes (real_concurrent); the better.
 The gain over verl-like is split into systems x algorithmic (gains_of; docs/costmodel.md).
+A cluster is planned as the P JAX processes that launch on it (costmodel/devices.resolve: one per
+node unless told): every candidate above is one the runtime runs with P processes, filtered by the
+rules the runtime refuses plans by (graph/processes.py, through space.runnable); a config no such
+plan can serve is refused in one line naming the key (make_context). The baselines are other
+systems with their own engines: not bound by those rules.
 Nothing here imports JAX: planning a 256-GPU cluster runs on a laptop.
 """
 
@@ -48,6 +53,7 @@ from rpeg_jax.costmodel.space import (  # noqa: F401
     continuous_searched,
     divisible,
     families,
+    generation_tensor_sizes,
     is_algorithmic,
     sampler_is_trainer,
     structural_options,
@@ -57,6 +63,7 @@ from rpeg_jax.graph.algorithms import build_graph
 from rpeg_jax.graph.ir import Graph, GraphError, Op, StageKind
 from rpeg_jax.graph.passes import apply_pipeline
 from rpeg_jax.graph.plan import DeviceGroup, Plan, StagePlan, knobs_of, layout_rules
+from rpeg_jax.graph.processes import Runs, why_not
 from rpeg_jax.shapes import buckets
 
 KEEP_ROWS = 256  # rows per family and proxy kept for schedule simulation
@@ -118,8 +125,11 @@ def attention_is_flash(attention: str, kind: str) -> bool:
 def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processes: int = 1) -> Context:
     if num_devices < 1:
         raise GraphError("num_devices", f"{num_devices} must be >= 1")
-    if processes < 1 or num_devices % processes:
-        raise GraphError("processes", f"{processes} processes cannot share {num_devices} devices evenly")
+    # What the config asks of the runtime on `processes` processes (graph/processes.py), before any
+    # candidate: the search itself offers only what the runtime runs (space.runnable).
+    bad = why_not(cfg, processes, num_devices, Runs(admission=cfg.rollout.admission))
+    if bad is not None:
+        raise bad.error()
     c = cfg.costmodel
     flash = attention_is_flash(cfg.model.attention, hw.kind)
     base = build_graph(cfg)
@@ -301,15 +311,16 @@ def option_graphs(ctx: Context, opts: list[PipelineConfig]) -> list[tuple[Pipeli
     return out
 
 
-def family_table(ctx: Context, graph: Graph, placement: str, cache: dict, allocs=None) -> dict:
+def family_table(ctx: Context, graph: Graph, placement: str, cache: dict, allocs=None, ours: bool = True) -> dict:
     """The candidate table of a placement family (cached), over `allocs` (default: every
-    device-group option of the family)."""
-    allocs = allocations(ctx, placement) if allocs is None else allocs
-    key = (placement, bool(graph.attrs.get("shared")), tuple(allocs))
+    device-group option of the family). `ours`: only what the runtime runs with the context's
+    processes (space.runnable: device groups, generation's tensor degree, continuous admission);
+    else every option of the model (the baselines' own engines, pricing a given layout)."""
+    allocs = allocations(ctx, placement, ours) if allocs is None else allocs
+    gen_t = generation_tensor_sizes(ctx, ours)
+    key = (placement, bool(graph.attrs.get("shared")), tuple(allocs), gen_t)
     if key not in cache:
         c = ctx.cfg.costmodel
-        # Several processes: the runtime generates on each process's local devices as data only.
-        gen_t = (1,) if ctx.processes > 1 else c.tensor_sizes
         cache[key] = C.build(
             ctx.st,
             roles_of(ctx, graph),
@@ -317,7 +328,7 @@ def family_table(ctx: Context, graph: Graph, placement: str, cache: dict, allocs
             placement,
             c.tensor_sizes,
             max(c.max_staleness, ctx.cfg.pipeline.staleness),  # the config's own bound is priced too
-            continuous_searched(ctx),
+            continuous_searched(ctx, ours),
             gen_t,
         )
     return cache[key]
@@ -348,6 +359,13 @@ def no_plan_fits(ctx: Context) -> NoPlanFits:
     cfg, hw, budget = ctx.cfg, ctx.hw, ctx.st.budget_bytes
     of = f"costmodel.memory_budget={cfg.costmodel.memory_budget} of {hw.name}'s {hw.hbm_bytes / GB:.1f} GB"
     more = "free host RAM" if hw.kind == "cpu" else "plan for more devices"
+    if ctx.processes > 1 and _fits_on_one_process(ctx):
+        return NoPlanFits(
+            f"nothing the runtime runs with costmodel.processes={ctx.processes} fits the budget of {budget / GB:.2f} "
+            f"GB per device ({of}): each process generates on its own devices, a whole replica of the model per "
+            f"device (graph/processes.py); one process would fit (tensor-parallel generation or a split); "
+            f"{more} or use a smaller model"
+        )
     roles = roles_of(ctx, ctx.base)
     state = sum(OFF.resident_bytes(roles.offload, m) for m in (roles.actor, roles.critic) if m is not None) / ctx.N
     if state > budget:
@@ -388,6 +406,27 @@ def no_plan_fits(ctx: Context) -> NoPlanFits:
         f"sampler room for one sequence's KV pages or divides the batch of B={B} sequences; lower "
         f"rollout.max_new_tokens={R} or change data.prompts_per_step"
     )
+
+
+def _fits_on_one_process(ctx: Context) -> bool:
+    """Whether some plan of the same problem fits when one process owns all the devices (the
+    planner's what-if behind no_plan_fits' message with several processes)."""
+    for off in offload_options(ctx.cfg, ctx.hw):
+        one = make_context(_with_offload(ctx.cfg, off), ctx.N, ctx.hw, 1)
+        if _score(one, {})[0]:
+            return True
+    return False
+
+
+def offload_options(cfg: RunConfig, hw: HardwareProfile) -> list[str]:
+    """train.offload settings the search tries: the config's; on accelerators, when it is none, also
+    offloading the optimizer (and the reference, when there is one). Offloading frees device memory
+    for KV slots and larger layouts at the price of the host link's transfers. Not on a CPU, whose
+    "host" memory is the same RAM: nothing to gain there."""
+    options = [cfg.train.offload]
+    if cfg.train.offload == "none" and hw.kind != "cpu":
+        options += ["optimizer"] + (["optimizer+reference"] if cfg.rl.kl_coef > 0 else [])
+    return options
 
 
 def _score(ctx: Context, cache: dict, equal_algorithm: bool = False) -> tuple[list[_Scored], int, int]:
@@ -432,13 +471,9 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
     t0 = time.perf_counter()
     hw, n, procs = resolve(cfg, num_devices, hardware, processes)
     ctx0 = make_context(cfg, n, hw, procs)
-    # train.offload is searched on accelerators when the config leaves it at none (offloading frees
-    # device memory for KV slots and larger layouts at the price of the host link's transfers); the
-    # plan carries the chosen value (settings["train.offload"]). Not on a CPU, whose "host" memory is
-    # the same RAM: nothing to gain there.
-    options = [cfg.train.offload]
-    if cfg.train.offload == "none" and hw.kind != "cpu":
-        options += ["optimizer"] + (["optimizer+reference"] if cfg.rl.kl_coef > 0 else [])
+    # train.offload is searched (offload_options); the plan carries the chosen value
+    # (settings["train.offload"]).
+    options = offload_options(cfg, hw)
     tried, evaluations, considered = [], 0, 0
     for off in options:
         c = ctx0 if off == cfg.train.offload else make_context(_with_offload(cfg, off), n, hw, procs)
@@ -576,7 +611,7 @@ def baseline(ctx: Context, name: str, cache: dict) -> Prediction | None:
         cache = cache.setdefault("baselines", {})
     pipe = PipelineConfig(placement="colocated")
     g = apply_pipeline(ctx.base, pipe)
-    tab = family_table(ctx, g, "colocated", cache)
+    tab = family_table(ctx, g, "colocated", cache, ours=False)  # their own engines' layouts
     if not tab:
         return None
     mask = np.ones(len(tab["n_gen"]), bool)
@@ -650,7 +685,7 @@ def real_concurrent(ctx: Context, cache: dict):
     parts = _partitions(ctx.N, len(fwd))
     if len(fwd) < 2 or not parts or ctx.hw.shared_host:
         return None
-    tab = family_table(ctx, g0, "colocated", cache)
+    tab = family_table(ctx, g0, "colocated", cache, ours=False)
     if not tab:
         return None
     tab = take_rows(tab, _prune(tab, ctx, g0, KEEP_ROWS))

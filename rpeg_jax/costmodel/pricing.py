@@ -91,7 +91,7 @@ def price_layout(
     g = apply_pipeline(ctx.base, pipe, admission)
     gr, tr, fw = layout["groups"], layout["train"], layout["forward"]
     ng, nt = gr.get("gen", gr.get("all")), gr.get("train", gr.get("all"))
-    tab = family_table(ctx, g, pipe.placement, {}, [(ng, nt)])
+    tab = family_table(ctx, g, pipe.placement, {}, [(ng, nt)], ours=False)  # any layout the model prices
     want = {
         "n_gen": ng,
         "n_train": nt,

@@ -10,7 +10,8 @@ gains.{systems, algorithmic, total, equal_algorithm_step_s, algorithmic_searched
 (total = verl-like / chosen = systems x algorithmic; systems = verl-like / the best plan at the
 synchronous algorithm, equal_algorithm; algorithmic = that / chosen, 1.0 for a chosen plan at k = 0
 with separate models), equal_algorithm (that plan, the chosen one when it is such a plan),
-search_seconds, evaluations, evaluations_per_s, hardware, num_devices, notes. Every plan entry has
+search_seconds, evaluations, evaluations_per_s, hardware, num_devices, processes (P: the JAX processes
+planned for, also in every plan's predicted.processes), notes. Every plan entry has
 utilization (on the fixed reference work: the synchronous unfused graph's FLOPs) and
 utilization_own_work (on the FLOPs its own graph runs).
 
@@ -77,9 +78,10 @@ def _layout(p: Prediction) -> str:
 
 def render_text(res: SearchResult) -> str:
     c = res.chosen
-    procs = f" on {res.processes} processes" if res.processes > 1 else ""
+    P = res.processes
+    procs = f"{P} process{'es' if P > 1 else ''} ({res.num_devices // P} devices each)"
     lines = [
-        f"rpeg plan: {res.num_devices} x {res.hardware}{procs}; scored {res.evaluations} plans "
+        f"rpeg plan: {res.num_devices} x {res.hardware} in {procs}; scored {res.evaluations} plans "
         f"({res.plans_considered} layout/micro-batch/remat combinations priced) in "
         f"{res.search_seconds:.2f} s ({res.evaluations / max(res.search_seconds, 1e-9):.0f} plans/s)",
         *(f"warning: {w}" for w in res.warnings),
@@ -185,8 +187,9 @@ def explain(ctx: Context, res: SearchResult) -> list[str]:
         )
     if ctx.processes > 1:
         out.append(
-            f"{ctx.processes} processes: generation runs per process on its local devices, so the plan "
-            f"stays colocated on all {ctx.N} devices with data-parallel generation"
+            f"{ctx.processes} processes: only plans the runtime runs with them are searched (graph/processes.py): "
+            f"each process generates its share on its own devices, data-parallel with step admission, so the "
+            f"plan stays colocated on all {ctx.N} devices; the baselines keep their own engines' layouts"
         )
     for name, b in res.baselines.items():
         out.append(

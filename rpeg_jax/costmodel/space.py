@@ -8,6 +8,12 @@ which candidate meshes may shard the batches of a graph.
     families(ctx)                              # (placement, shared backbone) families
     allocations(ctx, placement)                # (n_gen, n_train) device-group options
     divisible(ctx, graph, tab)                 # rows whose mesh axes divide what they shard
+    runnable(ctx, **runs)                      # the runtime runs it with ctx.processes processes
+    generation_tensor_sizes(ctx, ours)         # tensor degrees generation may take
+
+Only candidates the runtime runs with the context's processes are searched: every option above is
+filtered with the one rule set the runtime refuses plans by (graph/processes.why_not). The
+baselines (verl-like, ReaL-like) are other systems under their own rules, not filtered.
 
 Callers: costmodel/planner.py (search), costmodel/pricing.py, tests.
 """
@@ -21,7 +27,8 @@ import numpy as np
 from rpeg_jax.config.pipeline import PipelineConfig
 from rpeg_jax.config.run import RunConfig
 from rpeg_jax.costmodel.candidates import PIECES
-from rpeg_jax.graph.ir import Graph, GraphError
+from rpeg_jax.graph.ir import Graph
+from rpeg_jax.graph.processes import Runs, why_not
 
 
 def sampler_is_trainer(cfg: RunConfig) -> bool:
@@ -85,26 +92,36 @@ def structural_options(ctx, placement: str, share: bool, equal_algorithm: bool =
     return out
 
 
-def continuous_searched(ctx) -> bool:
-    """Whether any option may run rollout.admission=continuous: k >= 1 can be planned, on one
-    process (the runtime's continuous engine runs on one process for now, runtime/setup.py)."""
+def runnable(ctx, **runs) -> bool:
+    """Whether the runtime runs a candidate (the parts of graph/processes.Runs given) with the
+    context's processes."""
+    return why_not(ctx.cfg, ctx.processes, ctx.N, Runs(**runs)) is None
+
+
+def generation_tensor_sizes(ctx, ours: bool = True) -> tuple[int, ...]:
+    """Tensor degrees generation is priced at: costmodel.tensor_sizes, those the runtime runs for
+    our plans (tensor 1 with several processes), all of them for the baselines' own engines."""
+    sizes = ctx.cfg.costmodel.tensor_sizes
+    return tuple(t for t in sizes if runnable(ctx, gen_tensor=t)) if ours else sizes
+
+
+def continuous_searched(ctx, ours: bool = True) -> bool:
+    """Whether any option may run rollout.admission=continuous: k >= 1 can be planned and, for
+    `ours`, the runtime runs it with the context's processes (one, for now)."""
     k = max(ctx.cfg.costmodel.max_staleness, ctx.cfg.pipeline.staleness)
-    return k >= 1 and ctx.processes == 1 and not ctx.cfg.pipeline.elide_old_forward
+    legal = runnable(ctx, admission="continuous") or not ours
+    return k >= 1 and legal and not ctx.cfg.pipeline.elide_old_forward
 
 
 def admissions(ctx, pipe: PipelineConfig) -> list[str]:
     """rollout.admission modes tried with a structural option, searched like k: the config's
     `continuous` is the user's (kept; options it cannot run with get none); the default `step`
     leaves it to the planner. Continuous needs k >= 1, one generation piece (a step's batch is the
-    first groups to complete) and one process. Colocated step admission at k >= 1 is tried only
-    for a k the config sets: it runs generation ahead on the devices training uses, so it only
-    adds the proximal forward to the synchronous plan."""
+    first groups to complete) and a runtime that runs it (one process: runnable). Colocated step
+    admission at k >= 1 is tried only for a k the config sets: it runs generation ahead on the
+    devices training uses, so it only adds the proximal forward to the synchronous plan. (A config
+    pinning continuous on several processes never gets here: planner.make_context refuses it.)"""
     cfg = ctx.cfg
-    if cfg.rollout.admission == "continuous" and ctx.processes > 1:
-        raise GraphError(
-            "rollout.admission",
-            f"continuous runs on one process for now (runtime/setup.py); planning for {ctx.processes} processes",
-        )
     if not pipe.staleness:
         return ["step"]
     cont = ["continuous"] if pipe.microbatches == 1 and continuous_searched(ctx) else []
@@ -146,25 +163,27 @@ def families(ctx, equal_algorithm: bool = False) -> list[tuple[str, bool]]:
     return [(p, s) for p in places for s in shares]
 
 
-def allocations(ctx, placement: str) -> list[tuple[int, int]]:
-    """(generation devices, training devices) of each device-group option.
+def allocations(ctx, placement: str, ours: bool = True) -> list[tuple[int, int]]:
+    """(generation devices, training devices) of each device-group option; `ours`: only those the
+    runtime runs with the context's processes (runnable; with several, colocated on all N devices:
+    each process generates its share on its own devices), else every option (the baselines).
 
     Accelerators: colocated uses all N; a split partitions N (whole nodes when there are several).
     Shared host (forced CPU devices slicing one machine's cores): every device added to a group
     adds a device program that costs host time, and idle devices cost nothing, so groups of any
-    size that fits are tried (colocated on n <= N, splits with n_gen + n_train <= N).
-    Several JAX processes: the runtime generates per process on its local devices and assembles
-    global arrays, so the plan stays colocated on all N devices (no subset, no split)."""
+    size that fits are tried (colocated on n <= N, splits with n_gen + n_train <= N)."""
     N = ctx.N
-    if ctx.processes > 1:
-        return [(N, N)] if placement == "colocated" else []
     if placement == "colocated":
-        return [(n, n) for n in range(1, N + 1)] if ctx.hw.shared_host else [(N, N)]
-    if ctx.hw.shared_host:
-        return [(g, t) for g in range(1, N) for t in range(1, N - g + 1)]
-    node = ctx.hw.node.devices
-    step = node if N >= 2 * node else 1
-    return [(g, N - g) for g in range(step, N, step)]
+        out = [(n, n) for n in range(1, N + 1)] if ctx.hw.shared_host else [(N, N)]
+    elif ctx.hw.shared_host:
+        out = [(g, t) for g in range(1, N) for t in range(1, N - g + 1)]
+    else:
+        node = ctx.hw.node.devices
+        step = node if N >= 2 * node else 1
+        out = [(g, N - g) for g in range(step, N, step)]
+    if not ours:
+        return out
+    return [(g, t) for g, t in out if runnable(ctx, placement=placement, group_sizes=(g, t))]
 
 
 def divisible(ctx, graph: Graph, tab: dict) -> np.ndarray:

@@ -249,18 +249,18 @@ def knobs_of(p: PipelineConfig) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in ((k, getattr(p, k)) for k in KNOBS)}
 
 
-def resolve_mesh(mesh: dict[str, int], size: int, group: str) -> dict[str, int]:
-    """sharding.mesh over a group of `size` devices: -1 fills, missing axes are 1."""
+def resolve_mesh(mesh: dict[str, int], size: int, group: str, generate: bool = False) -> dict[str, int]:
+    """sharding.mesh (`generate`: sharding.generate_mesh) over a group of `size` devices: -1 fills,
+    missing axes are 1."""
+    key = "sharding.generate_mesh" if generate else "sharding.mesh"
     out = {a: mesh.get(a, 1) for a in MESH_AXES}
     fixed = _prod(v for v in out.values() if v != -1)
     if -1 in out.values():
         if size % fixed:
-            raise ConfigError(
-                "sharding.mesh", mesh, f"fixed axes ({fixed}) do not divide group {group!r} of {size} devices"
-            )
+            raise ConfigError(key, mesh, f"fixed axes ({fixed}) do not divide group {group!r} of {size} devices")
         out = {a: (size // fixed if v == -1 else v) for a, v in out.items()}
     elif fixed != size:
-        raise ConfigError("sharding.mesh", mesh, f"covers {fixed} devices but group {group!r} has {size}")
+        raise ConfigError(key, mesh, f"covers {fixed} devices but group {group!r} has {size}")
     return out
 
 
@@ -343,7 +343,8 @@ def graph_for_plan(cfg: RunConfig, plan: Plan | None = None) -> Graph:
 
 def plan_from_config(cfg: RunConfig, num_devices: int, graph: Graph | None = None) -> Plan:
     """The manual plan: colocated puts every stage on all devices; split puts generation on the
-    first split_sizes[0] devices and training on the rest. Meshes from sharding.mesh."""
+    first split_sizes[0] devices and training on the rest. Meshes from sharding.mesh; generating
+    stages' from sharding.generate_mesh when it is set."""
     if num_devices < 1:
         raise ConfigError("num_devices", num_devices, "must be >= 1")
     graph = graph if graph is not None else graph_for_plan(cfg)
@@ -352,7 +353,8 @@ def plan_from_config(cfg: RunConfig, num_devices: int, graph: Graph | None = Non
     for st in graph.stages():
         if st.placement not in groups:
             raise GraphError(st.name, f"placed on {st.placement!r} but the plan's groups are {list(groups)}")
-        mesh = resolve_mesh(cfg.sharding.mesh, groups[st.placement].size, st.placement)
+        given = cfg.sharding.generate_mesh if Op.GENERATE in _ops(st) and cfg.sharding.generate_mesh else None
+        mesh = resolve_mesh(given or cfg.sharding.mesh, groups[st.placement].size, st.placement, given is not None)
         # `auto` resolved on the stage's mesh; an explicit preset as given
         stages.append(
             StagePlan(st.name, st.placement, mesh, layout_rules(st, cfg, mesh, priced=False), st.microbatches)

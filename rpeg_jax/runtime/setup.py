@@ -26,6 +26,7 @@ from rpeg_jax.data.pipeline import build_pipeline
 from rpeg_jax.data.rewards import resolve_reward
 from rpeg_jax.graph.ir import Graph, StateKind
 from rpeg_jax.graph.plan import Plan
+from rpeg_jax.graph.processes import check_plan
 from rpeg_jax.models import Transformer, load_hf
 from rpeg_jax.models.attention import resolve_attention
 from rpeg_jax.rl import make_optimizer, optimizer_steps
@@ -126,6 +127,7 @@ def sampler_config(cfg: RunConfig) -> SamplerConfig:
 
 
 def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Store]:
+    check_plan(cfg, plan, graph, jax.process_count())  # what several processes cannot run: one line, first
     pipeline = build_pipeline(cfg, shard_index=jax.process_index(), shard_count=jax.process_count())
     placement = Placement(cfg, graph, plan)
     offload = placement.offload
@@ -143,13 +145,6 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
     reward_name, reward_fn = resolve_reward(cfg.data)
     engine = None
     if graph.admission == "continuous":
-        if jax.process_count() > 1:  # every process has its own engine; a checkpoint holds one engine state
-            raise ConfigError(
-                "rollout.admission",
-                "continuous",
-                "runs on one process for now (each process's "
-                "engine state is not checkpointed yet); use admission=step with several processes",
-            )
         r, G = cfg.rollout, cfg.rl.group_size
         engine = ContinuousRollouts(
             sampler,
@@ -162,13 +157,6 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
             prompt_offset=jax.process_index() * (cfg.data.prompts_per_step // jax.process_count()),
             lengths=forced_lengths(r.forced_lengths, cfg.train.seed, G) if r.forced_lengths else None,
             max_filtered=cfg.rl.filter_max_rounds * cfg.data.prompts_per_step,
-        )
-    elif cfg.rl.filter_groups != "none" and jax.process_count() > 1:
-        raise ConfigError(
-            "rl.filter_groups",
-            cfg.rl.filter_groups,
-            "under rollout.admission=step runs on one process for now (each process would refill its share "
-            "in its own number of rounds)",
         )
     ctx = RuntimeContext(
         cfg=cfg,

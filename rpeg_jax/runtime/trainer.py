@@ -21,6 +21,7 @@ non-finite parameters never reach a checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -74,7 +75,9 @@ def choose_plan(cfg: RunConfig, plan: Plan | None = None) -> tuple[RunConfig, Pl
         log.info("resuming: pipeline.plan=auto takes the run's own plan %s", saved)
         cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, plan=saved))
     if plan is None:
-        planner = cost_model_planner if cfg.pipeline.plan == "auto" else None
+        # auto: planned for the processes this run has (only plans they run: graph/processes.py)
+        auto = functools.partial(cost_model_planner, processes=jax.process_count())
+        planner = auto if cfg.pipeline.plan == "auto" else None
         plan = plan_for_config(cfg, jax.device_count(), planner=planner)
     cfg, changed = config_for_plan(cfg, plan)
     for key, (given, chosen) in changed.items():

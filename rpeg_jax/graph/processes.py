@@ -1,0 +1,140 @@
+"""What a plan may ask of the runtime when the run is P JAX processes: one rule set for both sides.
+The planner searches only the candidates it allows (costmodel/space.py), and the runtime refuses
+a plan it does not allow before anything is built or compiled (runtime/setup.py `build`).
+
+    bad = why_not(cfg, processes, num_devices, Runs(admission="continuous"))   # Illegal | None
+    check_plan(cfg, plan, graph, processes)    # raises NotRunnable (a ConfigError) for an illegal plan
+
+With P > 1 processes (one per node, as SLURM launches them) every process generates its own share
+of a step's prompts on its own devices, data-parallel, and the rollouts are assembled into global
+arrays for the training stages (runtime/placement.py). The rules, judged in this order (the first
+that fails is returned: one line naming the key and the value):
+
+    costmodel.processes    P >= 1 divides the devices (each process owns N / P of them, in order)
+    data.prompts_per_step  a multiple of P: each process generates whole groups, its share
+    rollout.admission      step: the continuous engine outlives the step on one process only (each
+                           process's engine state is not checkpointed yet)
+    rl.filter_groups       none: under step admission each process would refill its share in its own
+                           number of rounds
+    pipeline.placement     colocated: a split's generation group leaves processes without generation
+                           devices, and its training group leaves some without rollouts to put
+    the plan's groups      every stage on all N devices (no sub-mesh on some processes only)
+    generation tensor      1: every process's devices hold whole replicas (a tensor group would span
+                           processes, or the runtime would run the replicas data-parallel anyway)
+
+The last two are set by the plan's layout, so they name its source: `pipeline.plan` (auto or a
+plan file), or for a manual plan `sharding.generate_mesh` (generation's mesh), else `sharding.mesh`.
+One process: every plan is legal. A field of Runs left None is not judged: the planner asks about
+one part of a candidate at a time.
+
+Callers: costmodel/planner.py and costmodel/space.py (filtering), runtime/setup.py (refusing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rpeg_jax.config.base import ConfigError
+from rpeg_jax.config.run import RunConfig
+from rpeg_jax.graph.ir import Graph, GraphError, StageKind
+from rpeg_jax.graph.plan import Plan
+
+
+class NotRunnable(GraphError, ConfigError):
+    """A plan (or a config the planner is asked to plan) the runtime cannot run with this many
+    processes. A ConfigError for the commands (one line, exit 2) and a GraphError for the planner's
+    callers, as costmodel/planner.NoPlanFits."""
+
+    def __init__(self, key: str, value: Any, why: str):
+        ConfigError.__init__(self, key, value, why)
+        self.node = "plan"
+
+
+@dataclass(frozen=True)
+class Illegal:
+    key: str  # the knob, a dotted config key
+    value: Any  # its value
+    why: str
+
+    def error(self) -> NotRunnable:
+        return NotRunnable(self.key, self.value, self.why)
+
+
+@dataclass(frozen=True)
+class Runs:
+    """What a plan (or a part of a candidate) asks of the runtime; None: not judged."""
+
+    placement: str | None = None  # pipeline.placement: colocated | split
+    admission: str | None = None  # rollout.admission: step | continuous
+    group_sizes: tuple[int, ...] | None = None  # devices of each group a stage runs on
+    gen_tensor: int | None = None  # the generation mesh's tensor axis
+    layout: tuple[str, Any] = ("pipeline.plan", "auto")  # (key, value) that set the groups and meshes
+
+
+def why_not(cfg: RunConfig, processes: int, num_devices: int, runs: Runs | None = None) -> Illegal | None:
+    """The first rule (module docstring) that `runs` (default: nothing but the config) breaks with
+    `processes` processes owning `num_devices` devices, or None when the runtime runs it."""
+    P, N, runs = processes, num_devices, runs or Runs()
+    if P < 1 or N % P:
+        return Illegal("costmodel.processes", P, f"{P} processes cannot own {N} devices evenly (N / P each, in order)")
+    if P == 1:
+        return None
+    procs = f"with {P} processes"
+    prompts = cfg.data.prompts_per_step
+    if prompts % P:
+        why = f"must be a multiple of the {P} processes (each generates whole groups of its share)"
+        return Illegal("data.prompts_per_step", prompts, why)
+    if runs.admission == "continuous":
+        return Illegal(
+            "rollout.admission",
+            "continuous",
+            f"runs on one process for now (each process's engine state is not checkpointed yet); use step {procs}",
+        )
+    if cfg.rl.filter_groups != "none":
+        return Illegal(
+            "rl.filter_groups",
+            cfg.rl.filter_groups,
+            f"runs on one process for now (each process would refill its share in its own number of rounds); "
+            f"use none {procs}",
+        )
+    if runs.placement is not None and runs.placement != "colocated":
+        return Illegal(
+            "pipeline.placement",
+            runs.placement,
+            f"{procs} every process generates its share on its own devices and trains on all of them: use colocated",
+        )
+    key, value = runs.layout
+    small = [n for n in runs.group_sizes or () if n != N]
+    if small:
+        why = f"a stage runs on a group of {small[0]} devices; {procs} every stage runs on all {N}"
+        return Illegal(key, value, why)
+    if runs.gen_tensor is not None and runs.gen_tensor != 1:
+        hint = ": sharding.generate_mesh={data: -1}" if key.startswith("sharding.") else ""
+        why = f"generation has tensor={runs.gen_tensor}; {procs} it runs data-parallel on each process's own devices"
+        return Illegal(key, value, f"{why} (tensor=1{hint})")
+    return None
+
+
+def runs_of(cfg: RunConfig, plan: Plan, graph: Graph) -> Runs:
+    """What `plan` asks of the runtime, `cfg` being the config it implies (graph/plan.config_for_plan)."""
+    gen = graph.find(StageKind.GENERATE)
+    layout = ("pipeline.plan", cfg.pipeline.plan)  # the planner's (auto) or a file's
+    if plan.source == "manual":  # generation's mesh: sharding.generate_mesh, else sharding.mesh
+        sh = cfg.sharding
+        layout = ("sharding.generate_mesh", sh.generate_mesh) if sh.generate_mesh else ("sharding.mesh", sh.mesh)
+    return Runs(
+        placement=cfg.pipeline.placement,
+        admission=cfg.rollout.admission,
+        group_sizes=tuple(plan.group(s.group).size for s in plan.stages),
+        gen_tensor=plan.stage(gen.name).mesh.get("tensor", 1) if gen is not None else None,
+        layout=layout,
+    )
+
+
+def check_plan(cfg: RunConfig, plan: Plan, graph: Graph, processes: int) -> None:
+    """Raise NotRunnable (one line naming the knob) unless the runtime runs `plan` on `processes`
+    processes."""
+    bad = why_not(cfg, processes, plan.num_devices, runs_of(cfg, plan, graph))
+    if bad is not None:
+        raise bad.error()

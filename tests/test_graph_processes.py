@@ -1,0 +1,130 @@
+"""graph/processes.py: the one rule set that says which plans the runtime runs with P processes. Each
+rule refuses in one line naming the key and the value; the runtime's check reads a plan's groups,
+generation mesh, placement and admission, and names the knob that set them. (The planner's side:
+tests/test_costmodel_planner.py; the launched runtime's: tests/test_launch.py.)"""
+
+import dataclasses
+
+import pytest
+
+from rpeg_jax.config import ConfigError, load_config
+from rpeg_jax.graph.ir import GraphError
+from rpeg_jax.graph.plan import DeviceGroup, config_for_plan, graph_for_plan, plan_for_config, plan_from_config
+from rpeg_jax.graph.processes import NotRunnable, Runs, check_plan, why_not
+
+SIZES = ["data.prompts_per_step=4", "rl.group_size=2"]
+
+
+def cfg_of(*over):
+    return load_config(None, [*SIZES, *over])
+
+
+def _line(bad):
+    return str(bad.error())
+
+
+def test_one_process_runs_everything():
+    cfg = cfg_of("rl.filter_groups=zero_variance", "data.prompts_per_step=3")
+    runs = Runs(placement="split", admission="continuous", group_sizes=(3, 5), gen_tensor=4)
+    assert why_not(cfg, 1, 8, runs) is None
+
+
+@pytest.mark.parametrize(
+    "over, processes, runs, line",
+    [
+        ([], 3, Runs(), "config error: costmodel.processes=3: 3 processes cannot own 8 devices evenly"),
+        ([], 0, Runs(), "config error: costmodel.processes=0: "),
+        (["data.prompts_per_step=6"], 4, Runs(), "config error: data.prompts_per_step=6: must be a multiple of the 4"),
+        ([], 2, Runs(admission="continuous"), "config error: rollout.admission='continuous': runs on one process"),
+        (["rl.filter_groups=zero_variance"], 2, Runs(), "config error: rl.filter_groups='zero_variance': runs on one"),
+        ([], 2, Runs(placement="split"), "config error: pipeline.placement='split': with 2 processes every process"),
+        ([], 2, Runs(group_sizes=(8, 4)), "config error: pipeline.plan='auto': a stage runs on a group of 4 devices"),
+        ([], 2, Runs(gen_tensor=2), "config error: pipeline.plan='auto': generation has tensor=2; with 2 processes"),
+        ([], 2, Runs(gen_tensor=2, layout=("sharding.mesh", {"tensor": 2})), "config error: sharding.mesh={'tensor'"),
+    ],
+)
+def test_each_rule_is_one_line_naming_the_key_and_value(over, processes, runs, line):
+    bad = why_not(cfg_of(*over), processes, 8, runs)
+    assert bad is not None and _line(bad).startswith(line) and "\n" not in _line(bad)
+    assert isinstance(bad.error(), ConfigError) and isinstance(bad.error(), GraphError)
+
+
+def test_rules_are_judged_in_order_and_unjudged_parts_pass():
+    cfg = cfg_of("rl.filter_groups=zero_variance")
+    both = Runs(admission="continuous", placement="split", gen_tensor=2)
+    assert why_not(cfg, 2, 8, both).key == "rollout.admission"  # before rl.filter_groups
+    assert why_not(cfg, 2, 8, Runs(placement="split")).key == "rl.filter_groups"
+    assert why_not(cfg_of(), 2, 8, Runs(placement="split", gen_tensor=2)).key == "pipeline.placement"
+    assert (
+        why_not(cfg_of(), 2, 8, Runs(admission="step", placement="colocated", group_sizes=(8,), gen_tensor=1)) is None
+    )
+    assert why_not(cfg_of(), 2, 8) is None  # nothing but the config judged
+
+
+def _runtime_cfg(cfg, plan):
+    return config_for_plan(cfg, plan)[0]
+
+
+def test_check_plan_reads_the_plan_and_names_its_source(tmp_path):
+    # A manual plan: the generation mesh comes from sharding.mesh, the groups from pipeline.placement.
+    cfg = cfg_of("sharding.mesh={data: -1, tensor: 2}")
+    plan = plan_from_config(cfg, 8)
+    check_plan(cfg, plan, graph_for_plan(cfg, plan), 1)
+    with pytest.raises(NotRunnable, match=r"^config error: sharding.mesh=\{'data': -1, 'tensor': 2\}: generation "):
+        check_plan(cfg, plan, graph_for_plan(cfg, plan), 2)
+    split = cfg_of("pipeline.placement=split", "pipeline.split_sizes=[4,4]", "pipeline.staleness=1")
+    plan = plan_from_config(split, 8)
+    with pytest.raises(NotRunnable, match=r"^config error: pipeline.placement='split': "):
+        check_plan(split, plan, graph_for_plan(split, plan), 2)
+    # A plan file whose stages sit on a sub-group: named by pipeline.plan=<the file>.
+    cfg = cfg_of()
+    plan = plan_from_config(cfg, 8)
+    half = DeviceGroup("all", tuple(range(4)))
+    path = str(tmp_path / "half.json")
+    dataclasses.replace(
+        plan,
+        groups=(half, DeviceGroup("rest", tuple(range(4, 8)))),
+        stages=tuple(dataclasses.replace(s, mesh={"data": 4, "fsdp": 1, "tensor": 1}) for s in plan.stages),
+    ).save(path)
+    file_cfg = cfg_of(f"pipeline.plan={path}")
+    loaded = plan_for_config(file_cfg, 8)
+    run_cfg = _runtime_cfg(file_cfg, loaded)
+    check_plan(run_cfg, loaded, graph_for_plan(run_cfg, loaded), 1)
+    with pytest.raises(NotRunnable, match=rf"^config error: pipeline.plan='{path}': a stage runs on a group of 4"):
+        check_plan(run_cfg, loaded, graph_for_plan(run_cfg, loaded), 2)
+
+
+def test_a_manual_plan_takes_generations_mesh_from_sharding_generate_mesh():
+    # Tensor-parallel training with data-parallel generation on several processes, by hand.
+    cfg = cfg_of("sharding.mesh={data: -1, tensor: 2}", "sharding.generate_mesh={data: -1}")
+    plan = plan_from_config(cfg, 8)
+    assert plan.stage("generate").mesh == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert plan.stage("actor_update").mesh == {"data": 4, "fsdp": 1, "tensor": 2}
+    check_plan(cfg, plan, graph_for_plan(cfg, plan), 2)
+    tp = cfg_of("sharding.generate_mesh={data: -1, tensor: 4}")
+    plan = plan_from_config(tp, 8)
+    assert plan.stage("generate").mesh == {"data": 2, "fsdp": 1, "tensor": 4}
+    with pytest.raises(NotRunnable, match=r"^config error: sharding.generate_mesh=\{'data': -1, 'tensor': 4\}: "):
+        check_plan(tp, plan, graph_for_plan(tp, plan), 2)
+    with pytest.raises(ConfigError, match=r"^config error: sharding.generate_mesh=\{'data': 3\}: covers 3 devices"):
+        plan_from_config(cfg_of("sharding.generate_mesh={data: 3}"), 8)
+
+
+def test_a_plan_file_with_continuous_admission_is_refused_on_two_processes(tmp_path):
+    cfg = cfg_of("pipeline.staleness=1", "rollout.admission=continuous")
+    path = str(tmp_path / "cont.json")
+    plan_from_config(cfg, 8).save(path)
+    file_cfg = cfg_of(f"pipeline.plan={path}")
+    loaded = plan_for_config(file_cfg, 8)
+    run_cfg = _runtime_cfg(file_cfg, loaded)
+    assert run_cfg.rollout.admission == "continuous"  # the plan's setting, whatever the config said
+    with pytest.raises(NotRunnable, match=r"^config error: rollout.admission='continuous': runs on one process"):
+        check_plan(run_cfg, loaded, graph_for_plan(run_cfg, loaded), 2)
+
+
+def test_costmodel_processes_is_validated():
+    with pytest.raises(ConfigError, match=r"costmodel.processes=0: must be >= 1"):
+        load_config(None, ["costmodel.processes=0"])
+    with pytest.raises(ConfigError, match=r"costmodel.processes=3: must divide num_devices=8"):
+        load_config(None, ["costmodel.processes=3", "costmodel.num_devices=8"])
+    assert load_config(None, ["costmodel.processes=2", "costmodel.num_devices=8"]).costmodel.processes == 2
