@@ -107,7 +107,9 @@ def test_matches_float64_numpy_decoder(name, request):
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
-def test_left_padding_and_packing_invariance(qwen):
+@pytest.mark.parametrize("name", ["qwen", "qwen3"])
+def test_left_padding_and_packing_invariance(name, request):
+    qwen = request.getfixturevalue(name)
     rng = np.random.default_rng(1)
     a, b = rng.integers(3, 128, size=7), rng.integers(3, 128, size=5)
     la = np.asarray(qwen(jnp.asarray(a[None], jnp.int32)))[0]
