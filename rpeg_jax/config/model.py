@@ -143,12 +143,13 @@ class ModelConfig:
         for v in self.eos_ids:
             check(0 <= v < self.vocab_size, key(path, "eos_ids"), v, f"must be in [0, vocab_size={self.vocab_size})")
         if self.arch == "qwen3":  # the Hugging Face Qwen3 decoder, which export writes
-            check(self.qk_norm, key(path, "qk_norm"), self.qk_norm, "arch qwen3 normalises q and k: must be true")
-            check(not self.qkv_bias, key(path, "qkv_bias"), self.qkv_bias, "arch qwen3 has no q/k/v biases")
+            why = "model.arch=qwen3 normalises q and k per head: must be true"
+            check(self.qk_norm, key(path, "qk_norm"), self.qk_norm, why)
+            why = "model.arch=qwen3 has no q/k/v biases"
+            check(not self.qkv_bias, key(path, "qkv_bias"), self.qkv_bias, why)
         else:
-            check(
-                not self.qk_norm, key(path, "qk_norm"), self.qk_norm, f"is Qwen3's (model.arch=qwen3, not {self.arch})"
-            )
+            why = f"the q/k norm is Qwen3's: needs model.arch=qwen3 (not {self.arch})"
+            check(not self.qk_norm, key(path, "qk_norm"), self.qk_norm, why)
         check(
             self.attention != "cudnn" or self.dtype in ("bfloat16", "float16"),
             key(path, "attention"),
