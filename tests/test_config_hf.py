@@ -20,7 +20,7 @@ from rpeg_jax.config.run import DEFAULT_CONFIG, from_dict, read_yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HF = os.path.join(ROOT, "tests", "fixtures", "hf")
 TOKENIZER = os.path.join(ROOT, "tests", "fixtures", "tokenizer", "tokenizer.json")
-NAMES = ["llama_tiny", "qwen2_tiny", "llama3_sharded"]
+NAMES = ["llama_tiny", "qwen2_tiny", "llama3_sharded", "qwen3_tiny"]
 
 
 def raw(name: str) -> dict:
@@ -58,13 +58,15 @@ def test_the_path_alone_gives_the_checkpoints_config(name):
         hf["rms_norm_eps"],
         rope,
     )
-    assert (m.tie_embeddings, m.qkv_bias, m.arch, m.preset) == (
+    assert (m.tie_embeddings, m.qkv_bias, m.qk_norm, m.arch, m.preset) == (
         hf["tie_word_embeddings"],
-        name.startswith("qwen2"),
+        hf["model_type"] == "qwen2",
+        hf["model_type"] == "qwen3",
         hf["model_type"],
         None,
     )
-    assert (m.pad_id, m.bos_id, m.eos_id, m.head_size) == (0, 1, 2, 16)
+    assert (m.pad_id, m.bos_id, m.eos_id) == (0, 1, 2)
+    assert m.head_size == hf.get("head_dim", 16) == (32 if name == "qwen3_tiny" else 16)
     assert (m.rope_scaling is not None) == (name == "llama3_sharded")
     if m.rope_scaling is not None:
         assert m.rope_scaling.original_max_position_embeddings == hf["rope_scaling"]["original_max_position_embeddings"]
@@ -188,11 +190,28 @@ def test_generation_configs_eos_list_stops_the_sampler(tmp_path):
 
 BAD = [
     ("no-config", lambda p: os.remove(os.path.join(p, "config.json")), "no config.json in it"),
-    ("model-type", {"model_type": "gpt2"}, "config.json: model_type='gpt2' is not supported (llama, qwen2)"),
+    ("model-type", {"model_type": "gpt2"}, "config.json: model_type='gpt2' is not supported (llama, qwen2, qwen3)"),
     ("not-json", "{'vocab_size': 128,", "config.json is not valid JSON: Expecting property name"),
     ("missing", {"num_hidden_layers": None}, "config.json: has no num_hidden_layers (required)"),
     ("bad-value", {"num_key_value_heads": 3}, "config.json: num_key_value_heads=3: must divide num_heads=4"),
     ("gen-not-json", ("generation_config.json", "{"), "generation_config.json is not valid JSON"),
+]
+
+
+# qwen3 fields that would change what the model computes and that it does not implement
+BAD_QWEN3 = [
+    (
+        "attention-bias",
+        {"attention_bias": True},
+        "attention_bias=true (q/k/v/o_proj biases) is not supported for qwen3",
+    ),
+    ("sliding-window", {"use_sliding_window": True}, "use_sliding_window=true is not supported"),
+    (
+        "layer-types",
+        {"layer_types": ["full_attention", "sliding_attention"]},
+        "layer_types has 'sliding_attention': only full_attention layers are supported",
+    ),
+    ("bad-head-dim", {"head_dim": 31}, "config.json: head_dim=31: must be even for RoPE"),
 ]
 
 
@@ -211,6 +230,32 @@ def test_bad_checkpoints_are_one_line_exit_2(tmp_path, capsys, case, change, mes
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"config error: model.path={path!r}: ")
     assert message in err
+
+
+@pytest.mark.parametrize("case,change,message", BAD_QWEN3, ids=[b[0] for b in BAD_QWEN3])
+def test_bad_qwen3_checkpoints_are_one_line_exit_2(tmp_path, capsys, case, change, message):
+    path = copy_of(tmp_path, "qwen3_tiny", **change)
+    assert rpeg(["config", f"model.path={path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"config error: model.path={path!r}: ")
+    assert message in err
+
+
+def test_qwen3_head_dim_and_the_fields_its_weights_fix():
+    """A qwen3 config.json without head_dim means transformers' Qwen3Config default, 128 (not
+    hidden / heads); q/k norm and head_dim cannot be overridden beside the path."""
+    from rpeg_jax.config.hf import model_fields
+
+    assert model_fields(raw("qwen3_tiny"))["head_dim"] == 32
+    no_head_dim = {k: v for k, v in raw("qwen3_tiny").items() if k != "head_dim"}
+    assert model_fields(no_head_dim)["head_dim"] == 128
+    assert model_fields({**no_head_dim, "hidden_size": 512})["head_dim"] is None  # 128 = 512 / 4: implied
+    assert model_fields({**raw("qwen2_tiny"), "head_dim": None})["head_dim"] is None  # qwen2: hidden / heads
+    path = os.path.join(HF, "qwen3_tiny")
+    for given, hf_value in (("model.qk_norm=false", "model_type='qwen3'"), ("model.head_dim=16", "head_dim=32")):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [f"model.path={path}", given])
+        assert f"contradicts model.path={path}: its config.json has {hf_value}" in str(e.value)
 
 
 def test_eos_lists_in_config_json_and_generation_config():

@@ -56,9 +56,10 @@ def test_megatron_gpt_layer_flops():
     assert float(ms.attn_flops(s * s, causal_skip=True)) == pytest.approx(dense_attn / 2)
 
 
-def test_qwen_flops_against_parameter_count():
+@pytest.mark.parametrize("preset", ["qwen2-7b", "qwen3-32b"])  # qwen3-32b: H·E = 8192 != D = 5120
+def test_qwen_flops_against_parameter_count(preset):
     # For a decoder the forward matmul FLOPs per token are 2 × (non-embedding matmul params) + 2DV.
-    cfg = model_preset("qwen2-7b")
+    cfg = model_preset(preset)
     ms = ModelShape.of(model_dims(cfg, "actor"))
     d, e, f, L, V = cfg.hidden_size, cfg.head_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
     q, kv = cfg.num_heads * e, cfg.num_kv_heads * e
@@ -75,10 +76,39 @@ def test_qwen_flops_against_parameter_count():
 
 def test_kv_bytes_per_token_table():
     # 2 (K, V) · L · kv_heads · head_dim · 2 bytes (bf16): Qwen2.5-7B 28·4·128 -> 56 KiB,
-    # Qwen2.5-32B 64·8·128 -> 256 KiB, Llama-3-70B 80·8·128 -> 320 KiB.
-    for preset, kib in (("qwen2-7b", 56), ("qwen2-32b", 256), ("llama3-70b", 320)):
+    # Qwen2.5-32B 64·8·128 -> 256 KiB, Llama-3-70B 80·8·128 -> 320 KiB; Qwen3 (head_dim 128 whatever
+    # D / H is) 0.6B 28·8·128 -> 112 KiB, 8B 36·8·128 -> 144 KiB, 32B 64·8·128 -> 256 KiB.
+    table = [("qwen2-7b", 56), ("qwen2-32b", 256), ("llama3-70b", 320)]
+    table += [("qwen3-0.6b", 112), ("qwen3-8b", 144), ("qwen3-32b", 256)]
+    for preset, kib in table:
         ms = shape(preset, dtype="bfloat16")
         assert ms.kv_bytes_per_token == kib * 1024
+
+
+# Qwen/Qwen3-*'s model cards: parameters and non-embedding parameters (billions, as printed there),
+# layers, query heads and kv heads (GQA).
+QWEN3_CARDS = {
+    "qwen3-0.6b": ("0.6", "0.44", 28, 16, 8),
+    "qwen3-1.7b": ("1.7", "1.4", 28, 16, 8),
+    "qwen3-4b": ("4.0", "3.6", 36, 32, 8),
+    "qwen3-8b": ("8.2", "6.95", 36, 32, 8),
+    "qwen3-14b": ("14.8", "13.2", 40, 40, 8),
+    "qwen3-32b": ("32.8", "31.2", 64, 64, 8),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(QWEN3_CARDS))
+def test_qwen3_presets_against_the_model_cards(preset):
+    """What the planner prices for a Qwen3 preset: its parameter counts to the card's printed digits
+    (independent of the preset's fields: a wrong width, head_dim or tying moves them)."""
+    total, non_embedding, layers, heads, kv_heads = QWEN3_CARDS[preset]
+    cfg = model_preset(preset)
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (layers, heads, kv_heads)
+    body = cfg.num_params(with_lm_head=False) - cfg.vocab_size * cfg.hidden_size  # no embedding, no lm_head
+    for got, printed in ((cfg.num_params(), total), (body, non_embedding)):
+        places = len(printed.split(".")[1])
+        assert round(got / 1e9, places) == float(printed), (got, printed)
+    assert shape(preset).num_params == cfg.num_params()
 
 
 def test_train_state_memory_replicated_fsdp_tensor():

@@ -5,7 +5,8 @@ checkpoint, loaded back with load_hf, has the trained policy's parameters and lo
 float64 numpy forward read straight from the exported config.json + safetensors
 (tests/fixtures/numpy_reference.py, no model code of ours) gives the same logits, which is what
 transformers would compute. The tokenizer files are copied byte for byte; bad inputs are one line,
-exit 2."""
+exit 2. A run from tests/fixtures/hf/qwen3_tiny with model.path alone trains its q/k norms and
+exports as Qwen3 (transformers' own reload of such exports: make_hf_fixtures.py --only export)."""
 
 import filecmp
 import json
@@ -135,6 +136,46 @@ def test_export_of_a_given_step(trained, tmp_path):
     for a, b in zip(got, jax.tree.leaves(full["actor"]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, jax.tree.leaves(r.state["actor"])))
+
+
+def test_a_qwen3_checkpoint_trains_and_exports_as_qwen3(tmp_path):
+    """model.path=qwen3_tiny and nothing about the model beside it: the run has the checkpoint's shape
+    (head_dim 32 != hidden / heads, q/k norm), training moves the q/k norm scales, and `rpeg export`
+    writes a Qwen3 config.json + tensors whose float64 numpy forward is the trained policy's."""
+    src = os.path.join(HF, "qwen3_tiny")
+    overrides = [o for o in TINY if not o.startswith("model.")]
+    overrides += [f"model.path={src}", "train.checkpoint_every=2", "rl.entropy_coef=0.1"]
+    r = run(tmp_path, "run", overrides, steps=2)
+    with open(os.path.join(r.run_dir, "config.yaml")) as f:
+        ran = yaml.safe_load(f)["model"]
+    assert (ran["arch"], ran["qk_norm"], ran["qkv_bias"], ran["head_dim"], ran["tie_embeddings"]) == (
+        "qwen3",
+        True,
+        False,
+        32,
+        False,
+    )
+    out = str(tmp_path / "hf")
+    assert main(["export", "--run-dir", r.run_dir, "--out", out]) == 0
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    assert (cfg["architectures"], cfg["model_type"], cfg["head_dim"]) == (["Qwen3ForCausalLM"], "qwen3", 32)
+    source = load_hf(src)
+    graphdef, _ = nnx.split(source, nnx.Param)
+    policy = nnx.merge(graphdef, jax.device_put(r.state["actor"], jax.devices()[0]))
+    exported = load_hf(out)
+    for name in ("q_norm", "k_norm"):  # the norms are trained parameters, and exported as such
+        trained = np.asarray(getattr(policy.layers, name)[...])
+        assert np.abs(trained - np.asarray(getattr(source.layers, name)[...])).max() > 1e-4, name
+        np.testing.assert_array_equal(np.asarray(getattr(exported.layers, name)[...]), trained)
+    want = logits(policy, TOKENS)
+    assert np.abs(logits(exported, TOKENS) - want).max() <= TOL_FP32
+    ref = numpy_reference()
+    ncfg, w = ref.load_checkpoint(out)
+    assert "model.layers.1.self_attn.k_norm.weight" in w
+    pos = np.broadcast_to(np.arange(TOKENS.shape[1]), TOKENS.shape)
+    assert np.abs(ref.forward(ncfg, w, TOKENS, np.ones_like(TOKENS), pos) - want).max() <= TOL_NUMPY
+    assert np.abs(logits(source, TOKENS) - want).max() > 100 * TOL_NUMPY  # the numpy check can tell them apart
 
 
 def test_bad_inputs_are_one_line_exit_2(trained, tmp_path, capsys):

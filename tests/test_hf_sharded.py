@@ -45,6 +45,8 @@ SPECS = {
     "layers.bq": P(None, "tensor", None),
     "layers.bk": P(None, None, "tensor"),
     "layers.bv": P(None, "fsdp", "tensor"),
+    "layers.q_norm": P("fsdp", "tensor"),  # qwen3: [L, E], each device a part of head_dim
+    "layers.k_norm": P(None, "tensor"),
     "value_w": P("tensor"),
     "value_b": P(),
 }
@@ -74,6 +76,10 @@ def reference(path: str, cfg) -> dict[str, np.ndarray]:
             bk=("self_attn.k_proj.bias", lambda x: x.reshape(K, E)),
             bv=("self_attn.v_proj.bias", lambda x: x.reshape(K, E)),
         )
+    if cfg.qk_norm:
+        per_layer.update(
+            q_norm=("self_attn.q_norm.weight", lambda x: x), k_norm=("self_attn.k_norm.weight", lambda x: x)
+        )
     out = {"embed": w["model.embed_tokens.weight"], "final_norm": w["model.norm.weight"]}
     if not cfg.tie_embeddings:
         out["lm_head"] = w["lm_head.weight"].T
@@ -100,7 +106,7 @@ def assert_loaded(model, want: dict[str, np.ndarray], shardings: dict[str, Named
             np.testing.assert_array_equal(np.asarray(shard.data), want[name][shard.index], err_msg=name)
 
 
-@pytest.mark.parametrize("name", ["llama_tiny", "llama3_sharded", "qwen2_tiny"])
+@pytest.mark.parametrize("name", ["llama_tiny", "llama3_sharded", "qwen2_tiny", "qwen3_tiny"])
 def test_sharded_load_equals_whole_tensor_transforms(cpu_devices, name):
     path = os.path.join(FIXTURES, name)
     mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"), devices=cpu_devices[:8])

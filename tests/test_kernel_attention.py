@@ -161,7 +161,7 @@ def assert_same(outs, ref):
             np.testing.assert_allclose(c.logprobs, d.logprobs, atol=LP_ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("name,forward", [("llama_tiny", "split"), ("qwen2_tiny", "model")])
+@pytest.mark.parametrize("name,forward", [("llama_tiny", "split"), ("qwen2_tiny", "model"), ("qwen3_tiny", "split")])
 def test_sampler_kernel_equals_gather_on_hf_fixtures(name, forward):
     """Greedy (and sampled) tokens equal and logprobs within 1e-5: sequences cross page
     boundaries (page 16, prompts + 30 tokens up to 46 positions: the table's third page)."""

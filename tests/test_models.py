@@ -1,6 +1,7 @@
 """The decoder against independent references: a float64 numpy attention/decoder, padding and
 packing invariance, chunked logprobs vs a full log-softmax, remat, and the HF save/load round trip."""
 
+import json
 import os
 
 import jax
@@ -22,12 +23,27 @@ def qwen():
     return init_model(model_preset("tiny", arch="qwen2", qkv_bias=True, tie_embeddings=True, **SMALL), seed=1)
 
 
+def qwen3_model(seed: int, **kw):
+    """A Qwen3-shaped model: head_dim 32 (!= hidden / heads = 16) and random q/k norm scales U(0.5, 1.5)
+    (initialised to ones, a missing or misplaced norm would go unseen)."""
+    m = init_model(model_preset("tiny", arch="qwen3", qk_norm=True, head_dim=32, **{**SMALL, **kw}), seed=seed)
+    rng = np.random.default_rng(seed)
+    for norm in (m.layers.q_norm, m.layers.k_norm):
+        norm.set_value(jnp.asarray(rng.uniform(0.5, 1.5, norm[...].shape), norm[...].dtype))
+    return m
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return qwen3_model(seed=1)
+
+
 def _np_params(model):
     return {k: np.asarray(v, np.float64) for k, v in model.layers.stacked().items()}
 
 
 def numpy_decoder(model, tokens, positions, rnd=None, per_op_sigmoid=False):
-    """A float64 re-implementation from the Llama/Qwen2 equations (one sequence, no padding).
+    """A float64 re-implementation from the Llama/Qwen2/Qwen3 equations (one sequence, no padding).
 
     With `rnd` (round to bfloat16) it emulates the model's low-precision compute: every value the
     model stores in its compute dtype goes through `rnd` where the model rounds it (weights, the
@@ -62,6 +78,8 @@ def numpy_decoder(model, tokens, positions, rnd=None, per_op_sigmoid=False):
         q, kk, v = (r(np.einsum("td,dhe->the", y, g(w))) for w in ("wq", "wk", "wv"))
         if "bq" in p:
             q, kk, v = r(q + g("bq")), r(kk + g("bk")), r(v + g("bv"))
+        if "q_norm" in p:  # Qwen3: RMSNorm of each head over head_dim, before RoPE
+            q, kk = norm(q, p["q_norm"][layer]), norm(kk, p["k_norm"][layer])
         q, kk = rope(q), rope(kk)
         out = np.zeros((t, h, e))
         for head in range(h):
@@ -78,16 +96,20 @@ def numpy_decoder(model, tokens, positions, rnd=None, per_op_sigmoid=False):
     return x @ r(np.asarray(model.output_matrix(), np.float64))
 
 
-def test_matches_float64_numpy_decoder(qwen):
+@pytest.mark.parametrize("name", ["qwen", "qwen3"])
+def test_matches_float64_numpy_decoder(name, request):
+    model = request.getfixturevalue(name)
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, 128, size=12)
-    ref = numpy_decoder(qwen, tokens, np.arange(12))
-    ours = np.asarray(qwen(jnp.asarray(tokens[None], jnp.int32)))[0]
+    ref = numpy_decoder(model, tokens, np.arange(12))
+    ours = np.asarray(model(jnp.asarray(tokens[None], jnp.int32)))[0]
     assert np.abs(ref).max() > 1.0  # logits far from uniform, so the comparison is sensitive
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
-def test_left_padding_and_packing_invariance(qwen):
+@pytest.mark.parametrize("name", ["qwen", "qwen3"])
+def test_left_padding_and_packing_invariance(name, request):
+    qwen = request.getfixturevalue(name)
     rng = np.random.default_rng(1)
     a, b = rng.integers(3, 128, size=7), rng.integers(3, 128, size=5)
     la = np.asarray(qwen(jnp.asarray(a[None], jnp.int32)))[0]
@@ -221,7 +243,7 @@ def _to_bf16(a):
     return np.asarray(np.asarray(a, np.float64).astype(ml_dtypes.bfloat16), np.float64)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_bfloat16_compute_follows_its_rounding_policy(arch):
     """The bf16 forward against numpy_decoder emulating it in float64 (same weights, rounded to bf16
     where the model rounds, kept where it promises float32).
@@ -239,8 +261,11 @@ def test_bfloat16_compute_follows_its_rounding_policy(arch):
     ignored (float32 compute) 4.2. The old check (max|d| < 0.05 max|logits| against a float32
     model) passed every one of these. The unrounded emulation is >= 2u away (measured 4.7-4.8u)."""
     u = 2.0**-8
-    kw = dict(arch="qwen2", qkv_bias=True, tie_embeddings=True) if arch == "qwen2" else {}
-    m = init_model(model_preset("tiny", dtype="bfloat16", **kw, **SMALL), seed=5)
+    if arch == "qwen3":
+        m = qwen3_model(seed=5, dtype="bfloat16")
+    else:
+        kw = dict(arch="qwen2", qkv_bias=True, tie_embeddings=True) if arch == "qwen2" else {}
+        m = init_model(model_preset("tiny", dtype="bfloat16", **kw, **SMALL), seed=5)
     tokens = np.random.default_rng(5).integers(3, 128, size=(4, 32))
     fwd = jax.jit(lambda t: m(t)).lower(jnp.asarray(tokens, jnp.int32))
     got = np.asarray(fwd.compile({"xla_allow_excess_precision": False})(jnp.asarray(tokens, jnp.int32)))
@@ -266,11 +291,12 @@ def test_value_head_and_missing_head_error(qwen):
         qwen.values(jnp.zeros((1, 2, 64)))
 
 
-@pytest.mark.parametrize("arch,tie,vh", [("llama", False, False), ("qwen2", True, True)])
+@pytest.mark.parametrize("arch,tie,vh", [("llama", False, False), ("qwen2", True, True), ("qwen3", True, False)])
 def test_save_load_round_trip_is_exact(tmp_path, arch, tie, vh):
-    m = init_model(
-        model_preset("tiny", arch=arch, qkv_bias=arch == "qwen2", tie_embeddings=tie, value_head=vh, **SMALL), seed=7
-    )
+    """qwen3 here has head_dim implied (hidden / heads = 16): its config.json must still say 16, as a
+    qwen3 config.json without head_dim means 128 (Qwen3Config's default)."""
+    qwen = dict(qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3")
+    m = init_model(model_preset("tiny", arch=arch, tie_embeddings=tie, value_head=vh, **qwen, **SMALL), seed=7)
     if vh:  # a non-zero value head, so the round trip is meaningful
         m.value_w.set_value(jnp.linspace(-1, 1, 64))
         m.value_b.set_value(jnp.asarray(0.25))
@@ -279,6 +305,8 @@ def test_save_load_round_trip_is_exact(tmp_path, arch, tie, vh):
     assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))
     m2 = load_hf(out, value_head=vh)
     assert m2.cfg.tie_embeddings == tie and m2.cfg.arch == arch
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f).get("head_dim") == (16 if arch == "qwen3" else None)
     for (pa, a), (pb, b) in zip(
         nnx.to_flat_state(nnx.state(m, nnx.Param)), nnx.to_flat_state(nnx.state(m2, nnx.Param))
     ):

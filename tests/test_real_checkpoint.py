@@ -1,4 +1,5 @@
-"""Train a checkpoint you have (README): a Qwen2-family instruct checkpoint of ~53M parameters
+"""Train a checkpoint you have (README): a Qwen2-family instruct checkpoint of ~53M parameters, and a
+Qwen3 one of ~66M (head_dim 128 != hidden / heads, q/k norms, untied)
 (tests/fixtures/checkpoint.py: config.json, safetensors, generation_config.json with an eos list,
 a byte-level BPE tokenizer.json and the Qwen2.5 chat template) and a GSM8K-style JSONL whose
 prompts are chat messages train through the README's command with only model.path, data.task,
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
-from fixtures.checkpoint import write_qwen2_checkpoint
+from fixtures.checkpoint import write_qwen2_checkpoint, write_qwen3_checkpoint
 from flax import nnx
 from helpers import load_file
 
@@ -44,8 +45,10 @@ def numpy_reference():
 
 
 @pytest.mark.slow
-def test_train_evaluate_export_a_checkpoint_with_model_path_alone(tmp_path):
-    ckpt = write_qwen2_checkpoint(tmp_path / "qwen")
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_train_evaluate_export_a_checkpoint_with_model_path_alone(tmp_path, arch):
+    write = write_qwen3_checkpoint if arch == "qwen3" else write_qwen2_checkpoint
+    ckpt = write(tmp_path / "qwen")
     write_data(tmp_path / "train.jsonl", 48, 0)
     write_data(tmp_path / "test.jsonl", 8, 1)
     run_dir = tmp_path / "run"
@@ -74,7 +77,9 @@ def test_train_evaluate_export_a_checkpoint_with_model_path_alone(tmp_path):
         ran = yaml.safe_load(f)
     hf = json.load(open(os.path.join(ckpt, "config.json")))
     assert ran["model"]["hidden_size"] == hf["hidden_size"] and ran["model"]["num_layers"] == hf["num_hidden_layers"]
-    assert ran["model"]["vocab_size"] == hf["vocab_size"] and ran["model"]["qkv_bias"] is True
+    assert ran["model"]["vocab_size"] == hf["vocab_size"] and ran["model"]["arch"] == arch
+    assert (ran["model"]["qkv_bias"], ran["model"]["qk_norm"]) == (arch == "qwen2", arch == "qwen3")
+    assert ran["model"]["head_dim"] == hf.get("head_dim")  # qwen2: implied (None); qwen3: 128 (!= 640 / 10)
     assert ran["data"]["tokenizer"] == os.path.join(ckpt, "tokenizer.json")
     assert ran["pipeline"]["plan"] == "auto"
 

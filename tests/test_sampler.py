@@ -79,6 +79,8 @@ def assert_same(a, b, tol=LP_TOL):
         ("llama_tiny", "split_t", "chunk"),
         ("qwen2_tiny", "split_t", "gather"),
         ("llama_tiny", "model", "chunk"),
+        ("qwen3_tiny", "split_t", "chunk"),  # q/k norm in the per-layer forward's own layer
+        ("qwen3_tiny", "model", "gather"),
     ],
 )
 def test_greedy_equals_plain_forward_argmax_on_hf_fixtures(name, forward, attention, llama):

@@ -8,8 +8,8 @@ A local checkpoint directory's config.json (and generation_config.json, whose eo
 or a list as in Llama 3 and Qwen2.5, ends sequences besides eos_id: `model.eos_ids`) is read here,
 with no JAX, before the run config is validated, so the planner, FLOP counts and memory checks
 price the checkpoint's shape. Fields given beside the path (YAML or command line) win; those the
-weights fix (vocab, layers, heads, widths, tying, biases) cannot differ, so a different value is an
-error naming both sides. Every error is a ConfigError naming the file and the field.
+weights fix (vocab, layers, heads, widths, tying, biases, q/k norms) cannot differ, so a different
+value is an error naming both sides. Every error is a ConfigError naming the file and the field.
 
 Callers: config/run.from_dict (resolve_checkpoint), models/hf.load_hf (config_from_hf),
 runtime/trainer.py and the `rpeg plan` / `rpeg config` commands (checkpoint_overrides).
@@ -25,7 +25,8 @@ from typing import Any
 from rpeg_jax.config.base import ConfigError, _coerce, build, key, to_dict
 from rpeg_jax.config.model import ModelConfig
 
-SUPPORTED = ("llama", "qwen2")  # config.json model_type values
+SUPPORTED = ("llama", "qwen2", "qwen3")  # config.json model_type values
+QWEN3_HEAD_DIM = 128  # transformers' Qwen3Config default: a qwen3 config.json without head_dim means 128
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 # ModelConfig field -> the config.json key it comes from (for messages).
 HF_NAMES = {
@@ -42,7 +43,8 @@ HF_NAMES = {
     "rope_scaling": "rope_scaling",
     "max_position_embeddings": "max_position_embeddings",
     "tie_embeddings": "tie_word_embeddings",
-    "qkv_bias": "model_type",  # Qwen2 has q/k/v biases, Llama not
+    "qkv_bias": "model_type",  # Qwen2 has q/k/v biases, Llama and Qwen3 not
+    "qk_norm": "model_type",  # Qwen3 normalises q and k per head
     "bos_id": "bos_token_id",
     "eos_id": "eos_token_id",
     "pad_id": "pad_token_id",
@@ -60,6 +62,7 @@ FIXED = (
     "intermediate_size",
     "tie_embeddings",
     "qkv_bias",
+    "qk_norm",
 )
 
 
@@ -85,12 +88,15 @@ def model_fields(hf: dict, generation: dict | None = None) -> dict[str, Any]:
             raise HFConfigError(f"{name}={v!r} must be an integer")
     if hf.get("mlp_bias"):
         raise HFConfigError("mlp_bias=true is not supported")
-    if arch == "llama" and hf.get("attention_bias"):
-        raise HFConfigError("attention_bias=true (o_proj bias) is not supported for llama")
-    if arch == "qwen2" and hf.get("use_sliding_window"):
+    if arch in ("llama", "qwen3") and hf.get("attention_bias"):
+        raise HFConfigError(f"attention_bias=true (q/k/v/o_proj biases) is not supported for {arch}")
+    if arch in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
         raise HFConfigError("use_sliding_window=true is not supported")
+    windowed = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
+    if windowed:
+        raise HFConfigError(f"layer_types has {windowed[0]!r}: only full_attention layers are supported")
     heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim")
+    head_dim = hf.get("head_dim") or (QWEN3_HEAD_DIM if arch == "qwen3" else None)
     if head_dim == hf["hidden_size"] // heads:
         head_dim = None  # canonical: implied by hidden_size / num_heads
     eos = _ids(hf.get("eos_token_id"), "eos_token_id")
@@ -113,6 +119,7 @@ def model_fields(hf: dict, generation: dict | None = None) -> dict[str, Any]:
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=(arch == "qwen2"),
+        qk_norm=(arch == "qwen3"),
         bos_id=hf.get("bos_token_id") or 0,
         eos_id=eos_id,
         pad_id=pad if pad is not None else eos_id,
@@ -234,6 +241,9 @@ def resolve_checkpoint(data: dict, section: str = "model") -> dict:
 
 
 def _hf_value(name: str, ckpt: dict[str, Any]) -> Any:
+    """The config.json value behind field `name` (qkv_bias and qk_norm follow from model_type)."""
+    if HF_NAMES[name] == "model_type":
+        return ckpt["arch"]
     if name == "head_dim" and ckpt[name] is None:
         return ckpt["hidden_size"] // ckpt["num_heads"]
     return ckpt[name]

@@ -1,6 +1,6 @@
-"""Model section of the run config: the Llama/Qwen2-family decoder's shape and numerics.
+"""Model section of the run config: the Llama/Qwen2/Qwen3-family decoder's shape and numerics.
 
-Presets (`model.preset`) name the shapes of bench/WORKLOADS.md and the Qwen2/Llama sizes the
+Presets (`model.preset`) name the shapes of bench/WORKLOADS.md and the Qwen2/Qwen3/Llama sizes the
 planner is asked about; any field given next to a preset overrides it. `model.path` points at a
 local Hugging Face checkpoint directory whose config.json then defines the shape, ids and RoPE
 settings (config/hf.py, at load time, before validation; a preset beside it is ignored).
@@ -46,7 +46,7 @@ class ModelConfig:
     path: str | None = None  # local Hugging Face checkpoint dir (config.json + *.safetensors): its
     #   config.json sets every field it has (shape, ids, RoPE); fields given beside it override the
     #   numerics and ids (each reported), not the shape the weights fix (config/hf.py)
-    arch: Literal["llama", "qwen2"] = "llama"
+    arch: Literal["llama", "qwen2", "qwen3"] = "llama"  # the Hugging Face family (model_type) it exports as
     vocab_size: int = 128  # V
     hidden_size: int = 256  # D
     num_layers: int = 4  # L
@@ -60,6 +60,8 @@ class ModelConfig:
     max_position_embeddings: int = 512
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 has q/k/v biases
+    qk_norm: bool = False  # Qwen3: an RMSNorm over head_dim (weights [E], shared by the heads) on every q and
+    #   k head, after the projection and before RoPE
     value_head: bool = False  # scalar value head (critic, or shared actor-critic)
     param_dtype: DType = "float32"
     dtype: DType = "float32"  # compute dtype of matmuls; logits/logprobs are always float32
@@ -96,7 +98,7 @@ class ModelConfig:
         d, e, f = self.hidden_size, self.head_size, self.intermediate_size
         q, kv = self.num_heads * e, self.num_kv_heads * e
         attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0)
-        layer = attn + 3 * d * f + 2 * d
+        layer = attn + 3 * d * f + 2 * d + (2 * e if self.qk_norm else 0)
         n = self.vocab_size * d + self.num_layers * layer + d
         if with_lm_head and not self.tie_embeddings:
             n += d * self.vocab_size
@@ -140,6 +142,14 @@ class ModelConfig:
             check(0 <= v < self.vocab_size, key(path, name), v, f"must be in [0, vocab_size={self.vocab_size})")
         for v in self.eos_ids:
             check(0 <= v < self.vocab_size, key(path, "eos_ids"), v, f"must be in [0, vocab_size={self.vocab_size})")
+        if self.arch == "qwen3":  # the Hugging Face Qwen3 decoder, which export writes
+            why = "model.arch=qwen3 normalises q and k per head: must be true"
+            check(self.qk_norm, key(path, "qk_norm"), self.qk_norm, why)
+            why = "model.arch=qwen3 has no q/k/v biases"
+            check(not self.qkv_bias, key(path, "qkv_bias"), self.qkv_bias, why)
+        else:
+            why = f"the q/k norm is Qwen3's: needs model.arch=qwen3 (not {self.arch})"
+            check(not self.qk_norm, key(path, "qk_norm"), self.qk_norm, why)
         check(
             self.attention != "cudnn" or self.dtype in ("bfloat16", "float16"),
             key(path, "attention"),
@@ -163,7 +173,23 @@ class ModelConfig:
             self.rope_scaling.validate(key(path, "rope_scaling"))
 
 
-# Shapes from bench/WORKLOADS.md (T, S) and Qwen2/Llama public configs (for the planner and GPU).
+def _qwen3(*, tie_embeddings: bool = False, **shape) -> dict:
+    """A Qwen3 dense preset: what every size shares, and its own shape (8 kv heads in all of them)."""
+    return dict(
+        arch="qwen3",
+        vocab_size=151936,
+        num_kv_heads=8,
+        head_dim=128,
+        qk_norm=True,
+        tie_embeddings=tie_embeddings,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        **shape,
+    )
+
+
+# Shapes from bench/WORKLOADS.md (T, S) and Qwen2/Qwen3/Llama public configs (for the planner and GPU).
 PRESETS: dict[str, dict] = {
     "tiny": dict(
         vocab_size=128,
@@ -250,6 +276,15 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=32768,
         rms_norm_eps=1e-5,
     ),
+    # Qwen3 dense (Qwen/Qwen3-*'s config.json): head_dim 128 whatever hidden / heads is, q/k RMSNorm,
+    # no q/k/v bias, vocab 151936, rope_theta 1e6, max_position_embeddings 40960, rms_norm_eps 1e-6;
+    # embeddings tied up to 4B.
+    "qwen3-0.6b": _qwen3(hidden_size=1024, num_layers=28, num_heads=16, intermediate_size=3072, tie_embeddings=True),
+    "qwen3-1.7b": _qwen3(hidden_size=2048, num_layers=28, num_heads=16, intermediate_size=6144, tie_embeddings=True),
+    "qwen3-4b": _qwen3(hidden_size=2560, num_layers=36, num_heads=32, intermediate_size=9728, tie_embeddings=True),
+    "qwen3-8b": _qwen3(hidden_size=4096, num_layers=36, num_heads=32, intermediate_size=12288),
+    "qwen3-14b": _qwen3(hidden_size=5120, num_layers=40, num_heads=40, intermediate_size=17408),
+    "qwen3-32b": _qwen3(hidden_size=5120, num_layers=64, num_heads=64, intermediate_size=25600),
     "llama3-8b": dict(
         vocab_size=128256,
         hidden_size=4096,

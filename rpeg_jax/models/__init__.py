@@ -1,4 +1,4 @@
-"""Llama/Qwen2-family decoder (Flax NNX), chunked logprobs, Hugging Face interop."""
+"""Llama/Qwen2/Qwen3-family decoder (Flax NNX), chunked logprobs, Hugging Face interop."""
 
 from rpeg_jax.models.attention import DenseAttention, causal_segment_mask, gqa_attention
 from rpeg_jax.models.hf import load_hf, save_hf

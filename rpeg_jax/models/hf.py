@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint interop for the Llama and Qwen2 architectures (local paths only).
+"""Hugging Face checkpoint interop for the Llama, Qwen2 and Qwen3 architectures (local paths only).
 
     model = load_hf("/path/to/checkpoint")        # config.json + *.safetensors (+ index)
     model = load_hf(path, shardings=layout.params) # each parameter born in its sharding
@@ -36,7 +36,7 @@ from rpeg_jax.config.model import ModelConfig
 from rpeg_jax.models.llama import Transformer
 from rpeg_jax.sharding.params import path_name
 
-_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 __all__ = ["config_from_hf", "config_to_hf", "hf_state", "load_hf", "save_hf"]
 
 
@@ -62,10 +62,12 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "eos_token_id": cfg.eos_id,
         "pad_token_id": cfg.pad_id,
     }
-    if cfg.head_dim is not None:
-        out["head_dim"] = cfg.head_dim
+    if cfg.head_dim is not None or cfg.arch == "qwen3":  # Qwen3Config's own default head_dim is 128
+        out["head_dim"] = cfg.head_size
     if cfg.arch == "llama":
         out.update(attention_bias=False, mlp_bias=False)
+    if cfg.arch == "qwen3":
+        out.update(attention_bias=False, use_sliding_window=False)
     if cfg.rope_scaling is not None:
         s = cfg.rope_scaling
         out["rope_scaling"] = {
@@ -189,6 +191,11 @@ def _layer_mapping(cfg: ModelConfig) -> list[tuple[str, str, _Layout]]:
             ("bq", "self_attn.q_proj.bias", _Layout(((H, E),), (0, 1))),
             ("bk", "self_attn.k_proj.bias", _Layout(((K, E),), (0, 1))),
             ("bv", "self_attn.v_proj.bias", _Layout(((K, E),), (0, 1))),
+        ]
+    if cfg.qk_norm:
+        rows += [
+            ("q_norm", "self_attn.q_norm.weight", _Layout(((E,),), (0,))),
+            ("k_norm", "self_attn.k_norm.weight", _Layout(((E,),), (0,))),
         ]
     return rows
 

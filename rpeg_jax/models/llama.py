@@ -1,4 +1,5 @@
-"""The Llama/Qwen2-family decoder (Flax NNX): RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""The Llama/Qwen2/Qwen3-family decoder (Flax NNX): RMSNorm, RoPE, grouped-query attention, SwiGLU;
+q/k/v biases (Qwen2, model.qkv_bias) and a per-head RMSNorm of q and k before RoPE (Qwen3, model.qk_norm).
 
 Letters in tensor names: B batch, T sequence, D hidden (embed), H query heads, K kv heads,
 E head_dim, F mlp, V vocab, L layers.
@@ -39,7 +40,22 @@ from rpeg_jax.sharding.axes import (
     explicit_spec,
 )
 
-LAYER_PARAMS = ("attn_norm", "wq", "bq", "wk", "bk", "wv", "bv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+LAYER_PARAMS = (
+    "attn_norm",
+    "wq",
+    "bq",
+    "wk",
+    "bk",
+    "wv",
+    "bv",
+    "q_norm",
+    "k_norm",
+    "wo",
+    "mlp_norm",
+    "w_gate",
+    "w_up",
+    "w_down",
+)
 
 
 def jnp_dtype(name: str):
@@ -85,14 +101,27 @@ class Layers(nnx.Module):
             self.bv = const((L, K, E), (LAYERS, KV_HEADS, HEAD_DIM), 0.0)
         else:
             self.bq = self.bk = self.bv = None
+        if cfg.qk_norm:  # one [E] scale per layer, shared by all q heads (q_norm) and all kv heads (k_norm)
+            self.q_norm = const((L, E), (LAYERS, HEAD_DIM), 1.0)
+            self.k_norm = const((L, E), (LAYERS, HEAD_DIM), 1.0)
+        else:
+            self.q_norm = self.k_norm = None
         self.mlp_norm = const((L, D), (LAYERS, EMBED), 1.0)
         self.w_gate = weight((L, D, F), (LAYERS, EMBED, MLP))
         self.w_up = weight((L, D, F), (LAYERS, EMBED, MLP))
         self.w_down = weight((L, F, D), (LAYERS, MLP, EMBED))
 
     def stacked(self) -> dict[str, jax.Array]:
-        """{name: [L, ...] array} for the layer scan (biases only when present)."""
+        """{name: [L, ...] array} for the layer scan (biases and q/k norms only when present)."""
         return {n: getattr(self, n)[...] for n in LAYER_PARAMS if getattr(self, n) is not None}
+
+
+def qk_normed(cfg: ModelConfig, p: dict, q_BxTxHxE, k_BxTxKxE):
+    """Qwen3's q_norm / k_norm: RMSNorm over head_dim of each head, before RoPE (identity when the
+    layer has none). Every decoder layer implementation calls this (here and sampling/forward.py)."""
+    if "q_norm" not in p:
+        return q_BxTxHxE, k_BxTxKxE
+    return rms_norm(q_BxTxHxE, p["q_norm"], cfg.rms_norm_eps), rms_norm(k_BxTxKxE, p["k_norm"], cfg.rms_norm_eps)
 
 
 def decoder_layer(cfg: ModelConfig, p: dict, x_BxTxD, cos, sin, attention, layer, cache):
@@ -107,6 +136,7 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BxTxD, cos, sin, attention, layer
     v = dense(h, p["wv"].astype(dt))
     if "bq" in p:
         q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
+    q, k = qk_normed(cfg, p, q, k)
     q = constrain(apply_rope(q, cos, sin), (BATCH, SEQ, HEADS, HEAD_DIM))
     k = constrain(apply_rope(k, cos, sin), (BATCH, SEQ, KV_HEADS, HEAD_DIM))
     v = constrain(v, (BATCH, SEQ, KV_HEADS, HEAD_DIM))

@@ -5,7 +5,7 @@ Two interchangeable forwards (static, hashable objects passed to `sampling/engin
   parameters (layer scan or loop, as the model is configured). The sampler's params are the model's.
 - `SplitForward(cfg)`: the same computation over *per-layer* parameter buffers, one jit argument
   per layer, run by this module's copy of the decoder layer (`_layer`: the model's rms_norm /
-  apply_rope, the operations and order of `models.llama.decoder_layer`) with the q/k/v projections
+  qk_normed / apply_rope, the operations and order of `models.llama.decoder_layer`) with the q/k/v projections
   fused into one product and gate/up into another.
   Why per-layer: XLA:CPU copies each layer's weights out of a stacked [L, ...] array before every
   product (dynamic- or static-slice fusions), so a bandwidth-bound decode step reads the weights about
@@ -37,7 +37,7 @@ from flax import nnx
 
 from rpeg_jax.config.model import ModelConfig
 from rpeg_jax.models.dense import dense, embed_lookup
-from rpeg_jax.models.llama import jnp_dtype, rms_norm
+from rpeg_jax.models.llama import jnp_dtype, qk_normed, rms_norm
 from rpeg_jax.models.rope import apply_rope, inv_frequencies, rope_tables
 from rpeg_jax.sharding.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, SEQ, constrain
 
@@ -63,8 +63,9 @@ class ModelForward:
 def _split(params, num_layers: int, transposed: bool):
     """{embed, final_norm, out, layers: tuple of per-layer dicts} from the model's params State.
     Per layer, the q/k/v projections are concatenated into one 2-D weight `wqkv` [D, (H+2K)*E]
-    (biases into `bqkv`), gate and up into `w_gu` [D, 2F], and `wo` flattened to [H*E, D]; with
-    `transposed`, every product weight (and `out`) is stored transposed, [out, in]."""
+    (biases into `bqkv`), gate and up into `w_gu` [D, 2F], and `wo` flattened to [H*E, D]; Qwen3's
+    q_norm / k_norm [E] are kept as they are; with `transposed`, every product weight (and `out`)
+    is stored transposed, [out, in]."""
     flat = nnx.to_pure_dict(params)
     tied = flat.get("lm_head") is None
     out = flat["embed"].T if tied else flat["lm_head"]  # [D, V]
@@ -83,6 +84,8 @@ def _split(params, num_layers: int, transposed: bool):
         )
         if p.get("bq") is not None:
             lp["bqkv"] = jnp.concatenate([p[n].reshape(-1) for n in ("bq", "bk", "bv")])
+        if p.get("q_norm") is not None:  # Qwen3's per-head q/k RMSNorm scales, [E] each
+            lp["q_norm"], lp["k_norm"] = p["q_norm"], p["k_norm"]
         return lp
 
     per_layer = tuple(layer({n: w[i] for n, w in flat["layers"].items() if w is not None}) for i in range(num_layers))
@@ -108,8 +111,9 @@ def _layer(cfg: ModelConfig, p: dict, x_BxTxD, cos, sin, attention, layer, cache
     if "bqkv" in p:
         qkv = qkv + p["bqkv"].astype(dt)
     q, k, v = jnp.split(qkv, [h_n * e, (h_n + k_n) * e], axis=-1)
-    q = constrain(apply_rope(q.reshape(b, t, h_n, e), cos, sin), (BATCH, SEQ, HEADS, HEAD_DIM))
-    k = constrain(apply_rope(k.reshape(b, t, k_n, e), cos, sin), (BATCH, SEQ, KV_HEADS, HEAD_DIM))
+    q, k = qk_normed(cfg, p, q.reshape(b, t, h_n, e), k.reshape(b, t, k_n, e))
+    q = constrain(apply_rope(q, cos, sin), (BATCH, SEQ, HEADS, HEAD_DIM))
+    k = constrain(apply_rope(k, cos, sin), (BATCH, SEQ, KV_HEADS, HEAD_DIM))
     v = constrain(v.reshape(b, t, k_n, e), (BATCH, SEQ, KV_HEADS, HEAD_DIM))
     attn, cache = attention(q, k, v, layer=layer, cache=cache)
     x = constrain(x_BxTxD + mm(attn.reshape(b, t, -1), p["wo"].astype(dt)), (BATCH, SEQ, EMBED))
