@@ -13,6 +13,10 @@ from rpeg_jax.config.base import check, key
 @dataclass(frozen=True, kw_only=True)
 class CostModelConfig:
     hardware: str = "auto"  # profile name in configs/hardware/, a YAML path, or auto (the devices the run sees)
+    calibration: Literal["none", "cached"] = "none"  # the numbers of a named profile: none = the shipped
+    #   configs/hardware/<name>.yaml; cached = the copy `rpeg calibrate` fitted on this machine
+    #   ($RPEG_CACHE or ~/.cache/rpeg_jax/hardware/<name>.yaml; an error when there is none). A fitted
+    #   file elsewhere: costmodel.hardware=<path>. The file used is logged and recorded in plan.json
     num_devices: int | None = None  # None -> the devices JAX sees
     memory_budget: float = 0.9  # fraction of device memory plans may use
     # Workload assumptions.
@@ -45,6 +49,13 @@ class CostModelConfig:
     runners_up: int = 5  # plans listed after the chosen one
 
     def validate(self, path: str) -> None:
+        if self.calibration == "cached":
+            check(
+                not (self.hardware.endswith((".yaml", ".yml")) or "/" in self.hardware),
+                key(path, "calibration"),
+                self.calibration,
+                f"costmodel.hardware={self.hardware} is a file: that file is the profile (calibration=none)",
+            )
         check(0.0 < self.memory_budget <= 1.0, key(path, "memory_budget"), self.memory_budget, "must be in (0, 1]")
         if self.prompt_len is not None:
             check(self.prompt_len >= 1, key(path, "prompt_len"), self.prompt_len, "must be >= 1")

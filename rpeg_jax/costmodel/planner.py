@@ -37,7 +37,7 @@ from rpeg_jax.costmodel import offload as OFF
 from rpeg_jax.costmodel import stages as S
 from rpeg_jax.costmodel.comm import reshard_time
 from rpeg_jax.costmodel.devices import resolve
-from rpeg_jax.costmodel.hardware import GB, HardwareProfile
+from rpeg_jax.costmodel.hardware import GB, HardwareProfile, describe_source
 from rpeg_jax.costmodel.lengths import LengthDist
 from rpeg_jax.costmodel.report import explain
 from rpeg_jax.costmodel.schedule import simulate, stage_spans, unroll
@@ -809,6 +809,7 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
         "utilization_own_work": pred.utilization_own_work,
         "stage_s": pred.stage_times_s,
         "hardware": ctx.hw.name,
+        "hardware_source": describe_source(ctx.hw),  # the profile file (shipped, calibrated: with its date)
         "processes": ctx.processes,
         "clock": clock_of(ctx.hw),
     }
