@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     try:
         spec = dist.resolve_spec(d.coordinator, d.num_processes, d.process_id)
-        dist.initialize(spec, d.heartbeat_timeout_s, d.initialization_timeout_s, d.cpu_collectives)
+        dist.initialize(spec, d.heartbeat_timeout_s, d.initialization_timeout_s, d.cpu_collectives, d.bind_address)
     except dist.DistributedInitError as e:
         print(f"rpeg launch: {e}", file=sys.stderr)
         return EXIT_INIT
