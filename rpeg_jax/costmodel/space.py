@@ -18,10 +18,11 @@ import itertools
 
 import numpy as np
 
+from rpeg_jax.config.base import ConfigError
 from rpeg_jax.config.pipeline import PipelineConfig
 from rpeg_jax.config.run import RunConfig
 from rpeg_jax.costmodel.candidates import PIECES
-from rpeg_jax.graph.ir import Graph, GraphError
+from rpeg_jax.graph.ir import Graph
 
 
 def sampler_is_trainer(cfg: RunConfig) -> bool:
@@ -92,6 +93,15 @@ def continuous_searched(ctx) -> bool:
     return k >= 1 and ctx.processes == 1 and not ctx.cfg.pipeline.elide_old_forward
 
 
+def continuous_on_processes(n: int) -> str:
+    """Why rollout.admission=continuous cannot run on `n` > 1 processes (one line; also what
+    launch/multihost.py says before it starts any)."""
+    return (
+        f"runs on one process for now (each process's engine state is not checkpointed yet); this run has "
+        f"{n} processes: use rollout.admission=step with several processes"
+    )
+
+
 def admissions(ctx, pipe: PipelineConfig) -> list[str]:
     """rollout.admission modes tried with a structural option, searched like k: the config's
     `continuous` is the user's (kept; options it cannot run with get none); the default `step`
@@ -101,10 +111,7 @@ def admissions(ctx, pipe: PipelineConfig) -> list[str]:
     adds the proximal forward to the synchronous plan."""
     cfg = ctx.cfg
     if cfg.rollout.admission == "continuous" and ctx.processes > 1:
-        raise GraphError(
-            "rollout.admission",
-            f"continuous runs on one process for now (runtime/setup.py); planning for {ctx.processes} processes",
-        )
+        raise ConfigError("rollout.admission", "continuous", continuous_on_processes(ctx.processes))
     if not pipe.staleness:
         return ["step"]
     cont = ["continuous"] if pipe.microbatches == 1 and continuous_searched(ctx) else []
