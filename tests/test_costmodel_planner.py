@@ -565,3 +565,17 @@ def jax_leaves(tree):
     from jax.sharding import PartitionSpec
 
     return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def test_a_max_slots_the_config_sets_is_kept_and_the_priced_one_recorded():
+    from rpeg_jax.graph.plan import config_for_plan
+
+    free = P.choose_plan(load_config(None, []), 1, CPU, 1)
+    planned = free.settings["rollout.max_slots"]
+    assert "slots_priced" not in free.predicted
+    pinned = planned // 2 or 1
+    cfg = load_config(None, [f"rollout.max_slots={pinned}"])
+    plan = P.choose_plan(cfg, 1, CPU, 1)
+    assert plan.settings["rollout.max_slots"] == pinned
+    assert config_for_plan(cfg, plan)[0].rollout.max_slots == pinned  # what the run's sampler gets
+    assert plan.predicted["slots_priced"] == planned

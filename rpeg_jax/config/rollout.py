@@ -51,7 +51,8 @@ class RolloutConfig:
     ignore_eos: bool = False
     page_size: int = 16
     num_pages: int | None = None  # None -> enough for every slot at max length (+ watermark)
-    max_slots: int | None = None  # concurrent sequences; None -> one step's whole batch
+    max_slots: int | None = None  # concurrent sequences; None -> one step's whole batch (pipeline.plan=auto:
+    #   the planner's choice); a value set here is kept under any plan (the prediction notes what it assumed)
     chunk_steps: int = 64  # K: decode steps per jitted while_loop chunk (at most)
     min_chunk_steps: int = 8  # chunks end early where the page-table width bucket grows, not before
     #                           this many steps (= chunk_steps: one chunk per call when K allows)

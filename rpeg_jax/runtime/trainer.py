@@ -94,6 +94,13 @@ def choose_plan(cfg: RunConfig, plan: Plan | None = None) -> tuple[RunConfig, Pl
     cfg, changed = config_for_plan(cfg, plan)
     for key, (given, chosen) in changed.items():
         log.info("the plan (%s) sets %s=%s (the config had %s)", plan.source, key, chosen, given)
+    if "slots_priced" in plan.predicted:
+        log.warning(
+            "rollout.max_slots=%s is the config's and is kept; the plan's prediction assumed %s slots "
+            "(leave rollout.max_slots unset to let the planner choose)",
+            cfg.rollout.max_slots,
+            plan.predicted["slots_priced"],
+        )
     return cfg, plan
 
 
