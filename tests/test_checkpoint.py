@@ -136,6 +136,15 @@ def test_retention_keeps_the_newest_steps_after_they_commit(tmp_path):
     assert sorted(os.listdir(d1)) == ["2"]
 
 
+def test_a_reader_never_deletes_a_runs_steps(tmp_path):
+    """eval and export open a run's checkpoints with their own Checkpointer: closing it prunes nothing."""
+    d = _saved(tmp_path, steps=(1, 2, 3), keep=3)
+    reader = Checkpointer(d, keep=1, async_save=False)
+    _assert_tree_equal(reader.restore(3, _tree(0))[0], _tree(3))
+    reader.close()
+    assert sorted(os.listdir(d)) == ["1", "2", "3"]
+
+
 def test_an_interrupted_run_file_write_leaves_the_old_file(tmp_path, monkeypatch):
     path = str(tmp_path / "plan.json")
     write_atomic(path, "old\n")

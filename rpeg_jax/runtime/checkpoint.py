@@ -230,6 +230,8 @@ class Checkpointer:
         self._prune()
 
     def _prune(self) -> None:
+        if self._sealing is None:  # a reader (eval, export) never deletes a run's checkpoints
+            return
         for s in self.all_steps()[: -self.keep]:
             self._mngr.delete(s)
 
