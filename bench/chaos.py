@@ -73,6 +73,8 @@ def results(rec: dict) -> dict:
 
 def final_arrays(run_dir: str, step: int):
     """The final checkpoint's arrays (verified first), as numpy, by path."""
+    import warnings
+
     import jax
     import numpy as np
     import orbax.checkpoint as ocp
@@ -81,7 +83,9 @@ def final_arrays(run_dir: str, step: int):
 
     ck = Checkpointer(os.path.join(run_dir, "checkpoints"), async_save=False)
     ck.check(step)
-    tree = ocp.PyTreeCheckpointer().restore(os.path.join(run_dir, "checkpoints", str(step), "train"))
+    with warnings.catch_warnings():  # "sharding info not provided": the run's own (one device), read back
+        warnings.simplefilter("ignore", UserWarning)
+        tree = ocp.PyTreeCheckpointer().restore(os.path.join(run_dir, "checkpoints", str(step), "train"))
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
