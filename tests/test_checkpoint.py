@@ -136,6 +136,22 @@ def test_retention_keeps_the_newest_steps_after_they_commit(tmp_path):
     assert sorted(os.listdir(d1)) == ["2"]
 
 
+def test_older_steps_are_kept_while_the_newest_does_not_verify(tmp_path, monkeypatch, caplog):
+    ck = Checkpointer(str(tmp_path / "ck"), keep=1)
+    ck.save(1, _tree(1), {"step": 1})
+    ck.wait()
+    monkeypatch.setattr(ck, "verify", lambda step: "meta/metadata is missing" if step == 2 else None)
+    with caplog.at_level("WARNING", logger="rpeg_jax"):
+        ck.save(2, _tree(2), {"step": 2})
+        ck.wait()
+    assert ck.all_steps() == [1, 2]
+    assert "checkpoint 2 does not verify (meta/metadata is missing): keeping the older steps [1]" in caplog.text
+    monkeypatch.undo()
+    ck.save(3, _tree(3), {"step": 3})
+    ck.close()
+    assert sorted(os.listdir(tmp_path / "ck")) == ["3"]
+
+
 def test_a_reader_never_deletes_a_runs_steps(tmp_path):
     """eval and export open a run's checkpoints with their own Checkpointer: closing it prunes nothing."""
     d = _saved(tmp_path, steps=(1, 2, 3), keep=3)

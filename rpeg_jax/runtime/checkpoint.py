@@ -167,7 +167,8 @@ class Checkpointer:
     CheckpointCorrupt naming the step and the file. A step found damaged is moved aside
     (`quarantine`: renamed damaged-<step>, never deleted). Retention is ours, not orbax's: after a
     save has committed, the steps beyond the newest `keep` are deleted, so a failed save never
-    costs the previous checkpoint. A full disk is a DiskFull naming the step and what survives."""
+    costs the previous checkpoint, and older steps go only once the newest verifies. A full disk
+    is a DiskFull naming the step and what survives."""
 
     def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True, cleanup_tmp: bool = False):
         self.directory = os.path.abspath(directory)
@@ -230,9 +231,23 @@ class Checkpointer:
         self._prune()
 
     def _prune(self) -> None:
+        """Delete the steps beyond the newest `keep`, once the newest verifies (read back against
+        its manifest): retention never leaves the run without a verified step."""
         if self._sealing is None:  # a reader (eval, export) never deletes a run's checkpoints
             return
-        for s in self.all_steps()[: -self.keep]:
+        steps = self.all_steps()
+        if len(steps) <= self.keep:
+            return
+        why = self.verify(steps[-1])
+        bad = why is not None
+        if jax.process_count() > 1:  # every process deletes (orbax syncs them): all or none
+            bad = bool(np.max(multihost_utils.process_allgather(np.int32(bad))))
+        if bad:
+            log.warning(
+                "checkpoint %d does not verify (%s): keeping the older steps %s", steps[-1], why, steps[: -self.keep]
+            )
+            return
+        for s in steps[: -self.keep]:
             self._mngr.delete(s)
 
     def close(self) -> None:
