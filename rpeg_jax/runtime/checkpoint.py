@@ -328,6 +328,8 @@ class Checkpointer:
         while os.path.lexists(dest):
             n += 1
             dest = os.path.join(self.directory, f"damaged-{step}.{n}")
+        if jax.process_count() > 1:  # every process named `dest` before process 0 moves the step there
+            multihost_utils.sync_global_devices(f"rpeg_quarantine_named_{step}")
         if jax.process_index() == 0:
             os.rename(os.path.join(self.directory, str(step)), dest)
         if jax.process_count() > 1:

@@ -104,9 +104,11 @@ def restore(ckpt: Checkpointer, store: Store, ex: Executor, ctx) -> int:
         check_shapes(ckpt, step, target)
         for bad, why in damaged:
             dest = ckpt.quarantine(bad)
-            log.warning("checkpoint %d is damaged (%s): moved to %s; resuming from step %d", bad, why, dest, step)
+            if jax.process_index() == 0:
+                log.warning("checkpoint %d is damaged (%s): moved to %s; resuming from step %d", bad, why, dest, step)
         _load(ckpt, store, ex, ctx, step, target, meta_only)
-        log.info("resumed from step %d of %s", step, ckpt.directory)
+        if jax.process_index() == 0:
+            log.info("resumed from step %d of %s", step, ckpt.directory)
         return step
     if damaged:
         raise CheckpointCorrupt(
