@@ -78,7 +78,7 @@ def child_command(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    train_command.stop_early_on_signals()  # a signal before training starts: one line, not a bare -15
+    train_command.stop_early_on_signals("rpeg launch")  # outside the training loop: one line, not a bare -15
     try:
         return _main(argv)
     except train_command.StoppedEarly as e:

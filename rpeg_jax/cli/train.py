@@ -6,8 +6,9 @@ multi-process flags and initialises the distributed runtime before calling `trai
 Every way a run ends is one line on stderr and an exit status: 0 done (or stopped at a step
 boundary by a signal: runtime/trainer.py), 1 an expected failure (a damaged checkpoint, a full
 disk, a non-finite loss, ...), 2 a bad config, 130 a second Ctrl-C, 128 + the signal's number for
-SIGINT or SIGTERM before training started (imports, config, the distributed runtime's start-up:
-`stop_early_on_signals`), when no step ran and nothing was written.
+SIGINT or SIGTERM outside the training loop (`stop_early_on_signals`): before training started
+(imports, config, the distributed runtime's start-up: no step ran, nothing was written) or after it
+ended (every checkpoint committed).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -23,7 +25,7 @@ from rpeg_jax.config.run import load_config
 
 
 class StoppedEarly(BaseException):
-    """SIGINT or SIGTERM outside the training loop (a BaseException: nothing on the way up may
+    """SIGINT or SIGTERM before training started (a BaseException: nothing on the way up should
     swallow it)."""
 
     def __init__(self, signum: int):
@@ -31,24 +33,36 @@ class StoppedEarly(BaseException):
         super().__init__(signal.Signals(signum).name)
 
 
-_phase = ["during start-up, before any training step: nothing was written; run the same command to start"]
-
-
-def stop_early_on_signals() -> None:
-    """Until the trainer installs its own handlers (StopSignals: stop at the next step boundary),
-    SIGINT and SIGTERM raise StoppedEarly, reported in one line (`report_early_stop`)."""
+def stop_early_on_signals(who: str) -> None:
+    """SIGINT and SIGTERM outside the trainer's own handlers (runtime/trainer.StopSignals, which stop
+    at the next step boundary). Before training: StoppedEarly is raised (`report_early_stop`: one
+    line, exit 128 + N); the signal is also kept in `handle.pending`, which StopSignals adopts
+    should the exception have been swallowed (raised inside a garbage-collection callback, say).
+    After training (StopSignals sets `handle.trained` on its way out, every checkpoint committed):
+    one line and exit 128 + N at once, not a traceback from whatever shut-down code was running."""
     if threading.current_thread() is not threading.main_thread():
         return
 
     def handle(signum, frame):
+        name = signal.Signals(signum).name
+        if handle.trained:
+            print(f"{who}: stopped by {name} after training ended: every checkpoint is committed", file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(128 + signum)
+        handle.pending.append(signum)
         raise StoppedEarly(signum)
 
+    handle.pending, handle.trained = [], False
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, handle)
 
 
 def report_early_stop(e: StoppedEarly, who: str) -> int:
-    print(f"{who}: stopped by {e} {_phase[0]}", file=sys.stderr)
+    print(
+        f"{who}: stopped by {e} during start-up, before any training step: nothing was written; "
+        "run the same command to start",
+        file=sys.stderr,
+    )
     return 128 + e.signum
 
 
@@ -70,7 +84,6 @@ def train(cfg, result_json: str | None = None, process_id: int = 0, who: str = "
 
     try:
         result = plain(run_training(cfg))
-        _phase[0] = "after training ended: nothing was lost"
     except expected_failures() as e:
         print(f"{who}: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_FAILED, None
@@ -104,7 +117,7 @@ def plain(x):
 
 
 def run(args) -> int:
-    stop_early_on_signals()
+    stop_early_on_signals("rpeg train")
     try:
         cfg = load_config(args.config, args.overrides)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -33,6 +33,7 @@ import logging
 import os
 import pathlib
 import shutil
+import sys
 from typing import Any
 
 import jax
@@ -104,20 +105,41 @@ def _is_disk_full(e: BaseException | None) -> bool:
 
 
 class _DropDiskFullDumps(logging.Filter):
-    """orbax logs a failed write's traceback itself from several threads (hundreds of lines); for
-    a full disk the Checkpointer reports it in one line instead (DiskFull)."""
+    """orbax (absl's logger) and asyncio (its writes' tasks nobody awaits once one failed) log a
+    failed write's traceback themselves, from several threads (hundreds of lines); for a full disk
+    the Checkpointer reports it in one line instead (DiskFull)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR or "orbax" not in record.pathname:
+        if record.levelno < logging.ERROR:
             return True
         exc = record.exc_info[1] if record.exc_info else None
         return not (_is_disk_full(exc) or "No space left on device" in record.getMessage())
 
 
 def _quiet_orbax_disk_full() -> None:
-    logger = logging.getLogger("absl")
-    if not any(isinstance(f, _DropDiskFullDumps) for f in logger.filters):
-        logger.addFilter(_DropDiskFullDumps())
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropDiskFullDumps) for f in logger.filters):
+            logger.addFilter(_DropDiskFullDumps())
+
+
+def _quiet_closed_loop_debris() -> None:
+    """After a failed write or read, tensorstore still completes the other operations in flight
+    and calls back into orbax's event loop, closed by then: each callback's RuntimeError("Event loop
+    is closed") goes to sys.unraisablehook (a traceback apiece, dozens). Noise beside the one line
+    that reports the failure: dropped; every other unraisable exception is shown as before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "rpeg_closed_loop", False):
+        return
+
+    def hook(unraisable):
+        value = unraisable.exc_value
+        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook.rpeg_closed_loop = True
+    sys.unraisablehook = hook
 
 
 @jax.jit
@@ -186,6 +208,7 @@ class Checkpointer:
         )
         self._async = async_save
         _quiet_orbax_disk_full()
+        _quiet_closed_loop_debris()
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
 
     @staticmethod

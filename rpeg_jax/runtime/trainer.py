@@ -274,10 +274,15 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        for handler in self._previous.values():  # the launcher's (cli/train.py): a start-up signal it could
+            for signum in getattr(handler, "pending", ()):  # not stop with (swallowed): stop before step 1
+                self.signal_name = signal.Signals(signum).name
         return self
 
     def __exit__(self, *exc) -> None:
         for s, handler in self._previous.items():
+            if hasattr(handler, "trained"):  # the launcher's handler: training is over, all committed
+                handler.trained = True
             signal.signal(s, handler)
 
     def _handle(self, signum: int, frame) -> None:
