@@ -13,8 +13,10 @@ Counts printed at the end (bench/NOTES.md has a run):
   fallback used the resume reported a damaged checkpoint and resumed from the one before
   lost steps    committed steps the resume did not start from: the newest intact checkpoint's step
                 minus the step it resumed from, summed over the trials (must be 0)
-Damage is done only when the run has two or more checkpoints (with one there is nothing to fall
-back to: that is a one-line CheckpointCorrupt, exercised by tests/test_run_dir.py).
+Also counted: tracebacks printed on SIGINT / SIGTERM, and SIGINT / SIGTERM exits with no line
+(the signal's default action). Damage is done only when the run has two or more checkpoints
+(with one there is nothing to fall back to: that is a one-line CheckpointCorrupt, exercised by
+tests/test_run_dir.py).
 
 Not a test (minutes, random): run it by hand. Every run is `python launch/multihost.py` in a
 subprocess, as a user starts it; the XLA compilation cache is shared between them.
@@ -130,6 +132,8 @@ def trial(i: int, rng: random.Random, work: str, overrides: list[str], env: dict
     out = {"trial": i, "kind": kind, "at_s": round(at, 1), "rc": p.returncode, "committed": steps_of(run_dir)}
     if kind != "kill9" and "Traceback" in err:
         out["traceback"] = err[-2000:]
+    if kind != "kill9" and p.returncode < 0:  # ended by the signal's default action: no line said so
+        out["silent"] = True
     intact = out["committed"][-1] if out["committed"] else 0
     if len(out["committed"]) >= 2 and rng.random() < 0.5:
         how = rng.choice(DAMAGE)
@@ -210,7 +214,8 @@ def main(argv=None) -> int:
             f"{t.get('damage', 'no damage')} -> resumed from {t['resumed_from']}, rc={t['resume_rc']}, "
             f"fallback={t['fallback']}, identical={t['identical']}, lost={t['lost']}"
             + (f" ({t['resume_error']})" if "resume_error" in t else "")
-            + (" [traceback on the signal]" if "traceback" in t else ""),
+            + (" [traceback on the signal]" if "traceback" in t else "")
+            + (" [ended by the signal without a line]" if "silent" in t else ""),
             flush=True,
         )
     n = len(trials)
@@ -222,13 +227,15 @@ def main(argv=None) -> int:
         "damaged": sum("damage" in t for t in trials),
         "lost_steps": sum(t["lost"] for t in trials),
         "tracebacks_on_a_signal": sum("traceback" in t for t in trials),
+        "silent_signal_exits": sum("silent" in t for t in trials),
         "by_kind": {k: sum(t["kind"] == k for t in trials) for k in KINDS},
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     print(
         f"resumable {counts['resumable']}/{n}, identical {counts['identical']}/{n}, fallback used "
         f"{counts['fallback_used']} (of {counts['damaged']} damaged), lost steps {counts['lost_steps']} (must be 0); "
-        f"tracebacks on a signal {counts['tracebacks_on_a_signal']}; kinds {counts['by_kind']}; "
+        f"tracebacks on a signal {counts['tracebacks_on_a_signal']}, silent signal exits "
+        f"{counts['silent_signal_exits']}; kinds {counts['by_kind']}; "
         f"{math.ceil(counts['wall_s'])} s"
     )
     if args.json:
