@@ -55,6 +55,13 @@ def stop_early_on_signals(who: str) -> None:
     handle.pending, handle.trained = [], False
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, handle)
+    previous = sys.unraisablehook
+
+    def unraisable(u):  # a StoppedEarly Python could not raise: kept in handle.pending, said by the trainer
+        if not isinstance(u.exc_value, StoppedEarly):
+            previous(u)
+
+    sys.unraisablehook = unraisable
 
 
 def report_early_stop(e: StoppedEarly, who: str) -> int:
