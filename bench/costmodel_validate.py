@@ -594,7 +594,7 @@ def measure_steps(args, overrides: list[str]) -> list[dict]:
     from rpeg_jax.costmodel.pricing import best_by_groups, price_layout
 
     STEP_CALIBRATION = overrides
-    hw = load_hardware(args.hardware)
+    hw = load_hardware(args.hardware, calibrated=True)
     cfg = load_config(None, STEP_CALIBRATION)
     alts = {p.label: p for p in best_by_groups(cfg, 8, hw, 1)}
     plans = [alts[k] for k in ("best colocated 1", "best colocated 4", "best split 1+1", "best split 2+2") if k in alts]
@@ -693,7 +693,7 @@ def main() -> int:
         return calibrate_steps(args)
     if args.refit:
         return refit(args)
-    hw = load_hardware(args.hardware)
+    hw = load_hardware(args.hardware, calibrated=True)
     out = {
         "hardware": hw.name,
         "calibrated": dict(hw.calibrated),

@@ -161,7 +161,9 @@ def main(argv=None) -> int:
     peak = datasheet.peak(cfg.model.dtype)
     ms = ModelShape.of(model_dims(cfg.model, "actor"))
     flops = model_flops(ms, args.batch, args.seq, r)
-    pred = stage_prediction(load_hardware(hw_name), ms, args.batch, p, r, attention, args.remat, args.micro)
+    pred = stage_prediction(
+        load_hardware(hw_name, calibrated=True), ms, args.batch, p, r, attention, args.remat, args.micro
+    )
 
     t0 = time.perf_counter()
     step, params, opt = build(cfg)

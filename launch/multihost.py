@@ -8,7 +8,8 @@
 Where coordinator / number of processes / process id come from (flags, config `distributed.*`,
 JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, SLURM) and how a lost process is
 reported: rpeg_jax/sharding/distributed.py. Exit codes: 0 ok, 2 bad config (one line naming key and
-value), 3 initialisation failed, 75 a peer process was lost, else the training's own failure.
+value), 3 initialisation failed, 75 a peer process was lost, 128 + N for signal N (SIGINT, SIGTERM)
+before training started (one line; rpeg_jax/cli/train.py), else the training's own failure.
 Only process 0 logs and writes metrics (the runtime asks `is_primary()`); every process runs the
 same program and takes part in checkpoints.
 """
@@ -19,12 +20,14 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rpeg_jax.cli import train as train_command  # noqa: E402  (--config, --result-json, overrides; train)
 from rpeg_jax.config import ConfigError, load_config  # noqa: E402
+from rpeg_jax.costmodel.space import continuous_on_processes  # noqa: E402
 from rpeg_jax.sharding import distributed as dist  # noqa: E402
 
 EXIT_CONFIG, EXIT_INIT = 2, 3
@@ -75,6 +78,14 @@ def child_command(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    train_command.stop_early_on_signals("rpeg launch")  # outside the training loop: one line, not a bare -15
+    try:
+        return _main(argv)
+    except train_command.StoppedEarly as e:
+        return train_command.report_early_stop(e, "rpeg launch")
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
     try:
@@ -83,13 +94,18 @@ def main(argv: list[str] | None = None) -> int:
         print(str(e), file=sys.stderr)
         return EXIT_CONFIG
     d = cfg.distributed
+    if args.local_processes > 1 and cfg.rollout.admission == "continuous":  # said once, not by every child
+        why = continuous_on_processes(args.local_processes)
+        print(str(ConfigError("rollout.admission", "continuous", why)), file=sys.stderr)
+        return EXIT_CONFIG
     if args.local_processes:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # spawn_local passes Ctrl-C on to the children
         return dist.spawn_local(
             child_command(argv), args.local_processes, args.local_devices, grace_s=d.heartbeat_timeout_s + 30
         )
     try:
         spec = dist.resolve_spec(d.coordinator, d.num_processes, d.process_id)
-        dist.initialize(spec, d.heartbeat_timeout_s, d.initialization_timeout_s, d.cpu_collectives)
+        dist.initialize(spec, d.heartbeat_timeout_s, d.initialization_timeout_s, d.cpu_collectives, d.bind_address)
     except dist.DistributedInitError as e:
         print(f"rpeg launch: {e}", file=sys.stderr)
         return EXIT_INIT

@@ -1,6 +1,8 @@
 """Test setup: 8 CPU devices for mesh tests (set before JAX is imported), markers, helpers."""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
@@ -14,9 +16,16 @@ os.environ.setdefault(
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Hermetic: no calibrated hardware profile of the user's (~/.cache/rpeg_jax) is ever read or written;
+# a test that wants one sets RPEG_CACHE itself.
+os.environ["RPEG_CACHE"] = tempfile.mkdtemp(prefix="rpeg_jax_test_cache_")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(os.environ["RPEG_CACHE"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

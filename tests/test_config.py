@@ -79,6 +79,8 @@ BAD = [
     ("wrong-type", ["rl.group_size=abc"], "rl.group_size", "'abc'", "must be an integer"),
     ("wrong-type-bool", ["data.shuffle=maybe"], "data.shuffle", "'maybe'", "true or false"),
     ("out-of-range", ["rollout.temperature=-1"], "rollout.temperature", "-1", "must be >= 0"),
+    ("infinite-lr", ["optim.lr=inf"], "optim.lr", "inf", "must be a finite number"),  # `lr > 0` alone passed it
+    ("nan-float", ["rl.kl_coef=.nan"], "rl.kl_coef", "nan", "must be a finite number"),
     ("table-growth", ["rollout.table_width_growth=1.0"], "rollout.table_width_growth", "1.0", "must be > 1"),
     ("bad-literal", ["data.on_bad_record=ignore"], "data.on_bad_record", "'ignore'", "must be one of"),
     ("heads-not-dividing-hidden", ["model.num_heads=3"], "model.num_heads", "3", "must divide hidden_size=256"),

@@ -106,6 +106,7 @@ def test_save_load_roundtrip_and_calibrated_preferred(tmp_path, monkeypatch):
     )
     path = H.save_hardware(fitted, H.calibrated_path("cpu"))
     assert path.startswith(str(tmp_path))
-    again = H.load_hardware("cpu")
-    assert again == fitted
+    again = H.load_hardware("cpu", calibrated=True)
+    assert again == fitted and again.source == path
+    assert H.load_hardware("cpu").source == H.profile_path("cpu")  # asked for nothing: the shipped one
     assert H.load_hardware("cpu", calibrated=False).device.peak_flops == base.device.peak_flops

@@ -467,16 +467,19 @@ def test_utilization_on_a_shared_host_counts_the_host_once():
     assert one.utilization * one.step_time_s == pytest.approx(eight.utilization * eight.step_time_s, rel=0.05)
 
 
-def test_rpeg_plan_defaults_to_the_devices_a_run_sees_and_a_calibrated_profile(tmp_path):
+def test_rpeg_plan_defaults_to_the_devices_a_run_sees_and_uses_a_calibration_only_when_asked(tmp_path):
     import os
 
+    from rpeg_jax.config.base import ConfigError
     from rpeg_jax.costmodel.devices import resolve
-    from rpeg_jax.costmodel.hardware import calibrated_path, save_hardware
+    from rpeg_jax.costmodel.hardware import calibrated_path, profile_path, save_hardware
 
     # In this process JAX sees the 8 forced devices (conftest): that is what plans default to.
     hw, n, procs = resolve(load_config(None, []), None, None, None)
     assert (hw.name, n, procs) == ("cpu", 8, 1)
-    # A calibrated cpu profile (a host twice as fast) is what choose_plan and `rpeg plan` use.
+    assert hw.source == profile_path("cpu")
+    # A calibrated cpu profile (a host twice as fast) in the cache: a plan uses it only under
+    # costmodel.calibration=cached (`rpeg plan` too), and says which file it priced with.
     fast = dataclasses.replace(
         CPU,
         device=dataclasses.replace(
@@ -491,14 +494,22 @@ def test_rpeg_plan_defaults_to_the_devices_a_run_sees_and_a_calibrated_profile(t
     env["RPEG_CACHE"] = str(cache)
     old = os.environ.get("RPEG_CACHE")
     os.environ["RPEG_CACHE"] = str(cache)
+    cached = ["costmodel.calibration=cached"]
     try:
-        save_hardware(fast, calibrated_path("cpu"))
+        with pytest.raises(ConfigError, match="costmodel.calibration='cached': no calibrated cpu profile"):
+            P.choose_plan(load_config(None, cached), 1, None, 1)
+        cal = save_hardware(fast, calibrated_path("cpu"))
         direct = P.search(load_config(None, []), 1, fast, 1).chosen.step_time_s
-        auto = P.choose_plan(load_config(None, []), 1, None, 1).predicted["step_time_s"]
+        shipped = P.choose_plan(load_config(None, []), 1, None, 1).predicted
+        auto = P.choose_plan(load_config(None, cached), 1, None, 1).predicted
     finally:
         os.environ.pop("RPEG_CACHE") if old is None else os.environ.__setitem__("RPEG_CACHE", old)
-    assert auto == pytest.approx(direct)
-    assert direct < P.search(load_config(None, []), 1, CPU, 1).chosen.step_time_s
+    assert auto["step_time_s"] == pytest.approx(direct)
+    assert (
+        direct < shipped["step_time_s"] == pytest.approx(P.search(load_config(None, []), 1, CPU, 1).chosen.step_time_s)
+    )
+    assert shipped["hardware_source"] == f"cpu from {profile_path('cpu')} (shipped)"
+    assert auto["hardware_source"].startswith(f"cpu from {cal} (calibrated, written ")
     # A plain CPU process (what `make run` starts) sees one device.
     out = tmp_path / "plan.json"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -513,6 +524,7 @@ def test_rpeg_plan_defaults_to_the_devices_a_run_sees_and_a_calibrated_profile(t
             "--quiet",
             "--json",
             str(out),
+            "costmodel.calibration=cached",
         ],
         check=True,
         env=env,
@@ -638,3 +650,17 @@ def jax_leaves(tree):
     from jax.sharding import PartitionSpec
 
     return jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def test_a_max_slots_the_config_sets_is_kept_and_the_priced_one_recorded():
+    from rpeg_jax.graph.plan import config_for_plan
+
+    free = P.choose_plan(load_config(None, []), 1, CPU, 1)
+    planned = free.settings["rollout.max_slots"]
+    assert "slots_priced" not in free.predicted
+    pinned = planned // 2 or 1
+    cfg = load_config(None, [f"rollout.max_slots={pinned}"])
+    plan = P.choose_plan(cfg, 1, CPU, 1)
+    assert plan.settings["rollout.max_slots"] == pinned
+    assert config_for_plan(cfg, plan)[0].rollout.max_slots == pinned  # what the run's sampler gets
+    assert plan.predicted["slots_priced"] == planned

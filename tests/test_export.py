@@ -193,7 +193,13 @@ def test_bad_inputs_are_one_line_exit_2(trained, tmp_path, capsys):
     cfg["model"].update(path=None, intermediate_size=128)
     (other / "config.yaml").write_text(yaml.safe_dump(cfg))
     os.symlink(os.path.join(r.run_dir, "checkpoints"), other / "checkpoints")
+    damaged = tmp_path / "damaged"  # its newest checkpoint's files no longer match their checksums
+    shutil.copytree(r.run_dir, damaged)
+    newest = max(int(n) for n in os.listdir(damaged / "checkpoints") if n.isdigit())
+    with open(damaged / "checkpoints" / str(newest) / "meta" / "metadata", "a") as f:
+        f.write(" ")
     cases = [
+        (["--run-dir", str(damaged), "--out", str(tmp_path / "e")], f"checkpoint {newest} in "),
         (["--run-dir", r.run_dir, "--out", str(full)], "exists and is not empty (pass --overwrite"),
         (["--run-dir", str(other), "--out", str(tmp_path / "d")], "holds actor.layers.w_down as ((2, 160, 64)"),
         (["--run-dir", r.run_dir, "--step", "7", "--out", str(tmp_path / "a")], "step 7 is not in"),
@@ -204,7 +210,7 @@ def test_bad_inputs_are_one_line_exit_2(trained, tmp_path, capsys):
         assert main(["export", *args]) == 2, args
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
-    assert not any(os.path.exists(tmp_path / n) for n in "abcd")
+    assert not any(os.path.exists(tmp_path / n) for n in "abcde")
     assert main(["export", "--run-dir", r.run_dir, "--out", str(full), "--overwrite"]) == 0
     assert "model.safetensors" in os.listdir(full) and "x" not in os.listdir(full)
 

@@ -55,6 +55,18 @@ WORKER = textwrap.dedent("""
             assert rs.plans_built == 2, rs.plans_built
             assert set(rs.plan(x, gen).methods) == {"collective"}, rs.plan(x, gen).methods
         print(f"RESHARD_OK {pid}", flush=True)
+    elif mode == "listen":  # where process 0's coordination service listens, while both are connected
+        if pid == 0:
+            rows = []
+            for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+                with open(table) as f:
+                    for line in f.readlines()[1:]:
+                        local, state = line.split()[1], line.split()[3]
+                        if state == "0A" and int(local.rsplit(":", 1)[1], 16) == int(port):  # 0A: LISTEN
+                            rows.append(local)
+            print("LISTEN " + " ".join(rows), flush=True)
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("listed")
     else:  # "hang": sit in collectives until a peer dies
         mesh = make_mesh({"data": -1})
         x = jax.device_put(np.ones(8, np.float32), NamedSharding(mesh, P("data")))
@@ -114,6 +126,27 @@ def test_reshard_round_trip_across_two_processes(tmp_path):
     outs = _finish(procs, timeout=240)
     for i, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0 and f"RESHARD_OK {i}" in out, out[-3000:]
+
+
+@pytest.mark.multihost
+def test_the_coordination_service_of_local_processes_listens_on_loopback_only(tmp_path):
+    """Local processes are given 127.0.0.1:PORT: process 0's service binds that address, not every
+    interface (JAX's default, [::]:PORT), as the kernel's table of listening sockets shows."""
+    procs = _start(tmp_path, "listen", 30)
+    outs = _finish(procs, timeout=240)
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    (line,) = [ln for ln in outs[0].splitlines() if ln.startswith("LISTEN")]
+    rows = line.split()[1:]
+    loopback = ("0100007F:", "0000000000000000FFFF00000100007F:")  # 127.0.0.1 as tcp, and as tcp6 (::ffff:127.0.0.1)
+    assert rows and all(r.startswith(loopback) for r in rows), rows  # [::]:PORT would be 000...000:PORT
+
+
+def test_bind_address_is_the_given_loopback_else_every_interface_else_the_configured_one():
+    assert dist.bind_address("127.0.0.1:1234") == "127.0.0.1:1234"
+    assert dist.bind_address("localhost:1234") == "localhost:1234"
+    assert dist.bind_address("[::1]:1234") == "[::1]:1234"
+    assert dist.bind_address("node017:1234") == "[::]:1234"
+    assert dist.bind_address("node017:1234", "10.0.0.7:1234") == "10.0.0.7:1234"
 
 
 def _wait_ready(procs, timeout=180):

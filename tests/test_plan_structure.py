@@ -112,3 +112,18 @@ def test_an_auto_plan_resumes_with_the_runs_own_plan(tmp_path, monkeypatch):
     assert out["steps"] == 2
     again = json.loads((tmp_path / "plan.json").read_text())
     assert again["knobs"] == json.loads(first)["knobs"] and again["stages"] == json.loads(first)["stages"]
+
+
+def test_an_auto_run_whose_plan_json_is_unreadable_plans_again_and_resumes(tmp_path, caplog):
+    """An empty plan.json (what a crash in the middle of a plain write left before run files were
+    written atomically) is reported and planned again; the checkpoint's structure check decides."""
+    common = TINY + ["pipeline.plan=auto", "costmodel.hardware=cpu", f"train.run_dir={tmp_path}"]
+    train(load_config(None, common + ["train.steps=1"]))
+    first = json.loads((tmp_path / "plan.json").read_text())
+    (tmp_path / "plan.json").write_text("")
+    with caplog.at_level("INFO", logger="rpeg_jax"):
+        out = train(load_config(None, common + ["train.steps=2"]))
+    assert out["steps"] == 2
+    assert f"the run's {tmp_path / 'plan.json'} is unreadable" in caplog.text and "planning again" in caplog.text
+    assert "resumed from step 1" in caplog.text
+    assert json.loads((tmp_path / "plan.json").read_text())["knobs"] == first["knobs"]

@@ -169,7 +169,7 @@ def test_preemption_inside_shards_keeps_outputs(llama, prompts, reference):
 
 def test_pool_too_small_per_shard_is_rejected_before_compiling(llama):
     cfg = SamplerConfig(page_size=4, max_slots=8, num_pages=24, **FIXED)  # 6 per shard < 1 + 8
-    with pytest.raises(ValueError, match=r"num_pages=24 \(6 per shard of the pool split over data=4\)"):
+    with pytest.raises(ValueError, match=r"sampler.num_pages=24: .*6 per shard of the pool split over data=4\)"):
         Sampler(llama, cfg, mesh=mesh_of((4,), ("data",)))
     with pytest.raises(ValueError, match="kv_pool"):
         SamplerConfig(kv_pool="split").validate()

@@ -1,6 +1,6 @@
 """`rpeg calibrate [--profile cpu|h200|...] [--out PATH] [--quick]`: measure this machine, fit the
-profile's efficiency factors (costmodel/calibrate.py), save the fitted profile (reused by
-`load_hardware(name)`, so by `rpeg plan` and `pipeline.plan: auto`).
+profile's efficiency factors (costmodel/calibrate.py), save the fitted profile (what `rpeg plan` and
+`pipeline.plan: auto` use under `costmodel.calibration=cached`; the default plans with the shipped one).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def export(run_dir: str, out: str, *, step: int | None = None, overwrite: bool =
         raise ExportError(f"{config_file} not found (--run-dir is a run's train.run_dir)")
     if os.path.isfile(out) or (os.path.isdir(out) and os.listdir(out) and not overwrite):
         raise ExportError(f"--out {out} exists and is not empty (pass --overwrite to replace it)")
-    from rpeg_jax.runtime.checkpoint import Checkpointer
+    from rpeg_jax.runtime.checkpoint import CheckpointCorrupt, Checkpointer
 
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     if not Checkpointer.has_checkpoint(ckpt_dir):
@@ -74,7 +74,11 @@ def export(run_dir: str, out: str, *, step: int | None = None, overwrite: bool =
             step = max(steps) if step is None else step
             if step not in steps:
                 raise ExportError(f"step {step} is not in {ckpt_dir} (saved: {', '.join(map(str, sorted(steps)))})")
-            model = _restore_actor(ckpt, step, cfg)
+            try:
+                model = _restore_actor(ckpt, step, cfg)
+            except CheckpointCorrupt as e:
+                saved = ", ".join(map(str, steps))
+                raise ExportError(f"{e}; export another step with --step (saved: {saved})") from None
         finally:
             ckpt.close()
         save_hf(model, out, overwrite=overwrite, extra_files=extra)

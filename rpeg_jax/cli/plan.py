@@ -7,11 +7,12 @@ split into systems and algorithmic (staleness, shared backbone: searched only wi
 search time;
 `--json` writes the same (see costmodel/report.py for the fields), `--save-plan` the chosen
 Plan (loadable with `pipeline.plan: <path>`). Defaults are what a run would see: the device
-count and kind JAX reports here (1 CPU device for `make run` on a plain CPU) and the calibrated
-profile of that kind when `rpeg calibrate` saved one. With --gpus, the cluster is planned as the
-processes that launch on it, one per node unless --processes says otherwise, and only plans the
-runtime runs with that many processes are searched (graph/processes.py); the header shows P.
-With --gpus and --hardware given it imports no JAX and touches no device.
+count and kind JAX reports here (1 CPU device for `make run` on a plain CPU) and the shipped
+profile of that kind (the one `rpeg calibrate` fitted with `costmodel.calibration=cached`). With
+--gpus, the cluster is planned as the processes that launch on it, one per node unless
+--processes says otherwise, and only plans the runtime runs with that many processes are searched
+(graph/processes.py); the header shows P. With --gpus and --hardware given it imports no JAX and
+touches no device.
 """
 
 from __future__ import annotations

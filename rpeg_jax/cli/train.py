@@ -2,15 +2,75 @@
 
 The training command's arguments and its run, shared with launch/multihost.py (which adds the
 multi-process flags and initialises the distributed runtime before calling `train`).
+
+Every way a run ends is one line on stderr and an exit status: 0 done (or stopped at a step
+boundary by a signal: runtime/trainer.py), 1 an expected failure (a damaged checkpoint, a full
+disk, a non-finite loss, ...), 2 a bad config, 130 a second Ctrl-C, 128 + the signal's number for
+SIGINT or SIGTERM outside the training loop (`stop_early_on_signals`): before training started
+(imports, config, the distributed runtime's start-up: no step ran, nothing was written) or after it
+ended (every checkpoint committed).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
+import signal
 import sys
+import threading
 
 from rpeg_jax.config.run import load_config
+
+
+class StoppedEarly(BaseException):
+    """SIGINT or SIGTERM before training started (a BaseException: nothing on the way up should
+    swallow it)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+def stop_early_on_signals(who: str) -> None:
+    """SIGINT and SIGTERM outside the trainer's own handlers (runtime/trainer.StopSignals, which stop
+    at the next step boundary). Before training: StoppedEarly is raised (`report_early_stop`: one
+    line, exit 128 + N); the signal is also kept in `handle.pending`, which StopSignals adopts
+    should the exception have been swallowed (raised inside a garbage-collection callback, say).
+    After training (StopSignals sets `handle.trained` on its way out, every checkpoint committed):
+    one line and exit 128 + N at once, not a traceback from whatever shut-down code was running."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handle(signum, frame):
+        name = signal.Signals(signum).name
+        if handle.trained:
+            print(f"{who}: stopped by {name} after training ended: every checkpoint is committed", file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(128 + signum)
+        handle.pending.append(signum)
+        raise StoppedEarly(signum)
+
+    handle.pending, handle.trained = [], False
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, handle)
+    previous = sys.unraisablehook
+
+    def unraisable(u):  # a StoppedEarly Python could not raise: kept in handle.pending, said by the trainer
+        if not isinstance(u.exc_value, StoppedEarly):
+            previous(u)
+
+    sys.unraisablehook = unraisable
+
+
+def report_early_stop(e: StoppedEarly, who: str) -> int:
+    print(
+        f"{who}: stopped by {e} during start-up, before any training step: nothing was written; "
+        "run the same command to start",
+        file=sys.stderr,
+    )
+    return 128 + e.signum
 
 
 def add_arguments(p) -> None:
@@ -37,6 +97,15 @@ def train(cfg, result_json: str | None = None, process_id: int = 0, who: str = "
     except KeyboardInterrupt:
         print(f"{who}: stopped at once by a second Ctrl-C; the newest committed checkpoint is kept", file=sys.stderr)
         return EXIT_STOPPED_AT_ONCE, None
+    except OSError as e:  # the run directory's own files (metrics, trace, evaluation records); checkpoints: DiskFull
+        if e.errno != errno.ENOSPC:
+            raise
+        print(
+            f"{who}: no space left on device writing {e.filename or cfg.train.run_dir}; the newest committed "
+            f"checkpoint in {cfg.train.run_dir}/checkpoints is kept: free space and run the same command to resume",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED, None
     if result_json and process_id == 0:
         with open(result_json, "w") as f:
             json.dump(result, f, indent=1, sort_keys=True)
@@ -55,9 +124,13 @@ def plain(x):
 
 
 def run(args) -> int:
-    cfg = load_config(args.config, args.overrides)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    rc, result = train(cfg, args.result_json)
-    if result is not None:
-        print(json.dumps(result))
-    return rc
+    stop_early_on_signals("rpeg train")
+    try:
+        cfg = load_config(args.config, args.overrides)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        rc, result = train(cfg, args.result_json)
+        if result is not None:
+            print(json.dumps(result))
+        return rc
+    except StoppedEarly as e:
+        return report_early_stop(e, "rpeg train")

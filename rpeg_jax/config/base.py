@@ -5,7 +5,7 @@ Every section of the run config is a frozen, keyword-only dataclass defined in t
 `build(cls, data, path)` turns nested dicts into dataclasses and rejects, with one line naming
 the dotted key and the value:
   - unknown keys (the nearest valid name is suggested),
-  - wrong types,
+  - wrong types (a float field must be finite: inf and nan are refused),
 and then calls each section's `validate()` (range and consistency checks).
 
 Callers: `config.run.load_config` (CLI, launcher, tests).
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
@@ -103,6 +104,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
                 raise ConfigError(key, value, "must be a number") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(key, value, "must be a number")
+        if not math.isfinite(value):  # no field means anything by inf or nan (an lr of inf trains NaNs)
+            raise ConfigError(key, value, "must be a finite number")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):

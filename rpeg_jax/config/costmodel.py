@@ -6,6 +6,7 @@ train.pack_sequences: the cost model prices the keys the run runs). Read by rpeg
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from rpeg_jax.config.base import check, key
 
@@ -13,6 +14,10 @@ from rpeg_jax.config.base import check, key
 @dataclass(frozen=True, kw_only=True)
 class CostModelConfig:
     hardware: str = "auto"  # profile name in configs/hardware/, a YAML path, or auto (the devices the run sees)
+    calibration: Literal["none", "cached"] = "none"  # the numbers of a named profile: none = the shipped
+    #   configs/hardware/<name>.yaml; cached = the copy `rpeg calibrate` fitted on this machine
+    #   ($RPEG_CACHE or ~/.cache/rpeg_jax/hardware/<name>.yaml; an error when there is none). A fitted
+    #   file elsewhere: costmodel.hardware=<path>. The file used is logged and recorded in plan.json
     num_devices: int | None = None  # None -> the devices JAX sees
     processes: int | None = None  # P, the JAX processes owning the devices (N / P each; SLURM: one per
     #   node). None -> one per node of the hardware profile (node.devices), or the processes JAX sees when
@@ -46,6 +51,13 @@ class CostModelConfig:
     runners_up: int = 5  # plans listed after the chosen one
 
     def validate(self, path: str) -> None:
+        if self.calibration == "cached":
+            check(
+                not (self.hardware.endswith((".yaml", ".yml")) or "/" in self.hardware),
+                key(path, "calibration"),
+                self.calibration,
+                f"costmodel.hardware={self.hardware} is a file: that file is the profile (calibration=none)",
+            )
         check(0.0 < self.memory_budget <= 1.0, key(path, "memory_budget"), self.memory_budget, "must be in (0, 1]")
         if self.prompt_len is not None:
             check(self.prompt_len >= 1, key(path, "prompt_len"), self.prompt_len, "must be >= 1")

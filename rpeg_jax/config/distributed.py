@@ -12,6 +12,9 @@ from rpeg_jax.config.base import check, key
 @dataclass(frozen=True, kw_only=True)
 class DistributedConfig:
     coordinator: str | None = None  # host:port of process 0; None -> flags / JAX env / SLURM / single process
+    bind_address: str | None = None  # host:port process 0's coordination service listens on; None -> the
+    #   coordinator's own address when it is a loopback one (--local-processes: 127.0.0.1), else every
+    #   interface of that port (JAX's default: a node's own name may resolve to a loopback alias there)
     num_processes: int | None = None
     process_id: int | None = None
     heartbeat_timeout_s: float = 30.0  # s; a lost peer makes the others exit non-zero (code 75) within about this
@@ -27,9 +30,11 @@ class DistributedConfig:
             self.initialization_timeout_s,
             "must be > 0",
         )
-        if self.coordinator is not None:
-            host, _, port = self.coordinator.rpartition(":")
-            check(bool(host) and port.isdigit(), key(path, "coordinator"), self.coordinator, "must be host:port")
+        for name in ("coordinator", "bind_address"):
+            value = getattr(self, name)
+            if value is not None:
+                host, _, port = value.rpartition(":")
+                check(bool(host) and port.isdigit(), key(path, name), value, "must be host:port")
         if self.num_processes is not None:
             check(self.num_processes >= 1, key(path, "num_processes"), self.num_processes, "must be >= 1")
             if self.process_id is not None:

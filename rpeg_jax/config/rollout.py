@@ -124,7 +124,8 @@ class RolloutConfig(SamplingSettings, EngineSettings):
     """The run's rollout section: sampling (SamplingSettings), the engine (EngineSettings) and how
     generation meets training (slots, weight updates, admission)."""
 
-    max_slots: int | None = None  # concurrent sequences; None -> one step's whole batch
+    max_slots: int | None = None  # concurrent sequences; None -> one step's whole batch (pipeline.plan=auto:
+    #   the planner's choice); a value set here is kept under any plan (the prediction notes what it assumed)
     on_weight_update: Literal["auto", "finish", "recompute", "continue"] = "auto"  # sequences in flight when
     #   new weights arrive: finish on the old ones, recompute their KV with the new, or continue (partial
     #   rollout); auto = finish with admission=step, continue with admission=continuous

@@ -15,7 +15,8 @@ class TrainConfig:
     run_dir: str = "runs/default"  # metrics.jsonl, checkpoints/, trace.json, plots go here
     resume: Literal["auto", "never"] = "auto"
     checkpoint_every: int = 50  # steps; 0 disables periodic checkpoints (a final one is still written)
-    keep_checkpoints: int = 2  # retention: newest N kept
+    keep_checkpoints: int = 2  # retention: newest N committed (sealed) steps kept; older ones are deleted
+    #   only after a newer save has committed, so a failed save never costs the last good step
     log_every: int = 1  # steps between console/TensorBoard records (metrics.jsonl keeps every step)
     progress: bool = True  # progress bar with ETA on process 0
     tensorboard: bool = True

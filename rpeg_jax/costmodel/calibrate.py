@@ -1,5 +1,5 @@
 """Calibration: measure this machine and fit a profile's efficiency factors (`rpeg calibrate`,
-rpeg_jax/cli/calibrate.py, saves the result; `load_hardware(name)` reuses it).
+rpeg_jax/cli/calibrate.py, saves the result; `load_hardware(name, calibrated=True)` reads it).
 
 Micro-benchmarks (each a few hundred ms; the whole run well under a minute on CPU):
   matmul      FLOP/s of square matmuls of several sizes      -> peak (CPU) and the matmul table
@@ -19,7 +19,7 @@ and the tables become measured / nominal. Last, when stage measurements of the r
 CALIBRATION configurations of bench/costmodel_stages.py), the profile is refitted to them
 (costmodel/fit.py: least squares on log time, the FSDP gather mode for memory); the validation
 configurations are never among them. The saved profile is what `rpeg plan` and
-`pipeline.plan: auto` load (hardware.load_hardware prefers it). JAX is imported inside the
+`pipeline.plan: auto` load under `costmodel.calibration=cached` (costmodel/devices.profile). JAX is imported inside the
 functions only, so importing this module (and `rpeg plan`) never initialises a device.
 """
 

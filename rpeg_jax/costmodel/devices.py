@@ -23,7 +23,8 @@ A CPU profile's memory per device is what this host has: the RAM available now (
 pages), split evenly between the devices planned for (1 for a plain process, N under
 --xla_force_host_platform_device_count=N). Only when neither can be read does the profile's
 own `device.memory_gb` stand (configs/hardware/cpu.yaml). A profile passed in as an object
-(tests, calibration) is used as it is.
+(tests, calibration) is used as it is. Which file a named profile is read from is the config's
+choice alone (`profile`: costmodel.calibration), never whatever happens to be in the cache.
 
 Callers: costmodel/planner.py (choose_plan, search), rpeg_jax/cli/plan.py (`rpeg plan`).
 """
@@ -31,9 +32,14 @@ Callers: costmodel/planner.py (choose_plan, search), rpeg_jax/cli/plan.py (`rpeg
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 from dataclasses import dataclass
+
+from rpeg_jax.config.base import ConfigError
+
+log = logging.getLogger("rpeg_jax")
 
 # Device-kind substrings (jax Device.device_kind, lower case) -> profile name; first match wins.
 GPU_KINDS = (("gh200", "gh200"), ("h200", "h200"), ("h100", "h100"))
@@ -152,11 +158,36 @@ def host_budget(hw, num_devices: int, available: float | None = None):
     return dataclasses.replace(hw, device=dataclasses.replace(hw.device, memory_gb=per, usable_memory_gb=per))
 
 
+_reported: set[str] = set()
+
+
+def profile(name: str, calibration: str = "none"):
+    """The HardwareProfile `name` (a configs/hardware/ name or a YAML path) under
+    costmodel.calibration: `none` the profile as named, `cached` the copy `rpeg calibrate` fitted
+    on this machine (a ConfigError when there is none). The file used is logged once per process."""
+    from rpeg_jax.costmodel.hardware import calibrated_path, describe_source, is_path, load_hardware
+
+    cached = calibration == "cached" and not is_path(name)
+    if cached and not os.path.isfile(calibrated_path(name)):
+        raise ConfigError(
+            "costmodel.calibration",
+            calibration,
+            f"no calibrated {name} profile at {calibrated_path(name)}: run `rpeg calibrate` first, "
+            "or costmodel.calibration=none for the shipped profile",
+        )
+    hw = load_hardware(name, calibrated=cached)
+    if hw.source not in _reported:
+        _reported.add(hw.source)
+        log.info("cost model: hardware profile %s", describe_source(hw))
+    return hw
+
+
 def resolve(cfg, num_devices: int | None, hardware, processes: int | None):
     """(HardwareProfile, device count, process count) to plan for: explicit arguments, else the
     config (costmodel.hardware / num_devices / processes), else the local devices; processes with
-    neither: one per node of the profile (module docstring)."""
-    from rpeg_jax.costmodel.hardware import HardwareProfile, load_hardware
+    neither: one per node of the profile (module docstring). The profile follows costmodel.calibration
+    (`profile`)."""
+    from rpeg_jax.costmodel.hardware import HardwareProfile
 
     name = hardware if hardware is not None else cfg.costmodel.hardware
     n = num_devices or cfg.costmodel.num_devices
@@ -165,7 +196,7 @@ def resolve(cfg, num_devices: int | None, hardware, processes: int | None):
     if isinstance(name, HardwareProfile):
         hw = name
     else:
-        hw = load_hardware(profile_for(info.platform, info.kind) if auto else name)
+        hw = profile(profile_for(info.platform, info.kind) if auto else name, cfg.costmodel.calibration)
     seen = not n  # the devices JAX sees here, in the processes it sees
     if seen:
         n = info.count

@@ -1,9 +1,12 @@
 """Hardware profiles as data: a device, its node, the network above it, and efficiency tables.
 
 Profiles live in configs/hardware/<name>.yaml (gh200, h100, h200, cpu); `rpeg calibrate` writes a
-fitted copy to ~/.cache/rpeg_jax/hardware/<name>.yaml (or $RPEG_CACHE), which `load_hardware`
-prefers when it exists. Every number has a unit in its comment; efficiencies are fractions of
-the peak and are looked up by size (the form of Calculon, github.com/calculon-ai/calculon):
+fitted copy to ~/.cache/rpeg_jax/hardware/<name>.yaml (or $RPEG_CACHE). A run and `rpeg plan` use
+the shipped profile unless the config asks for the fitted copy (costmodel.calibration=cached,
+costmodel/devices.resolve), so what is in a user's cache never changes a plan unasked; every
+loaded profile carries the file it came from (`source`), which plans record. Every number has a
+unit in its comment; efficiencies are fractions of the peak and are looked up by size (the form
+of Calculon, github.com/calculon-ai/calculon):
 
     time = work / (peak * eff(size)),  eff interpolated linearly in log(eff) over log(size)
 
@@ -15,7 +18,9 @@ Callers: every module of rpeg_jax.costmodel, `rpeg plan`, `rpeg calibrate`. Pure
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -270,6 +275,7 @@ class HardwareProfile:
     network: NetworkSpec
     efficiency: EfficiencySpec
     calibrated: dict[str, float] = field(default_factory=dict)  # fit residuals etc. written by calibrate
+    source: str = field(default="", compare=False)  # the file it was read from (load_hardware); not saved
 
     def validate(self, path: str) -> None:
         check(bool(self.name), key(path, "name"), self.name, "must not be empty")
@@ -321,12 +327,19 @@ def from_dict(data: dict, path: str = "hardware") -> HardwareProfile:
     """Build and validate a profile from a plain dict (errors name the dotted key and value)."""
     if not isinstance(data, dict):
         raise ConfigError(path, data, "a hardware profile must be a mapping")
+    if "source" in data:
+        raise ConfigError(f"{path}.source", data["source"], "is the file a profile is read from, not a field of it")
     return build(HardwareProfile, data, path)
 
 
-def load_hardware(name_or_path: str, calibrated: bool = True) -> HardwareProfile:
-    """A profile by preset name (configs/hardware/) or YAML path; a calibrated copy wins if present."""
-    if name_or_path.endswith((".yaml", ".yml")) or os.sep in name_or_path:
+def is_path(name_or_path: str) -> bool:
+    return name_or_path.endswith((".yaml", ".yml")) or os.sep in name_or_path
+
+
+def load_hardware(name_or_path: str, calibrated: bool = False) -> HardwareProfile:
+    """A profile by preset name (configs/hardware/) or YAML path. `calibrated`: the fitted copy
+    `rpeg calibrate` cached for that name (calibrated_path) instead, when there is one."""
+    if is_path(name_or_path):
         path = name_or_path
     else:
         path = profile_path(name_or_path)
@@ -343,7 +356,21 @@ def load_hardware(name_or_path: str, calibrated: bool = True) -> HardwareProfile
             data = yaml.safe_load(f)
         except yaml.YAMLError as e:
             raise ConfigError("costmodel.hardware", path, f"invalid YAML: {str(e).splitlines()[0]}") from None
-    return from_dict(data, f"hardware[{os.path.basename(path)}]")
+    out = from_dict(data, f"hardware[{os.path.basename(path)}]")
+    return dataclasses.replace(out, source=os.path.abspath(path))
+
+
+def describe_source(hw: HardwareProfile) -> str:
+    """'cpu from /path/cpu.yaml (calibrated, written 2026-12-04 03:30)' for logs and plans."""
+    if not hw.source:
+        return f"{hw.name} (given as an object)"
+    what = "shipped" if os.path.dirname(hw.source) == os.path.abspath(HARDWARE_DIR) else "file"
+    if hw.calibrated or hw.source == os.path.abspath(calibrated_path(hw.name)):
+        when = ""
+        if os.path.isfile(hw.source):
+            when = time.strftime(", written %Y-%m-%d %H:%M", time.localtime(os.path.getmtime(hw.source)))
+        what = f"calibrated{when}"
+    return f"{hw.name} from {hw.source} ({what})"
 
 
 def save_hardware(profile: HardwareProfile, path: str) -> str:
@@ -351,6 +378,7 @@ def save_hardware(profile: HardwareProfile, path: str) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     data = _plain(to_dict(profile))
+    data.pop("source")  # where it is read from is where it is
     with open(tmp, "w") as f:
         yaml.safe_dump(data, f, sort_keys=False)
     os.replace(tmp, path)
@@ -370,8 +398,6 @@ def _plain(x):
 
 def with_nodes(profile: HardwareProfile, **changes) -> HardwareProfile:
     """A copy with some top-level sections replaced (used by calibration and tests)."""
-    import dataclasses
-
     out = dataclasses.replace(profile, **changes)
     out.validate("hardware")
     return out

@@ -42,7 +42,7 @@ from rpeg_jax.costmodel import offload as OFF
 from rpeg_jax.costmodel import stages as S
 from rpeg_jax.costmodel.comm import reshard_time
 from rpeg_jax.costmodel.devices import resolve
-from rpeg_jax.costmodel.hardware import GB, HardwareProfile
+from rpeg_jax.costmodel.hardware import GB, HardwareProfile, describe_source
 from rpeg_jax.costmodel.lengths import LengthDist
 from rpeg_jax.costmodel.report import explain
 from rpeg_jax.costmodel.schedule import simulate, stage_spans, unroll
@@ -853,17 +853,23 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
         "utilization_own_work": pred.utilization_own_work,
         "stage_s": pred.stage_times_s,
         "hardware": ctx.hw.name,
+        "hardware_source": describe_source(ctx.hw),  # the profile file (shipped, calibrated: with its date)
         "processes": ctx.processes,
         "clock": clock_of(ctx.hw),
     }
     # Config values the run takes from the plan (graph/plan.config_for_plan). The sampler's max_slots
     # is per process over its replicas (slots per replica x replicas); the admission mode is the
-    # one the plan was priced with (searched like k, space.admissions).
+    # one the plan was priced with (searched like k, space.admissions). A max_slots the config sets
+    # is the run's: kept, and the slots the prediction assumed recorded beside it.
+    slots = lay["generate"]["slots"] * lay["generate"]["replicas"] // ctx.processes
+    pinned = ctx.cfg.rollout.max_slots
+    if pinned is not None and pinned != slots:
+        predicted["slots_priced"] = slots
     settings = {
         "rl.micro_batches": lay["train"]["micro_batches"],
         "rl.forward_micro_batches": lay["forward"]["micro_batches"],
         "model.remat": lay["train"]["remat"],
-        "rollout.max_slots": lay["generate"]["slots"] * lay["generate"]["replicas"] // ctx.processes,
+        "rollout.max_slots": slots if pinned is None else pinned,
         "rollout.admission": admission_of(graph),
         "train.offload": ctx.cfg.train.offload,
     }

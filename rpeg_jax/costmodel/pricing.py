@@ -153,7 +153,7 @@ def predict_run(cfg: RunConfig, hardware=None, num_devices: int | None = None, p
     """The model's prediction for the run `cfg` describes, as it would run: the planner's choice
     under pipeline.plan=auto, else the config's own (manual) plan priced with its knobs, its
     rollout.admission and its sampler slots (rollout.max_slots, default one step's batch).
-    `hardware`: a profile name (its calibrated copy when `rpeg calibrate` saved one), path or
+    `hardware`: a profile name (its calibrated copy with costmodel.calibration=cached), path or
     HardwareProfile; default costmodel.hardware. Called by bench/rl_step.py (predicted seconds per
     step: `predict_run(cfg, "cpu", 1).step_time_s`)."""
     hw, n, procs = resolve(cfg, num_devices, hardware, processes)

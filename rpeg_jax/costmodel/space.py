@@ -113,6 +113,15 @@ def continuous_searched(ctx, ours: bool = True) -> bool:
     return k >= 1 and legal and not ctx.cfg.pipeline.elide_old_forward
 
 
+def continuous_on_processes(n: int) -> str:
+    """Why rollout.admission=continuous cannot run on `n` > 1 processes (one line; also what
+    launch/multihost.py says before it starts any)."""
+    return (
+        f"runs on one process for now (each process's engine state is not checkpointed yet); this run has "
+        f"{n} processes: use rollout.admission=step with several processes"
+    )
+
+
 def admissions(ctx, pipe: PipelineConfig) -> list[str]:
     """rollout.admission modes tried with a structural option, searched like k: the config's
     `continuous` is the user's (kept; options it cannot run with get none); the default `step`

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rpeg_jax.config.base import ConfigError
+from rpeg_jax.config.files import write_atomic
 from rpeg_jax.config.pipeline import PipelineConfig
 from rpeg_jax.config.run import RunConfig
 from rpeg_jax.config.sharding import MESH_AXES, rules_for_mesh
@@ -195,9 +196,7 @@ class Plan:
             raise GraphError("plan", f"invalid JSON: {e}") from None
 
     def save(self, path: str) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(self.to_json() + "\n")
+        write_atomic(path, self.to_json() + "\n")  # whole or not at all (config/files.py)
 
     @classmethod
     def load(cls, path: str) -> Plan:

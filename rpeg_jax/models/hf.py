@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
 from rpeg_jax.config.hf import config_from_hf  # config.json -> ModelConfig, pure (config time as well)
@@ -95,6 +95,22 @@ def _tensor_files(path: str) -> list[str]:
     return [os.path.join(path, n) for n in found]
 
 
+class WeightsFileError(ValueError):
+    """A weights file that cannot be read (truncated, damaged); the message names the file."""
+
+
+def _open(file: str):
+    """safe_open, with a damaged file reported by name in one line (safetensors' own error names
+    neither the file nor what to do)."""
+    try:
+        return safe_open(file, framework="numpy")
+    except (SafetensorError, OSError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise WeightsFileError(
+            f"{os.path.basename(file)} is not a readable safetensors file ({why}): a truncated or damaged copy?"
+        ) from None
+
+
 class _Tensors:
     """The checkpoint's tensors by name, read a slice at a time. Only the files' headers are read
     up front; `read` opens the file, copies the slice out and closes it again, so the memory map
@@ -106,7 +122,7 @@ class _Tensors:
         self.file: dict[str, str] = {}
         self.shape: dict[str, tuple[int, ...]] = {}
         for file in _tensor_files(path):
-            with safe_open(file, framework="numpy") as f:
+            with _open(file) as f:
                 for name in f.keys():
                     self.file[name] = file
                     self.shape[name] = tuple(f.get_slice(name).get_shape())
@@ -118,8 +134,12 @@ class _Tensors:
             raise ValueError(f"load_hf: tensor {name!r} in {self.path} has shape {self.shape[name]}, expected {shape}")
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        with safe_open(self.file[name], framework="numpy") as f:
-            return f.get_slice(name)[index]
+        with _open(self.file[name]) as f:
+            try:
+                return f.get_slice(name)[index]
+            except (SafetensorError, OSError) as e:
+                file = os.path.basename(self.file[name])
+                raise WeightsFileError(f"{file}: tensor {name!r} is unreadable ({e})") from None
 
 
 @dataclass(frozen=True)

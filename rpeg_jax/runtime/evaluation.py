@@ -46,6 +46,7 @@ import numpy as np
 from flax import nnx
 
 from rpeg_jax.config.base import ConfigError
+from rpeg_jax.config.files import write_atomic
 from rpeg_jax.config.run import RunConfig
 from rpeg_jax.data.jsonl import DataError, get_field
 from rpeg_jax.data.pipeline import load_records
@@ -181,16 +182,15 @@ class Evaluator:
 
     def _write(self, path: str, samples, scores: np.ndarray) -> None:
         n = scores.shape[1]
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            for i, r in enumerate(self.records):
-                line = {
-                    "id": r["id"],
-                    "data_source": r["data_source"],
-                    "prompt_text": r["prompt"],
-                    "completions": [s.completion for s in samples[i * n : (i + 1) * n]],
-                    "answer": r["answer"],
-                    "scores": [float(x) for x in scores[i]],
-                }
-                f.write(json.dumps(line) + "\n")
-        os.replace(path + ".tmp", path)
+        lines = []
+        for i, r in enumerate(self.records):
+            line = {
+                "id": r["id"],
+                "data_source": r["data_source"],
+                "prompt_text": r["prompt"],
+                "completions": [s.completion for s in samples[i * n : (i + 1) * n]],
+                "answer": r["answer"],
+                "scores": [float(x) for x in scores[i]],
+            }
+            lines.append(json.dumps(line) + "\n")
+        write_atomic(path, "".join(lines))

@@ -4,7 +4,8 @@ Only process 0 writes (`enabled=False` elsewhere). Each record is one step: the 
 verl-compatible names (`timing_s/gen`, `actor/pg_loss`, `perf/mfu`, ...) and our own
 (`predicted_s/<stage>`). Values are plain floats/ints; non-finite values are kept (as JSON
 null) so a NaN is visible rather than dropped. metrics.jsonl gets every step; TensorBoard and
-the progress bar every `log_every` steps (and the last).
+the progress bar every `log_every` steps (and the last). A resumed run first drops the records
+after the step it resumes from (`drop_after`), so every step appears once.
 
 Called by: runtime/trainer.py.
 """
@@ -12,9 +13,14 @@ Called by: runtime/trainer.py.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from typing import Any
+
+from rpeg_jax.config.files import open_append, write_atomic
+
+log = logging.getLogger("rpeg_jax")
 
 
 def _plain(v: Any):
@@ -47,7 +53,9 @@ class MetricsWriter:
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        path = os.path.join(run_dir, "metrics.jsonl")
+        drop_after(path, start_step)
+        self._jsonl = open_append(path)  # never through a link planted at that name
         if tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -86,6 +94,28 @@ class MetricsWriter:
             self._tb.close()
         if self._bar:
             self._bar.close()
+
+
+def drop_after(path: str, step: int) -> None:
+    """Keep only the records of steps <= `step` in the metrics.jsonl at `path` (none for a run
+    starting at 0): a run that resumes from checkpoint `step` computes the later ones again, so
+    the file holds each step once. A half-written last line (a killed process) goes too."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    keep = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if step > 0 and isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+            keep.append(line if line.endswith("\n") else line + "\n")
+    if len(keep) != len(lines):
+        dropped = len(lines) - len(keep)
+        log.info("metrics.jsonl: %d records after step %d dropped (this run computes them again)", dropped, step)
+        write_atomic(path, "".join(keep))
 
 
 class _Progress:

@@ -18,14 +18,20 @@ Called by: runtime/trainer.py.
 
 from __future__ import annotations
 
+import logging
+import os
+from typing import Any
+
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from rpeg_jax.config.base import ConfigError
-from rpeg_jax.runtime.checkpoint import Checkpointer
+from rpeg_jax.runtime.checkpoint import CheckpointCorrupt, Checkpointer
 from rpeg_jax.runtime.executor import Executor, Store
 from rpeg_jax.runtime.rollout.layout import host_fields, stream_host_fields
 
+log = logging.getLogger("rpeg_jax")
 TRAIN_STATES = ("actor", "actor_opt", "critic", "critic_opt")
 BUFFERED = ("completions", "behav_logp")
 
@@ -81,21 +87,49 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None)
 
 
 def restore(ckpt: Checkpointer, store: Store, ex: Executor, ctx) -> int:
-    """Load the newest checkpoint into `store`/`ex`; returns the step to continue from (0: none)."""
-    step = ckpt.latest_step()
-    if step is None:
-        return 0
+    """Load the newest usable checkpoint into `store`/`ex`; returns the step to continue from (0:
+    none). A step whose files fail their checksums is skipped for the one before it, and once one
+    restores the skipped ones are moved aside (damaged-<step>, each reported in one line); when
+    none is usable, CheckpointCorrupt and nothing is moved. A step written under another structure
+    or with other state shapes is a ConfigError (a refusal, not damage): nothing is read."""
     target = {name: store.latest(name)[1] for name in TRAIN_STATES if name in store.state}
-    layout = ctx.placement.train
-    meta_only = ckpt.restore_meta(step)
-    buffer_target = {
-        name: jax.ShapeDtypeStruct(
-            tuple(shape), np.dtype(dtype), sharding=ctx.placement.batch_sharding(layout, tuple(shape))
+    damaged: list[tuple[int, str]] = []
+    for step in reversed(ckpt.all_steps()):
+        why = _agreed(ckpt.verify(step))
+        if why is not None:
+            damaged.append((step, why))
+            continue
+        meta_only = ckpt.restore_meta(step)
+        check_structure(meta_only, step, {**ex.program.plan.knobs, **ex.program.plan.settings})
+        check_shapes(ckpt, step, target)
+        for bad, why in damaged:
+            dest = ckpt.quarantine(bad)
+            if jax.process_index() == 0:
+                log.warning("checkpoint %d is damaged (%s): moved to %s; resuming from step %d", bad, why, dest, step)
+        _load(ckpt, store, ex, ctx, step, target, meta_only)
+        if jax.process_index() == 0:
+            log.info("resumed from step %d of %s", step, ckpt.directory)
+        return step
+    if damaged:
+        raise CheckpointCorrupt(
+            f"no usable checkpoint in {ckpt.directory}: "
+            + "; ".join(f"step {s}: {why}" for s, why in damaged)
+            + " (nothing moved; train.resume=never with a new train.run_dir starts over)"
         )
-        for name, (shape, dtype) in meta_only.get("buffer_specs", {}).items()
-    }
-    ours = {**ex.program.plan.knobs, **ex.program.plan.settings}
-    for knob, theirs in meta_only.get("structure", {}).items():
+    return 0
+
+
+def _agreed(why: str | None) -> str | None:
+    """A step is damaged for every process when it is for one (each verified it itself)."""
+    if jax.process_count() == 1:
+        return why
+    bad = multihost_utils.process_allgather(np.int32(why is not None))
+    return why if why is not None else ("damaged as another process read it" if np.max(bad) else None)
+
+
+def check_structure(meta: dict, step: int, ours: dict) -> None:
+    """ConfigError naming the first structural knob the checkpoint was written under otherwise."""
+    for knob, theirs in meta.get("structure", {}).items():
         if ours.get(knob) != theirs:  # another structure: other state trees, other buffers
             raise ConfigError(
                 knob if "." in knob else f"pipeline.{knob}",
@@ -103,6 +137,45 @@ def restore(ckpt: Checkpointer, store: Store, ex: Executor, ctx) -> int:
                 f"the newest checkpoint (step {step}) of this run was written with {knob}={theirs}; "
                 f"resume with that plan (the run's plan.json) or start a new train.run_dir",
             )
+
+
+def check_shapes(ckpt: Checkpointer, step: int, target: dict) -> None:
+    """ConfigError naming the first array of the train states whose shape or dtype in checkpoint
+    `step` is not this run's (read from the checkpoint's metadata, before any array)."""
+    for name, tree in target.items():
+        saved = ckpt.state_shapes(step, name)
+        ours = {path: (tuple(x.shape), str(x.dtype)) for path, x in leaf_paths(tree).items()}
+        for path in sorted(set(saved) | set(ours)):
+            if saved.get(path) != ours.get(path):
+                raise ConfigError(
+                    "train.run_dir",
+                    ckpt.directory.rsplit(os.sep, 1)[0],
+                    f"checkpoint {step} holds {name}.{path} as {_shape(saved.get(path))}, this config builds "
+                    f"{_shape(ours.get(path))}: resume with the run's config.yaml or start a new train.run_dir",
+                )
+
+
+def leaf_paths(tree) -> dict[str, Any]:
+    """{'layers.wq': array} of a state tree, keyed as Checkpointer.state_shapes keys the saved one."""
+    out = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        out[".".join(keys[:-1] if keys[-1:] == ["value"] else keys)] = x
+    return out
+
+
+def _shape(s) -> str:
+    return "nothing" if s is None else f"{s[0]} {s[1]}"
+
+
+def _load(ckpt: Checkpointer, store: Store, ex: Executor, ctx, step: int, target: dict, meta_only: dict) -> None:
+    layout = ctx.placement.train
+    buffer_target = {
+        name: jax.ShapeDtypeStruct(
+            tuple(shape), np.dtype(dtype), sharding=ctx.placement.batch_sharding(layout, tuple(shape))
+        )
+        for name, (shape, dtype) in meta_only.get("buffer_specs", {}).items()
+    }
     train, meta, buffer = ckpt.restore(step, target, buffer_target or None)
     for name, value in train.items():
         store.put_state(name, meta["versions"][name], value)
@@ -138,4 +211,3 @@ def restore(ckpt: Checkpointer, store: Store, ex: Executor, ctx) -> int:
         buf.admitted = {int(s): int(v) for s, v in meta["admitted"].items()}
         store.put_state("rollout_buffer", step + len(buffered), buf)
     ex.resume_at(step, buffered, meta["pending_metrics"], meta["next_ahead_step"])
-    return step

@@ -29,6 +29,7 @@ from rpeg_jax.graph.plan import Plan
 from rpeg_jax.graph.processes import check_plan
 from rpeg_jax.models import Transformer, load_hf
 from rpeg_jax.models.attention import resolve_attention
+from rpeg_jax.models.hf import WeightsFileError
 from rpeg_jax.rl import make_optimizer, optimizer_steps
 from rpeg_jax.runtime import xla_flags
 from rpeg_jax.runtime.executor import Store
@@ -76,13 +77,17 @@ class RuntimeContext:
         return layout.activations() if layout is not None else contextlib.nullcontext()
 
 
-def _model(cfg_model, path: str | None, seed: int, layout, value_head: bool = False):
+def _model(cfg_model, path: str | None, seed: int, layout, value_head: bool = False, section: str = "model"):
     """A model built directly in `layout`: a sharded init, or loaded from a local HF checkpoint
-    (each process reads only the slices of the files its devices hold)."""
+    (each process reads only the slices of the files its devices hold); a damaged weights file
+    is a ConfigError naming `<section>.path` and the file."""
     mcfg = dataclasses.replace(cfg_model, value_head=value_head or cfg_model.value_head)
     resolve_attention(mcfg)  # model.attention=cudnn|pallas where it cannot run: ConfigError before any compile
     if path:
-        model = load_hf(path, value_head=value_head, dtype=cfg_model.param_dtype, shardings=layout.params)
+        try:
+            model = load_hf(path, value_head=value_head, dtype=cfg_model.param_dtype, shardings=layout.params)
+        except WeightsFileError as e:
+            raise ConfigError(f"{section}.path", path, str(e)) from None
         shape = [("head_size" if f == "head_dim" else f) for f in FIXED]  # head_dim None = implied
         changed = [f for f in shape if getattr(model.cfg, f) != getattr(mcfg, f)]
         if changed:  # the config read the same config.json (config/hf.py); it changed since
@@ -111,7 +116,14 @@ def build_models(cfg: RunConfig, graph: Graph, placement: Placement) -> dict[str
         models["reference"] = _model(cfg.model, cfg.model.path, seed, placement.state_layout("reference"))
     if graph.has(StateKind.CRITIC.value):
         critic_cfg = cfg.critic_model
-        models["critic"] = _model(critic_cfg, critic_cfg.path, seed + 1, placement.state_layout("critic"), True)
+        models["critic"] = _model(
+            critic_cfg,
+            critic_cfg.path,
+            seed + 1,
+            placement.state_layout("critic"),
+            True,
+            section="critic" if cfg.critic is not None else "model",
+        )
     return models
 
 

@@ -9,11 +9,13 @@ Called by: runtime/trainer.py.
 
 from __future__ import annotations
 
+import io
 import json
-import os
 import threading
 import time
 from dataclasses import dataclass
+
+from rpeg_jax.config.files import write_atomic
 
 
 @dataclass(frozen=True)
@@ -55,10 +57,7 @@ class Tracer:
                     "args": {"step": s.step},
                 }
             )
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
     def plot_step(self, step: int, path: str, predicted: dict[str, float] | None = None) -> None:
         """A PNG timeline of one step (one row per device group), with predicted durations."""
@@ -93,5 +92,7 @@ class Tracer:
             title += " | predicted: " + ", ".join(f"{k} {v:.3g}s" for k, v in predicted.items())
         ax.set_title(title, fontsize=8)
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=110)
         plt.close(fig)
+        write_atomic(path, png.getvalue())

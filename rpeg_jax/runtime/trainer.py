@@ -30,18 +30,22 @@ from typing import Any
 
 import jax
 import numpy as np
+import yaml
 from jax.experimental import multihost_utils
 
+from rpeg_jax.config.base import ConfigError, to_dict
+from rpeg_jax.config.files import refuse_links, write_atomic
+from rpeg_jax.config.hf import FIXED as SHAPE_FIELDS
 from rpeg_jax.config.hf import checkpoint_overrides, pretrained_warnings
 from rpeg_jax.config.run import RunConfig, dump_yaml
 from rpeg_jax.costmodel import devices as cost_devices
 from rpeg_jax.costmodel.planner import choose_plan as cost_model_planner
 from rpeg_jax.data.rewards import RewardError
 from rpeg_jax.graph.compile import compile_graph
-from rpeg_jax.graph.ir import Graph
+from rpeg_jax.graph.ir import Graph, GraphError
 from rpeg_jax.graph.plan import Plan, config_for_plan, graph_for_plan, plan_for_config
 from rpeg_jax.runtime import resume
-from rpeg_jax.runtime.checkpoint import Checkpointer, NonFiniteError
+from rpeg_jax.runtime.checkpoint import CheckpointCorrupt, Checkpointer, DiskFull, NonFiniteError
 from rpeg_jax.runtime.evaluation import Evaluator, due
 from rpeg_jax.runtime.executor import Executor, Store
 from rpeg_jax.runtime.kernels import default_registry
@@ -62,7 +66,15 @@ class TrainingStopped(RuntimeError):
 
 def expected_failures() -> tuple[type[BaseException], ...]:
     """Failures that end a run with one clear line (exit 1) rather than a traceback."""
-    return (TrainingStopped, RewardError, NonFiniteError, StalenessError, FilterExhausted)
+    return (
+        TrainingStopped,
+        RewardError,
+        NonFiniteError,
+        StalenessError,
+        FilterExhausted,
+        CheckpointCorrupt,
+        DiskFull,
+    )
 
 
 def choose_plan(cfg: RunConfig, plan: Plan | None = None) -> tuple[RunConfig, Plan]:
@@ -70,10 +82,15 @@ def choose_plan(cfg: RunConfig, plan: Plan | None = None) -> tuple[RunConfig, Pl
     implies: the plan's structural knobs and settings replace the config's (each change logged)."""
     if plan is None and cfg.pipeline.plan == "auto" and _resumable(cfg):
         # A resumed run continues under the plan it was checkpointed with: planning again could
-        # choose another structure, which the checkpoint cannot continue.
+        # choose another structure, which the checkpoint cannot continue (resume.check_structure
+        # refuses it in one line, so an unreadable plan.json is planned again, not fatal).
         saved = os.path.join(cfg.train.run_dir, "plan.json")
-        log.info("resuming: pipeline.plan=auto takes the run's own plan %s", saved)
-        cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, plan=saved))
+        try:
+            Plan.load(saved)  # readable (plan_for_config checks it against the graph)
+            log.info("resuming: pipeline.plan=auto takes the run's own plan %s", saved)
+            cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, plan=saved))
+        except (OSError, GraphError) as e:
+            log.warning("resuming: the run's %s is unreadable (%s); planning again", saved, e)
     if plan is None:
         # auto: planned for the processes this run has (only plans they run: graph/processes.py)
         auto = functools.partial(cost_model_planner, processes=jax.process_count())
@@ -82,7 +99,53 @@ def choose_plan(cfg: RunConfig, plan: Plan | None = None) -> tuple[RunConfig, Pl
     cfg, changed = config_for_plan(cfg, plan)
     for key, (given, chosen) in changed.items():
         log.info("the plan (%s) sets %s=%s (the config had %s)", plan.source, key, chosen, given)
+    if "slots_priced" in plan.predicted:
+        log.warning(
+            "rollout.max_slots=%s is the config's and is kept; the plan's prediction assumed %s slots "
+            "(leave rollout.max_slots unset to let the planner choose)",
+            cfg.rollout.max_slots,
+            plan.predicted["slots_priced"],
+        )
     return cfg, plan
+
+
+def check_run_dir(cfg: RunConfig) -> None:
+    """Before anything is planned, built or written: the run directory holds no symbolic link
+    where the run writes (config/files.RUN_FILES), train.resume=never is not pointed at an earlier
+    run's checkpoints (its first save would collide with them), and a run that will resume asks
+    for the model shapes its checkpoints hold (its config.yaml's; resume.check_shapes checks the
+    checkpoint itself again before any array is read)."""
+    d = cfg.train.run_dir
+    if not os.path.isdir(d):
+        return
+    refuse_links(d)
+    ckpts = os.path.join(d, "checkpoints")
+    if not Checkpointer.has_checkpoint(ckpts):
+        return
+    if cfg.train.resume == "never":
+        raise ConfigError(
+            "train.resume",
+            "never",
+            f"{ckpts} holds an earlier run's checkpoints, which a new run there would collide with: "
+            "use a new train.run_dir (or train.resume=auto to continue that run)",
+        )
+    try:
+        with open(os.path.join(d, "config.yaml")) as f:
+            saved = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError):
+        return
+    for section in ("model", "critic"):
+        ours, theirs = getattr(cfg, section), saved.get(section) if isinstance(saved, dict) else None
+        if ours is None or not isinstance(theirs, dict):
+            continue
+        for name in (*SHAPE_FIELDS, "param_dtype"):
+            if name in theirs and to_dict(getattr(ours, name)) != theirs[name]:
+                raise ConfigError(
+                    f"{section}.{name}",
+                    getattr(ours, name),
+                    f"the run in {d} was trained with {section}.{name}={theirs[name]!r} (its config.yaml) and "
+                    "its checkpoints hold those shapes: resume with that config or start a new train.run_dir",
+                )
 
 
 def _resumable(cfg: RunConfig) -> bool:
@@ -102,6 +165,7 @@ def train(
     after each step's metrics are written (and its checkpoint, if any, is committed); with
     `keep_state` the summary holds the final state values under "state"."""
     with StopSignals() as stop:
+        check_run_dir(cfg)
         for line in checkpoint_overrides(cfg):  # fields given beside model.path / critic.path
             log.info("%s", line)
         for line in pretrained_warnings(cfg):  # a random-init model's settings on a pretrained one
@@ -115,13 +179,15 @@ def train(
         program = compile_graph(graph, plan, registry or default_registry(), ctx)
         chief = jax.process_index() == 0
         os.makedirs(cfg.train.run_dir, exist_ok=True)
-        if chief:
-            _write_run_files(cfg, plan, graph)
-        ckpt = Checkpointer(os.path.join(cfg.train.run_dir, "checkpoints"), keep=cfg.train.keep_checkpoints)
+        ckpt = Checkpointer(
+            os.path.join(cfg.train.run_dir, "checkpoints"), keep=cfg.train.keep_checkpoints, cleanup_tmp=True
+        )
         tracer = Tracer()
         executor = Executor(program, store, tracer=tracer)
         try:  # the checkpointer is closed (its saves in flight committed) on every way out
             start = resume.restore(ckpt, store, executor, ctx) if cfg.train.resume == "auto" else 0
+            if chief:  # only once the resume checks passed: a refused resume leaves the run's files as they were
+                _write_run_files(cfg, plan, graph)
             last, saved = _loop(cfg, ctx, executor, store, plan, ckpt, stop, start, chief, on_step, evaluator)
             if last > start and last != saved:
                 resume.save(ckpt, store, executor, last, ctx.engine)
@@ -215,10 +281,15 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        for handler in self._previous.values():  # the launcher's (cli/train.py): a start-up signal it could
+            for signum in getattr(handler, "pending", ()):  # not stop with (swallowed): stop before step 1
+                self.signal_name = signal.Signals(signum).name
         return self
 
     def __exit__(self, *exc) -> None:
         for s, handler in self._previous.items():
+            if hasattr(handler, "trained"):  # the launcher's handler: training is over, all committed
+                handler.trained = True
             signal.signal(s, handler)
 
     def _handle(self, signum: int, frame) -> None:
@@ -276,11 +347,9 @@ def _step_metrics(cfg, ctx: RuntimeContext, ex: Executor, store: Store, plan: Pl
 def _write_run_files(cfg: RunConfig, plan: Plan, graph: Graph) -> None:
     """The config and plan that run (the plan's structure already in the config), and the graph."""
     d = cfg.train.run_dir
-    with open(os.path.join(d, "config.yaml"), "w") as f:
-        f.write(dump_yaml(cfg))
+    write_atomic(os.path.join(d, "config.yaml"), dump_yaml(cfg))
     plan.save(os.path.join(d, "plan.json"))
-    with open(os.path.join(d, "graph.txt"), "w") as f:
-        f.write(graph.describe() + "\n")
+    write_atomic(os.path.join(d, "graph.txt"), graph.describe() + "\n")
 
 
 def _write_trace(cfg: RunConfig, tracer: Tracer, plan: Plan, last: int) -> None:

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rpeg_jax.config.base import ConfigError
 from rpeg_jax.config.rollout import resolve_attention
 from rpeg_jax.sampling import engine
 from rpeg_jax.sampling.allocator import ShardedPages
@@ -74,9 +75,10 @@ class Sampler:
         self.cfg, self.model_cfg, self.tokenizer = cfg, mcfg, tokenizer
         self.max_seq_len = cfg.max_seq_len or mcfg.max_position_embeddings
         if self.max_seq_len > mcfg.max_position_embeddings:
-            raise ValueError(
-                f"sampler.max_seq_len={self.max_seq_len}: exceeds model.max_position_embeddings="
-                f"{mcfg.max_position_embeddings}"
+            raise ConfigError(
+                f"{cfg.config_path}.max_seq_len",
+                self.max_seq_len,
+                f"exceeds model.max_position_embeddings={mcfg.max_position_embeddings}",
             )
         per_seq = -(-self.max_seq_len // cfg.page_size)
         graphdef, params = as_params(model)
@@ -90,11 +92,13 @@ class Sampler:
             if cfg.num_pages
             else (1 + slots * per_seq + math.ceil(cfg.watermark * slots * per_seq))
         )
-        if per_shard - 1 < per_seq:
-            where = f" ({per_shard} per shard of the pool split over data={d})" if d > 1 else ""
-            raise ValueError(
-                f"sampler.num_pages={cfg.num_pages or per_shard * d}{where}: cannot hold one sequence of "
-                f"max_seq_len={self.max_seq_len} tokens ({per_seq} pages of {cfg.page_size} + the null page)"
+        if per_shard - 1 < per_seq:  # one line naming the run's key (rollout.num_pages), before compiling
+            where = f"; {per_shard} per shard of the pool split over data={d}" if d > 1 else ""
+            raise ConfigError(
+                f"{cfg.config_path}.num_pages",
+                cfg.num_pages or per_shard * d,
+                f"cannot hold one sequence of max_seq_len={self.max_seq_len} tokens "
+                f"({per_seq} pages of {cfg.page_size} + the null page{where})",
             )
         # (shape checks above run before anything is compiled; placing params moves no data)
         params = self.sharding.place_params(params)

@@ -104,11 +104,30 @@ def resolve_spec(
     return DistributedSpec(None, 1, 0, "single")
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def bind_address(coordinator: str, configured: str | None = None) -> str:
+    """Where process 0's coordination service listens: `configured` (distributed.bind_address),
+    else the coordinator's address itself when it is a loopback one (local processes: nothing
+    outside this machine can reach the service), else every interface on its port (JAX's own
+    default; on a cluster a node's name may resolve to a loopback alias on that node)."""
+    if configured:
+        return configured
+    host, _, port = coordinator.rpartition(":")
+    return coordinator if host.strip("[]") in LOOPBACK else f"[::]:{port}"
+
+
 def initialize(
-    spec: DistributedSpec, heartbeat_timeout_s: float, initialization_timeout_s: float, cpu_collectives: str = "gloo"
+    spec: DistributedSpec,
+    heartbeat_timeout_s: float,
+    initialization_timeout_s: float,
+    cpu_collectives: str = "gloo",
+    bind: str | None = None,
 ) -> None:
-    """`jax.distributed.initialize` for `spec` (no-op for one process). Any failure raises
-    DistributedInitError naming the coordinator, the process and where they came from."""
+    """`jax.distributed.initialize` for `spec` (no-op for one process), its service on process 0
+    listening on `bind_address(spec.coordinator, bind)`. Any failure raises DistributedInitError
+    naming the coordinator, the process and where they came from."""
     if not spec.multi:
         return
     import jax
@@ -129,6 +148,7 @@ def initialize(
             # JAX's own detection is the backstop; ours (Watchdog) reports first, by name.
             heartbeat_timeout_seconds=max(2, math.ceil(1.5 * heartbeat_timeout_s + 5)),
             shutdown_timeout_seconds=max(2, math.ceil(heartbeat_timeout_s)),
+            coordinator_bind_address=bind_address(spec.coordinator, bind),
         )
     except Exception as e:
         raise DistributedInitError(
