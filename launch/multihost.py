@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 import signal
 import sys
@@ -109,8 +108,7 @@ def _main(argv: list[str] | None = None) -> int:
     except dist.DistributedInitError as e:
         print(f"rpeg launch: {e}", file=sys.stderr)
         return EXIT_INIT
-    logging.basicConfig(level=logging.WARNING, format=f"[p{spec.process_id}] %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("rpeg_jax").setLevel(logging.INFO if spec.process_id == 0 else logging.WARNING)
+    train_command.setup_logging(spec.process_id, spec.num_processes)
     watchdog = (
         dist.Watchdog(spec.process_id, spec.num_processes, d.heartbeat_timeout_s).start()
         if spec.multi and d.watchdog

@@ -123,11 +123,19 @@ def plain(x):
     return x if isinstance(x, (int, float, str, bool, type(None))) else repr(x)
 
 
+def setup_logging(process_id: int = 0, num_processes: int = 1) -> None:
+    """What a run prints: rpeg_jax's own lines (process 0 at INFO, the others' warnings), and only
+    warnings from the libraries (orbax logs every save and restore step at INFO through absl)."""
+    prefix = f"[p{process_id}] " if num_processes > 1 else ""
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("rpeg_jax").setLevel(logging.INFO if process_id == 0 else logging.WARNING)
+
+
 def run(args) -> int:
     stop_early_on_signals("rpeg train")
     try:
         cfg = load_config(args.config, args.overrides)
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        setup_logging()
         rc, result = train(cfg, args.result_json)
         if result is not None:
             print(json.dumps(result))

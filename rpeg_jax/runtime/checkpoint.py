@@ -196,6 +196,7 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.keep = keep
         self._sealing: int | None = None  # the step whose save is in flight
+        self._unlogged: int | None = None  # a save not yet reported as written (runtime log line)
         self._verified: set[int] = set()
         self._broken: BaseException | None = None  # the failure already reported (close() stays quiet)
         async_options = ocp.AsyncOptions(post_finalization_callback=self._seal_in_flight) if async_save else None
@@ -231,12 +232,13 @@ class Checkpointer:
         if buffer:
             items["buffer"] = ocp.args.StandardSave(dict(buffer))
         self.wait()  # the save in flight committed (else its failure is raised here), old steps pruned
-        self._sealing = step
+        self._sealing, self._unlogged = step, step
         with self._reporting(step):
             self._mngr.save(step, args=ocp.args.Composite(**items), force=True)
             if not self._async and jax.process_index() == 0:
                 _seal(os.path.join(self.directory, str(step)))
         if not self._async:
+            self._committed()
             self._prune()
 
     def _seal_in_flight(self) -> None:
@@ -251,7 +253,22 @@ class Checkpointer:
             raise self._broken
         with self._reporting(self._sealing):
             self._mngr.wait_until_finished()
+        self._committed()
         self._prune()
+
+    def poll(self) -> None:
+        """Without waiting: the line for a save in flight that has committed since (between steps)."""
+        busy = getattr(self._mngr, "is_saving_in_progress", lambda: True)
+        if self._unlogged is not None and self._broken is None and not busy():
+            self._committed()
+
+    def _committed(self) -> None:
+        """One line per checkpoint once it is committed (sealed and renamed into place)."""
+        step, self._unlogged = self._unlogged, None
+        if step is not None and jax.process_index() == 0:
+            path = os.path.join(self.directory, str(step))
+            size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+            log.info("checkpoint of step %d written: %s (%.1f MB)", step, path, size / 1e6)
 
     def _prune(self) -> None:
         """Delete the steps beyond the newest `keep`, once the newest verifies (read back against

@@ -1,4 +1,6 @@
-"""Metrics sinks for the step loop: JSONL (always), TensorBoard (optional), a progress bar.
+"""Metrics sinks for the step loop: JSONL (always), TensorBoard (optional), a progress bar on a
+terminal or, when stdout is not one (SLURM, nohup, a pipe), one plain log line per shown step and
+one for the held-out metrics.
 
 Only process 0 writes (`enabled=False` elsewhere). Each record is one step: the step number,
 verl-compatible names (`timing_s/gen`, `actor/pg_loss`, `perf/mfu`, ...) and our own
@@ -61,7 +63,8 @@ class MetricsWriter:
 
             self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
         if progress and total_steps > start_step:
-            self._bar = _Progress(total_steps, start_step)
+            # a terminal gets the live bar; a file (SLURM, nohup, a pipe) one plain line per shown step
+            self._bar = _Progress(total_steps, start_step) if _is_terminal() else _Lines(total_steps, start_step)
 
     def write(self, step: int, metrics: dict[str, Any], last: bool = False) -> None:
         """Record step `step`: always to metrics.jsonl; to TensorBoard and the bar when `step` is a
@@ -72,8 +75,8 @@ class MetricsWriter:
         record = {"step": step, **{k.replace("+", "_"): _plain(v) for k, v in sorted(metrics.items())}}
         self._jsonl.write(json.dumps(record) + "\n")
         self._unshown = record
-        if step % self.log_every == 0 or last:
-            self._show(record)
+        if step % self.log_every == 0 or last or any(k.startswith("val-") for k in record):
+            self._show(record)  # a step with held-out metrics is always shown
 
     def _show(self, record: dict[str, Any]) -> None:
         self._unshown = None
@@ -116,6 +119,64 @@ def drop_after(path: str, step: int) -> None:
         dropped = len(lines) - len(keep)
         log.info("metrics.jsonl: %d records after step %d dropped (this run computes them again)", dropped, step)
         write_atomic(path, "".join(keep))
+
+
+def _is_terminal() -> bool:
+    import sys
+
+    return bool(getattr(sys.stdout, "isatty", lambda: False)())
+
+
+# (metric, label, format) shown per logged step: what a cluster user reads first
+LINE_FIELDS = (
+    ("reward/mean", "reward", "{:.4g}"),
+    ("actor/pg_loss", "pg_loss", "{:.4g}"),
+    ("actor/kl", "kl", "{:.3g}"),
+    ("critic/vf_loss", "vf_loss", "{:.4g}"),
+    ("actor/grad_norm", "grad_norm", "{:.3g}"),
+    ("response_length/mean", "resp_len", "{:.1f}"),
+    ("timing_s/step", "s/step", "{:.2f}"),
+    ("perf/tokens_per_s", "tok/s", "{:.0f}"),
+)
+
+
+def _duration(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class _Lines:
+    """Without a terminal: one plain log line per shown step (step, reward, key losses, s/step,
+    tokens/s, ETA from the mean step time since the start), and one for the held-out metrics when
+    a step has them."""
+
+    def __init__(self, total: int, start: int):
+        import time
+
+        self.total, self._clock = total, time.monotonic
+        self._first: tuple[int, float] | None = None  # (step, time) of the first line: the ETA runs
+        #   from there, so the first step's compiles do not inflate it
+
+    def update(self, step: int, record: dict) -> None:
+        parts = [f"step {step}/{self.total}"]
+        parts += [f"{label} {fmt.format(record[k])}" for k, label, fmt in LINE_FIELDS if _number(record.get(k))]
+        now = self._clock()
+        if self._first is None:
+            self._first = (step, now)
+        elif step < self.total and step > self._first[0]:
+            per_step = (now - self._first[1]) / (step - self._first[0])
+            parts.append(f"eta {_duration(per_step * (self.total - step))}")
+        log.info("%s", " | ".join(parts))
+        val = {k: v for k, v in record.items() if k.startswith("val-") and _number(v)}
+        if val:
+            log.info("step %d held-out: %s", step, ", ".join(f"{k}={v:.4g}" for k, v in sorted(val.items())))
+
+    def close(self) -> None:
+        pass
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 class _Progress:

@@ -240,12 +240,15 @@ def _loop(
     )
     peak = _peak_flops(cfg)
     last, saved = start, None
+    _COMPILES.register()
+    _COMPILES.step = None
     try:
         if evaluator is not None and cfg.eval.before_train and start == 0:
             writer.write(0, evaluator.run(0, store.latest("actor")[1]))
         for t in range(start, cfg.train.steps):
             if stop.agreed():
                 break
+            _COMPILES.step = t + 1 if t > start else None  # the first step compiles everything: not reported
             executor.run_slot(t)
             metrics = _step_metrics(cfg, ctx, executor, store, plan, t, peak)
             if evaluator is not None and due(cfg, t + 1):
@@ -258,12 +261,42 @@ def _loop(
                 resume.save(ckpt, store, executor, last, ctx.engine)
                 saved = last
             executor.forget_before(t)
+            ckpt.poll()  # "checkpoint of step N written" once an earlier save has committed
             if on_step is not None:
                 ckpt.wait()
                 on_step(last, metrics)
     finally:
+        _COMPILES.step = None
         writer.close()
     return last, saved
+
+
+# ---- recompiles --------------------------------------------------------------------------------
+class _CompileLog:
+    """One log line for each program XLA compiles after a run's first step (a new prompt or response
+    length, a new page-table width, evaluation's first call): what and how long. A listener on JAX's
+    own compile-time event (jax.monitoring), registered once per process; quiet outside the loop."""
+
+    MIN_S = 0.5  # shorter compiles (small host-side helpers) are not worth a line
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.step: int | None = None
+        self._registered = False
+
+    def register(self) -> None:
+        if not self._registered:
+            jax.monitoring.register_event_duration_secs_listener(self)
+            self._registered = True
+
+    def __call__(self, event: str, duration: float, **kw) -> None:
+        if event == self.EVENT and self.step is not None and duration >= self.MIN_S:
+            log.info(
+                "step %d: compiled %s in %.1f s (a shape not seen before)", self.step, kw.get("fun_name", "?"), duration
+            )
+
+
+_COMPILES = _CompileLog()
 
 
 # ---- stopping ----------------------------------------------------------------------------------
