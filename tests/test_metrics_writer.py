@@ -48,12 +48,24 @@ def test_log_every_sets_the_tensorboard_and_console_cadence_not_the_jsonl(tmp_pa
 
 def test_mfu_is_useful_flops_over_the_profile_peak(tmp_path, monkeypatch):
     monkeypatch.setenv("RPEG_CACHE", str(tmp_path / "no-calibration"))  # the shipped profile, not a fitted copy
-    cfg = load_config(None, TINY + ["costmodel.hardware=cpu", "train.steps=2", f"train.run_dir={tmp_path / 'run'}"])
-    train(cfg)
     with open(os.path.join(ROOT, "configs", "hardware", "cpu.yaml")) as f:
         prof = yaml.safe_load(f)
     assert prof["shared_host"]  # the host's peak, whatever the number of forced devices
-    peak = float(prof["device"]["peak_flops_fp32"])
+    # A calibrated CPU profile (a fitted copy carries `calibrated`), with a generous peak: perf/mfu
+    prof["calibrated"] = {"time": 1.0, "matmul_peak_measured": 4e12}
+    prof["device"]["peak_flops_fp32"] = peak = 4e12
+    fitted = tmp_path / "cpu_fitted.yaml"
+    fitted.write_text(yaml.safe_dump(prof))
+    cfg = load_config(
+        None, TINY + [f"costmodel.hardware={fitted}", "train.steps=2", f"train.run_dir={tmp_path / 'run'}"]
+    )
+    train(cfg)
     for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")):
         assert 0 < r["perf/mfu"] < 1
         assert abs(r["perf/mfu"] - r["perf/flops"] / r["timing_s/step"] / peak) < 1e-9 * r["perf/mfu"] + 1e-12
+    # The shipped CPU profile's peak is a placeholder: no perf/mfu (it read 1.3-1.5 on this machine)
+    cfg = load_config(None, TINY + ["costmodel.hardware=cpu", "train.steps=1", f"train.run_dir={tmp_path / 'plain'}"])
+    train(cfg)
+    assert all(
+        "perf/mfu" not in r and r["perf/flops"] > 0 for r in read_metrics(str(tmp_path / "plain" / "metrics.jsonl"))
+    )

@@ -18,6 +18,7 @@ touches no device.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 
@@ -72,6 +73,12 @@ def run(args) -> int:
     cfg = load_config(args.config, overrides)
     for line in checkpoint_overrides(cfg):  # fields given beside model.path override its config.json
         print(line, file=sys.stderr)
+    if cfg.data.task == "jsonl":  # price the data's prompts, not the cap (imports the data pipeline)
+        from rpeg_jax.data.pipeline import with_data_prompt_len
+
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+        logging.getLogger("rpeg_jax").setLevel(logging.INFO)
+        cfg = with_data_prompt_len(cfg)
     try:
         hw, n, procs = resolve(cfg, args.gpus, args.hardware, args.processes)
         res = search(cfg, n, hw, procs)

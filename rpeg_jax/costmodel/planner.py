@@ -564,6 +564,12 @@ def plan_warnings(cfg: RunConfig, hw: HardwareProfile) -> list[str]:
     """What a user should fix before trusting the plan: float32 compute on an accelerator is priced
     at its fp32 peak (GH200: 67 of 989 TFLOP/s), which no GPU RL run uses."""
     out = []
+    if hw.kind == "cpu" and not hw.calibrated:
+        out.append(
+            f"the {hw.name} profile is not calibrated on this machine (its rates are placeholders, "
+            f"{hw.source or 'given'}): step times and util are rough; run `rpeg calibrate`, then plan with "
+            "costmodel.calibration=cached"
+        )
     if hw.kind != "cpu" and cfg.model.dtype == "float32":
         out.append(
             f"model.dtype=float32 on {hw.name}: priced at the fp32 peak ({hw.peak('float32') / 1e12:.0f} "

@@ -76,6 +76,20 @@ def _layout(p: Prediction) -> str:
     )
 
 
+LAYOUT_LEGEND = [
+    "  util: the plan's own model FLOPs per second over the devices' peak (predicted); layout: placement,",
+    "  device groups (all256 / gen128+train128), generation tp<tensor>x<replicas> with its sampler slots and",
+    "  rollout.admission, the update's and the scoring forwards' meshes d<data>f<fsdp>t<tensor> with their",
+    "  micro-batches mb<n> and rematerialisation (none | dots | full), then the structural knobs: staleness k,",
+    "  share (one actor-critic backbone), fuse, elide (sampler logprobs as pi_old), pieces (streamed generation)",
+]
+
+
+def _util(u: float) -> str:
+    """A utilization for the table: above 100% only through a modelling error, shown as such."""
+    return f"{100 * u:>5.1f}%" if u <= 1.0 else "  >100%?"
+
+
 def render_text(res: SearchResult) -> str:
     c = res.chosen
     P = res.processes
@@ -94,8 +108,9 @@ def render_text(res: SearchResult) -> str:
     for p in rows:
         lines.append(
             f"  {p.label:<12} {p.step_time_s:>9.4g} {p.step_time_s / c.step_time_s:>8.2f}x "
-            f"{p.memory_per_gpu_gb:>7.2f} {100 * p.utilization:>5.1f}%  {_layout(p)}"
+            f"{p.memory_per_gpu_gb:>7.2f} {_util(p.utilization_own_work)}  {_layout(p)}"
         )
+    lines += LAYOUT_LEGEND
     lines += ["", "per-stage seconds (steady-state step; spans are start..end within the step):"]
     for p in [c, *res.baselines.values()]:
         lines.append(f"  {p.label}: step {p.step_time_s:.4g} s, first-step latency {p.latency_s:.4g} s")
@@ -146,6 +161,33 @@ def admission_summary(ctx: Context, p: Prediction) -> Admission | None:
     return S.continuous_admission(ctx.st, g["replicas"], g["slots"], p.knobs["staleness"])
 
 
+def weight_sync_note(ctx: Context, c: Prediction, seconds: float) -> str:
+    """What the chosen plan's weight sync moves, over which link, and what its fixed costs are."""
+    from rpeg_jax.costmodel.planner import roles_of
+
+    hw, eff = ctx.hw, ctx.hw.efficiency
+    nbytes = roles_of(ctx, ctx.base).actor.weight_bytes()
+    if c.knobs.get("placement") == "split":
+        gen_nodes = -(-c.layout["groups"].get("gen", ctx.N) // hw.node.devices)
+        link = (
+            f"from the training group to the generation group over the {'network' if gen_nodes > 1 else 'node'} links"
+        )
+    else:
+        link = "a reshard into the generation layout on the same devices"
+    parts = [
+        f"weight sync {seconds:.3g} s: {nbytes / 1e9:.3g} GB of rollout weights (the actor in the compute "
+        f"dtype), {link}"
+    ]
+    if eff.sync_fixed_s or eff.sync_bucket_s:
+        buckets = -(-nbytes // eff.sync_bucket_bytes) if eff.sync_bucket_bytes else 0
+        parts.append(
+            f"of which {eff.sync_fixed_s or 0:.3g} s fixed (the engine's pause and resume, the controller's round "
+            f"trips) and {buckets:.0f} buckets x {eff.sync_bucket_s or 0:.3g} s (the profile's sync constants, from "
+            "peers' logs)"
+        )
+    return "; ".join(parts)
+
+
 def explain(ctx: Context, res: SearchResult) -> list[str]:
     """A few sentences on why the chosen plan wins."""
     c = res.chosen
@@ -180,6 +222,9 @@ def explain(ctx: Context, res: SearchResult) -> list[str]:
             f"faster side by side and every extra device adds a device program's overheads; "
             f"the plan uses {used} of them"
         )
+    sync = {k: v for k, v in c.stage_times_s.items() if "weight_sync" in k}
+    if sync and ctx.base is not None:
+        out.append(weight_sync_note(ctx, c, sum(sync.values())))
     if c.knobs.get("elide_old_forward"):
         out.append(
             "elide_old_forward: on-policy (k=0) and the sampler's distribution is the trainer's, so its "

@@ -24,6 +24,7 @@ Called by: the runtime (start-up, every step, checkpoints); tests.
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -38,6 +39,7 @@ from rpeg_jax.data.jsonl import read_jsonl
 from rpeg_jax.data.tasks import make_records
 from rpeg_jax.data.tokenizer import CharTokenizer, Tokenizer, load_tokenizer
 
+log = logging.getLogger("rpeg_jax")
 STATE_FORMAT = "rpeg_jax.data.pipeline/1"
 _FINGERPRINT_KEYS = (
     "task",
@@ -148,6 +150,32 @@ def load_records(
                 f"{len(rec['prompt_tokens'])} tokens (e.g. {rec['prompt']!r})",
             )
     return records, {}
+
+
+def with_data_prompt_len(cfg: RunConfig) -> RunConfig:
+    """The config with costmodel.prompt_len set to the longest prompt of the run's JSONL file, as the
+    run renders and tokenizes it (chat template, bos), when the cost model would otherwise price
+    every prompt at the data.max_prompt_len cap (a JSONL task, costmodel.prompt_len not given).
+    Unchanged otherwise (a built-in task's lengths are known; a given prompt_len is the user's)."""
+    import dataclasses
+
+    if cfg.data.task != "jsonl" or cfg.costmodel.prompt_len is not None or not cfg.data.path:
+        return cfg
+    tok = load_tokenizer(cfg.data)
+    records, _ = load_records(cfg.data, tok, model_path=cfg.model.path)
+    lengths = [len(r["prompt_tokens"]) for r in records]
+    if not lengths:
+        return cfg
+    longest = max(lengths)
+    log.info(
+        "cost model: prompts priced at %d tokens, the longest of the %d in %s (median %d; data.max_prompt_len=%d)",
+        longest,
+        len(lengths),
+        cfg.data.path,
+        int(np.median(lengths)),
+        cfg.data.max_prompt_len,
+    )
+    return dataclasses.replace(cfg, costmodel=dataclasses.replace(cfg.costmodel, prompt_len=longest))
 
 
 def _digest(records: list[dict]) -> str:

@@ -40,6 +40,7 @@ from rpeg_jax.config.hf import checkpoint_overrides, pretrained_warnings
 from rpeg_jax.config.run import RunConfig, dump_yaml
 from rpeg_jax.costmodel import devices as cost_devices
 from rpeg_jax.costmodel.planner import choose_plan as cost_model_planner
+from rpeg_jax.data.pipeline import with_data_prompt_len
 from rpeg_jax.data.rewards import RewardError
 from rpeg_jax.graph.compile import compile_graph
 from rpeg_jax.graph.ir import Graph, GraphError
@@ -91,6 +92,8 @@ def choose_plan(cfg: RunConfig, plan: Plan | None = None) -> tuple[RunConfig, Pl
             cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, plan=saved))
         except (OSError, GraphError) as e:
             log.warning("resuming: the run's %s is unreadable (%s); planning again", saved, e)
+    if plan is None and cfg.pipeline.plan == "auto":  # a JSONL run's prompts, not the cap, are priced
+        cfg = with_data_prompt_len(cfg)
     if plan is None:
         # auto: planned for the processes this run has (only plans they run: graph/processes.py)
         auto = functools.partial(cost_model_planner, processes=jax.process_count())
@@ -352,6 +355,13 @@ def _peak_flops(cfg: RunConfig) -> float | None:
         hw, n, _ = cost_devices.resolve(cfg, jax.device_count(), None, jax.process_count())
     except (OSError, ValueError) as e:
         log.warning("perf/mfu is not logged: no hardware profile (%s)", e)
+        return None
+    if hw.kind == "cpu" and not hw.calibrated:  # a placeholder peak: "MFU" 1.3-1.5 was logged (issue 34)
+        log.info(
+            "perf/mfu is not logged: the %s profile is not calibrated on this machine (its peak is a placeholder); "
+            "`rpeg calibrate` and costmodel.calibration=cached give one",
+            hw.name,
+        )
         return None
     return hw.peak(cfg.model.dtype) * (1 if hw.shared_host else n)
 
