@@ -47,8 +47,9 @@ from rpeg_jax.graph.ir import Graph, GraphError
 from rpeg_jax.graph.plan import Plan, config_for_plan, graph_for_plan, plan_for_config
 from rpeg_jax.runtime import resume
 from rpeg_jax.runtime.checkpoint import CheckpointCorrupt, Checkpointer, DiskFull, NonFiniteError
-from rpeg_jax.runtime.evaluation import Evaluator, due
+from rpeg_jax.runtime.evaluation import Evaluator
 from rpeg_jax.runtime.executor import Executor, Store
+from rpeg_jax.runtime.hooks import Hook, StepInfo, run_hooks
 from rpeg_jax.runtime.kernels import default_registry
 from rpeg_jax.runtime.metrics import MetricsWriter, prediction_metrics
 from rpeg_jax.runtime.resume import TRAIN_STATES
@@ -162,11 +163,18 @@ def _resumable(cfg: RunConfig) -> bool:
 
 
 def train(
-    cfg: RunConfig, *, plan: Plan | None = None, registry=None, on_step=None, keep_state: bool = False
+    cfg: RunConfig,
+    *,
+    plan: Plan | None = None,
+    registry=None,
+    on_step=None,
+    hooks=(),
+    keep_state: bool = False,
 ) -> dict[str, Any]:
-    """Run cfg.train.steps RL steps (resuming when allowed). `on_step(step, metrics)` is called
-    after each step's metrics are written (and its checkpoint, if any, is committed); with
-    `keep_state` the summary holds the final state values under "state"."""
+    """Run cfg.train.steps RL steps (resuming when allowed). `hooks`: runtime/hooks.Hook's run at
+    step boundaries with their `every=` (evaluation and checkpoints are built-in hooks);
+    `on_step(step, metrics)` is called after each step's metrics are written (and its checkpoint,
+    if any, is committed); with `keep_state` the summary holds the final state values under "state"."""
     with StopSignals() as stop:
         check_run_dir(cfg)
         for line in checkpoint_overrides(cfg):  # fields given beside model.path / critic.path
@@ -191,7 +199,9 @@ def train(
             start = resume.restore(ckpt, store, executor, ctx) if cfg.train.resume == "auto" else 0
             if chief:  # only once the resume checks passed: a refused resume leaves the run's files as they were
                 _write_run_files(cfg, plan, graph)
-            last, saved = _loop(cfg, ctx, executor, store, plan, ckpt, stop, start, chief, on_step, evaluator)
+            last, saved = _loop(
+                cfg, ctx, executor, store, plan, ckpt, stop, start, chief, on_step, evaluator, tuple(hooks)
+            )
             if last > start and last != saved:
                 resume.save(ckpt, store, executor, last, ctx.engine)
         finally:
@@ -227,11 +237,13 @@ def _loop(
     chief: bool,
     on_step,
     evaluator: Evaluator | None = None,
+    hooks=(),
 ) -> tuple[int, int | None]:
     """Steps start..train.steps-1, one executor slot each, until a stop is agreed; returns the
-    number of whole steps done and the step of the last checkpoint it wrote (None: none). Held-out
-    evaluation (runtime/evaluation.py) runs at step boundaries: step 0 with eval.before_train (a
-    fresh run), then where `due`; its metrics join that step's record."""
+        number of whole steps done and the step of the last checkpoint it wrote (None: none). Held-out
+        evaluation (runtime/evaluation.py) runs at step boundaries: step 0 with eval.before_train (a
+        fresh run), then where `due`; its metrics join that step's record. Evaluation, checkpoints,
+    `on_step` and the user's `hooks` are trainer hooks (runtime/hooks.py)."""
     writer = MetricsWriter(
         cfg.train.run_dir,
         enabled=chief,
@@ -243,6 +255,29 @@ def _loop(
     )
     peak = _peak_flops(cfg)
     last, saved = start, None
+    saved_box = [None]
+
+    def checkpoint(info: StepInfo) -> None:
+        if not info.last:  # the last step's checkpoint is train()'s, after the loop
+            resume.save(ckpt, store, executor, info.step, ctx.engine)
+            saved_box[0] = info.step
+
+    def evaluate(info: StepInfo) -> dict:
+        return evaluator.run(info.step, store.latest("actor")[1])
+
+    built_in = []
+    if evaluator is not None and cfg.eval.every > 0:  # eval.every steps and after the last (runtime/evaluation.due)
+        built_in.append(Hook(evaluate, every=cfg.eval.every, metrics=True, at_end=True, name="evaluation"))
+    if cfg.train.checkpoint_every:
+        built_in.append(Hook(checkpoint, every=cfg.train.checkpoint_every, name="checkpoint"))
+    if on_step is not None:  # the older callback: after the record, with the checkpoint committed
+
+        def call_on_step(info: StepInfo) -> None:
+            ckpt.wait()
+            on_step(info.step, info.metrics)
+
+        built_in.append(Hook(call_on_step, name="on_step"))
+    all_hooks = built_in + list(hooks)
     _COMPILES.register()
     _COMPILES.step = None
     try:
@@ -254,20 +289,17 @@ def _loop(
             _COMPILES.step = t + 1 if t > start else None  # the first step compiles everything: not reported
             executor.run_slot(t)
             metrics = _step_metrics(cfg, ctx, executor, store, plan, t, peak)
-            if evaluator is not None and due(cfg, t + 1):
-                metrics.update(evaluator.run(t + 1, store.latest("actor")[1]))
+            info = StepInfo(t + 1, cfg.train.steps, metrics, chief, cfg.train.run_dir, lambda n: store.latest(n)[1])
+            run_hooks(all_hooks, info, metrics=True)  # evaluation's metrics join the step's record
             writer.write(t + 1, metrics, last=t + 1 == cfg.train.steps)
             last = t + 1
             if metrics.get("actor/nan_stop", 0) or metrics.get("critic/nan_stop", 0):
                 raise TrainingStopped(f"step {t + 1}: non-finite loss or gradient and rl.on_nan=stop")
-            if cfg.train.checkpoint_every and last % cfg.train.checkpoint_every == 0 and last < cfg.train.steps:
-                resume.save(ckpt, store, executor, last, ctx.engine)
-                saved = last
+            run_hooks([h for h in all_hooks if h.name == "checkpoint"], info, metrics=False)
+            saved = saved_box[0]
             executor.forget_before(t)
             ckpt.poll()  # "checkpoint of step N written" once an earlier save has committed
-            if on_step is not None:
-                ckpt.wait()
-                on_step(last, metrics)
+            run_hooks([h for h in all_hooks if h.name != "checkpoint"], info, metrics=False)
     finally:
         _COMPILES.step = None
         writer.close()
