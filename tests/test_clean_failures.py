@@ -152,7 +152,7 @@ EARLY = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("entry,sig,who", [("launcher", "SIGTERM", "rpeg launch"), ("cli", "SIGINT", "rpeg train")])
+@pytest.mark.parametrize("entry,sig,who", [("launcher", "SIGTERM", "rpeg train"), ("cli", "SIGINT", "rpeg train")])
 def test_a_signal_before_training_starts_is_one_line_and_a_nonzero_exit(tmp_path, entry, sig, who):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-c", EARLY, entry, *TINY, f"train.run_dir={run_dir}"]

@@ -38,7 +38,7 @@ def test_config_error_is_one_line_exit_2():
 
 
 def test_initialize_failure_is_reported_exit_3():
-    from rpeg_jax.sharding.distributed import free_port
+    from rpeg_jax.runtime.distributed import free_port
 
     port = free_port()  # nobody listens there
     r = _run(
@@ -59,9 +59,23 @@ def test_initialize_failure_is_reported_exit_3():
 
 
 def test_child_command_drops_local_flags():
+    import argparse
+
+    from rpeg_jax.cli import train as rpeg_train
+
+    p = argparse.ArgumentParser()
+    rpeg_train.add_arguments(p)
+    args = p.parse_args(["--config", "x.yaml", "--local-processes", "2", "--local-devices=4", "a.b=1"])
+    assert rpeg_train.child_command(args)[1:] == ["-m", "rpeg_jax.cli", "train", "--config", "x.yaml", "a.b=1"]
+
+
+def test_the_launcher_is_rpeg_train():
+    """One training entry point: launch/multihost.py (make run) is `rpeg train` (no sys.path edits)."""
     m = _launcher()
-    cmd = m.child_command(["--config", "x.yaml", "--local-processes", "2", "--local-devices=4", "a.b=1"])
-    assert cmd[1:] == [LAUNCH, "--config", "x.yaml", "a.b=1"]
+    from rpeg_jax.cli import train as rpeg_train
+
+    assert m.main is rpeg_train.main
+    assert "sys.path" not in open(LAUNCH).read()
 
 
 def _metrics(path):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from rpeg_jax.sharding import distributed as dist
+from rpeg_jax.runtime import distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,7 +19,7 @@ WORKER = textwrap.dedent("""
     import os, sys, time
     import numpy as np
     mode, pid, port, timeout = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
-    from rpeg_jax.sharding import distributed as dist
+    from rpeg_jax.runtime import distributed as dist
     spec = dist.resolve_spec(f"127.0.0.1:{port}", 2, pid)
     dist.initialize(spec, heartbeat_timeout_s=timeout, initialization_timeout_s=60)
     import jax

@@ -18,7 +18,7 @@ from rpeg_jax.config.base import ConfigError
 
 # name -> one-line help; the module is rpeg_jax.cli.<name>
 SUBCOMMANDS: dict[str, str] = {
-    "train": "run RL training (the same as launch/multihost.py on one process)",
+    "train": "run RL training on one process or many (--local-processes, --coordinator; = launch/multihost.py)",
     "eval": "evaluate a run's checkpoint (or the initial model) on eval.path: val-core metrics",
     "plan": "predict step time and memory of candidate plans; print the best and baselines",
     "calibrate": "measure this machine and fit the cost model's efficiency factors",

@@ -1,11 +1,20 @@
-"""`rpeg train --config X [key=value ...]`: train on one process, the devices JAX sees.
+"""`rpeg train`: the one training entry point, on one process or many.
 
-The training command's arguments and its run, shared with launch/multihost.py (which adds the
-multi-process flags and initialises the distributed runtime before calling `train`).
+    rpeg train --config configs/default.yaml train.steps=10                    # one process
+    rpeg train --config X --local-processes 2 --local-devices 4                # 2 local CPU processes (gloo)
+    srun rpeg train --config X                                                 # SLURM (one task per node)
+    rpeg train --config X --coordinator host0:1234 --num-processes 8 --process-id $I
+
+launch/multihost.py (`make run`) is this command. Where coordinator / number of processes /
+process id come from (flags, config `distributed.*`, JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+JAX_PROCESS_ID, SLURM) and how a lost process is reported: rpeg_jax/runtime/distributed.py. Only
+process 0 logs and writes metrics; every process runs the same program and takes part in
+checkpoints.
 
 Every way a run ends is one line on stderr and an exit status: 0 done (or stopped at a step
 boundary by a signal: runtime/trainer.py), 1 an expected failure (a damaged checkpoint, a full
-disk, a non-finite loss, ...), 2 a bad config, 130 a second Ctrl-C, 128 + the signal's number for
+disk, a non-finite loss, ...), 2 a bad config, 3 the distributed runtime did not start, 75 a peer
+process was lost, 130 a second Ctrl-C, 128 + the signal's number for
 SIGINT or SIGTERM outside the training loop (`stop_early_on_signals`): before training started
 (imports, config, the distributed runtime's start-up: no step ran, nothing was written) or after it
 ended (every checkpoint committed).
@@ -13,6 +22,7 @@ ended (every checkpoint committed).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -21,7 +31,10 @@ import signal
 import sys
 import threading
 
+from rpeg_jax.config.base import ConfigError
 from rpeg_jax.config.run import load_config
+from rpeg_jax.costmodel.space import continuous_on_processes
+from rpeg_jax.runtime import distributed as dist
 
 
 class StoppedEarly(BaseException):
@@ -77,6 +90,7 @@ def add_arguments(p) -> None:
     p.add_argument("--config", default=None, help="YAML preset (default: configs/default.yaml)")
     p.add_argument("--result-json", default=None, help="process 0 writes training's returned dict here")
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
+    add_launch_arguments(p)
 
 
 EXIT_FAILED, EXIT_STOPPED_AT_ONCE = 1, 130  # 130 = 128 + SIGINT, as a shell reports Ctrl-C
@@ -131,14 +145,103 @@ def setup_logging(process_id: int = 0, num_processes: int = 1) -> None:
     logging.getLogger("rpeg_jax").setLevel(logging.INFO if process_id == 0 else logging.WARNING)
 
 
+EXIT_CONFIG, EXIT_INIT = 2, 3
+
+
+def add_launch_arguments(p) -> None:
+    """The process flags of `rpeg train` (and launch/multihost.py)."""
+    p.add_argument("--coordinator", default=None, help="host:port of process 0 (overrides distributed.coordinator)")
+    p.add_argument("--num-processes", type=int, default=None)
+    p.add_argument("--process-id", type=int, default=None)
+    p.add_argument("--local-processes", type=int, default=0, help="start N processes on this machine (CPU, gloo)")
+    p.add_argument("--local-devices", type=int, default=4, help="CPU devices per local process")
+
+
+def with_flags(cfg, args):
+    """Flags win over the config's `distributed` section (validated again)."""
+    d = cfg.distributed
+    flags = {
+        k: v
+        for k, v in (
+            ("coordinator", args.coordinator),
+            ("num_processes", args.num_processes),
+            ("process_id", args.process_id),
+        )
+        if v is not None
+    }
+    d = dataclasses.replace(d, **flags)
+    d.validate("distributed")
+    return dataclasses.replace(cfg, distributed=d)
+
+
+def child_command(args) -> list[str]:
+    """`rpeg train` for one local process: the config and overrides (spawn_local adds the
+    coordinator flags)."""
+    out = ["--config", args.config] if args.config else []
+    out += ["--result-json", args.result_json] if args.result_json else []
+    return [sys.executable, "-m", "rpeg_jax.cli", "train", *out, *args.overrides]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`rpeg train` from its arguments (launch/multihost.py calls this)."""
+    from rpeg_jax.cli import main as rpeg
+
+    return rpeg(["train", *(sys.argv[1:] if argv is None else argv)])
+
+
 def run(args) -> int:
-    stop_early_on_signals("rpeg train")
+    stop_early_on_signals("rpeg train")  # outside the training loop: one line, not a bare -15
     try:
-        cfg = load_config(args.config, args.overrides)
-        setup_logging()
-        rc, result = train(cfg, args.result_json)
-        if result is not None:
-            print(json.dumps(result))
-        return rc
+        return _run(args)
     except StoppedEarly as e:
         return report_early_stop(e, "rpeg train")
+
+
+def _run(args) -> int:
+    try:
+        cfg = with_flags(load_config(args.config, args.overrides), args)
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_CONFIG
+    d = cfg.distributed
+    if args.local_processes > 1 and cfg.rollout.admission == "continuous":  # said once, not by every child
+        why = continuous_on_processes(args.local_processes)
+        print(str(ConfigError("rollout.admission", "continuous", why)), file=sys.stderr)
+        return EXIT_CONFIG
+    if args.local_processes:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # spawn_local passes Ctrl-C on to the children
+        return dist.spawn_local(
+            child_command(args), args.local_processes, args.local_devices, grace_s=d.heartbeat_timeout_s + 30
+        )
+    try:
+        spec = dist.resolve_spec(d.coordinator, d.num_processes, d.process_id)
+        dist.initialize(spec, d.heartbeat_timeout_s, d.initialization_timeout_s, d.cpu_collectives, d.bind_address)
+    except dist.DistributedInitError as e:
+        print(f"rpeg train: {e}", file=sys.stderr)
+        return EXIT_INIT
+    setup_logging(spec.process_id, spec.num_processes)
+    watchdog = (
+        dist.Watchdog(spec.process_id, spec.num_processes, d.heartbeat_timeout_s).start()
+        if spec.multi and d.watchdog
+        else None
+    )
+    try:
+        who = f"rpeg: process {spec.process_id}" if spec.multi else "rpeg train"
+        rc, result = train(cfg, args.result_json, spec.process_id, who=who)
+        if result is not None and not spec.multi:
+            print(json.dumps(result))
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        rc = EXIT_CONFIG
+    except Exception:
+        if watchdog is not None:  # a failed collective usually means a lost peer: let the watchdog name it
+            watchdog.await_verdict(d.heartbeat_timeout_s + 2 * watchdog.interval)
+            watchdog.stop(clean=False)
+        raise
+    if watchdog is not None:
+        watchdog.stop(clean=True)
+    if spec.multi:
+        import jax
+
+        jax.distributed.shutdown()
+    return rc

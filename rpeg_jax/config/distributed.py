@@ -1,5 +1,5 @@
 """Distributed section: multi-host initialisation and failure detection (see
-rpeg_jax/sharding/distributed.py for where each value may also come from: flags, SLURM, JAX env)."""
+rpeg_jax/runtime/distributed.py for where each value may also come from: flags, SLURM, JAX env)."""
 
 from __future__ import annotations
 

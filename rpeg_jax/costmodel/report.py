@@ -26,6 +26,7 @@ from typing import Any
 from rpeg_jax.costmodel import stages as S
 from rpeg_jax.costmodel.hardware import GB
 from rpeg_jax.costmodel.lengths import Admission
+from rpeg_jax.costmodel.shape import ModelShape
 from rpeg_jax.costmodel.types import Context, Prediction, SearchResult, clock_of
 
 BASELINES = ("verl_like", "real_like")  # null in the JSON when no plan of that family fits
@@ -163,10 +164,15 @@ def admission_summary(ctx: Context, p: Prediction) -> Admission | None:
 
 def weight_sync_note(ctx: Context, c: Prediction, seconds: float) -> str:
     """What the chosen plan's weight sync moves, over which link, and what its fixed costs are."""
-    from rpeg_jax.costmodel.planner import roles_of
-
     hw, eff = ctx.hw, ctx.hw.efficiency
-    nbytes = roles_of(ctx, ctx.base).actor.weight_bytes()
+    actor = next(
+        m
+        for s in ctx.base.stages()
+        for p in (s.parts or (s,))
+        for m in (p.workload.models if p.workload else ())
+        if m.role == "actor"
+    )
+    nbytes = ModelShape.of(actor).weight_bytes()
     if c.knobs.get("placement") == "split":
         gen_nodes = -(-c.layout["groups"].get("gen", ctx.N) // hw.node.devices)
         link = (

@@ -8,7 +8,7 @@ Public API (what the runtime, `rpeg shardings` and users call):
   parameters   param_specs, param_shardings, shard_model, shard_params      (params.py)
   stages       stage_layout, layout_for, StageLayout                        (layouts.py)
   resharding   Resharder, reshard_bytes, reshard_bytes_abstract             (reshard.py)
-  multi-host   rpeg_jax.sharding.distributed (resolve_spec, initialize, Watchdog)
+  multi-host   process start-up lives in rpeg_jax.runtime.distributed (resolve_spec, initialize, Watchdog)
 Model code imports only rpeg_jax.sharding.axes (LOGICAL_AXES, constrain, use_resolver).
 """
 
