@@ -168,6 +168,12 @@ def test_rpeg_eval_reproduces_the_runs_evaluation(evaluated, tmp_path, capsys):
         assert read_jsonl(out) == read_jsonl(os.path.join(r.run_dir, "eval", f"step_{step}.jsonl"))
         core = {k: v for k, v in by_step[step].items() if k.startswith("val-core/")}
         assert len(core) == 4 and {k: printed[k] for k in core} == core
+    # without --out: beside the run's own record, never over it
+    own = os.path.join(r.run_dir, "eval", "step_3.jsonl")
+    before = open(own).read()
+    assert main(["eval", *over]) == 0
+    assert open(own).read() == before
+    assert read_jsonl(os.path.join(r.run_dir, "eval", "step_3.rpeg_eval.jsonl")) == read_jsonl(own)
 
 
 def _one_line_exit_2(argv, capsys, *needles):
