@@ -4,7 +4,8 @@ import graph of the modules (all imports again) has no cycle.
 
 The layers (config and shapes are the floor every package may import):
     cli (rpeg_jax/cli/), launch/  -> anything
-    runtime    -> graph, costmodel, sampling, rl, sharding, models, data
+    runtime    -> graph, costmodel, sampling, rl, sharding, models, data, env
+    env        -> data                (environments and tools: host Python, no JAX)
     graph      -> sharding            (only graph/compile.py imports JAX)
     costmodel  -> graph               (no JAX at import time: inside functions only)
     sampling   -> models, sharding
@@ -32,7 +33,8 @@ ANY = None
 ALLOWED: dict[str, set[str] | None] = {
     "cli": ANY,
     "launch": ANY,
-    "runtime": {"graph", "costmodel", "sampling", "rl", "sharding", "models", "data"},
+    "runtime": {"graph", "costmodel", "sampling", "rl", "sharding", "models", "data", "env"},
+    "env": {"data"},
     "graph": {"sharding"},
     "costmodel": {"graph"},
     "sampling": {"models", "sharding"},
@@ -53,6 +55,7 @@ NO_DEVICE_CODE = {  # package -> where it may not import DEVICE_LIBS ("anywhere"
     "graph": "anywhere",
     "costmodel": "module level",
     "shapes": "anywhere",
+    "env": "anywhere",
 }
 MAY_IMPORT_JAX = {"rpeg_jax.graph.compile"}  # the stage compiler binds stages to jitted programs
 

@@ -4,6 +4,7 @@ from rpeg_jax.config.base import ConfigError, build, to_dict
 from rpeg_jax.config.costmodel import CostModelConfig
 from rpeg_jax.config.data import DataConfig
 from rpeg_jax.config.distributed import DistributedConfig
+from rpeg_jax.config.env import EnvConfig
 from rpeg_jax.config.eval import EvalConfig
 from rpeg_jax.config.model import PRESETS as MODEL_PRESETS
 from rpeg_jax.config.model import ModelConfig, RopeScaling, model_preset
@@ -22,6 +23,7 @@ __all__ = [
     "CostModelConfig",
     "DataConfig",
     "DistributedConfig",
+    "EnvConfig",
     "EvalConfig",
     "MODEL_PRESETS",
     "ModelConfig",

@@ -21,6 +21,7 @@ from rpeg_jax.config.base import ConfigError, build, check, suggest, to_dict
 from rpeg_jax.config.costmodel import CostModelConfig
 from rpeg_jax.config.data import DataConfig
 from rpeg_jax.config.distributed import DistributedConfig
+from rpeg_jax.config.env import EnvConfig
 from rpeg_jax.config.eval import EvalConfig
 from rpeg_jax.config.hf import resolve_checkpoint
 from rpeg_jax.config.model import ModelConfig, resolve_preset
@@ -50,6 +51,7 @@ class RunConfig:
     costmodel: CostModelConfig = field(default_factory=CostModelConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)  # the episode's environment and tools (agentic RL)
 
     def validate(self, path: str = "") -> None:
         """Checks that span sections (each section validated itself already)."""
@@ -72,6 +74,13 @@ class RunConfig:
                 f"a scoring forward's batch of {piece} sequences (data.prompts_per_step x rl.group_size"
                 + (f" / pipeline.microbatches={p.microbatches}" if p.microbatches > 1 else "")
                 + ") does not split into that many equal micro-batches",
+            )
+        if self.env.name == "tools":
+            check(
+                d.chat_template != "none",
+                "env.name",
+                self.env.name,
+                "tool calls and results are rendered by the chat template; data.chat_template=none gives none",
             )
         if p.share_actor_critic:
             check(r.algorithm == "ppo", "pipeline.share_actor_critic", True, "needs a critic: set rl.algorithm=ppo")

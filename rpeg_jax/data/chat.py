@@ -31,7 +31,8 @@ ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True) with the loo
 `tojson` filter that does not HTML-escape, `raise_exception` and `strftime_now` globals, a `namespace`
 that refuses underscore names, and `{% generation %}` blocks rendered as their body. Templates are
 untrusted code: the sandbox refuses attribute access such as `''.__class__`. Variables: messages,
-tools=None, documents=None, add_generation_prompt, and the special tokens of tokenizer_config.json
+tools (None unless the caller passes schemas), documents=None, add_generation_prompt, and the special
+tokens of tokenizer_config.json
 (bos_token, eos_token, ...; data.bos_token/eos_token/pad_token override them), as transformers passes
 its special_tokens_map.
 
@@ -247,8 +248,9 @@ class ChatTemplate:
                 "data.chat_template", source, f"the template does not compile: line {e.lineno}: {e.message}"
             ) from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The conversation as text; a jinja error (raise_exception included) -> PromptError("bad_text")."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The conversation as text; a jinja error (raise_exception included) -> PromptError("bad_text").
+        tools: function schemas the template shows the model (transformers' `tools=`; env/session.py)."""
         import jinja2
 
         # transformers drops None-valued keys (templates test for a key, not for None).
@@ -256,7 +258,7 @@ class ChatTemplate:
         try:
             return self._template.render(
                 messages=messages,
-                tools=None,
+                tools=tools,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.tokens,

@@ -54,6 +54,15 @@ _FINGERPRINT_KEYS = (
 )
 
 
+COLUMNS = ("id", "prompt", "prompt_tokens", "answer")  # record fields a PromptBatch holds as columns of their own
+
+
+def other_fields(record: dict[str, Any]) -> dict[str, Any]:
+    """A record's fields besides COLUMNS ("prompt_messages" among them): a PromptBatch's records
+    column, and the `record` a reward's Sample carries."""
+    return {k: v for k, v in record.items() if k not in COLUMNS}
+
+
 @dataclass(frozen=True)
 class PromptBatch:
     """One step's prompts on this process (P/n of them, n = shard_count)."""
@@ -68,6 +77,12 @@ class PromptBatch:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def record(self, i: int) -> dict[str, Any]:
+        """Prompt i's record as load_records made it (the columns and the other fields), e.g. what an
+        environment starts an episode from (env.base.Environment.start)."""
+        cols = {"id": self.ids[i], "prompt": self.prompts[i], "prompt_tokens": list(self.prompt_tokens[i])}
+        return {**self.records[i], **cols, "answer": self.answers[i]}
 
 
 def left_pad(prompt_tokens: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, ...]:
@@ -251,7 +266,6 @@ class PromptPipeline:
         step = self._step
         self._step += 1
         P = self.cfg.prompts_per_step
-        drop = ("id", "prompt", "prompt_tokens", "answer")  # "prompt_messages" stays in records
         return PromptBatch(
             step=step,
             epoch=step * P / len(self.records),
@@ -259,7 +273,7 @@ class PromptPipeline:
             prompts=tuple(r["prompt"] for r in recs),
             prompt_tokens=tuple(tuple(r["prompt_tokens"]) for r in recs),
             answers=tuple(r["answer"] for r in recs),
-            records=tuple({k: v for k, v in r.items() if k not in drop} for r in recs),
+            records=tuple(other_fields(r) for r in recs),
         )
 
     @property

@@ -94,6 +94,12 @@ def resolve_reward(cfg: DataConfig) -> tuple[str, RewardFn]:
     return name, get_reward(name)
 
 
+def text_stop_ids(end_ids: Sequence[int], stop_token_ids: Sequence[int] = ()) -> tuple[int, ...]:
+    """Where a completion's text ends for its reward: the model's end ids (model.end_ids), then
+    rollout.stop_token_ids. The reward stage and the environments' turns (env/session.py) cut here."""
+    return (*end_ids, *stop_token_ids)
+
+
 def make_samples(
     prompts: Sequence[str],
     answers: Sequence[Any],

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from rpeg_jax.data.rewards import make_samples, overlong_penalty, truncated
+from rpeg_jax.data.rewards import make_samples, overlong_penalty, text_stop_ids, truncated
 from rpeg_jax.data.rewards import score as score_samples
 from rpeg_jax.runtime.rollout.layout import HOST_FIELDS
 
@@ -25,7 +25,7 @@ def score_rows(ctx, tokens: np.ndarray, lengths: np.ndarray, host: dict) -> tupl
     with the configured verifier, plus DAPO's soft overlong penalty when rl.overlong=soft_penalty;
     returns (rewards float32, reward errors, truncated [B]: hit rollout.max_new_tokens without a stop)."""
     cfg = ctx.cfg
-    text_stops = (*cfg.model.end_ids, *cfg.rollout.stop_token_ids)  # where the completion's text ends
+    text_stops = text_stop_ids(cfg.model.end_ids, cfg.rollout.stop_token_ids)  # where the completion's text ends
     rows = [tokens[b].tolist() for b in range(tokens.shape[0])]
     samples = make_samples(
         host["prompt"], host["answer"], host["record"], rows, ctx.tokenizer, stop_ids=text_stops, lengths=lengths
