@@ -132,7 +132,7 @@ def dapo_test_reward(sample: Sample) -> float:
 
 FILTER = TINY + [
     "data.reward=dapo_test_reward",
-    f"data.reward_modules=[{__name__}]",
+    f"plugins=[{__name__}]",
     "rl.filter_groups=zero_variance",
     "rl.filter_max_rounds=0",
 ]

@@ -6,7 +6,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from rpeg_jax.config import ConfigError, DataConfig
+from rpeg_jax.config import ConfigError, DataConfig, load_config
 from rpeg_jax.data.pipeline import PromptBatch
 from rpeg_jax.data.rewards import RewardError, Sample, get_reward, make_samples, register_reward, resolve_reward, score
 from rpeg_jax.data.tokenizer import CharTokenizer
@@ -108,7 +108,7 @@ def test_score_counts_errors_or_stops():
 def test_registry_and_user_module(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"data.reward='revrse'.*did you mean 'reverse'"):
         get_reward("revrse")
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(ConfigError, match=r"plugins='reverse'.*reward 'reverse' is registered twice: by rpeg_jax"):
         register_reward("reverse")(lambda s: 0.0)
     (tmp_path / "my_rewards_mod.py").write_text(
         textwrap.dedent("""
@@ -120,10 +120,19 @@ def test_registry_and_user_module(tmp_path, monkeypatch):
     """)
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    name, fn = resolve_reward(DataConfig(reward="test_length_reward", reward_modules=("my_rewards_mod",)))
+    cfg = load_config(None, ["plugins=[my_rewards_mod]", "data.reward=test_length_reward"])  # imported with the config
+    name, fn = resolve_reward(cfg.data)
     assert name == "test_length_reward" and fn(_s("abcd", None)) == 0.4
-    with pytest.raises(ConfigError, match=r"data.reward_modules='no_such_mod_xyz'.*cannot import"):
-        resolve_reward(DataConfig(reward_modules=("no_such_mod_xyz",)))
+    with pytest.raises(ConfigError, match=r"plugins\[0\]='no_such_mod_xyz'.*cannot import"):
+        load_config(None, ["plugins=[no_such_mod_xyz]"])
+    # a module:function reference needs no plugin entry
+    assert get_reward("my_rewards_mod:length") is fn
+    with pytest.raises(ConfigError, match=r"data.reward='my_rewards_mod:nope'.*cannot load"):
+        get_reward("my_rewards_mod:nope")
+    # the old keys name the new one
+    for old in ("data.reward_modules=[my_rewards_mod]", "sharding.plugins=[my_rewards_mod]"):
+        with pytest.raises(ConfigError, match=r"moved: list the modules in the top-level `plugins:`"):
+            load_config(None, [old])
 
 
 def test_default_reward_per_task():

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from rpeg_jax.config import ConfigError, load_config
 from rpeg_jax.config.model import ModelConfig
+from rpeg_jax.config.registry import load_plugins
 from rpeg_jax.config.sharding import ShardingConfig
 from rpeg_jax.sharding import (
     PRESETS,
@@ -18,7 +19,6 @@ from rpeg_jax.sharding import (
     abstract_mesh,
     constrain,
     layout_for,
-    load_plugins,
     param_specs,
     shard_model,
     stage_layout,
@@ -137,7 +137,7 @@ def test_plugin_module_registers_tactic_and_rules(tmp_path, monkeypatch):
         None,
         [
             "sharding.mesh={data: 2, fsdp: 2, tensor: 2}",
-            "sharding.plugins=[my_rules_a]",
+            "plugins=[my_rules_a]",
             "sharding.train_rules=plugin_rules_a",
             "sharding.overrides=[[embed, vocab_over_data_a]]",
         ],
@@ -147,10 +147,10 @@ def test_plugin_module_registers_tactic_and_rules(tmp_path, monkeypatch):
     assert specs["layers"]["w_up"] == P(_, "data", "tensor")  # the plugin's rules
     # a second module registering the same tactic name is a conflict, reported with both names
     (tmp_path / "my_rules_b.py").write_text(PLUGIN.format(n="a"))
-    with pytest.raises(ShardingError, match="vocab_over_data_a.*my_rules_a.*my_rules_b"):
+    with pytest.raises(ConfigError, match="plugins=.*tactic 'vocab_over_data_a'.*my_rules_a.*my_rules_b"):
         load_plugins(["my_rules_b"])
-    with pytest.raises(ConfigError, match=r"sharding.plugins\[0\].*cannot import"):
-        load_plugins(["no_such_rules_module"])
+    with pytest.raises(ConfigError, match=r"plugins\[0\].*cannot import"):
+        load_config(None, ["plugins=[no_such_rules_module]"])
 
 
 # ---- the model on 8 CPU devices ----

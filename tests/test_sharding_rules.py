@@ -163,7 +163,9 @@ def test_presets_on_one_device_are_replicated():
 def test_register_rules_conflict_names_both_modules():
     register_rules("test_only_rules", [["mlp", "tensor"]], origin="pkg_a.rules")
     register_rules("test_only_rules", [["mlp", "tensor"]], origin="pkg_a.rules")  # same module: fine
-    with pytest.raises(ShardingError, match="pkg_a.rules.*pkg_b.rules"):
+    with pytest.raises(
+        ConfigError, match="rule preset 'test_only_rules' is registered twice: by pkg_a.rules.*pkg_b.rules"
+    ):
         register_rules("test_only_rules", [["mlp", "data"]], origin="pkg_b.rules")
     with pytest.raises(ConfigError, match="unknown rule preset"):
         get_rules("fsdp_tensr", "sharding.train_rules")

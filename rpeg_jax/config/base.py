@@ -141,6 +141,8 @@ REMOVED_KEYS = {
     "costmodel.attention": "removed: the cost model prices model.attention (xla: dense; cudnn, pallas: flash; "
     "auto: flash on an accelerator profile); set model.attention",
     "costmodel.kv_pool": "removed: the cost model prices the run's rollout.kv_pool; set rollout.kv_pool",
+    "data.reward_modules": "moved: list the modules in the top-level `plugins:` (one key for every registry)",
+    "sharding.plugins": "moved: list the modules in the top-level `plugins:` (one key for every registry)",
 }
 
 

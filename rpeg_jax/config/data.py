@@ -41,7 +41,6 @@ class DataConfig:
     # prompt is rendered (a string as one user message), add_generation_prompt=True
     system_prompt: str | None = None  # prepended as a system message when a prompt has none; needs a template
     reward: str | None = None  # registered reward name; None -> the task's own (jsonl: math_answer)
-    reward_modules: tuple[str, ...] = ()  # importable modules that register rewards (imported first)
     reward_on_error: Literal["zero", "stop"] = "zero"  # a reward that raises scores 0 (counted) or stops
     on_bad_record: Literal["error", "skip"] = "error"  # bad JSONL lines: fail naming file:line, or skip+count
     shuffle: bool = True

@@ -209,6 +209,19 @@ PRESETS: dict[str, dict] = {
         intermediate_size=2048,
         max_position_embeddings=2048,
     ),
+    # RS (bench/WORKLOADS.md): SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M-Instruct config.json)
+    "smollm2-135m": dict(
+        vocab_size=49152,
+        hidden_size=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        intermediate_size=1536,
+        tie_embeddings=True,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+    ),
     "qwen2-0.5b": dict(
         arch="qwen2",
         vocab_size=151936,

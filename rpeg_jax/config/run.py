@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from rpeg_jax.config.hf import resolve_checkpoint
 from rpeg_jax.config.model import ModelConfig, resolve_preset
 from rpeg_jax.config.optim import OptimConfig
 from rpeg_jax.config.pipeline import PipelineConfig
+from rpeg_jax.config.registry import load_plugins
 from rpeg_jax.config.rl import RLConfig
 from rpeg_jax.config.rollout import RolloutConfig
 from rpeg_jax.config.sharding import ShardingConfig
@@ -34,6 +36,9 @@ from rpeg_jax.config.train import TrainConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 DEFAULT_CONFIG = os.path.join(CONFIG_DIR, "default.yaml")
+
+
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")  # a dotted module name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +57,8 @@ class RunConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     env: EnvConfig = field(default_factory=EnvConfig)  # the episode's environment and tools (agentic RL)
+    plugins: tuple[str, ...] = ()  # the user's modules, imported when the config is loaded: they register
+    #   rewards, sharding rules and tactics, environments, tools and kernels (config/registry.py)
 
     def validate(self, path: str = "") -> None:
         """Checks that span sections (each section validated itself already)."""
@@ -272,6 +279,9 @@ def from_dict(data: dict) -> RunConfig:
             )
     data = _checkpoint_tokenizer(data)
     cfg = build(RunConfig, data)
+    for i, mod in enumerate(cfg.plugins):
+        check(bool(_MODULE.match(mod)), f"plugins[{i}]", mod, "must be a dotted module name")
+    load_plugins(cfg.plugins)  # before anything looks a registered name up
     if cfg.data.task == "jsonl" and "max_prompt_len" not in (data.get("data") or {}):
         cfg = _jsonl_prompt_len(cfg)
     return cfg

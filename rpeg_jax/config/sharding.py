@@ -13,7 +13,6 @@ from typing import Any, Literal
 from rpeg_jax.config.base import check, key
 
 MESH_AXES = ("data", "fsdp", "tensor")  # outermost .. innermost (fastest-changing, kept inside a node)
-_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,7 +23,6 @@ class ShardingConfig:
     generate_rules: str = "auto"  # rule preset for generation; auto: see `rules_for_mesh`
     rules: dict[str, Any] = field(default_factory=dict)  # custom presets: name -> [[logical, mesh axes(, policy)], ...]
     overrides: tuple[tuple[str, str], ...] = ()  # (parameter-path regex, tactic or partition), first match wins
-    plugins: tuple[str, ...] = ()  # importable modules that register tactics/rules
     axis_types: Literal["auto", "explicit"] = "auto"  # AxisType of all mesh axes (explicit: see docs/sharding.md)
     devices_per_node: int | None = None  # e.g. 4 on GH200 nodes: checks that `tensor` stays inside a node
 
@@ -40,8 +38,6 @@ class ShardingConfig:
                 re.compile(pair[0])
             except re.error as e:
                 check(False, key(path, f"overrides[{i}]"), pair[0], f"bad regular expression: {e}")
-        for i, mod in enumerate(self.plugins):
-            check(bool(_MODULE.match(mod)), key(path, f"plugins[{i}]"), mod, "must be a dotted module name")
         if self.devices_per_node is not None:
             check(self.devices_per_node >= 1, key(path, "devices_per_node"), self.devices_per_node, "must be >= 1")
 

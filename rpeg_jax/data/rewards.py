@@ -8,10 +8,11 @@ A reward takes one `Sample` and returns a float (sequence-level reward r):
     def ends_with_period(sample: Sample) -> float:
         return float(sample.completion.rstrip().endswith("."))
 
-and the run config names it: `data.reward=ends_with_period data.reward_modules=[my_rewards]`
-(the module is imported before the name is looked up; it must be importable, e.g. on
-PYTHONPATH). Built-ins: each task's reward ("add", "copy", "reverse", "sort") and
-"math_answer" (exact match of answers extracted from GSM8K/MATH-style text).
+and the run config names it: `data.reward=ends_with_period plugins=[my_rewards]`
+(the run config's plugins are imported when it is loaded; they must be importable, e.g. on
+PYTHONPATH), or `data.reward=my_rewards:ends_with_period` without a plugin entry. Built-ins: each
+task's reward ("add", "copy", "reverse", "sort") and "math_answer" (exact match of answers
+extracted from GSM8K/MATH-style text).
 
 `score(samples, fn, on_error)` runs a reward over a batch. A reward that raises or returns a
 non-finite value is counted; with on_error="zero" it scores 0.0, with "stop" a RewardError
@@ -23,21 +24,20 @@ make_samples + score every step).
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from rpeg_jax.config.base import ConfigError, suggest
 from rpeg_jax.config.data import DataConfig
+from rpeg_jax.config.registry import Registry
 from rpeg_jax.data.answers import answers_match, extract_answer
 from rpeg_jax.data.tasks import TASKS
 from rpeg_jax.data.tokenizer import Tokenizer, completion_ids
 
 RewardFn = Callable[["Sample"], float]
-_REGISTRY: dict[str, RewardFn] = {}
+REWARDS = Registry("reward", key="data.reward")  # name -> fn(sample) -> float (config/registry.py)
 
 
 class RewardError(RuntimeError):
@@ -57,39 +57,23 @@ class Sample:
 
 
 def register_reward(name: str, *, overwrite: bool = False) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: register `fn(sample) -> float` under `name`."""
-
-    def wrap(fn: RewardFn) -> RewardFn:
-        if name in _REGISTRY and _REGISTRY[name] is not fn and not overwrite:
-            raise ValueError(f"reward {name!r} is already registered (pass overwrite=True to replace it)")
-        _REGISTRY[name] = fn
-        return fn
-
-    return wrap
+    """Decorator: register `fn(sample) -> float` under `name` (REWARDS, config/registry.py's rules)."""
+    return REWARDS.register(name, overwrite=overwrite)
 
 
 def registered_rewards() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(REWARDS)
 
 
 def get_reward(name: str) -> RewardFn:
-    if name not in _REGISTRY:
-        raise ConfigError(
-            "data.reward",
-            name,
-            f"unknown reward; registered: {', '.join(registered_rewards())}" + suggest(name, list(_REGISTRY)),
-        )
-    return _REGISTRY[name]
+    """A registered reward's function, or the function a `module:function` reference names."""
+    return REWARDS.get(name)
 
 
 def resolve_reward(cfg: DataConfig) -> tuple[str, RewardFn]:
-    """(name, fn) of the reward a data config asks for: data.reward after importing
-    data.reward_modules; by default the built-in task's own reward, or math_answer for JSONL."""
-    for module in cfg.reward_modules:
-        try:
-            importlib.import_module(module)
-        except Exception as e:  # any import failure is the user's module: report it in one line
-            raise ConfigError("data.reward_modules", module, f"cannot import: {type(e).__name__}: {e}") from None
+    """(name, fn) of the reward a data config asks for: data.reward (a registered name, the run's
+    `plugins:` imported with the config, or module:function); by default the built-in task's own
+    reward, or math_answer for JSONL."""
     name = cfg.reward or (cfg.task if cfg.task in TASKS else "math_answer")
     return name, get_reward(name)
 

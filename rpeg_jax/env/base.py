@@ -164,6 +164,7 @@ class Environment:
 
 
 def reward_of(cfg: DataConfig) -> Reward:
-    """The run's reward as an environment uses it (data.reward, data.reward_modules, data.reward_on_error)."""
+    """The run's reward as an environment uses it (data.reward, data.reward_on_error; the run's plugins
+    were imported with the config)."""
     name, fn = resolve_reward(cfg)
     return Reward(name, fn, cfg.reward_on_error)

@@ -19,12 +19,12 @@ Called by: env/tools_env.py (parsing turns), env/session.py (the turn's stop str
 
 from __future__ import annotations
 
-import importlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from rpeg_jax.config.base import ConfigError
+from rpeg_jax.config.registry import Registry
 
 # CallError kinds of a parser (tools add unknown_tool, bad_arguments, timeout, exception, exit, ...)
 MALFORMED_JSON = "malformed_json"  # the block is not JSON
@@ -129,19 +129,8 @@ class HermesParser(ToolParser):
         return ToolCall(name, args, body)
 
 
-PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser}
-
-
-def load_class(spec: str, key: str, base: type) -> type:
-    """The class `module:Class` names (imported now), checked to be a subclass of `base`."""
-    mod, _, name = spec.partition(":")
-    try:
-        cls = getattr(importlib.import_module(mod), name)
-    except Exception as e:  # any import failure is the user's module: one line
-        raise ConfigError(key, spec, f"cannot load: {type(e).__name__}: {e}") from None
-    if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise ConfigError(key, spec, f"is not a subclass of {base.__module__}.{base.__name__}")
-    return cls
+PARSERS = Registry("tool parser", key="env.tool_parser", base=ToolParser)  # config/registry.py
+PARSERS.register("hermes", HermesParser)
 
 
 def get_parser(name: str, template_source: str | None = None) -> ToolParser:
@@ -156,6 +145,4 @@ def get_parser(name: str, template_source: str | None = None) -> ToolParser:
             "no built-in parser recognises the chat template's tool-call format "
             f"(known: {', '.join(PARSERS)}); set env.tool_parser",
         )
-    if name in PARSERS:
-        return PARSERS[name]()
-    return load_class(name, "env.tool_parser", ToolParser)()
+    return PARSERS.get(name)()

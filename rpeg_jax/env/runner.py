@@ -24,21 +24,24 @@ from typing import Any, Sequence
 
 from rpeg_jax.config.base import ConfigError
 from rpeg_jax.config.env import EnvConfig
+from rpeg_jax.config.registry import Registry
 from rpeg_jax.data.chat import PromptFormat, load_prompt_format
 from rpeg_jax.data.rewards import RewardError, text_stop_ids
 from rpeg_jax.data.tokenizer import Tokenizer
 from rpeg_jax.env.base import Environment, EpisodeStats, Reward, TurnEnd, reward_of
-from rpeg_jax.env.parsers import ToolParser, get_parser, load_class
+from rpeg_jax.env.parsers import ToolParser, get_parser
 from rpeg_jax.env.session import Outcome, Session, TurnCodec
 from rpeg_jax.env.single_turn import SingleTurn
 from rpeg_jax.env.tools_env import ToolEnv
 
-ENVIRONMENTS: dict[str, type[Environment]] = {"single_turn": SingleTurn, "tools": ToolEnv}
+ENVIRONMENTS = Registry("environment", key="env.name", base=Environment)  # config/registry.py
+ENVIRONMENTS.register("single_turn", SingleTurn)
+ENVIRONMENTS.register("tools", ToolEnv)
 
 
 def make_environment(cfg: EnvConfig, reward: Reward, parser: ToolParser | None = None) -> Environment:
     """The environment env.name asks for: a built-in, or module:Class (an Environment subclass)."""
-    cls = ENVIRONMENTS.get(cfg.name) or load_class(cfg.name, "env.name", Environment)
+    cls = ENVIRONMENTS.get(cfg.name)
     return cls(cfg, reward, parser)
 
 

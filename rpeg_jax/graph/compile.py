@@ -35,6 +35,7 @@ from typing import Any, Callable, ContextManager, Mapping, Protocol
 
 import jax
 
+from rpeg_jax.config.registry import Registry
 from rpeg_jax.graph.ir import Graph, GraphError, Stage, StageKind, StateNode
 from rpeg_jax.graph.plan import Plan, StagePlan
 
@@ -106,16 +107,14 @@ class KernelRegistry:
     """StageKind -> kernel factory; (kind, kind, ...) -> a dedicated fused kernel factory."""
 
     def __init__(self):
-        self._single: dict[StageKind, KernelFactory] = {}
-        self._fused: dict[tuple[StageKind, ...], KernelFactory] = {}
+        self._single = Registry("stage kernel", key="registry")  # config/registry.py's rules
+        self._fused = Registry("fused stage kernel", key="registry")
 
     def register(self, kind: StageKind, factory: KernelFactory, *, overwrite: bool = False) -> None:
-        if kind in self._single and not overwrite:
-            raise ValueError(f"a kernel for stage kind {kind.value!r} is registered already")
-        self._single[kind] = factory
+        self._single.register(kind, factory, overwrite=overwrite)
 
     def register_fused(self, kinds: tuple[StageKind, ...], factory: KernelFactory) -> None:
-        self._fused[tuple(kinds)] = factory
+        self._fused.register(tuple(kinds), factory, overwrite=True)
 
     def kernel(self, env: StageEnv) -> Kernel:
         st = env.stage

@@ -4,7 +4,7 @@ Public API (what the runtime, `rpeg shardings` and users call):
   meshes       make_mesh, abstract_mesh, sub_meshes, canonical_spec, mesh_scope (mesh.py)
   rules        Rule, Rules, resolve, PRESETS, register_rules, get_rules,
                activation_resolver, ShardingError                           (rules.py)
-  extension    tactic, ParamContext, load_plugins, parse_overrides          (tactics.py)
+  extension    tactic, ParamContext, parse_overrides (tactics.py); plugins: config/registry.py
   parameters   param_specs, param_shardings, shard_model, shard_params      (params.py)
   stages       stage_layout, layout_for, StageLayout                        (layouts.py)
   resharding   Resharder, reshard_bytes, reshard_bytes_abstract             (reshard.py)
@@ -35,7 +35,7 @@ from rpeg_jax.sharding.rules import (
     register_rules,
     resolve,
 )
-from rpeg_jax.sharding.tactics import ParamContext, load_plugins, parse_overrides, tactic
+from rpeg_jax.sharding.tactics import ParamContext, parse_overrides, tactic
 
 __all__ = [
     "LOGICAL_AXES",
@@ -71,7 +71,6 @@ __all__ = [
     "register_rules",
     "resolve",
     "ParamContext",
-    "load_plugins",
     "parse_overrides",
     "tactic",
 ]

@@ -26,16 +26,15 @@ from rpeg_jax.sharding import axes as _axes
 from rpeg_jax.sharding.mesh import MeshError, abstract_mesh, canonical_spec, make_mesh, mesh_scope
 from rpeg_jax.sharding.params import param_shardings, param_specs, param_table
 from rpeg_jax.sharding.rules import PRESETS, Rules, activation_resolver, get_rules, register_rules, resolve
-from rpeg_jax.sharding.tactics import Override, load_plugins, parse_overrides
+from rpeg_jax.sharding.tactics import Override, parse_overrides
 
 ROLES = ("train", "generate")
 
 
 def load_extensions(cfg: ShardingConfig) -> None:
-    """Import `sharding.plugins` and register the config's own rule sets (idempotent)."""
-    load_plugins(cfg.plugins)
+    """Register the config's own rule sets (idempotent; plugins were imported with the config)."""
     for name, data in cfg.rules.items():
-        current = PRESETS.get(name)
+        current = PRESETS[name] if name in PRESETS else None
         new = Rules.from_data(data, name)
         if current is None or current.rules != new.rules:
             register_rules(name, new, origin="config sharding.rules")

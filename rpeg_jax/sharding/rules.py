@@ -36,7 +36,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from rpeg_jax.config.base import ConfigError, suggest
+from rpeg_jax.config.base import ConfigError
+from rpeg_jax.config.registry import Registry
 from rpeg_jax.sharding.axes import Axes
 
 POLICIES = ("error", "replicate", "next")
@@ -162,32 +163,22 @@ _PRESET_DATA: dict[str, list] = {
     "tensor": _BATCH + _TENSOR,
     "fsdp_tensor": _BATCH + _TENSOR + [("embed", "fsdp")],
 }
-PRESETS: dict[str, Rules] = {k: Rules.from_data(v, k) for k, v in _PRESET_DATA.items()}
-_ORIGIN: dict[str, str] = {k: __name__ for k in PRESETS}
+PRESETS = Registry("rule preset", key="sharding.train_rules")  # name -> Rules (config/registry.py)
+for _name, _data in _PRESET_DATA.items():
+    PRESETS.register(_name, Rules.from_data(_data, _name), origin=__name__)
 
 
 def register_rules(name: str, data: Iterable[Any] | Rules, origin: str | None = None) -> Rules:
     """Add a named rule set (usable as `sharding.train_rules: name`). Re-registering a name from a
-    different module is a conflict and raises, naming both modules."""
+    different module is a conflict (one line naming both modules: config/registry.py's rules)."""
     rules = data if isinstance(data, Rules) else Rules.from_data(data, name)
-    rules = Rules(rules.rules, name)
-    origin = origin or _caller_module()
-    if name in PRESETS and _ORIGIN.get(name) != origin:
-        raise ShardingError(
-            f"rules {name!r} registered twice: by {_ORIGIN.get(name)} and by {origin}",
-            key="sharding.plugins",
-            value=name,
-        )
-    PRESETS[name], _ORIGIN[name] = rules, origin
-    return rules
+    return PRESETS.register(name, Rules(rules.rules, name), origin=origin or _caller_module())
 
 
 def get_rules(name: str | Rules, key: str = "sharding.rules") -> Rules:
     if isinstance(name, Rules):
         return name
-    if name not in PRESETS:
-        raise ConfigError(key, name, "unknown rule preset; known: " + ", ".join(PRESETS) + suggest(name, list(PRESETS)))
-    return PRESETS[name]
+    return PRESETS.get(name, key)
 
 
 def _caller_module() -> str:

@@ -13,7 +13,7 @@ The pattern is a regular expression matched against the whole dotted parameter p
     largest dimension divisible by the fsdp axis goes over fsdp).
 
 Users register tactics (and rule presets) in their own module and name it in the config
-(`sharding.plugins: [my_pkg.rules]`); it is imported by `load_plugins`, no edit of rpeg_jax:
+(`plugins: [my_pkg.rules]` in the run config, imported with it), no edit of rpeg_jax:
 
     from rpeg_jax.sharding import tactic, register_rules
 
@@ -28,12 +28,12 @@ Callers: params.py (`apply_overrides` inside `param_specs`), `rpeg shardings`, t
 
 from __future__ import annotations
 
-import importlib
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from rpeg_jax.config.base import ConfigError, suggest
+from rpeg_jax.config.registry import Registry
 from rpeg_jax.sharding.rules import Rules, ShardingError, _caller_module, mesh_axes_tuple, resolve
 
 
@@ -62,24 +62,15 @@ class ParamContext:
 
 
 Tactic = Callable[[ParamContext], Any]
-TACTICS: dict[str, Tactic] = {}
-_ORIGIN: dict[str, str] = {}
+TACTICS = Registry("tactic", key="sharding.overrides")  # name -> fn(ctx) -> PartitionSpec (config/registry.py)
 
 
 def tactic(name: str, *, origin: str | None = None):
     """Decorator: register `fn(ctx: ParamContext) -> PartitionSpec` as tactic `name`. Registering
-    the same name from two different modules raises, naming both."""
+    the same name from two different modules is a conflict (one line naming both)."""
 
     def register(fn: Tactic) -> Tactic:
-        where = origin or getattr(fn, "__module__", None) or _caller_module()
-        if name in TACTICS and _ORIGIN[name] != where:
-            raise ShardingError(
-                f"tactic {name!r} registered twice: by {_ORIGIN[name]} and by {where}",
-                key="sharding.plugins",
-                value=name,
-            )
-        TACTICS[name], _ORIGIN[name] = fn, where
-        return fn
+        return TACTICS.register(name, fn, origin=origin or getattr(fn, "__module__", None) or _caller_module())
 
     return register
 
@@ -106,17 +97,6 @@ def _fsdp_largest(ctx: ParamContext):
         if n > 1 and ctx.shape[d] % n == 0:
             return PartitionSpec(*[("fsdp" if i == d else None) for i in range(len(ctx.shape))])
     return PartitionSpec()
-
-
-def load_plugins(modules: Sequence[str], key: str = "sharding.plugins") -> None:
-    """Import each plugin module (its import registers tactics and rules)."""
-    for i, mod in enumerate(modules):
-        try:
-            importlib.import_module(mod)
-        except ShardingError:
-            raise
-        except Exception as e:  # the plugin's own error, reported with the module's name
-            raise ConfigError(f"{key}[{i}]", mod, f"cannot import plugin: {type(e).__name__}: {e}") from None
 
 
 _NONE = ("", "_", "none", "None", "null", "~")
@@ -177,7 +157,7 @@ class Override:
 
 def parse_overrides(items: Sequence[Sequence[str]]) -> list[Override]:
     """Compile (pattern, action) pairs; bad regexes and unknown tactics raise ConfigError naming
-    the entry. Call after `load_plugins` so that plugin tactics are known."""
+    the entry. Plugins (the run config's `plugins:`) are imported before, so their tactics are known."""
     out = []
     for i, item in enumerate(items):
         key = f"sharding.overrides[{i}]"

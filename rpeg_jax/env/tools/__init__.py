@@ -10,19 +10,21 @@ from __future__ import annotations
 
 from rpeg_jax.config.base import ConfigError
 from rpeg_jax.config.env import EnvConfig
-from rpeg_jax.env.parsers import load_class
+from rpeg_jax.config.registry import Registry
 from rpeg_jax.env.tools.base import Tool, ToolResult, check_arguments
 from rpeg_jax.env.tools.calculator import Calculator
 from rpeg_jax.env.tools.python import Python
 
-TOOLS: dict[str, type[Tool]] = {"calculator": Calculator, "python": Python}
+TOOLS = Registry("tool", key="env.tools", base=Tool)  # config/registry.py
+TOOLS.register("calculator", Calculator)
+TOOLS.register("python", Python)
 
 
 def make_tools(cfg: EnvConfig) -> dict[str, Tool]:
     """name -> tool for env.tools (built-ins by name, others as module:Class), each built once."""
     out: dict[str, Tool] = {}
     for i, spec in enumerate(cfg.tools):
-        cls = TOOLS.get(spec) or load_class(spec, f"env.tools[{i}]", Tool)
+        cls = TOOLS.get(spec, f"env.tools[{i}]")
         tool = cls(cfg)
         if not tool.name:
             raise ConfigError(f"env.tools[{i}]", spec, "the tool has no name")

@@ -1,0 +1,125 @@
+"""RS: a real-model-shaped RL step and its generation, rpeg_jax against its peers, side by side.
+
+    python bench/rs.py --peer-python /tmp/peers/bin/python [--rounds 2] [--json out.json]
+
+The workload (bench/WORKLOADS.md, RS): SmolLM2-135M's shape (`model.preset=smollm2-135m`, random
+init, float32), 8 prompts of 32 tokens x 4 responses of exactly 48 new tokens; one GRPO step (lr 1e-6,
+no KL reference, one optimizer step per batch) and the same generation alone. rpeg_jax runs in this
+venv (`rpeg train` in a subprocess, its median step after the first; the Sampler for generation);
+the peers, Hugging Face `generate` and TRL's GRPOTrainer (bench/peers.py), in `--peer-python`'s
+venv. Each round runs the four measurements one after the other, so machine drift hits both sides
+alike; ratios are per round. Time it alone: nothing else may run on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS, N, PROMPT_LEN, NEW = 8, 4, 32, 48
+
+
+def rpeg_step(steps: int) -> dict:
+    """Median seconds per step of `rpeg train` on RS (steps after the first), from metrics.jsonl."""
+    with tempfile.TemporaryDirectory() as d:
+        data = os.path.join(d, "prompts.jsonl")
+        with open(data, "w") as f:  # 31 characters + bos = 32 tokens under the character tokenizer
+            for i in range(PROMPTS * (steps + 1)):
+                f.write(json.dumps({"prompt": f"{i:05d}" + "3+4=" * 6 + "12", "answer": "7"}) + "\n")
+        over = [
+            "model.preset=smollm2-135m",
+            "data.task=jsonl",
+            f"data.path={data}",
+            f"data.max_prompt_len={PROMPT_LEN}",
+            f"data.prompts_per_step={PROMPTS}",
+            f"rl.group_size={N}",
+            "rl.kl_coef=0.0",
+            f"rollout.max_new_tokens={NEW}",
+            "rollout.ignore_eos=true",
+            "optim.lr=1e-6",
+            "optim.warmup_steps=0",
+            f"train.steps={steps}",
+            "train.checkpoint_every=0",
+            "train.tensorboard=false",
+            "train.progress=false",
+            f"train.run_dir={os.path.join(d, 'run')}",
+        ]
+        cmd = [sys.executable, "-m", "rpeg_jax.cli", "train", "--config", "configs/default.yaml", *over]
+        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
+        rows = [json.loads(line) for line in open(os.path.join(d, "run", "metrics.jsonl"))]
+    times = [r["timing_s/step"] for r in rows[1:]]
+    stages = {k: statistics.median(r[k] for r in rows[1:]) for k in rows[-1] if k.startswith("timing_s/")}
+    return {"seconds_per_step": statistics.median(times), "steps_s": times, "stages_s": stages}
+
+
+def rpeg_generate(reps: int) -> dict:
+    code = f"""
+import json, time
+import numpy as np
+from rpeg_jax.config.model import model_preset
+from rpeg_jax.models.llama import init_model
+from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
+model = init_model(model_preset("smollm2-135m"), seed=0)
+prompts = np.random.default_rng(1).integers(3, 49152, size=({PROMPTS}, {PROMPT_LEN})).tolist()
+s = Sampler(model, SamplerConfig(max_slots={PROMPTS * N}, max_seq_len={PROMPT_LEN + NEW}, chunk_steps={NEW},
+            min_prefill_len={PROMPT_LEN}))
+sp = SamplingParams(n={N}, temperature=1.0, max_new_tokens={NEW}, ignore_eos=True, seed=0)
+rates = []
+for rep in range({reps} + 1):
+    t0 = time.perf_counter(); outs = s.generate(prompts, sp); dt = time.perf_counter() - t0
+    if rep: rates.append(sum(len(c.tokens) for o in outs for c in o.completions) / dt)
+print(json.dumps({{"tokens_per_s": max(rates), "median_tokens_per_s": sorted(rates)[len(rates) // 2]}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def peer(python: str, what: str, *extra: str) -> dict:
+    args = [python, "bench/peers.py", what, "--model", "rs", "--prompts", str(PROMPTS), "--n", str(N)]
+    args += ["--prompt-len", str(PROMPT_LEN), "--new", str(NEW), *extra]
+    out = subprocess.run(args, cwd=ROOT, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--peer-python", required=True, help="python of the venv with torch, transformers, trl")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4, help="rpeg train / TRL steps per measurement (first: warm-up)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    records = []
+    for r in range(args.rounds):
+        t0 = time.time()
+        rec = {"round": r, "load": os.getloadavg()[0]}
+        rec["rpeg_generate"] = rpeg_generate(3)
+        rec["hf_generate"] = peer(args.peer_python, "hf-generate", "--temperature", "1.0", "--reps", "3")
+        rec["rpeg_step"] = rpeg_step(args.steps)
+        rec["trl_step"] = peer(args.peer_python, "trl-step", "--steps", str(args.steps - 1))
+        rec["generate_ratio"] = rec["rpeg_generate"]["tokens_per_s"] / rec["hf_generate"]["tokens_per_s"]
+        rec["step_ratio"] = rec["trl_step"]["seconds_per_step"] / rec["rpeg_step"]["seconds_per_step"]
+        rec["wall_s"] = time.time() - t0
+        records.append(rec)
+        print(
+            f"round {r}: generate rpeg {rec['rpeg_generate']['tokens_per_s']:.0f} tok/s vs HF "
+            f"{rec['hf_generate']['tokens_per_s']:.0f} ({rec['generate_ratio']:.2f}x); step rpeg "
+            f"{rec['rpeg_step']['seconds_per_step']:.2f} s vs TRL {rec['trl_step']['seconds_per_step']:.2f} s "
+            f"({rec['step_ratio']:.2f}x); load {rec['load']:.1f}",
+            flush=True,
+        )
+        print(f"  rpeg stages (median s): {rec['rpeg_step']['stages_s']}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
