@@ -7,7 +7,7 @@
     python bench/costmodel_validate.py --json out.json [--step-level] [--quick]   # measure VALIDATION now
     python bench/costmodel_validate.py --no-stages --reprice old.json --json out.json  # old steps, new profile
 
-Stage level: the VALIDATION configurations of bench/costmodel_stages.py (>= 20: model sizes,
+Stage level: the VALIDATION configurations of rpeg_jax/calibration/stages.py (>= 20: model sizes,
 batch sizes, lengths, meshes data x fsdp x tensor of 1-8 devices; forward, train, generate),
 measured round-robin with medians, against the predictions of the saved `cpu` profile. That
 profile is fitted on the disjoint CALIBRATION configurations only (`--calibrate` measures both
@@ -50,9 +50,11 @@ force_cpu_devices(8)
 
 import numpy as np  # noqa: E402
 
-from rpeg_jax.costmodel.calibrate import fit_saved_points  # noqa: E402
+from rpeg_jax.calibration import save_points  # noqa: E402
+from rpeg_jax.calibration import stages as CS  # noqa: E402
 from rpeg_jax.costmodel.fit import predict_point  # noqa: E402
 from rpeg_jax.costmodel.hardware import calibrated_path, load_hardware, save_hardware  # noqa: E402
+from rpeg_jax.costmodel.microfit import fit_saved_points  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOADS: list[float] = []
@@ -73,7 +75,7 @@ def spearman(a, b) -> float:
 def interleave(cal: list, val: list) -> list:
     """One measuring order for both sets: kind by kind, the validation configurations spread evenly
     among the calibration ones (by fractional position), so that every batch of
-    costmodel_stages.measure_set holds both sets' configurations of the same kind and they see the
+    calibration/stages.measure_set holds both sets' configurations of the same kind and they see the
     same machine phase. (Why not zip the two lists: the generation configurations, last in both
     lists and 20 against 6, fall into different batches. Measured zipped on 2026-12-01 (bench/NOTES.md
     session 6), the calibration ones ran ~30% faster than the night before while the validation
@@ -93,8 +95,6 @@ def calibrate(args) -> int:
     load), fit the profile on the CALIBRATION points only, save the profile, the calibration points
     (<profile>.points.json, what `rpeg calibrate` refits) and the validation measurements
     (<profile>.validation.json, for `--reuse`; never fitted)."""
-    import costmodel_stages as CS
-
     mixed = interleave(CS.CALIBRATION, CS.VALIDATION)
     note_load()
     pts = CS.measure_set(mixed, args.repeats, CS.CLOCKS[args.clock])
@@ -102,24 +102,7 @@ def calibrate(args) -> int:
     cal = [p for p, c in zip(pts, mixed) if c in CS.CALIBRATION]
     val = [p for p, c in zip(pts, mixed) if c in CS.VALIDATION]
     path = args.out or calibrated_path(args.hardware)
-    points = os.path.splitext(path)[0] + ".points.json"
-    os.makedirs(os.path.dirname(os.path.abspath(points)), exist_ok=True)
-    old = {}
-    if os.path.isfile(points):
-        with open(points) as f:
-            old = json.load(f)
-    with open(points, "w") as f:  # whole-step calibration points (--calibrate-steps) are kept
-        json.dump(
-            {
-                "clock": args.clock,
-                "points": cal,
-                "steps": old.get("steps", []),  # kept: steps, gen memory
-                "gen_memory": old.get("gen_memory", []),
-                "load": LOADS,
-            },
-            f,
-            indent=1,
-        )
+    points = save_points(os.path.splitext(path)[0] + ".points.json", args.clock, cal, LOADS)  # steps kept
     with open(os.path.splitext(path)[0] + ".validation.json", "w") as f:
         json.dump({"clock": args.clock, "stages": [{"point": p} for p in val], "load": LOADS}, f, indent=1)
     preset = load_hardware(args.hardware, calibrated=False)
@@ -147,8 +130,6 @@ def refit(args) -> int:
 
 
 def stage_rows(args, hw) -> list[dict]:
-    import costmodel_stages as CS
-
     configs = CS.QUICK if args.quick else CS.VALIDATION
     if args.only:
         configs = [c for c in configs if c[0] in args.only.split(",")]
@@ -202,12 +183,10 @@ def stage_summary(rows: list[dict]) -> dict:
 # ---- generation memory -------------------------------------------------------------------------
 def gen_memory(args, hw) -> dict:
     """`--gen-memory [FILE]`: the sampler's peak bytes per device (the largest compiled memory
-    analysis of its prefill / fork / decode programs, bench/costmodel_stages.generation_memory) of
+    analysis of its prefill / fork / decode programs, bench/calibration/stages.generation_memory) of
     GEN_MEMORY_CAL and GEN_MEMORY_VAL against stages.generate_memory; measured now and saved to
     FILE, or re-read from FILE when it exists. memory_error_generate is the held-out VAL set's mean
     |relative error| (no memory factor is fitted for generation; CAL is where the formula was read)."""
-    import costmodel_stages as CS
-
     path = args.gen_memory
     if path and os.path.isfile(path):
         with open(path) as f:
@@ -251,7 +230,7 @@ def gen_memory(args, hw) -> dict:
 
 # ---- one GPU (bench/gpu_check.sh) -------------------------------------------------------------
 def gpu_validate(args) -> int:
-    """`--gpu`: GPU_CALIBRATION and GPU_VALIDATION of bench/costmodel_stages.py (1-device meshes,
+    """`--gpu`: GPU_CALIBRATION and GPU_VALIDATION of bench/calibration/stages.py (1-device meshes,
     bfloat16 Qwen2 shapes; `--dry-run`: model T on a CPU) measured interleaved on the wall clock,
     each configuration built, warmed up and timed on its own (the GPU is not shared: no round-robin
     needed). A point is written as soon as it is measured and no configuration starts after
@@ -260,8 +239,6 @@ def gpu_validate(args) -> int:
     as `rpeg calibrate --points` does (saved to `--out`, the points beside it); the JSON reports the
     validation half's MAPE per kind for the preset, the start profile and the fitted one."""
     import itertools
-
-    import costmodel_stages as CS
 
     cal_set, val_set = (
         (CS.GPU_DRY_CALIBRATION, CS.GPU_DRY_VALIDATION) if args.dry_run else (CS.GPU_CALIBRATION, CS.GPU_VALIDATION)

@@ -16,7 +16,8 @@
 #               baseline) then --attention kernel: tok/s, fraction of HBM bandwidth
 #   4 train     bench/train_mfu.py: one qwen2-1.5b actor update (16 x 1024, bf16 compute, float32
 #               params/Adam), --attention xla then cudnn: seconds, MFU, the cost model's prediction
-#   5 calibrate python -m rpeg_jax.cli calibrate --profile h200 --quick (micro-benchmarks + synthetic fit)
+#   5 calibrate python -m rpeg_jax.cli calibrate --profile h200 --quick --no-real-stages (micro-benchmarks
+#               + synthetic fit; part 7 measures and fits the real stages within its own budget)
 #   6 r2        bench/rl_step.py R2 (sync, async-k1, async-k2; grain needed), predicted with part 5's profile
 #   7 stages    bench/costmodel_validate.py --gpu: real 0.5B/1.5B bf16 stages on 1 GPU, fit on the
 #               calibration half, MAPE on the validation half
@@ -162,7 +163,7 @@ PROFILE=$([ "$DRY" = 1 ] && echo cpu || echo h200)
 if [ "$DRY" = 1 ]; then  # the h200 sizes (4096^2 bf16 matmuls, 64 MB passes) take minutes on 2 cores
   step calibrate 40 $PY -m rpeg_jax.cli calibrate --profile cpu --quick --no-stages --devices 2 --out "$OUT/$PROFILE.yaml"
 else
-  step calibrate 60 $PY -m rpeg_jax.cli calibrate --profile h200 --quick --out "$OUT/$PROFILE.yaml"
+  step calibrate 60 $PY -m rpeg_jax.cli calibrate --profile h200 --quick --no-real-stages --out "$OUT/$PROFILE.yaml"
 fi
 
 # ---- 6 R2 (rpeg_jax.data needs grain) ------------------------------------------------------------

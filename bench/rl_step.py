@@ -313,14 +313,17 @@ def calibrated_profile(profile: str = "cpu", max_age_h: float = 12.0) -> str:
     age_h = (time.time() - os.path.getmtime(path)) / 3600.0 if os.path.exists(path) else None
     if age_h is None or age_h > max_age_h:
         why = f"no calibrated {profile} profile at {path}" if age_h is None else f"{path} is {age_h:.1f} h old"
-        print(f"{why}: running `rpeg calibrate --profile {profile}` (about a minute)", flush=True)
+        # micro-benchmarks and the synthetic fit, then the stage points saved beside the profile (if
+        # any) refitted, as before `rpeg calibrate` measured the real stages itself (~10 min)
+        cmd = ["calibrate", "--profile", profile, "--no-real-stages"]
+        print(f"{why}: running `rpeg {' '.join(cmd)}` (about a minute)", flush=True)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        subprocess.run([sys.executable, "-m", "rpeg_jax.cli", "calibrate", "--profile", profile], cwd=root, check=True)
+        subprocess.run([sys.executable, "-m", "rpeg_jax.cli", *cmd], cwd=root, check=True)
     return path
 
 
 def profile_drift(profile: str) -> float | None:
-    """The matmul peak measured now, as `rpeg calibrate` measures it (calibrate.bench_matmul, its CPU
+    """The matmul peak measured now, as `rpeg calibrate` measures it (calibration/micro.bench_matmul, its CPU
     sizes from 512 up), against the profile's calibrated.matmul_peak_measured, as a fraction (+0.2:
     the machine is 20% faster now than when the profile was made); None when the profile carries no
     calibration. On this shared machine the rate moves 25-50% within a day (2026-12-03: 383 GFLOP/s at
@@ -328,7 +331,7 @@ def profile_drift(profile: str) -> float | None:
     stage by about as much. Recorded, not acted on: measured in this process minutes after the
     calibration subprocess it still reads -8% to +18% (2026-12-04): a record to read, not a trigger.
     (This bench's own MatmulRate uses other shapes: not comparable.)"""
-    from rpeg_jax.costmodel.calibrate import bench_matmul
+    from rpeg_jax.calibration.micro import bench_matmul
     from rpeg_jax.costmodel.hardware import load_hardware
 
     peak = (getattr(load_hardware(profile), "calibrated", None) or {}).get("matmul_peak_measured")

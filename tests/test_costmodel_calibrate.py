@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from rpeg_jax.costmodel import planner as P
-from rpeg_jax.costmodel.calibrate import _monotone_table, fit
 from rpeg_jax.costmodel.hardware import check_table, interp_eff, load_hardware
+from rpeg_jax.costmodel.microfit import _monotone_table, fit
 
 
 def synthetic():
@@ -51,7 +51,7 @@ def test_kv_attend_copy_is_the_samplers_chunk_attention():
     import jax
     import numpy as np
 
-    from rpeg_jax.costmodel.calibrate import attend_dense_t as ours
+    from rpeg_jax.calibration.micro import attend_dense_t as ours
     from rpeg_jax.sampling.chunk_attention import attend_dense_t as sampler
 
     k = jax.random.split(jax.random.key(0), 3)
@@ -64,9 +64,9 @@ def test_kv_attend_copy_is_the_samplers_chunk_attention():
 
 
 def test_kv_attend_rate_is_fitted_and_prices_the_cpu_decode_step():
+    from rpeg_jax.calibration.micro import bench_kv_attend
     from rpeg_jax.config import load_config
     from rpeg_jax.costmodel import stages as S
-    from rpeg_jax.costmodel.calibrate import bench_kv_attend
 
     small = dict(B=8, K=2, H=4, E=16, L=2)
     assert bench_kv_attend(1, shape=small, widths=(16, 64), steps=2) > 0
@@ -134,8 +134,8 @@ def test_stage_fit_recovers_known_factors():
     import dataclasses
 
     from rpeg_jax.costmodel import stages as S
-    from rpeg_jax.costmodel.calibrate import STAGE_SHAPES, fit_stages, synthetic_shape
     from rpeg_jax.costmodel.lengths import LengthDist
+    from rpeg_jax.costmodel.microfit import STAGE_SHAPES, fit_stages, synthetic_shape
 
     base = load_hardware("cpu", calibrated=False)
     truth = dataclasses.replace(
@@ -283,7 +283,7 @@ def test_rpeg_calibrate_fits_saved_points(tmp_path, monkeypatch):
     import json
 
     from rpeg_jax.costmodel import fit as F
-    from rpeg_jax.costmodel.calibrate import fit_saved_points
+    from rpeg_jax.costmodel.microfit import fit_saved_points
 
     base = load_hardware("cpu", calibrated=False)
     seen = []
@@ -397,10 +397,11 @@ def test_validation_measuring_order_spreads_each_kind_over_the_calibration_batch
     import os
     import sys
 
+    from rpeg_jax.calibration import stages as CS
+
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
     sys.path.insert(0, bench)
     try:
-        import costmodel_stages as CS
         from costmodel_validate import interleave
     finally:
         sys.path.remove(bench)
@@ -419,7 +420,7 @@ def test_accelerator_rates_are_not_the_dispatch(monkeypatch):
     # H200's bf16 matmul). One 4096^2 matmul is 0.2 ms of work: a call of it alone times the dispatch
     # as much as the matmul. The accelerator path sizes k from a first timing so that one call lasts
     # about CALL_TARGET_S (dispatch ~1%); the CPU path keeps its fixed work target (k = 1 here).
-    from rpeg_jax.costmodel import calibrate as C
+    from rpeg_jax.calibration import micro as C
 
     rate, dispatch, work = 7e14, 1.5e-4, 2.0 * 4096**3
 
@@ -432,3 +433,34 @@ def test_accelerator_rates_are_not_the_dispatch(monkeypatch):
     assert got == pytest.approx(rate, rel=0.02)
     cpu = C._looped_rate(Made, (), work, 3, accelerator=False)
     assert cpu == pytest.approx(work / (dispatch + work / rate)) and cpu < 0.6 * rate
+
+
+def test_rpeg_calibrate_measures_the_real_stages_and_fits_them(tmp_path, monkeypatch):
+    # `rpeg calibrate` on its own: the real model/update stages measured now (two tiny
+    # configurations here), written beside the profile with the whole-step points an earlier bench
+    # run saved there (same clock only), and fitted (stage_points counts them).
+    import json
+
+    from rpeg_jax import calibration as CAL
+    from rpeg_jax.calibration import stages as CS
+    from rpeg_jax.costmodel.microfit import fit_saved_points
+
+    for quick in (True, False):
+        cal = CAL.stage_configs("cpu", quick)
+        assert cal and set(cal) <= set(CS.CALIBRATION) and not set(cal) & set(CS.VALIDATION)
+        assert {c[0] for c in cal} == {"forward", "train", "generate"}
+    assert set(CAL.stage_configs("h200", False)) == set(CS.GPU_CALIBRATION)
+    tiny = [("forward", "T", 4, 8, 8, (1, 1, 1), 1, "none"), ("train", "T", 4, 8, 8, (1, 1, 1), 1, "none")]
+    monkeypatch.setattr(CAL, "stage_configs", lambda kind, quick: tiny)
+    pts = CAL.measure_stage_points("cpu", True, "cpu", log=lambda *_: None)
+    assert [p["kind"] for p in pts] == ["forward", "train"] and all(p["seconds"] > 0 for p in pts)
+    path = tmp_path / "cpu.points.json"
+    path.write_text(json.dumps({"clock": "cpu", "points": [], "steps": [{"seconds": 1.0}]}))
+    CAL.save_points(str(path), "cpu", pts)
+    saved = json.loads(path.read_text())
+    assert saved["steps"] == [{"seconds": 1.0}] and len(saved["points"]) == 2
+    CAL.save_points(str(path), "wall", pts)  # another clock: the old step points are not mixed in
+    assert json.loads(path.read_text())["steps"] == []
+    base = load_hardware("cpu", calibrated=False)
+    prof = fit_saved_points(base, str(path), "wall")
+    assert prof.calibrated["stage_points"] == 2 and prof != base

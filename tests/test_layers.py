@@ -4,6 +4,8 @@ import graph of the modules (all imports again) has no cycle.
 
 The layers (config and shapes are the floor every package may import):
     cli (rpeg_jax/cli/), launch/  -> anything
+    calibration -> costmodel, graph, sampling, rl, sharding, models   (measures with JAX; the fits
+                                       are the cost model's)
     runtime    -> graph, costmodel, sampling, rl, sharding, models, data, env
     env        -> data                (environments and tools: host Python, no JAX)
     graph      -> sharding            (only graph/compile.py imports JAX)
@@ -33,6 +35,7 @@ ANY = None
 ALLOWED: dict[str, set[str] | None] = {
     "cli": ANY,
     "launch": ANY,
+    "calibration": {"costmodel", "graph", "sampling", "rl", "sharding", "models"},
     "runtime": {"graph", "costmodel", "sampling", "rl", "sharding", "models", "data", "env"},
     "env": {"data"},
     "graph": {"sharding"},
@@ -234,7 +237,7 @@ SYNTHETIC = {
     "rpeg_jax.models": "",
     "rpeg_jax.graph.ir": "import dataclasses\n",
     "rpeg_jax.graph.compile": "import jax\nfrom rpeg_jax.sharding.mesh import make_mesh\n",
-    "rpeg_jax.costmodel.calibrate": "from rpeg_jax.config import load_config\n\ndef f():\n    import jax\n",
+    "rpeg_jax.costmodel.microfit": "from rpeg_jax.config import load_config\n\ndef f():\n    import jax\n",
     "rpeg_jax.cli.shardings": "from rpeg_jax.models.llama import Transformer\n",
 }
 

@@ -21,7 +21,8 @@ lengths (response-length model, decode schedule, the continuous engine's simulat
 and memory per stage kind), candidates (plan tables), schedule (step simulation over device groups),
 types (Context, Prediction, SearchResult), planner (search, baselines), pricing (a given plan, the
 best per device-group option), report (+ the "why"), fit (stage measurements as data, least-squares
-fit of a profile), calibrate (the measurements behind `rpeg calibrate`; with devices.local_devices
-the only code that imports JAX, inside functions). `rpeg plan` and `rpeg calibrate` are in
-rpeg_jax/cli/.
+fit of a profile), microfit (the fit of micro-benchmarks and a synthetic decoder). The measurements
+behind `rpeg calibrate` run JAX and live outside this package, in rpeg_jax/calibration/;
+devices.local_devices is the only code here that imports JAX (inside a function). `rpeg plan` and
+`rpeg calibrate` are in rpeg_jax/cli/.
 """

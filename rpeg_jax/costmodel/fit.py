@@ -1,7 +1,7 @@
 """Stage measurements as data, the model's prediction for each, and a fit of the profile to them.
 
-A point is a plain dict (JSON, written by bench/costmodel_validate.py, which runs the real model,
-update and sampler code on a mesh):
+A point is a plain dict (JSON, written by `rpeg calibrate` and bench/costmodel_validate.py, which
+run the real model, update and sampler code on a mesh: rpeg_jax/calibration/stages.py):
 
     {"kind": "forward" | "train" | "generate", "dims": {num_params, L, D, H, K, E, F, V,
      param_bytes_per, act_bytes_per, dtype}, "B", "P", "R", "mesh": [data, fsdp, tensor],
@@ -24,7 +24,7 @@ squares on log(predicted / measured) with weak priors toward the starting values
 whole RL steps of calibration configs (not the default config);
 `fit_gen_memory(profile, points)` fits gen_memory_factor to the sampler programs' compiled memory.
 Validation points must never be passed here (bench/costmodel_validate.py keeps the two sets
-disjoint). Callers: costmodel/calibrate.py (`rpeg calibrate --points`), bench/, tests. No JAX.
+disjoint). Callers: costmodel/microfit.fit_saved_points (`rpeg calibrate`), bench/, tests. No JAX.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def fit_memory(hw: HardwareProfile, points: list[dict]) -> tuple[HardwareProfile
 
 def fit_gen_memory(hw: HardwareProfile, points: list[dict]) -> tuple[HardwareProfile, dict]:
     """gen_memory_factor (> 0) by least squares on relative error over generation memory points
-    (bench/costmodel_stages.generation_memory of the GEN_MEMORY_CAL set): predicted memory is
+    (calibration/stages.generation_memory of the GEN_MEMORY_CAL set): predicted memory is
     base + factor x unit, so the factor has a closed form."""
     if not points:
         return hw, {}

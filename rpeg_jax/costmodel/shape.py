@@ -13,7 +13,7 @@ Narayanan et al. 2021 for GPT; activations after Korthikanti et al. 2022):
     saved activations per token per layer     = a (4D + (2HE + 2KE + 3F)/t) [+ scores]
 
 Callers: costmodel/stages.py (stage times), candidates.py (memory), planner.py, fit.py,
-calibrate.py, bench/costmodel_stages.py, tests.
+microfit.py, calibration/stages.py, tests.
 """
 
 from __future__ import annotations

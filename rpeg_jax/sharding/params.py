@@ -3,7 +3,7 @@
 Callers: layouts.py (`StageLayout.params`: the shardings runtime/placement.py moves state and
 stage inputs into), runtime/setup.py (`shard_model` for a sharded init that never materialises
 the model on one device), `rpeg shardings` (`param_table` on an abstract model and an abstract
-mesh), bench/costmodel_stages.py, tests.
+mesh), calibration/stages.py, tests.
 
 A tree is anything `jax.tree` walks: an nnx.Module, an nnx.State from `nnx.split`, or a plain
 dict whose leaves are nnx.Variable (with `axes` metadata) or arrays / ShapeDtypeStructs (no axes:

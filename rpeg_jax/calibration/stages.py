@@ -1,7 +1,9 @@
 """Stage measurements for the cost model: the real model, update and sampler code on CPU meshes.
 
-Used by bench/costmodel_validate.py (validation and `--calibrate`). Two disjoint sets of stage
-configurations: CALIBRATION (fitted by `rpeg calibrate --points`) and VALIDATION (never fitted).
+Used by `rpeg calibrate` (the CALIBRATION set, or QUICK_CALIBRATION with --quick, fitted by
+costmodel/fit.py) and bench/costmodel_validate.py (validation, and `--calibrate`, which measures
+both sets interleaved). Two disjoint sets of stage configurations: CALIBRATION (fitted) and
+VALIDATION (never fitted).
 A configuration is (kind, model, B, P, R, mesh (data, fsdp, tensor), micro-batches | group size,
 remat). Forward = token_logprobs over the response window (rpeg_jax.models); train = one
 rl.make_actor_update step (GRPO loss, AdamW); generate = Sampler.generate of B/G prompts x G
@@ -21,10 +23,10 @@ import contextlib
 import dataclasses
 import gc
 import statistics
-import time
 
 import numpy as np
 
+from rpeg_jax.calibration.micro import CLOCKS  # noqa: F401 (the clocks measure_set is given)
 from rpeg_jax.config.model import model_preset
 from rpeg_jax.costmodel.shape import ModelShape
 from rpeg_jax.graph.algorithms import model_dims
@@ -145,6 +147,8 @@ CALIBRATION = [
 ]
 assert not set(VALIDATION) & set(CALIBRATION), "calibration and validation configurations must be disjoint"
 QUICK = [VALIDATION[i] for i in (0, 3, 8, 10, 13, 18, 21)]
+# `rpeg calibrate --quick`: one forward, train and generation point per model size, 1-4 devices
+QUICK_CALIBRATION = [CALIBRATION[i] for i in (0, 2, 7, 9, 14, 16, 11, 18)]
 KEYS = ("kind", "model", "B", "P", "R", "mesh", "micro", "remat")
 
 # One GPU (bench/gpu_check.sh -> costmodel_validate.py --gpu): bfloat16 Qwen2-0.5B / 1.5B shapes
@@ -446,6 +450,3 @@ def measure_set(configs, repeats: int, clock, batch: int = 7, log=print) -> list
         del stages
         gc.collect()
     return out
-
-
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
