@@ -577,7 +577,7 @@ def measure_steps(args, overrides: list[str]) -> list[dict]:
     plans = [alts[k] for k in ("best colocated 1", "best colocated 4", "best split 1+1", "best split 2+2") if k in alts]
     for base, m in (("best split 1+1", 8), ("best split 2+2", 4)):
         if base in alts:
-            kn = {**alts[base].knobs, "microbatches": m}
+            kn = {**alts[base].knobs, "pieces": m}
             p = price_layout(cfg, kn, alts[base].layout, 8, hw, 1)
             p.label = f"{base} p{m}"
             plans.append(p)

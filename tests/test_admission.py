@@ -73,7 +73,7 @@ def test_drop_counts_dropped_groups_and_the_schedule_is_reproducible(tmp_path):
                 "rollout.admission=continuous",
                 "rollout.on_weight_update=continue",
                 "pipeline.staleness=1",
-                "pipeline.microbatches=2",
+                "pipeline.pieces=2",
             ],
             "rollout.admission",
         ),

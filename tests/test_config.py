@@ -208,7 +208,11 @@ def test_rollout_kv_pool_reaches_the_sampler_and_the_cost_model():
 
 @pytest.mark.parametrize(
     "override,names",
-    [("costmodel.attention=flash", "model.attention"), ("costmodel.kv_pool=replicated", "rollout.kv_pool")],
+    [
+        ("costmodel.attention=flash", "model.attention"),
+        ("costmodel.kv_pool=replicated", "rollout.kv_pool"),
+        ("pipeline.microbatches=2", "pipeline.pieces"),
+    ],
 )
 def test_a_removed_key_names_the_key_to_set(override, names):
     with pytest.raises(ConfigError) as err:

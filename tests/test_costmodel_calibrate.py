@@ -330,9 +330,7 @@ def test_fit_steps_recovers_the_runtime_host_costs():
     ):
         res = P.search(load_config(None, over), 4, base, 1)
         steps.append({"overrides": over, "knobs": res.chosen.knobs, "layout": res.chosen.layout, "num_devices": 4})
-        steps += [
-            {"overrides": over, "knobs": {**kn, "microbatches": m}, "layout": lay, "num_devices": 4} for m in (1, 8)
-        ]
+        steps += [{"overrides": over, "knobs": {**kn, "pieces": m}, "layout": lay, "num_devices": 4} for m in (1, 8)]
     for sp in steps:
         sp["seconds"] = predict_step(truth, sp)
     fitted, resid = fit_steps(base, steps)
@@ -365,7 +363,7 @@ def test_fit_steps_leaves_the_stage_factors_to_the_stage_points():
         "elide_old_forward": False,
         "placement": "split",
         "split_sizes": [2, 2],
-        "microbatches": 1,
+        "pieces": 1,
     }
     steps = []
     for over in (

@@ -429,8 +429,8 @@ def test_planner_setting_uses_the_length_bucket_unless_shapes_are_fixed():
     hw = load_hardware("cpu", calibrated=False)
     st = make_context(load_config(None, ["rollout.max_new_tokens=12"]), 1, hw).st
     assert (st.R, st.R_train) == (12, 16)
-    fixed = make_context(load_config(None, ["rollout.max_new_tokens=12", "pipeline.microbatches=2"]), 1, hw).st
-    assert (fixed.R, fixed.R_train) == (12, 12)  # runtime/setup.py: fixed_shapes when microbatches > 1
+    fixed = make_context(load_config(None, ["rollout.max_new_tokens=12", "pipeline.pieces=2"]), 1, hw).st
+    assert (fixed.R, fixed.R_train) == (12, 12)  # runtime/setup.py: fixed_shapes when pieces > 1
 
 
 @pytest.mark.parametrize("task,digits", [("reverse", 3), ("add", 5), ("sort", 9)])
@@ -454,7 +454,7 @@ def test_planner_prices_the_prompt_columns_the_runtime_pads_to(task, digits):
     longest = max(len([tok.bos_id] + tok.encode(r["prompt"])) for r in make_records(cfg.data, "train"))
     hw = load_hardware("cpu", calibrated=False)
     assert make_context(cfg, 1, hw).st.P == length_bucket(longest)
-    assert make_context(load_config(None, over + ["pipeline.microbatches=2"]), 1, hw).st.P == 48
+    assert make_context(load_config(None, over + ["pipeline.pieces=2"]), 1, hw).st.P == 48
     assert make_context(load_config(None, over + ["costmodel.prompt_len=17"]), 1, hw).st.P == 24
     with pytest.raises(Exception, match="prompt_len"):
         load_config(None, ["costmodel.prompt_len=0"])

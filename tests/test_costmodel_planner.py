@@ -300,7 +300,7 @@ def test_mesh_axes_divide_the_batches_they_shard(hw):
     res = P.search(cfg, 8, hw, 1)
     B = cfg.data.prompts_per_step * cfg.rl.group_size
     for p in _candidates(res):
-        m = p.knobs["microbatches"]
+        m = p.knobs["pieces"]
         piece = B // m
         gen, tr, fw = p.layout["generate"], p.layout["train"], p.layout["forward"]
         assert B % m == 0 and cfg.data.prompts_per_step % m == 0, p.label
@@ -411,7 +411,7 @@ def test_shared_host_groups_do_not_overlap_but_gpus_do():
     cfg = load_config(None, ["pipeline.staleness=1", "costmodel.max_staleness=1"])
     for hw, overlap in ((CPU, False), (GH, True)):
         ctx = P.make_context(cfg, 8, hw)
-        opts = [o for o in P.structural_options(ctx, "split", False) if o.staleness == 1 and o.microbatches == 1]
+        opts = [o for o in P.structural_options(ctx, "split", False) if o.staleness == 1 and o.pieces == 1]
         pipe, g = P.option_graphs(ctx, opts[:1])[0]
         tab = P.family_table(ctx, g, "split", {})
         period, _ = P.periods(ctx, g, tab)
@@ -551,9 +551,9 @@ def test_price_reproduces_planner_predictions_and_streamed_pieces_cost_calls():
     opts = [
         o
         for o in P.structural_options(ctx, "split", False)
-        if o.staleness == 0 and not o.fuse and not o.elide_old_forward and o.microbatches in (1, 8)
+        if o.staleness == 0 and not o.fuse and not o.elide_old_forward and o.pieces in (1, 8)
     ]
-    (o1, g1), (o8, g8) = sorted(P.option_graphs(ctx, opts), key=lambda x: x[0].microbatches)
+    (o1, g1), (o8, g8) = sorted(P.option_graphs(ctx, opts), key=lambda x: x[0].pieces)
     tab = P.family_table(ctx, g1, "split", {})
     d1, _ = P.durations(ctx, g1, tab)
     d8, pieces = P.durations(ctx, g8, tab)

@@ -65,7 +65,7 @@ def test_staleness_two_allows_a_longer_pipeline():
 
 def test_streamed_pieces_overlap_forwards_with_generation():
     plain = graph(placement="split", split_sizes=(4, 4))
-    pieces = graph(placement="split", split_sizes=(4, 4), microbatches=4)
+    pieces = graph(placement="split", split_sizes=(4, 4), pieces=4)
     for g, want in ((plain, 4.0 + 2.0 + 1.0), (pieces, 4.0 + 0.5 + 1.0)):
         d = durs(g, gen=4.0, train=1.0)
         d["old_forward"] = np.array([2.0])
@@ -76,7 +76,7 @@ def test_streamed_pieces_overlap_forwards_with_generation():
 
 
 def test_vectorised_over_candidates_matches_scalar():
-    g = graph(placement="split", split_sizes=(4, 4), staleness=1, microbatches=2)
+    g = graph(placement="split", split_sizes=(4, 4), staleness=1, pieces=2)
     rng = np.random.default_rng(0)
     d = {n: rng.uniform(0.1, 3.0, size=50) for n in g.stage_names()}
     prog = unroll(g)

@@ -177,7 +177,7 @@ class _Env:
 
         rl = NS(forward_micro_batches=micro, group_size=group)
         self.context = NS(cfg=NS(rl=rl, data=NS(prompts_per_step=prompts)))
-        self.plan = NS(mesh=mesh, microbatches=pieces)
+        self.plan = NS(mesh=mesh, pieces=pieces)
         self.stage = NS(name="ref_forward")
 
 

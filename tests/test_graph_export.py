@@ -15,7 +15,7 @@ from rpeg_jax.graph.passes import apply_pipeline
 SIZES = ["data.prompts_per_step=4", "rl.group_size=2", "data.max_prompt_len=5", "rollout.max_new_tokens=7"]
 VARIANTS = [
     [],
-    ["rl.kl_coef=0.1", "pipeline.staleness=2", "pipeline.fuse=[forwards,advantage]", "pipeline.microbatches=2"],
+    ["rl.kl_coef=0.1", "pipeline.staleness=2", "pipeline.fuse=[forwards,advantage]", "pipeline.pieces=2"],
     [
         "rl.algorithm=ppo",
         "rl.kl_coef=0.1",
@@ -25,7 +25,7 @@ VARIANTS = [
         "pipeline.split_sizes=[1,3]",
         "rl.tis_cap=2.0",
     ],
-    ["rl.algorithm=ppo", "pipeline.elide_old_forward=true", "pipeline.fuse=[advantage]", "pipeline.microbatches=4"],
+    ["rl.algorithm=ppo", "pipeline.elide_old_forward=true", "pipeline.fuse=[advantage]", "pipeline.pieces=4"],
 ]
 
 
@@ -194,7 +194,7 @@ def test_rpeg_graph_command(capsys):
     assert main(["graph", "--devices", "4", *over]) == 0
     out = capsys.readouterr().out
     assert "forwards" in out and "plan (manual) for 4 devices" in out
-    assert main(["graph", *SIZES, "pipeline.microbatches=3"]) == 2  # one line naming the stage
+    assert main(["graph", *SIZES, "pipeline.pieces=3"]) == 2  # one line naming the stage
     assert "'generate'" in capsys.readouterr().err
 
 

@@ -209,7 +209,7 @@ def test_validate_names_a_cycle():
         (lambda g: g.connect("completions", "missing_stage"), "completions", "missing node"),
         (lambda g: g.connect("rewards", "old_logp"), "old_logp", "must join a stage"),
         (lambda g: g.connect("rewards", "weight_sync", offset=-1), "rewards", "data lives within one step"),
-        (lambda g: g.replace_node(dataclasses.replace(g.nodes["reward"], microbatches=0)), "reward", "microbatches"),
+        (lambda g: g.replace_node(dataclasses.replace(g.nodes["reward"], pieces=0)), "reward", "pieces"),
     ],
 )
 def test_validate_errors_name_the_node(mutate, node, why):
@@ -239,7 +239,7 @@ def test_stream_edges_need_matching_pieces():
     g.edges = [
         dataclasses.replace(e, stream=True) if (e.src, e.dst) == ("completions", "reward") else e for e in g.edges
     ]
-    g.replace_node(dataclasses.replace(g.stage("generate"), microbatches=3))
+    g.replace_node(dataclasses.replace(g.stage("generate"), pieces=3))
     with pytest.raises(GraphError, match="3 pieces") as e:
         g.validate()
     assert e.value.node == "reward"

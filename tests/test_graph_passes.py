@@ -13,9 +13,9 @@ from rpeg_jax.graph.passes import (
     elide_old_forward,
     fuse,
     fuse_named,
-    microbatch,
     place,
     share_actor_critic,
+    stream_pieces,
     values_from_critic_update,
 )
 
@@ -207,33 +207,33 @@ def test_fuse_rejects_mixed_placements():
         fuse(g, ["reward", "ref_forward"])
 
 
-# ---- microbatch / streaming -------------------------------------------------------------------
+# ---- stream_pieces (pipeline.pieces) -------------------------------------------------------------------
 def test_microbatch_streams_to_per_sequence_consumers():
     g = ppo()
-    m = microbatch(g, "generate", 4)
+    m = stream_pieces(g, "generate", 4)
     for s in ("generate", "reward", "ref_forward", "old_forward", "critic_forward"):
-        assert m.stage(s).microbatches == 4, s
+        assert m.stage(s).pieces == 4, s
     for s in ("advantage", "actor_update", "critic_update", "weight_sync"):
-        assert m.stage(s).microbatches == 1, s
+        assert m.stage(s).pieces == 1, s
     streamed = {(e.src, e.dst) for e in m.edges if e.stream}
     assert streamed == {("completions", s) for s in ("reward", "ref_forward", "old_forward", "critic_forward")}
-    assert microbatch(m, "generate", 4) == m
-    assert same_structure(microbatch(m, "generate", 1), g)
+    assert stream_pieces(m, "generate", 4) == m
+    assert same_structure(stream_pieces(m, "generate", 1), g)
 
 
 def test_microbatch_without_streaming_and_on_fused_stages():
-    m = microbatch(graph(), "generate", 2, stream=False)
-    assert not any(e.stream for e in m.edges) and m.stage("reward").microbatches == 1
-    f = microbatch(fuse_named(ppo(), "forwards"), "generate", 2)
-    assert f.stage("forwards").microbatches == 2
+    m = stream_pieces(graph(), "generate", 2, stream=False)
+    assert not any(e.stream for e in m.edges) and m.stage("reward").pieces == 1
+    f = stream_pieces(fuse_named(ppo(), "forwards"), "generate", 2)
+    assert f.stage("forwards").pieces == 2
 
 
 def test_microbatch_keeps_groups_whole():
     with pytest.raises(GraphError, match="N=4") as e:
-        microbatch(graph(), "generate", 8)  # divides B=8 but splits GRPO groups
+        stream_pieces(graph(), "generate", 8)  # divides B=8 but splits GRPO groups
     assert e.value.node == "generate"
     with pytest.raises(GraphError, match="divide the batch"):
-        microbatch(graph(), "actor_update", 3)
+        stream_pieces(graph(), "actor_update", 3)
 
 
 # ---- place ------------------------------------------------------------------------------------
@@ -270,7 +270,7 @@ def test_apply_pipeline_every_legal_combination():
             f"pipeline.share_actor_critic={share}",
             f"pipeline.fuse=[{','.join(fusions)}]",
             f"pipeline.elide_old_forward={elide}",
-            f"pipeline.microbatches={mb}",
+            f"pipeline.pieces={mb}",
             f"pipeline.placement={placement}",
             "pipeline.split_sizes=[2,2]",
         ]
@@ -288,7 +288,7 @@ def test_apply_pipeline_every_legal_combination():
             removed.discard("critic_forward")  # values then come from a forward of the shared backbone
         assert kinds(g) == sorted(x for x in kinds(base) if x not in removed), (over, kinds(g))
         gen = g.find(StageKind.GENERATE)
-        assert gen.microbatches == mb and gen.placement == ("all" if placement == "colocated" else "gen")
+        assert gen.pieces == mb and gen.placement == ("all" if placement == "colocated" else "gen")
     assert seen > 40
 
 

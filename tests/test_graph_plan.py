@@ -29,14 +29,12 @@ def test_colocated_plan_puts_every_stage_on_all_devices():
 
 
 def test_split_plan_gives_generation_the_first_devices():
-    cfg = cfg_of(
-        "pipeline.placement=split", "pipeline.split_sizes=[3,5]", "pipeline.microbatches=2", "pipeline.staleness=1"
-    )
+    cfg = cfg_of("pipeline.placement=split", "pipeline.split_sizes=[3,5]", "pipeline.pieces=2", "pipeline.staleness=1")
     plan = plan_from_config(cfg, 8)
     assert plan.devices_for("generate") == (0, 1, 2) and plan.devices_for("actor_update") == (3, 4, 5, 6, 7)
     assert plan.stage("generate").mesh == {"data": 3, "fsdp": 1, "tensor": 1}
     assert plan.stage("old_forward").mesh == {"data": 5, "fsdp": 1, "tensor": 1}
-    assert plan.stage("generate").microbatches == 2 and plan.stage("actor_update").microbatches == 1
+    assert plan.stage("generate").pieces == 2 and plan.stage("actor_update").pieces == 1
     assert plan.knobs["staleness"] == 1 and plan.knobs["split_sizes"] == [3, 5]
 
 
@@ -74,8 +72,18 @@ def test_plan_json_round_trip_and_file(tmp_path):
     assert "gen" in text and "0-1" in text and "2-7" in text and "step_time_s=1.25" in text
 
 
+def test_a_plan_written_before_the_pieces_rename_is_one_line_naming_it():
+    import json
+
+    d = json.loads(plan_from_config(cfg_of(), 8).to_json())
+    d["stages"][0]["microbatches"] = d["stages"][0].pop("pieces")
+    with pytest.raises(GraphError, match="renamed pipeline.pieces") as err:
+        Plan.from_dict(d)
+    assert "\n" not in str(err.value)
+
+
 def test_plan_file_from_config_rebuilds_the_graph_of_its_knobs(tmp_path):
-    made = cfg_of("pipeline.fuse=[advantage]", "pipeline.microbatches=2")
+    made = cfg_of("pipeline.fuse=[advantage]", "pipeline.pieces=2")
     path = str(tmp_path / "plan.json")
     plan_from_config(made, 4).save(path)
     cfg = cfg_of(f"pipeline.plan={path}")  # the config's own knobs differ; the plan's win

@@ -81,7 +81,7 @@ def test_a_plan_file_with_an_unknown_knob_or_other_pieces_is_refused(tmp_path):
         ("typo", dataclasses.replace(good, knobs={**good.knobs, "stalenes": 1})),
         (
             "pieces",
-            dataclasses.replace(good, stages=(dataclasses.replace(good.stages[0], microbatches=4),) + good.stages[1:]),
+            dataclasses.replace(good, stages=(dataclasses.replace(good.stages[0], pieces=4),) + good.stages[1:]),
         ),
     ):
         path = tmp_path / f"{name}.json"

@@ -35,9 +35,9 @@ STREAMED = ("generate", "reward")  # a micro-batched generate streams its pieces
             ["pipeline.fuse=[forwards,advantage]"],
             dict(present={"forwards", "advantage+actor_update"}, absent={*FORWARDS, "advantage", "actor_update"}),
         ),
-        (["pipeline.microbatches=2"], dict(pieces=dict.fromkeys(STREAMED + FORWARDS, 2))),
+        (["pipeline.pieces=2"], dict(pieces=dict.fromkeys(STREAMED + FORWARDS, 2))),
         (
-            ["pipeline.microbatches=2", "pipeline.fuse=[forwards]"],
+            ["pipeline.pieces=2", "pipeline.fuse=[forwards]"],
             dict(present={"forwards"}, absent=set(FORWARDS), pieces=dict.fromkeys(STREAMED + ("forwards",), 2)),
         ),
     ],

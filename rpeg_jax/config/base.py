@@ -142,6 +142,8 @@ REMOVED_KEYS = {
     "auto: flash on an accelerator profile); set model.attention",
     "costmodel.kv_pool": "removed: the cost model prices the run's rollout.kv_pool; set rollout.kv_pool",
     "data.reward_modules": "moved: list the modules in the top-level `plugins:` (one key for every registry)",
+    "pipeline.microbatches": "renamed: set pipeline.pieces (generation's streamed pieces; docs/reading.md "
+    "tells the four micro-batch words apart)",
     "sharding.plugins": "moved: list the modules in the top-level `plugins:` (one key for every registry)",
 }
 

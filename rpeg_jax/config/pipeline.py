@@ -22,7 +22,7 @@ class PipelineConfig:
     #   actor update's own forward: old_forward is dropped; exact, also under staleness k >= 1
     values_from_critic_update: bool = False  # PPO: V_φ(s_t) for GAE = stop_gradient of the critic update's
     #   own forward (one fused program: values -> GAE -> value loss); critic_forward is dropped; exact
-    microbatches: int = 1  # pieces generation is split into for streaming to downstream stages
+    pieces: int = 1  # pieces generation is split into for streaming to downstream stages
     placement: Literal["colocated", "split"] = "colocated"
     split_sizes: tuple[int, ...] = ()  # split: devices for (generation, training)
     plan: str = "manual"  # "auto" (planner), "manual" (from these knobs), or a plan JSON path
@@ -31,7 +31,7 @@ class PipelineConfig:
         check(0 <= self.staleness <= 16, key(path, "staleness"), self.staleness, "must be in [0, 16]")
         for f in self.fuse:
             check(f in FUSIONS, key(path, "fuse"), f, f"unknown fusion; known: {', '.join(FUSIONS)}")
-        check(self.microbatches >= 1, key(path, "microbatches"), self.microbatches, "must be >= 1")
+        check(self.pieces >= 1, key(path, "pieces"), self.pieces, "must be >= 1")
         if self.placement == "split":
             check(
                 len(self.split_sizes) == 2 and all(s >= 1 for s in self.split_sizes),

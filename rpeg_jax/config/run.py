@@ -72,14 +72,14 @@ class RunConfig:
             f"model.max_position_embeddings={m.max_position_embeddings}",
         )
         batch = d.prompts_per_step * r.group_size
-        if r.forward_micro_batches > 1 and batch % p.microbatches == 0:  # pieces: checked by the graph pass
-            piece = batch // p.microbatches
+        if r.forward_micro_batches > 1 and batch % p.pieces == 0:  # pieces: checked by the graph pass
+            piece = batch // p.pieces
             check(
                 piece % r.forward_micro_batches == 0,
                 "rl.forward_micro_batches",
                 r.forward_micro_batches,
                 f"a scoring forward's batch of {piece} sequences (data.prompts_per_step x rl.group_size"
-                + (f" / pipeline.microbatches={p.microbatches}" if p.microbatches > 1 else "")
+                + (f" / pipeline.pieces={p.pieces}" if p.pieces > 1 else "")
                 + ") does not split into that many equal micro-batches",
             )
         if self.env.name == "tools":
@@ -99,10 +99,10 @@ class RunConfig:
                 "sequences run on across weight updates, so it needs a staleness bound: set pipeline.staleness >= 1",
             )
             check(
-                p.microbatches == 1,
+                p.pieces == 1,
                 "rollout.admission",
                 "continuous",
-                f"a step's batch is the first groups to complete; pipeline.microbatches={p.microbatches} "
+                f"a step's batch is the first groups to complete; pipeline.pieces={p.pieces} "
                 f"(streamed pieces) needs admission=step",
             )
         for sid in self.rollout.stop_token_ids:

@@ -134,7 +134,7 @@ def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processe
     flash = attention_is_flash(cfg.model.attention, hw.kind)
     base = build_graph(cfg)
     sz = base.sizes
-    bucket = 1 if cfg.pipeline.microbatches > 1 else buckets.LENGTH_BUCKET
+    bucket = 1 if cfg.pipeline.pieces > 1 else buckets.LENGTH_BUCKET
     st = S.Setting(
         hw=hw,
         B=sz["B"],
@@ -255,7 +255,7 @@ def durations(ctx: Context, graph: Graph, tab: dict) -> tuple[dict, dict]:
         if len(parts) > 1:  # one jitted program instead of several dispatches
             t = t - (len(parts) - 1) * ctx.hw.efficiency.dispatch_s
         dur[s.name] = t
-        m = s.microbatches
+        m = s.pieces
         if not any(p.kind == StageKind.GENERATE for p in parts) or m == 1:
             continue
         if f"t_gen_p{m}" in tab:  # one generate call per piece (the runtime today)
@@ -850,7 +850,7 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
         part = calls.get(s.name, part)
         mesh = _mesh(part)
         rules = layout_rules(s, ctx.cfg, mesh, priced=True)
-        entries.append(StagePlan(s.name, s.placement, mesh, rules, s.microbatches))
+        entries.append(StagePlan(s.name, s.placement, mesh, rules, s.pieces))
     predicted = {
         "step_time_s": pred.step_time_s,
         "latency_s": pred.latency_s,

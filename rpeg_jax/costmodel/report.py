@@ -73,7 +73,7 @@ def _layout(p: Prediction) -> str:
         f"train d{t['data']}f{t['fsdp']}t{t['tensor']} mb{t['micro_batches']} {t['remat']:<4} "
         f"fwd d{f['data']}f{f['fsdp']}t{f['tensor']} mb{f.get('micro_batches', 1)}  "
         f"k={k['staleness']} share={int(bool(k['share_actor_critic']))} "
-        f"fuse={fuse} elide={int(bool(k.get('elide_old_forward')))} pieces={k['microbatches']}"
+        f"fuse={fuse} elide={int(bool(k.get('elide_old_forward')))} pieces={k['pieces']}"
     )
 
 

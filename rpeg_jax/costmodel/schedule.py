@@ -60,7 +60,7 @@ def unroll(
     steps = steps or 4 * (k + 1) + 2
     order = g.topo_order()
     topo = {n: i for i, n in enumerate(order)}
-    pieces = {n: g.stage(n).microbatches for n in order}
+    pieces = {n: g.stage(n).pieces for n in order}
     m = max(pieces.values())
     deps = {n: g.deps(n) for n in order}
     # Host stages (reward verifiers) run in Python beside the devices, not on them.

@@ -81,7 +81,7 @@ def structural_options(ctx, placement: str, share: bool, equal_algorithm: bool =
                 share_actor_critic=share,
                 fuse=fz,
                 elide_old_forward=el,
-                microbatches=m,
+                pieces=m,
                 placement=placement,
                 split_sizes=(1, 1) if placement == "split" else (),
                 plan="manual",
@@ -133,7 +133,7 @@ def admissions(ctx, pipe: PipelineConfig) -> list[str]:
     cfg = ctx.cfg
     if not pipe.staleness:
         return ["step"]
-    cont = ["continuous"] if pipe.microbatches == 1 and continuous_searched(ctx) else []
+    cont = ["continuous"] if pipe.pieces == 1 and continuous_searched(ctx) else []
     if cfg.rollout.admission == "continuous":
         return cont
     step = ["step"] if pipe.placement == "split" or cfg.pipeline.staleness else []
@@ -201,7 +201,7 @@ def divisible(ctx, graph: Graph, tab: dict) -> np.ndarray:
     forward layout's data x fsdp (streamed forwards) and the training layout's data x fsdp (the
     rollout arrays are put in the training layout piece by piece)."""
     B = ctx.st.B
-    m = max((s.microbatches for s in graph.stages()), default=1)
+    m = max((s.pieces for s in graph.stages()), default=1)
     if B % m:
         return np.zeros(len(tab["n_gen"]), bool)
     piece = B // m

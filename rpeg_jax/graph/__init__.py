@@ -28,9 +28,9 @@ from rpeg_jax.graph.passes import (
     elide_old_forward,
     fuse,
     fuse_named,
-    microbatch,
     place,
     share_actor_critic,
+    stream_pieces,
 )
 from rpeg_jax.graph.plan import DeviceGroup, Plan, StagePlan, graph_for_plan, plan_for_config, plan_from_config
 
@@ -61,7 +61,7 @@ __all__ = [
     "elide_old_forward",
     "fuse",
     "fuse_named",
-    "microbatch",
+    "stream_pieces",
     "place",
     "share_actor_critic",
     "DeviceGroup",

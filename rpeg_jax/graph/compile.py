@@ -186,7 +186,7 @@ class CompiledStage:
 
     @property
     def pieces(self) -> int:
-        return self.stage.microbatches
+        return self.stage.pieces
 
     runtime: StageRuntime = field(default_factory=PlainRuntime, repr=False)
 

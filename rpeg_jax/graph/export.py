@@ -68,7 +68,7 @@ def _stage_to(s: Stage) -> dict:
         "kind": s.kind.value,
         "workload": _work_to(s.workload),
         "placement": s.placement,
-        "microbatches": s.microbatches,
+        "pieces": s.pieces,
         "parts": [_stage_to(p) for p in s.parts],
         "options": dataclasses.asdict(s.options),
     }
@@ -80,7 +80,7 @@ def _stage_from(d: dict) -> Stage:
         StageKind(d["kind"]),
         workload=_work_from(d["workload"]),
         placement=d["placement"],
-        microbatches=d["microbatches"],
+        pieces=d["pieces"],
         parts=tuple(_stage_from(p) for p in d["parts"]),
         options=_options_from(d["options"], d["name"]),
     )
@@ -184,7 +184,7 @@ def _label(g: Graph, name: str) -> list[str]:
     """Lines of a node's label."""
     n = g.nodes[name]
     if isinstance(n, Stage):
-        lines = [n.name + (f" x{n.microbatches}" if n.microbatches > 1 else "")]
+        lines = [n.name + (f" x{n.pieces}" if n.pieces > 1 else "")]
         if n.parts:
             lines.append("= " + " + ".join(p.name for p in n.parts))
         elif n.workload.op.value != n.name:

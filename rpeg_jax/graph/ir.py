@@ -17,9 +17,9 @@ Key API (what the cost model, planner, compiler and runtime use):
     TIMING_NAMES[StageKind.GENERATE] == "gen" # verl-compatible metric names
 
     # graph/passes.py: bounded_async(g, k), share_actor_critic(g), elide_old_forward(g),
-    #   fuse(g, [names], name=None), fuse_named(g, "forwards"|"advantage"), microbatch(g, stage, n),
+    #   fuse(g, [names], name=None), fuse_named(g, "forwards"|"advantage"), stream_pieces(g, stage, n),
     #   place(g, "colocated"|"split"), apply_pipeline(g, cfg.pipeline)
-    # graph/plan.py: Plan (groups, per-stage group/mesh/rules/microbatches, knobs), plan_from_config,
+    # graph/plan.py: Plan (groups, per-stage group/mesh/rules/pieces, knobs), plan_from_config,
     #   plan_for_config, graph_for_plan;  graph/export.py: to_json/from_json, to_dot, to_mermaid
 
 Pricing a stage: `stage.workload` (op, models' dims, B, P, R, G, heads, epochs x minibatches,
@@ -33,7 +33,7 @@ t + o - 1: offset 0 -> the previous step, offset +1 -> the same step (e.g. weigh
 actor just updated), offset -k -> k+1 steps back (generate reads rollout_weights @ t-k under
 bounded asynchrony). Versions below 1 are the initial state (no dependency). Data nodes live
 within one step (offset 0). A streamed edge (`stream=True`) lets the consumer process piece i
-as soon as the producer finished piece i (both stages have the same `microbatches`).
+as soon as the producer finished piece i (both stages have the same `pieces`).
 
 Readers of a state version finish before it is overwritten in place: within a step that order
 already follows from data edges (old_forward's logprobs feed actor_update). Under bounded
@@ -225,7 +225,7 @@ class Stage:
     kind: StageKind
     workload: Workload | None = None  # None only for FUSED (see parts)
     placement: str = "all"
-    microbatches: int = 1  # pieces the stage processes its batch in
+    pieces: int = 1  # pieces the stage processes its batch in
     parts: tuple[Stage, ...] = ()  # FUSED: constituents, in execution order
     options: StageOptions = StageOptions()
 
@@ -427,7 +427,7 @@ class Graph:
             ins = ", ".join(_edge_label(e, e.src) for e in self.inputs(s.name))
             outs = ", ".join(_edge_label(e, e.dst) for e in self.outputs(s.name))
             extra = f" parts={list(s.constituents)}" if s.parts else ""
-            mb = f" x{s.microbatches}" if s.microbatches > 1 else ""
+            mb = f" x{s.pieces}" if s.pieces > 1 else ""
             lines.append(f"  {s.name}{mb} [{s.placement}]{extra}: ({ins}) -> ({outs})")
         return "\n".join(lines)
 
@@ -517,8 +517,8 @@ def _check_state(g: Graph) -> None:
 
 def _check_stages(g: Graph) -> None:
     for st in g.of_type(Stage):
-        if st.microbatches < 1:
-            raise GraphError(st.name, f"microbatches={st.microbatches} must be >= 1")
+        if st.pieces < 1:
+            raise GraphError(st.name, f"pieces={st.pieces} must be >= 1")
         if st.kind == StageKind.FUSED:
             if len(st.parts) < 2:
                 raise GraphError(st.name, "a fused stage needs at least two parts")
@@ -527,11 +527,10 @@ def _check_stages(g: Graph) -> None:
         for e in g.inputs(st.name):
             if e.stream:
                 src = g.nodes[g.producer(e.src)]
-                if src.microbatches != st.microbatches:
+                if src.pieces != st.pieces:
                     raise GraphError(
                         st.name,
-                        f"streams {e.src!r} from {src.name!r} with "
-                        f"{src.microbatches} pieces but runs {st.microbatches}",
+                        f"streams {e.src!r} from {src.name!r} with {src.pieces} pieces but runs {st.pieces}",
                     )
 
 

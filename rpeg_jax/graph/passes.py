@@ -6,7 +6,7 @@ when the rewrite is illegal. `apply_pipeline` applies what `cfg.pipeline` asks f
 one order that keeps every combination legal:
 
     elide_old_forward | proximal_from_update -> share_actor_critic -> values_from_critic_update
-        -> bounded_async(k) -> fuse(...) -> microbatch -> place
+        -> bounded_async(k) -> fuse(...) -> stream_pieces -> place
 
 The two one-step rewrites (proximal_from_update, values_from_critic_update) are legal only when
 the update they lean on takes ONE optimizer step per batch (workload epochs x minibatches = 1):
@@ -331,18 +331,18 @@ def fuse(g: Graph, stages: Sequence[str], name: str | None = None) -> Graph:
     fname = name or "+".join(p.name for p in parts)
     first = members[0]
     for m in members[1:]:
-        if (m.placement, m.microbatches) != (first.placement, first.microbatches):
+        if (m.placement, m.pieces) != (first.placement, first.pieces):
             raise GraphError(
                 m.name,
-                f"cannot fuse with {first.name!r}: placement/microbatches differ "
-                f"({m.placement}/{m.microbatches} vs {first.placement}/{first.microbatches})",
+                f"cannot fuse with {first.name!r}: placement/pieces differ "
+                f"({m.placement}/{m.pieces} vs {first.placement}/{first.pieces})",
             )
     _check_no_path_outside(g, [m.name for m in members])
     internal = list(first.options.internal) if first.parts else []
     for m in members[1:]:
         internal += m.options.internal
     names = {m.name for m in members}
-    fused = Stage(fname, K.FUSED, placement=first.placement, microbatches=first.microbatches, parts=parts)
+    fused = Stage(fname, K.FUSED, placement=first.placement, pieces=first.pieces, parts=parts)
     if fname in g.nodes:
         raise GraphError(fname, "a node of this name exists already; give the fused stage another name")
     # The fused stage takes its first member's place, so listings and exports keep their order.
@@ -402,17 +402,17 @@ def _check_no_path_outside(g: Graph, members: list[str]) -> None:
 
 
 @graph_pass
-def microbatch(g: Graph, stage: str, n: int, stream: bool = True) -> Graph:
+def stream_pieces(g: Graph, stage: str, n: int, stream: bool = True) -> Graph:
     """Run `stage` in n pieces. With stream=True its per-sequence consumers (reward, forwards)
     also run in n pieces and start on piece i as soon as it is finished (fine-grained schedule:
     rewards and logprobs of completed sequences while generation continues)."""
     st = g.stage(stage)
     b, groups = g.sizes.get("B", n), g.sizes.get("N", n)
     if n < 1 or b % n:
-        raise GraphError(stage, f"microbatches={n} must be >= 1 and divide the batch B={b}")
+        raise GraphError(stage, f"pieces={n} must be >= 1 and divide the batch B={b}")
     if _is_kind(st, (K.GENERATE,)) and groups % n:
         raise GraphError(
-            stage, f"microbatches={n} must divide the prompts per step N={groups} (a GRPO group stays in one piece)"
+            stage, f"pieces={n} must divide the prompts per step N={groups} (a GRPO group stays in one piece)"
         )
     _set_pieces(g, st, n, stream)
     return g
@@ -423,7 +423,7 @@ def _is_kind(st: Stage, kinds: tuple[StageKind, ...]) -> bool:
 
 
 def _set_pieces(g: Graph, st: Stage, n: int, stream: bool) -> None:
-    g.replace_node(replace(st, microbatches=n))
+    g.replace_node(replace(st, pieces=n))
     for d in [e.dst for e in g.outputs(st.name) if isinstance(g.nodes[e.dst], DataNode)]:
         for c in g.consumers(d):
             cst = g.stage(c)
@@ -486,6 +486,6 @@ def apply_pipeline(g: Graph, pipeline, admission: str = "step") -> Graph:
         g = bounded_async(g, pipeline.staleness, 0 if admission == "continuous" else None)
     for fusion in pipeline.fuse:
         g = fuse_named(g, fusion)
-    if pipeline.microbatches > 1:
-        g = microbatch(g, g.find(K.GENERATE).name, pipeline.microbatches)
+    if pipeline.pieces > 1:
+        g = stream_pieces(g, g.find(K.GENERATE).name, pipeline.pieces)
     return place(g, pipeline.placement)

@@ -38,7 +38,7 @@ KNOBS = (
     "share_actor_critic",
     "fuse",
     "elide_old_forward",
-    "microbatches",
+    "pieces",
     "placement",
     "split_sizes",
     "proximal_from_update",
@@ -71,7 +71,7 @@ class StagePlan:
     group: str  # DeviceGroup name
     mesh: dict[str, int]  # mesh axis -> size over the group's devices (product = group size)
     rules: str  # sharding rule preset name
-    microbatches: int = 1  # pieces the stage runs its batch in
+    pieces: int = 1  # pieces the stage runs its batch in
 
 
 @dataclass(frozen=True)
@@ -137,8 +137,8 @@ class Plan:
                 raise GraphError(s.stage, f"mesh axes {unknown} unknown; known: {', '.join(MESH_AXES)}")
             if _prod(s.mesh.values()) != size or any(v < 1 for v in s.mesh.values()):
                 raise GraphError(s.stage, f"mesh {s.mesh} does not cover group {s.group!r} of {size} devices")
-            if s.microbatches < 1:
-                raise GraphError(s.stage, f"microbatches={s.microbatches} must be >= 1")
+            if s.pieces < 1:
+                raise GraphError(s.stage, f"pieces={s.pieces} must be >= 1")
         if graph is not None:
             want = set(graph.stage_names())
             for n in want - set(names):
@@ -146,11 +146,11 @@ class Plan:
             for n in set(names) - want:
                 raise GraphError(n, "plan entry for a stage the graph does not have")
             for s in self.stages:
-                if s.microbatches != graph.stage(s.stage).microbatches:
+                if s.pieces != graph.stage(s.stage).pieces:
                     raise GraphError(
                         s.stage,
-                        f"planned in {s.microbatches} pieces but the graph runs it in "
-                        f"{graph.stage(s.stage).microbatches} (pipeline.microbatches)",
+                        f"planned in {s.pieces} pieces but the graph runs it in "
+                        f"{graph.stage(s.stage).pieces} (pipeline.pieces)",
                     )
         return self
 
@@ -172,6 +172,12 @@ class Plan:
     def from_dict(cls, d: dict[str, Any]) -> Plan:
         if d.get("format") != "rpeg-plan" or d.get("version") != PLAN_VERSION:
             raise GraphError("plan", f"not an rpeg-plan v{PLAN_VERSION} document")
+        if any("microbatches" in s for s in d.get("stages", ())) or "microbatches" in d.get("knobs", {}):
+            raise GraphError(
+                "plan",
+                "written before pipeline.microbatches was renamed pipeline.pieces: save it again with "
+                '`rpeg plan --save-plan`, or rename its "microbatches" fields to "pieces"',
+            )
         try:
             return cls(
                 num_devices=int(d["num_devices"]),
@@ -213,7 +219,7 @@ class Plan:
         lines.append(f"  {'stage':<32} {'group':<8} {'mesh':<26} {'rules':<10} mb")
         for s in self.stages:
             mesh = " ".join(f"{a}={v}" for a, v in s.mesh.items())
-            lines.append(f"  {s.stage:<32} {s.group:<8} {mesh:<26} {s.rules:<10} {s.microbatches}")
+            lines.append(f"  {s.stage:<32} {s.group:<8} {mesh:<26} {s.rules:<10} {s.pieces}")
         if self.predicted:
             lines.append("predicted: " + ", ".join(f"{k}={_short(v)}" for k, v in self.predicted.items()))
         return "\n".join(lines)
@@ -355,9 +361,7 @@ def plan_from_config(cfg: RunConfig, num_devices: int, graph: Graph | None = Non
         given = cfg.sharding.generate_mesh if Op.GENERATE in _ops(st) and cfg.sharding.generate_mesh else None
         mesh = resolve_mesh(given or cfg.sharding.mesh, groups[st.placement].size, st.placement, given is not None)
         # `auto` resolved on the stage's mesh; an explicit preset as given
-        stages.append(
-            StagePlan(st.name, st.placement, mesh, layout_rules(st, cfg, mesh, priced=False), st.microbatches)
-        )
+        stages.append(StagePlan(st.name, st.placement, mesh, layout_rules(st, cfg, mesh, priced=False), st.pieces))
     return Plan(
         num_devices=num_devices,
         groups=tuple(groups.values()),

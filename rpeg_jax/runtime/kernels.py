@@ -136,13 +136,13 @@ def _devices(env: StageEnv) -> int:
 
 def forward_micro_batches(env: StageEnv) -> int:
     """rl.forward_micro_batches for a scoring stage, checked against its plan entry before anything
-    compiles: each of the stage's pieces (pipeline.microbatches) must split into that many
+    compiles: each of the stage's pieces (pipeline.pieces) must split into that many
     micro-batches with the same number of rows on every device of its batch axes (data x fsdp)."""
     n = env.context.cfg.rl.forward_micro_batches
     if n == 1:
         return 1
     cfg = env.context.cfg
-    rows = cfg.data.prompts_per_step * cfg.rl.group_size // max(env.plan.microbatches, 1)
+    rows = cfg.data.prompts_per_step * cfg.rl.group_size // max(env.plan.pieces, 1)
     shards = env.plan.mesh.get("data", 1) * env.plan.mesh.get("fsdp", 1)
     if rows % (n * shards):
         raise ConfigError(

@@ -180,7 +180,7 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
         reward_fn=reward_fn,
         temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
         update_key=jax.random.key(cfg.train.seed + 12345),
-        fixed_shapes=cfg.pipeline.microbatches > 1,
+        fixed_shapes=cfg.pipeline.pieces > 1,
         placement=placement,
         offload=offload,
         prompt_offset=jax.process_index() * (cfg.data.prompts_per_step // jax.process_count()),

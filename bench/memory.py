@@ -1,0 +1,197 @@
+"""Memory of a real-model RL step by component (issue 34 item 5): what must be resident, what XLA
+allocates on top, and the process's peak RSS, for RS's shape (bench/WORKLOADS.md: SmolLM2-135M,
+float32, 8 prompts x 4 responses, 32 + 48 tokens, GRPO without a KL reference).
+
+    python bench/memory.py [--json out.json] [--steps 2]
+
+Three views, one run:
+  resident   the bytes that must live through a step, counted from the shapes: parameters,
+             gradients, the two Adam moments, the KV pool the sampler allocates, the reference
+             (none here: kl_coef 0)
+  programs   XLA's compiled memory analysis of the update (the real rl.make_actor_update, as
+             rpeg_jax/calibration/stages.py builds it), the logprob forward and the sampler's
+             programs: arguments, outputs, temporaries (activations, logits, gradients, XLA's own)
+  process    `rpeg train` on RS in a subprocess, its VmHWM (peak RSS) and its RSS sampled every
+             0.1 s; the RSS of a bare `import jax` process with the model built, for the baseline
+Peak RSS / (baseline + resident) is the number issue 34 bounds at ~2x. Memory does not depend on
+the machine's load: this may run beside other work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rpeg_jax.costmodel.devices import force_cpu_devices  # noqa: E402 (imports no JAX)
+
+force_cpu_devices(1)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS, N, PROMPT_LEN, NEW = 8, 4, 32, 48
+MB = 1 << 20
+
+
+def resident(cfg) -> dict:
+    """Bytes that must be resident through a step, from the shapes (float32 parameters and Adam)."""
+    from rpeg_jax.costmodel.shape import ModelShape
+    from rpeg_jax.graph.algorithms import model_dims
+
+    ms = ModelShape.of(model_dims(cfg.model, "actor"))
+    p = ms.num_params * 4
+    kv_tok = ms.kv_bytes_per_token
+    slots = PROMPTS * N
+    kv = slots * (PROMPT_LEN + NEW) * kv_tok  # the pool's live pages at the longest point of the step
+    return {"params": p, "grads": p, "adam": 2 * p, "kv_pool": kv, "num_params": ms.num_params}
+
+
+def programs() -> dict:
+    """XLA's memory analysis of the update and the logprob forward on RS's batch (one device)."""
+    from rpeg_jax.calibration import stages as CS
+
+    CS.MODELS["RS"] = dict(preset="smollm2-135m")
+    out = {}
+    for kind in ("forward", "train"):
+        s = CS.build(kind, "RS", PROMPTS * N, PROMPT_LEN, NEW, (1, 1, 1), 1, "none")
+        ma = s.compiled.memory_analysis()
+        out[kind] = {
+            "arguments": ma.argument_size_in_bytes,
+            "outputs": ma.output_size_in_bytes,
+            "temporaries": ma.temp_size_in_bytes,
+            "aliased": ma.alias_size_in_bytes,
+            "peak": s.peak,
+        }
+        del s
+    with CS.sampler_programs() as peaks:
+        g = CS.build("generate", "RS", PROMPTS * N, PROMPT_LEN, NEW, (1, 1, 1), N, "-")
+        g.run()
+    out["generate"] = {f"{k[0]}#{i}": v for i, (k, v) in enumerate(peaks.items())}
+    return out
+
+
+def _rss_kb(pid: int, field: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def process(steps: int) -> dict:
+    """Peak RSS of `rpeg train` on RS (subprocess, sampled), and a baseline process's RSS."""
+    with tempfile.TemporaryDirectory() as d:
+        data = os.path.join(d, "prompts.jsonl")
+        with open(data, "w") as f:
+            for i in range(PROMPTS * (steps + 1)):
+                f.write(json.dumps({"prompt": f"{i:05d}" + "3+4=" * 6 + "12", "answer": "7"}) + "\n")
+        over = [
+            "model.preset=smollm2-135m",
+            "data.task=jsonl",
+            f"data.path={data}",
+            f"data.max_prompt_len={PROMPT_LEN}",
+            f"data.prompts_per_step={PROMPTS}",
+            f"rl.group_size={N}",
+            "rl.kl_coef=0.0",
+            f"rollout.max_new_tokens={NEW}",
+            "rollout.ignore_eos=true",
+            "optim.lr=1e-6",
+            f"train.steps={steps}",
+            "train.checkpoint_every=0",
+            "train.tensorboard=false",
+            "train.progress=false",
+            f"train.run_dir={os.path.join(d, 'run')}",
+        ]
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+        cmd = [sys.executable, "-m", "rpeg_jax.cli", "train", "--config", "configs/default.yaml", *over]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        samples, hwm = [], [0]
+
+        def watch():
+            t0 = time.time()
+            while proc.poll() is None:
+                kb = _rss_kb(proc.pid, "VmRSS")
+                h = _rss_kb(proc.pid, "VmHWM")
+                if kb:
+                    samples.append((round(time.time() - t0, 2), kb))
+                if h:
+                    hwm[0] = max(hwm[0], h)
+                time.sleep(0.1)
+
+        th = threading.Thread(target=watch, daemon=True)
+        th.start()
+        log = proc.communicate()[0]
+        th.join()
+        if proc.returncode != 0:
+            raise SystemExit(f"rpeg train failed ({proc.returncode}):\n{log[-3000:]}")
+    base = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import resource, jax, jax.numpy as jnp\n"
+            "from rpeg_jax.config.model import model_preset\nfrom rpeg_jax.models import init_model\n"
+            "m = init_model(model_preset('smollm2-135m'), seed=0)\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return {
+        "peak_rss": hwm[0] * 1024,
+        "rss_samples_kb": samples[:: max(1, len(samples) // 200)],
+        "baseline_with_model_rss": int(base.stdout.split()[-1]) * 1024,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-process", action="store_true", help="skip the rpeg train subprocess")
+    args = ap.parse_args(argv)
+    from rpeg_jax.config import load_config
+
+    cfg = load_config(os.path.join(ROOT, "configs/default.yaml"), ["model.preset=smollm2-135m"])
+    res = {"resident": resident(cfg), "programs": programs(), "load": os.getloadavg()[0]}
+    if not args.no_process:
+        res["process"] = process(args.steps)
+    r, pg = res["resident"], res["programs"]
+    must = r["params"] + r["grads"] + r["adam"] + r["kv_pool"]
+    print(f"RS ({r['num_params'] / 1e6:.1f}M parameters, float32), MB:")
+    for k in ("params", "grads", "adam", "kv_pool"):
+        print(f"  resident {k:<10} {r[k] / MB:9.1f}")
+    print(f"  resident sum        {must / MB:9.1f}")
+    for k in ("forward", "train"):
+        p = pg[k]
+        print(
+            f"  {k:<8} program: arguments {p['arguments'] / MB:8.1f} outputs {p['outputs'] / MB:8.1f} "
+            f"temporaries {p['temporaries'] / MB:8.1f} aliased {p['aliased'] / MB:8.1f} peak {p['peak'] / MB:8.1f}"
+        )
+    gen = pg["generate"]
+    print(f"  sampler programs: max peak {max(v for v in gen.values() if v) / MB:.1f} ({len(gen)} programs)")
+    if "process" in res:
+        pr = res["process"]
+        print(
+            f"  process: peak RSS {pr['peak_rss'] / MB:.1f}; baseline (python + jax + the model) "
+            f"{pr['baseline_with_model_rss'] / MB:.1f}; peak / (baseline + resident) "
+            f"{pr['peak_rss'] / (pr['baseline_with_model_rss'] + must - r['params']):.2f}x"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
