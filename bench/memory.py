@@ -51,16 +51,17 @@ def resident(cfg) -> dict:
     return {"params": p, "grads": p, "adam": 2 * p, "kv_pool": kv, "num_params": ms.num_params}
 
 
-def programs() -> dict:
-    """XLA's memory analysis of the update and the logprob forward on RS's batch (one device)."""
+def programs(remats) -> dict:
+    """XLA's memory analysis of the update (per remat) and the logprob forward on RS's batch (one
+    device), and the sampler's programs."""
     from rpeg_jax.calibration import stages as CS
 
     CS.MODELS["RS"] = dict(preset="smollm2-135m")
     out = {}
-    for kind in ("forward", "train"):
-        s = CS.build(kind, "RS", PROMPTS * N, PROMPT_LEN, NEW, (1, 1, 1), 1, "none")
+    for kind, remat in [("forward", "none")] + [("train", r) for r in remats]:
+        s = CS.build(kind, "RS", PROMPTS * N, PROMPT_LEN, NEW, (1, 1, 1), 1, remat)
         ma = s.compiled.memory_analysis()
-        out[kind] = {
+        out[kind if kind == "forward" else f"train/{remat}"] = {
             "arguments": ma.argument_size_in_bytes,
             "outputs": ma.output_size_in_bytes,
             "temporaries": ma.temp_size_in_bytes,
@@ -86,30 +87,44 @@ def _rss_kb(pid: int, field: str) -> int | None:
     return None
 
 
-def process(steps: int) -> dict:
-    """Peak RSS of `rpeg train` on RS (subprocess, sampled), and a baseline process's RSS."""
+def overrides(data: str, steps: int, run_dir: str, remat: str) -> list[str]:
+    return [
+        "model.preset=smollm2-135m",
+        f"model.remat={remat}",
+        "data.task=jsonl",
+        f"data.path={data}",
+        f"data.max_prompt_len={PROMPT_LEN}",
+        f"data.prompts_per_step={PROMPTS}",
+        f"rl.group_size={N}",
+        "rl.kl_coef=0.0",
+        f"rollout.max_new_tokens={NEW}",
+        "rollout.ignore_eos=true",
+        "optim.lr=1e-6",
+        f"train.steps={steps}",
+        "train.checkpoint_every=0",
+        "train.tensorboard=false",
+        "train.progress=false",
+        f"train.run_dir={run_dir}",
+    ]
+
+
+def predicted_gb(remat: str) -> float:
+    """The cost model's predicted peak per device for RS run as configured (manual plan, this remat)."""
+    from rpeg_jax.config import load_config
+    from rpeg_jax.costmodel import predict_run
+
+    cfg = load_config(os.path.join(ROOT, "configs/default.yaml"), overrides("x.jsonl", 1, "runs/x", remat))
+    return predict_run(cfg, "cpu", 1).memory_per_gpu_gb
+
+
+def process(steps: int, remat: str) -> dict:
+    """Peak RSS of `rpeg train` on RS (subprocess, sampled)."""
     with tempfile.TemporaryDirectory() as d:
         data = os.path.join(d, "prompts.jsonl")
         with open(data, "w") as f:
             for i in range(PROMPTS * (steps + 1)):
                 f.write(json.dumps({"prompt": f"{i:05d}" + "3+4=" * 6 + "12", "answer": "7"}) + "\n")
-        over = [
-            "model.preset=smollm2-135m",
-            "data.task=jsonl",
-            f"data.path={data}",
-            f"data.max_prompt_len={PROMPT_LEN}",
-            f"data.prompts_per_step={PROMPTS}",
-            f"rl.group_size={N}",
-            "rl.kl_coef=0.0",
-            f"rollout.max_new_tokens={NEW}",
-            "rollout.ignore_eos=true",
-            "optim.lr=1e-6",
-            f"train.steps={steps}",
-            "train.checkpoint_every=0",
-            "train.tensorboard=false",
-            "train.progress=false",
-            f"train.run_dir={os.path.join(d, 'run')}",
-        ]
+        over = overrides(data, steps, os.path.join(d, "run"), remat)
         env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
         cmd = [sys.executable, "-m", "rpeg_jax.cli", "train", "--config", "configs/default.yaml", *over]
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -132,61 +147,64 @@ def process(steps: int) -> dict:
         th.join()
         if proc.returncode != 0:
             raise SystemExit(f"rpeg train failed ({proc.returncode}):\n{log[-3000:]}")
-    base = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import resource, jax, jax.numpy as jnp\n"
-            "from rpeg_jax.config.model import model_preset\nfrom rpeg_jax.models import init_model\n"
-            "m = init_model(model_preset('smollm2-135m'), seed=0)\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
+    return {"peak_rss": hwm[0] * 1024, "rss_samples_kb": samples[:: max(1, len(samples) // 200)]}
+
+
+def runtime_rss() -> dict:
+    """RSS of a process that imported JAX and ran one op (the runtime's own), then built RS's model."""
+    code = (
+        "import gc, jax, jax.numpy as jnp\n"
+        "rss = lambda: int([x for x in open('/proc/self/status') if x.startswith('VmRSS')][0].split()[1]) * 1024\n"
+        "jnp.ones(3).block_until_ready(); a = rss()\n"
+        "from rpeg_jax.config.model import model_preset\nfrom rpeg_jax.models import init_model\n"
+        "m = init_model(model_preset('smollm2-135m'), seed=0); gc.collect(); print(a, rss())"
     )
-    return {
-        "peak_rss": hwm[0] * 1024,
-        "rss_samples_kb": samples[:: max(1, len(samples) // 200)],
-        "baseline_with_model_rss": int(base.stdout.split()[-1]) * 1024,
-    }
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    a, b = (int(x) for x in r.stdout.split()[-2:])
+    return {"jax": a, "jax_and_model": b}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--remat", default="none,full", help="comma-separated model.remat values to compare")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--no-process", action="store_true", help="skip the rpeg train subprocess")
+    ap.add_argument("--no-process", action="store_true", help="skip the rpeg train subprocesses")
     args = ap.parse_args(argv)
     from rpeg_jax.config import load_config
 
+    remats = args.remat.split(",")
     cfg = load_config(os.path.join(ROOT, "configs/default.yaml"), ["model.preset=smollm2-135m"])
-    res = {"resident": resident(cfg), "programs": programs(), "load": os.getloadavg()[0]}
+    res = {"resident": resident(cfg), "runtime": runtime_rss(), "programs": programs(remats), "load": []}
+    res["predicted_gb"] = {r: predicted_gb(r) for r in remats}
     if not args.no_process:
-        res["process"] = process(args.steps)
-    r, pg = res["resident"], res["programs"]
-    must = r["params"] + r["grads"] + r["adam"] + r["kv_pool"]
+        res["process"] = {}
+        for r in remats:
+            res["load"].append(os.getloadavg()[0])
+            res["process"][r] = process(args.steps, r)
+    r, pg, rt = res["resident"], res["programs"], res["runtime"]
+    must = r["params"] + r["grads"] + r["adam"] + r["kv_pool"] + rt["jax"]
     print(f"RS ({r['num_params'] / 1e6:.1f}M parameters, float32), MB:")
     for k in ("params", "grads", "adam", "kv_pool"):
         print(f"  resident {k:<10} {r[k] / MB:9.1f}")
-    print(f"  resident sum        {must / MB:9.1f}")
-    for k in ("forward", "train"):
-        p = pg[k]
+    print(f"  runtime (import jax) {rt['jax'] / MB:7.1f}   (+ the model built: {rt['jax_and_model'] / MB:.1f})")
+    print(f"  must be resident     {must / MB:7.1f}")
+    for k, p in pg.items():
+        if k == "generate":
+            continue
         print(
-            f"  {k:<8} program: arguments {p['arguments'] / MB:8.1f} outputs {p['outputs'] / MB:8.1f} "
+            f"  {k:<12} program: arguments {p['arguments'] / MB:8.1f} outputs {p['outputs'] / MB:8.1f} "
             f"temporaries {p['temporaries'] / MB:8.1f} aliased {p['aliased'] / MB:8.1f} peak {p['peak'] / MB:8.1f}"
         )
     gen = pg["generate"]
     print(f"  sampler programs: max peak {max(v for v in gen.values() if v) / MB:.1f} ({len(gen)} programs)")
-    if "process" in res:
-        pr = res["process"]
-        print(
-            f"  process: peak RSS {pr['peak_rss'] / MB:.1f}; baseline (python + jax + the model) "
-            f"{pr['baseline_with_model_rss'] / MB:.1f}; peak / (baseline + resident) "
-            f"{pr['peak_rss'] / (pr['baseline_with_model_rss'] + must - r['params']):.2f}x"
-        )
+    for rm in remats:
+        line = f"  remat={rm:<5} predicted peak {res['predicted_gb'][rm] * 1e9 / MB:8.1f}"
+        if "process" in res:
+            pk = res["process"][rm]["peak_rss"]
+            line += f"   process peak RSS {pk / MB:8.1f} = {pk / must:.2f}x what must be resident"
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -61,23 +61,9 @@ def fit_stages(prof: HardwareProfile, stages: list[dict]) -> tuple[HardwareProfi
     import numpy as np
 
     from rpeg_jax.costmodel import stages as S
-    from rpeg_jax.costmodel.lengths import LengthDist
 
     def parts(hw, m):
-        ms = synthetic_shape(m["L"], m["D"])
-        st = S.Setting(
-            hw=hw,
-            B=m["B"],
-            P=0,
-            R=m["T"],
-            G=1,
-            dist=LengthDist.fixed(m["T"]),
-            causal_skip=False,
-            dense_scores=True,
-            packing=False,
-            budget_bytes=hw.hbm_bytes,
-        )
-        n = m["devices"]
+        ms, st, n = _synthetic_setting(hw, m)
         if m["kind"] == "forward":
             return ms, S.forward_stage(st, ms, n, n, 1, 1, 1)[1], float(S.rates(hw, "float32", n)[2])
         return ms, S.train_stage(st, ms, n, n, 1, 1, 1, "none")[1], float(S.rates(hw, "float32", n)[2])
@@ -136,11 +122,12 @@ def fit_stages(prof: HardwareProfile, stages: list[dict]) -> tuple[HardwareProfi
     return fitted, resid
 
 
-def _predict(hw: HardwareProfile, m: dict) -> float:
+def _synthetic_setting(hw: HardwareProfile, m: dict):
+    """(shape, stage Setting, devices) of one synthetic-decoder measurement `m`: T tokens a row,
+    no prompt, dense scores, no packing."""
     from rpeg_jax.costmodel import stages as S
     from rpeg_jax.costmodel.lengths import LengthDist
 
-    ms = synthetic_shape(m["L"], m["D"])
     st = S.Setting(
         hw=hw,
         B=m["B"],
@@ -153,7 +140,13 @@ def _predict(hw: HardwareProfile, m: dict) -> float:
         packing=False,
         budget_bytes=hw.hbm_bytes,
     )
-    n = m["devices"]
+    return synthetic_shape(m["L"], m["D"]), st, m["devices"]
+
+
+def _predict(hw: HardwareProfile, m: dict) -> float:
+    from rpeg_jax.costmodel import stages as S
+
+    ms, st, n = _synthetic_setting(hw, m)
     if m["kind"] == "forward":
         return float(S.forward_stage(st, ms, n, n, 1, 1, 1)[0])
     return float(S.train_stage(st, ms, n, n, 1, 1, 1, "none")[0])
