@@ -91,6 +91,7 @@ def overrides(data: str, steps: int, run_dir: str, remat: str) -> list[str]:
     return [
         "model.preset=smollm2-135m",
         f"model.remat={remat}",
+        "pipeline.plan=manual",  # the config's remat, not the planner's choice
         "data.task=jsonl",
         f"data.path={data}",
         f"data.max_prompt_len={PROMPT_LEN}",
@@ -111,7 +112,7 @@ def overrides(data: str, steps: int, run_dir: str, remat: str) -> list[str]:
 def predicted_gb(remat: str) -> float:
     """The cost model's predicted peak per device for RS run as configured (manual plan, this remat)."""
     from rpeg_jax.config import load_config
-    from rpeg_jax.costmodel import predict_run
+    from rpeg_jax.costmodel.pricing import predict_run
 
     cfg = load_config(os.path.join(ROOT, "configs/default.yaml"), overrides("x.jsonl", 1, "runs/x", remat))
     return predict_run(cfg, "cpu", 1).memory_per_gpu_gb

@@ -269,6 +269,21 @@ def test_predict_run_prices_the_runs_admission_and_slots():
     assert more.stage_times_s["generate"] != pytest.approx(k1.stage_times_s["generate"])
 
 
+def test_predict_run_prices_the_configs_remat_and_micro_batches():
+    # A manual plan runs model.remat and rl.micro_batches as configured: its prediction prices
+    # those, not the table's fastest option (which had priced remat=full at remat=none's memory).
+    big = [*R2, "model.preset=smollm2-135m", "rollout.max_new_tokens=48", "rollout.forced_lengths=null"]
+    pred = {r: predict_run(load_config(None, [*big, f"model.remat={r}"]), CPU, 1) for r in ("none", "dots", "full")}
+    for r, p in pred.items():
+        assert p.layout["train"]["remat"] == r
+    none, dots, full = (pred[r] for r in ("none", "dots", "full"))
+    assert none.memory_per_gpu_gb > dots.memory_per_gpu_gb > full.memory_per_gpu_gb
+    assert full.stage_times_s["actor_update"] > none.stage_times_s["actor_update"]  # the recomputed forward
+    mb = predict_run(load_config(None, [*big, "rl.micro_batches=4", "rl.forward_micro_batches=2"]), CPU, 1)
+    assert mb.layout["train"]["micro_batches"] == 4 and mb.layout["forward"]["micro_batches"] == 2
+    assert mb.memory_per_gpu_gb < none.memory_per_gpu_gb
+
+
 def _search(sigma, n=16):
     cfg = load_config(
         None,

@@ -85,15 +85,16 @@ def quantize_slots(slots: np.ndarray, n_rep: np.ndarray) -> np.ndarray:
     return np.where(s >= n_rep, n_rep, np.floor(q)).astype(np.int64)
 
 
-def _best_train(st, roles: Roles, busy, lay: np.ndarray, trained: list[ModelShape]):
-    """Per training layout and (micro, remat) option: summed update time and transient bytes."""
+def _best_train(st, roles: Roles, busy, lay: np.ndarray, trained: list[ModelShape], only=None):
+    """Per training layout and (micro, remat) option: summed update time and transient bytes.
+    `only`: that one (micro, remat) option (a given plan's settings), else every one."""
     d, f, t = (lay[:, i : i + 1].astype(np.float64) for i in range(3))
-    opts = [(m, r) for r in REMATS for m in MICROS]
+    opts = [only] if only is not None else [(m, r) for r in REMATS for m in MICROS]
     micro = np.array([o[0] for o in opts], np.float64)[None, :]
     time = np.zeros((len(lay), len(opts)))
     trans = np.zeros((len(lay), len(opts)))
     for ms in trained:
-        for r in REMATS:
+        for r in dict.fromkeys(o[1] for o in opts):
             cols = [j for j, o in enumerate(opts) if o[1] == r]
             tt, _ = S.train_stage(st, ms, busy, d, f, t, micro[:, cols], r, roles.epochs, roles.minibatches)
             mem = S.train_memory(st, ms, d, f, t, micro[:, cols], r, roles.minibatches) - ms.resident_state_bytes() / (
@@ -108,9 +109,10 @@ def _best_train(st, roles: Roles, busy, lay: np.ndarray, trained: list[ModelShap
     return time, trans, opts
 
 
-def _best_forward(st, busy, lay: np.ndarray, models: list[ModelShape]):
+def _best_forward(st, busy, lay: np.ndarray, models: list[ModelShape], only=None):
     d, f, t = (lay[:, i : i + 1].astype(np.float64) for i in range(3))
-    micros = list(MICROS)  # rl.forward_micro_batches tried (runtime/kernels.scoring_fn's loop)
+    # rl.forward_micro_batches tried (runtime/kernels.scoring_fn's loop); `only`: that one
+    micros = [only] if only is not None else list(MICROS)
     micro = np.array(micros, np.float64)[None, :]
     per_device = st.B / (d * f)
     valid = (per_device >= micro) & np.isclose(per_device % micro, 0)  # equal pieces on every device
@@ -132,15 +134,26 @@ def build(
     max_staleness: int = 0,
     continuous: bool = False,
     gen_tensor_sizes=None,
+    settings: tuple | None = None,
 ) -> dict[str, np.ndarray]:
     """All feasible rows of a placement family (see the module docstring) over the device-group
     options `allocs` [(n_gen, n_train)] (colocated: n_gen = n_train, the one group). `continuous`:
     also price rollout.admission=continuous at every k in 1..max_staleness (columns *_c{k}: the
     engine's simulated steady state, stages.continuous_step, and the training stages on the
-    shorter batches it hands over)."""
+    shorter batches it hands over). `settings`: (micro_batches, remat, forward_micro_batches) fixed
+    (pricing a given plan with its config's settings), else the best of each that fits."""
     parts = [
         _alloc_rows(
-            st, roles, ng, nt, placement, tensor_sizes, max_staleness, continuous, gen_tensor_sizes or tensor_sizes
+            st,
+            roles,
+            ng,
+            nt,
+            placement,
+            tensor_sizes,
+            max_staleness,
+            continuous,
+            gen_tensor_sizes or tensor_sizes,
+            settings,
         )
         for ng, nt in allocs
     ]
@@ -163,6 +176,7 @@ def _alloc_rows(
     max_k: int,
     continuous: bool,
     gen_tensor_sizes,
+    settings: tuple | None = None,
 ) -> dict:
     hw, actor = st.hw, roles.actor
     coloc = placement == "colocated"
@@ -171,8 +185,9 @@ def _alloc_rows(
     if not len(lay) or not len(gl):
         return {}
     trained, fwd_models = _models(roles)
-    up_t, up_m, up_opts = _best_train(st, roles, n_train, lay, trained)
-    fw_times, fw_m, fw_micros = _best_forward(st, n_train, lay, [m for _, m in fwd_models])
+    up_only, fw_only = (tuple(settings[:2]), settings[2]) if settings is not None else (None, None)
+    up_t, up_m, up_opts = _best_train(st, roles, n_train, lay, trained, up_only)
+    fw_times, fw_m, fw_micros = _best_forward(st, n_train, lay, [m for _, m in fwd_models], fw_only)
     ft = lay[:, 1] * lay[:, 2]  # parameter shards of a layout (fsdp × tensor)
     state = sum(OFF.resident_bytes(roles.offload, m) for m in trained) / ft  # [i]
     ref_res = (roles.ref.weight_bytes() / ft) if roles.ref else np.zeros(len(lay))  # [j]
@@ -184,7 +199,9 @@ def _alloc_rows(
     I, J, G = I.ravel(), J.ravel(), G.ravel()
     same = I == J
     resident = state[I] + ref_res[J] + (rollout[G] if coloc else 0.0)
-    budget = st.budget_bytes
+    # A given plan's settings are priced as they are, whatever memory they need (the prediction's
+    # mem_peak says it); a search keeps what fits.
+    budget = st.budget_bytes if settings is None else np.inf
     # Forward weight copies: actor and critic in the forward layout unless it is the training one.
     copies = np.where(same, 0.0, sum(m.weight_bytes() for m in trained) / ft[J]) + ref_fetched[J]
     fwd_ok = resident[:, None] + copies[:, None] + fw_m[J] <= budget

@@ -311,14 +311,17 @@ def option_graphs(ctx: Context, opts: list[PipelineConfig]) -> list[tuple[Pipeli
     return out
 
 
-def family_table(ctx: Context, graph: Graph, placement: str, cache: dict, allocs=None, ours: bool = True) -> dict:
+def family_table(
+    ctx: Context, graph: Graph, placement: str, cache: dict, allocs=None, ours: bool = True, settings=None
+) -> dict:
     """The candidate table of a placement family (cached), over `allocs` (default: every
     device-group option of the family). `ours`: only what the runtime runs with the context's
     processes (space.runnable: device groups, generation's tensor degree, continuous admission);
-    else every option of the model (the baselines' own engines, pricing a given layout)."""
+    else every option of the model (the baselines' own engines, pricing a given layout).
+    `settings`: (micro_batches, remat, forward_micro_batches) of a given plan, else searched."""
     allocs = allocations(ctx, placement, ours) if allocs is None else allocs
     gen_t = generation_tensor_sizes(ctx, ours)
-    key = (placement, bool(graph.attrs.get("shared")), tuple(allocs), gen_t)
+    key = (placement, bool(graph.attrs.get("shared")), tuple(allocs), gen_t, settings)
     if key not in cache:
         c = ctx.cfg.costmodel
         cache[key] = C.build(
@@ -330,6 +333,7 @@ def family_table(ctx: Context, graph: Graph, placement: str, cache: dict, allocs
             max(c.max_staleness, ctx.cfg.pipeline.staleness),  # the config's own bound is priced too
             continuous_searched(ctx, ours),
             gen_t,
+            settings,
         )
     return cache[key]
 

@@ -91,7 +91,10 @@ def price_layout(
     g = apply_pipeline(ctx.base, pipe, admission)
     gr, tr, fw = layout["groups"], layout["train"], layout["forward"]
     ng, nt = gr.get("gen", gr.get("all")), gr.get("train", gr.get("all"))
-    tab = family_table(ctx, g, pipe.placement, {}, [(ng, nt)], ours=False)  # any layout the model prices
+    fixed = None  # a layout with its settings (a plan's, or a manual config's) is priced with them
+    if "micro_batches" in tr and "remat" in tr:
+        fixed = (int(tr["micro_batches"]), str(tr["remat"]), int(fw.get("micro_batches", cfg.rl.forward_micro_batches)))
+    tab = family_table(ctx, g, pipe.placement, {}, [(ng, nt)], ours=False, settings=fixed)  # any layout
     want = {
         "n_gen": ng,
         "n_train": nt,
@@ -188,8 +191,11 @@ def _layout_of(plan: Plan, pipe, cfg: RunConfig) -> dict:
     out = {
         "groups": {},
         "generate": {"admission": s.get("rollout.admission", cfg.rollout.admission)},
-        "train": {"micro_batches": s.get("rl.micro_batches", 1), "remat": s.get("model.remat", "none")},
-        "forward": {},
+        "train": {
+            "micro_batches": s.get("rl.micro_batches", cfg.rl.micro_batches),
+            "remat": s.get("model.remat", cfg.model.remat),
+        },
+        "forward": {"micro_batches": s.get("rl.forward_micro_batches", cfg.rl.forward_micro_batches)},
     }
     for st in graph.stages():
         kinds = {p.kind for p in (st.parts or (st,))}
@@ -202,5 +208,6 @@ def _layout_of(plan: Plan, pipe, cfg: RunConfig) -> dict:
             out["train"].update(m)
         elif not kinds & TRAIN_SIDE:
             out["forward"].update(m)
-    out["forward"] = out["forward"] or {k: out["train"][k] for k in ("data", "fsdp", "tensor")}
+    if "data" not in out["forward"]:  # no separate scoring forward: the training mesh
+        out["forward"].update({k: out["train"][k] for k in ("data", "fsdp", "tensor")})
     return out
