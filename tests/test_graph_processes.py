@@ -39,8 +39,8 @@ def test_one_process_runs_everything():
         (["rl.filter_groups=zero_variance"], 2, Runs(), "config error: rl.filter_groups='zero_variance': runs on one"),
         ([], 2, Runs(placement="split"), "config error: pipeline.placement='split': with 2 processes every process"),
         ([], 2, Runs(group_sizes=(8, 4)), "config error: pipeline.plan='auto': a stage runs on a group of 4 devices"),
-        ([], 2, Runs(gen_tensor=2), "config error: pipeline.plan='auto': generation has tensor=2; with 2 processes"),
-        ([], 2, Runs(gen_tensor=2, layout=("sharding.mesh", {"tensor": 2})), "config error: sharding.mesh={'tensor'"),
+        ([], 2, Runs(gen_tensor=8), "config error: pipeline.plan='auto': generation has tensor=8; with 2 processes"),
+        ([], 2, Runs(gen_tensor=8, layout=("sharding.mesh", {"tensor": 8})), "config error: sharding.mesh={'tensor'"),
     ],
 )
 def test_each_rule_is_one_line_naming_the_key_and_value(over, processes, runs, line):
@@ -59,6 +59,10 @@ def test_rules_are_judged_in_order_and_unjudged_parts_pass():
         why_not(cfg_of(), 2, 8, Runs(admission="step", placement="colocated", group_sizes=(8,), gen_tensor=1)) is None
     )
     assert why_not(cfg_of(), 2, 8) is None  # nothing but the config judged
+    # tensor-parallel decode inside a process (4 devices each) runs; a tensor group spanning both does not
+    assert all(why_not(cfg_of(), 2, 8, Runs(gen_tensor=t)) is None for t in (1, 2, 4))
+    assert why_not(cfg_of(), 2, 8, Runs(gen_tensor=8)).key == "pipeline.plan"
+    assert why_not(cfg_of(), 4, 8, Runs(gen_tensor=4)).key == "pipeline.plan"
 
 
 def _runtime_cfg(cfg, plan):
@@ -70,8 +74,12 @@ def test_check_plan_reads_the_plan_and_names_its_source(tmp_path):
     cfg = cfg_of("sharding.mesh={data: -1, tensor: 2}")
     plan = plan_from_config(cfg, 8)
     check_plan(cfg, plan, graph_for_plan(cfg, plan), 1)
-    with pytest.raises(NotRunnable, match=r"^config error: sharding.mesh=\{'data': -1, 'tensor': 2\}: generation "):
-        check_plan(cfg, plan, graph_for_plan(cfg, plan), 2)
+    check_plan(cfg, plan, graph_for_plan(cfg, plan), 2)  # tensor groups inside each process's 4 devices
+    cfg = cfg_of("sharding.mesh={data: -1, tensor: 4}")
+    plan = plan_from_config(cfg, 8)
+    check_plan(cfg, plan, graph_for_plan(cfg, plan), 2)
+    with pytest.raises(NotRunnable, match=r"^config error: sharding.mesh=\{'data': -1, 'tensor': 4\}: generation "):
+        check_plan(cfg, plan, graph_for_plan(cfg, plan), 4)  # 2 devices per process: a group spans two
     split = cfg_of("pipeline.placement=split", "pipeline.split_sizes=[4,4]", "pipeline.staleness=1")
     plan = plan_from_config(split, 8)
     with pytest.raises(NotRunnable, match=r"^config error: pipeline.placement='split': "):
@@ -104,8 +112,9 @@ def test_a_manual_plan_takes_generations_mesh_from_sharding_generate_mesh():
     tp = cfg_of("sharding.generate_mesh={data: -1, tensor: 4}")
     plan = plan_from_config(tp, 8)
     assert plan.stage("generate").mesh == {"data": 2, "fsdp": 1, "tensor": 4}
+    check_plan(tp, plan, graph_for_plan(tp, plan), 2)  # inside each process's 4 devices
     with pytest.raises(NotRunnable, match=r"^config error: sharding.generate_mesh=\{'data': -1, 'tensor': 4\}: "):
-        check_plan(tp, plan, graph_for_plan(tp, plan), 2)
+        check_plan(tp, plan, graph_for_plan(tp, plan), 4)
     with pytest.raises(ConfigError, match=r"^config error: sharding.generate_mesh=\{'data': 3\}: covers 3 devices"):
         plan_from_config(cfg_of("sharding.generate_mesh={data: 3}"), 8)
 

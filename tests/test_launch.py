@@ -152,8 +152,8 @@ def _illegal_plan(tmp_path, what):
     path = str(tmp_path / f"{what}.json")
     if what == "continuous":  # k = 1 with the continuous engine: its setting rollout.admission
         over, line = ["pipeline.staleness=1", "rollout.admission=continuous"], "rollout.admission='continuous'"
-    else:  # tensor-parallel generation: each tensor group spans both processes' devices in turn
-        over, line = ["sharding.mesh={data: -1, tensor: 2}"], f"pipeline.plan={path!r}"
+    else:  # tensor-parallel generation whose tensor group (8 devices) spans both processes (4 each)
+        over, line = ["sharding.mesh={data: -1, tensor: 8}"], f"pipeline.plan={path!r}"
     plan_from_config(load_config(DEFAULT, ["pipeline.plan=manual", *over]), 8).save(path)
     return path, f"config error: {line}: "
 

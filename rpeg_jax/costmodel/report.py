@@ -239,7 +239,8 @@ def explain(ctx: Context, res: SearchResult) -> list[str]:
     if ctx.processes > 1:
         out.append(
             f"{ctx.processes} processes: only plans the runtime runs with them are searched (graph/processes.py): "
-            f"each process generates its share on its own devices, data-parallel with step admission, so the "
+            f"each process generates its share on its own devices (tensor groups inside it, replicas across "
+            f"processes) with step admission, so the "
             f"plan stays colocated on all {ctx.N} devices; the baselines keep their own engines' layouts"
         )
     for name, b in res.baselines.items():

@@ -100,7 +100,8 @@ def runnable(ctx, **runs) -> bool:
 
 def generation_tensor_sizes(ctx, ours: bool = True) -> tuple[int, ...]:
     """Tensor degrees generation is priced at: costmodel.tensor_sizes, those the runtime runs for
-    our plans (tensor 1 with several processes), all of them for the baselines' own engines."""
+    our plans (with several processes: degrees dividing a process's devices), all of them for the baselines'
+    own engines."""
     sizes = ctx.cfg.costmodel.tensor_sizes
     return tuple(t for t in sizes if runnable(ctx, gen_tensor=t)) if ours else sizes
 

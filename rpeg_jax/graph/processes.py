@@ -19,8 +19,9 @@ that fails is returned: one line naming the key and the value):
     pipeline.placement     colocated: a split's generation group leaves processes without generation
                            devices, and its training group leaves some without rollouts to put
     the plan's groups      every stage on all N devices (no sub-mesh on some processes only)
-    generation tensor      1: every process's devices hold whole replicas (a tensor group would span
-                           processes, or the runtime would run the replicas data-parallel anyway)
+    generation tensor      divides N / P: a tensor group lies inside one process (tensor-parallel
+                           decode on its local devices, replicas data-parallel within and across
+                           processes); a group spanning processes is not run
 
 The last two are set by the plan's layout, so they name its source: `pipeline.plan` (auto or a
 plan file), or for a manual plan `sharding.generate_mesh` (generation's mesh), else `sharding.mesh`.
@@ -109,10 +110,14 @@ def why_not(cfg: RunConfig, processes: int, num_devices: int, runs: Runs | None 
     if small:
         why = f"a stage runs on a group of {small[0]} devices; {procs} every stage runs on all {N}"
         return Illegal(key, value, why)
-    if runs.gen_tensor is not None and runs.gen_tensor != 1:
-        hint = ": sharding.generate_mesh={data: -1}" if key.startswith("sharding.") else ""
-        why = f"generation has tensor={runs.gen_tensor}; {procs} it runs data-parallel on each process's own devices"
-        return Illegal(key, value, f"{why} (tensor=1{hint})")
+    local = N // P
+    if runs.gen_tensor is not None and local % runs.gen_tensor:
+        hint = ": sharding.generate_mesh={data: -1, tensor: T}" if key.startswith("sharding.") else ""
+        why = (
+            f"generation has tensor={runs.gen_tensor}; {procs} a tensor group lies inside one process "
+            f"(replicas across processes): tensor must divide its {local} devices"
+        )
+        return Illegal(key, value, f"{why}{hint}")
     return None
 
 

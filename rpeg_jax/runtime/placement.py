@@ -7,9 +7,13 @@ that writes it; before a stage runs, inputs in another layout are moved into the
 layouts per stage, a no-op when they match). Rollout batches are sharded over the `data` axis.
 
 Generation is per process: with several processes, every process samples its own share of the
-prompts on its local devices (no collective depends on how long its sequences run), so the
-sampler's weights are gathered to a full copy on each process's devices; the rollout arrays are
-then assembled into global arrays for the training stages.
+prompts on its local devices (no collective depends on how long its sequences run), on a local
+(data, tensor) mesh: the plan's generation tensor axis lies inside a process (graph/processes.py
+refuses one that would span processes) and replicas are data-parallel over the rest of the local
+devices and across processes. The sampler's weights are resharded from the training layout into a
+global twin of that mesh (processes x local data rows, tensor), so each device receives only its
+tensor shard (no full copy is gathered), then viewed as arrays on the process's own mesh; the
+rollout arrays are then assembled into global arrays for the training stages.
 
 Called by: runtime/setup.py (initial placement, sampler), graph/compile.py via the context
 (`place_inputs`), runtime/kernels.py (`put_batch`, `to_rollout`).
@@ -17,11 +21,12 @@ Called by: runtime/setup.py (initial placement, sampler), graph/compile.py via t
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from rpeg_jax.config.run import RunConfig
@@ -36,24 +41,42 @@ def _ops(stage) -> set[Op]:
     return {p.workload.op for p in (stage.parts or (stage,))}
 
 
+def _local_generation(sp, cfg: RunConfig, devs: list) -> tuple[StageLayout, StageLayout]:
+    """Generation's layout on this process's devices of the group, a (data, tensor) mesh with the
+    plan's tensor axis, and its global twin: the same rules over every process's devices of the group,
+    data = processes x local rows, so that device d holds the same tensor shard in both."""
+    tensor = sp.mesh.get("tensor", 1)
+    devs = sorted(devs, key=lambda d: (d.process_index, d.id))
+    mine = [d for d in devs if d.process_index == jax.process_index()]
+    spec = {"data": len(mine) // tensor, "tensor": tensor} if tensor > 1 else {"data": len(mine)}
+    local = layout_for(spec, sp.rules, cfg.sharding, mine, role="generate")
+    twin = layout_for(dict(spec, data=len(devs) // tensor), sp.rules, cfg.sharding, devs, role="generate")
+
+    def regrid(layout, ds):  # the canonical axes (size-1 ones included), devices in (process, id) order
+        m = layout.mesh
+        grid = np.array(ds, dtype=object).reshape(tuple(m.shape.values()))  # data before tensor: process-major
+        return dataclasses.replace(layout, mesh=Mesh(grid, m.axis_names, axis_types=m.axis_types))
+
+    return regrid(local, mine), regrid(twin, devs)
+
+
 class Placement:
     def __init__(self, cfg: RunConfig, graph: Graph, plan: Plan):
         self.cfg, self.graph, self.plan = cfg, graph, plan
         self.multi = jax.process_count() > 1
         devices = jax.devices()
         self.layouts: dict[str, StageLayout] = {}
+        self._gen_global: dict[str, StageLayout] = {}  # multi-process: generation's layout over every process
         for st in graph.stages():
             if _ops(st) <= {Op.HOST, Op.TRANSFER}:
                 continue
             sp = plan.stage(st.name)
             devs = [devices[i] for i in plan.group(sp.group).devices]
             role = "generate" if Op.GENERATE in _ops(st) else "train"
-            if role == "generate" and self.multi:  # this process's share of the group
-                devs = [d for d in devs if d.process_index == jax.process_index()]
-                mesh = {"data": len(devs)}
-            else:
-                mesh = sp.mesh
-            self.layouts[st.name] = layout_for(mesh, sp.rules, cfg.sharding, devs, role=role)
+            if role == "generate" and self.multi:  # this process's share of the group, and its global twin
+                self.layouts[st.name], self._gen_global[st.name] = _local_generation(sp, cfg, devs)
+                continue
+            self.layouts[st.name] = layout_for(sp.mesh, sp.rules, cfg.sharding, devs, role=role)
         self.resharder = Resharder()
         self._shardings: dict[tuple[str, str], Any] = {}
         self.offload = Offload.for_run(cfg, jax.local_devices())  # train.offload (runtime/offload.py)
@@ -144,17 +167,18 @@ class Placement:
         layout = self.generate
         if not self.multi:
             return self.resharder(params, self.shardings(layout, "rollout", params))
-        full = self.resharder(
-            params, jax.tree.map(lambda x: NamedSharding(x.sharding.mesh, P()), params)
-        )  # gather a full copy everywhere
-        local = layout.mesh
+        holder = self.graph.find(StageKind.GENERATE)
+        twin = self._gen_global[holder.name]
+        spread = self.resharder(params, self.shardings(twin, "rollout_global", params))  # tensor shards, per device
+        local = self.shardings(layout, "rollout", params)
 
-        def localise(x):
-            sh = NamedSharding(local, P())
-            bufs = [s.data for s in x.addressable_shards if s.device in set(local.devices.flat)]
-            return jax.make_array_from_single_device_arrays(x.shape, sh, bufs)
+        def localise(x, sh):  # the same per-device buffers, as an array on this process's own mesh
+            bufs = {s.device: s.data for s in x.addressable_shards}
+            devs = [d for d in sh.mesh.devices.flat]
+            return jax.make_array_from_single_device_arrays(x.shape, sh, [bufs[d] for d in devs])
 
-        return jax.tree.map(localise, full)
+        arrays, treedef = jax.tree.flatten(spread)
+        return jax.tree.unflatten(treedef, [localise(x, sh) for x, sh in zip(arrays, jax.tree.leaves(local))])
 
     def host_rows(self, x) -> np.ndarray:
         """This process's rows of a global batch array, as numpy."""
