@@ -13,6 +13,7 @@ from helpers import TINY, run
 
 from rpeg_jax.config import load_config
 from rpeg_jax.config.base import ConfigError
+from rpeg_jax.env import Environment, Episode, StepResult
 
 QWEN = os.path.join(os.path.dirname(__file__), "fixtures", "chat", "qwen2_5")
 
@@ -55,3 +56,30 @@ def test_a_run_on_tool_episodes_logs_env_metrics(tmp_path):
 def test_continuous_admission_with_episodes_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="env.name"):
         load_config(None, overrides(tmp_path, "rollout.admission=continuous", "pipeline.staleness=1"))
+
+
+class ThreeTurns(Environment):
+    """Answers every turn with a user message until the third; reward: the third turn's length > 0."""
+
+    def start(self, record):
+        return ThreeTurnsEpisode(record, self.prompt_messages(record))
+
+
+class ThreeTurnsEpisode(Episode):
+    def respond(self, turn):
+        if self.stats.turns >= 3:
+            return StepResult(reward=float(len(turn.ids) % 2), done=True)
+        return StepResult(observations=({"role": "user", "content": "Again."},))
+
+
+def test_a_run_on_three_turn_episodes(tmp_path):
+    r = run(
+        tmp_path,
+        "three",
+        overrides(tmp_path, "env.name=test_episode_train:ThreeTurns", "env.tools=[]", "rollout.max_new_tokens=64"),
+        steps=2,
+    )
+    for m in r.metrics:
+        # 3 turns unless the 64-token budget (sampled + observations) cut the episode short
+        assert 1 < m["env/turns/mean"] <= 3 and m["env/turns/mean"] + m["env/truncated"] * 2 >= 3 - 1e-6, m
+        assert np.isfinite(m["actor/pg_loss"])
