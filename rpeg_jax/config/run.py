@@ -89,6 +89,13 @@ class RunConfig:
                 self.env.name,
                 "tool calls and results are rendered by the chat template; data.chat_template=none gives none",
             )
+        if self.env.name != "single_turn":  # runtime/rollout/episodes.py: step admission only, for now
+            check(
+                self.rollout.admission == "step" and r.filter_groups == "none",
+                "env.name",
+                self.env.name,
+                "multi-turn episodes run under rollout.admission=step without rl.filter_groups (for now)",
+            )
         if p.share_actor_critic:
             check(r.algorithm == "ppo", "pipeline.share_actor_critic", True, "needs a critic: set rl.algorithm=ppo")
         if self.rollout.admission == "continuous":

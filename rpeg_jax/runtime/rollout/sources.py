@@ -185,6 +185,10 @@ class ContinuousSource:
 def make_source(ctx) -> RolloutSource:
     """The run's rollout source (module docstring), from its context: the continuous engine when it
     has one, dynamic sampling under step admission, else plain step admission."""
+    if ctx.cfg.env.name != "single_turn":
+        from rpeg_jax.runtime.rollout.episodes import EpisodeSource  # step admission (config/run.py checks)
+
+        return EpisodeSource(ctx)
     if ctx.engine is not None:
         return ContinuousSource(ctx)
     if ctx.cfg.rl.filter_groups != "none":
