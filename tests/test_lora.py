@@ -2,13 +2,16 @@
 on the HF tensors save_hf writes), and a PEFT adapter directory round-trips with PEFT's key names."""
 
 import json
+import os
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
 from rpeg_jax.config.model import model_preset
+from rpeg_jax.models import load_hf
 from rpeg_jax.models.hf import hf_state
 from rpeg_jax.models.llama import Transformer
 from rpeg_jax.models.lora import TARGETS, merge, read_peft_adapter, target_shapes, write_peft_adapter
@@ -71,3 +74,27 @@ def test_peft_adapter_dir_roundtrip(tmp_path):
 def test_unknown_target_is_one_line():
     with pytest.raises(ValueError, match="lora target 'qkv_proj': unknown"):
         target_shapes(_cfg(), "qkv_proj", 4)
+
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+@pytest.mark.parametrize("name", ["llama_tiny", "qwen2_tiny"])
+def test_base_plus_peft_adapter_matches_peft_logits(name):
+    """tests/fixtures/lora/<name>/ was written by PEFT (make_lora_fixtures.py) with random nonzero A, B:
+    our base + merged adapter reproduces PeftModel's logits."""
+    exp = np.load(os.path.join(FIXTURES, "lora", name, "expected.npz"))
+    inputs = np.load(os.path.join(FIXTURES, "hf", name, "expected.npz"))
+    model = load_hf(os.path.join(FIXTURES, "hf", name))
+    adapters, rank, alpha = read_peft_adapter(os.path.join(FIXTURES, "lora", name), model.cfg)
+    assert set(adapters) == set(TARGETS) and (rank, alpha) == (4, 8.0)
+    merge(model, adapters, rank=rank, alpha=alpha)
+    ours = np.asarray(
+        model(
+            jnp.asarray(inputs["input_ids"]), jnp.asarray(inputs["position_ids"]), jnp.asarray(inputs["attention_mask"])
+        )
+    )
+    real = inputs["attention_mask"].astype(bool)
+    assert float(exp["adapter_effect"]) > 0.1  # the adapter moves the logits far more than the tolerance
+    diff = np.abs(ours - exp["logits"])[real].max()
+    assert diff <= 1e-4, f"max |logits - PEFT| = {diff:.2e}"
