@@ -97,7 +97,8 @@ def main() -> None:
         )
     f, lo_ = rows["full"], rows["lora"]
     print(
-        f"lora/full: trainable {lo_['trainable'] / f['trainable']:.4f}  opt-state {lo_['opt_bytes'] / f['opt_bytes']:.4f}  "
+        f"lora/full: trainable {lo_['trainable'] / f['trainable']:.4f}  "
+        f"opt-state {lo_['opt_bytes'] / f['opt_bytes']:.4f}  "
         f"memory {lo_['mem'] / f['mem']:.3f}  step time {np.median(lo_['times']) / np.median(f['times']):.3f}"
     )
 
