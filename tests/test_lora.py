@@ -98,3 +98,40 @@ def test_base_plus_peft_adapter_matches_peft_logits(name):
     assert float(exp["adapter_effect"]) > 0.1  # the adapter moves the logits far more than the tolerance
     diff = np.abs(ours - exp["logits"])[real].max()
     assert diff <= 1e-4, f"max |logits - PEFT| = {diff:.2e}"
+
+
+def test_adapter_gradient_is_the_chain_rule_of_the_full_gradient():
+    """At B = 0 (PEFT's init, init_adapters) the merged model is the base, and the gradient w.r.t. B of
+    the adapted model is (alpha/r) dW_hf @ A^T, dW_hf the full weight gradient in HF orientation; the
+    base is an input that is not differentiated."""
+    import jax
+
+    from rpeg_jax.models.hf import _layer_mapping
+    from rpeg_jax.models.lora import init_adapters
+
+    cfg = _cfg()
+    rank, alpha = 4, 8.0
+    graphdef, base = nnx.split(Transformer(cfg, rngs=nnx.Rngs(params=0)), nnx.Param)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
+
+    def loss(params, adapters):
+        model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))
+        if adapters is not None:
+            merge(model, adapters, rank=rank, alpha=alpha)
+        return jnp.mean(model(tokens).astype(jnp.float32) ** 2)
+
+    adapters = init_adapters(cfg, ["q_proj", "down_proj"], rank, nnx.Rngs(params=3))
+    assert abs(float(loss(base, adapters)) - float(loss(base, None))) == 0.0
+    g_full = jax.grad(loss)(base, None)
+    g_lora = jax.grad(lambda a: loss(base, a))(adapters)
+    layouts = {ours: layout for ours, _, layout in _layer_mapping(cfg)}
+    for target in adapters:
+        ours = TARGETS[target][0]
+        dw = np.asarray(g_full["layers"][ours][...], np.float64)
+        a = np.asarray(adapters[target][0], np.float64)
+        for i in range(cfg.num_layers):
+            expect = (alpha / rank) * layouts[ours].to_hf(dw[i]) @ a[i].T
+            got = np.asarray(g_lora[target][1][i], np.float64)
+            np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-7)
+            assert np.abs(expect).max() > 1e-6
+        np.testing.assert_array_equal(np.asarray(g_lora[target][0]), 0.0)  # dA = 0 while B = 0
