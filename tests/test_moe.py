@@ -106,3 +106,63 @@ def test_load_balancing_loss_matches_hf_formula():
     logits = rng.normal(size=(20, 6))
     got = float(load_balancing_loss(jnp.asarray(logits, jnp.float32), 2))
     assert got == pytest.approx(_ref_aux(logits, 2), rel=1e-5)
+
+
+def _moe_cfg(**kw):
+    from rpeg_jax.config.model import ModelConfig
+
+    base = dict(
+        arch="qwen3_moe",
+        qk_norm=True,
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=48,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+    )
+    base.update(kw)
+    cfg = ModelConfig(**base)
+    cfg.validate("model")
+    return cfg
+
+
+@pytest.mark.slow
+def test_model_mixed_layers_use_their_own_mlp():
+    """mlp_only_layers=(1,): layer 1 keeps a dense SwiGLU, layers 0 and 2 are sparse; the parameter
+    count matches the arrays; scanned == unrolled when every layer is sparse."""
+    from flax import nnx
+
+    from rpeg_jax.models.llama import init_model
+
+    cfg = _moe_cfg(mlp_only_layers=(1,))
+    assert cfg.sparse_layers == (True, False, True) and not cfg.scanned
+    m = init_model(cfg, seed=0)
+    assert m.layers.w_gate.shape == (1, 32, 48) and m.layers.we_gate.shape == (2, 4, 32, 16)
+    n = sum(x.size for x in jax.tree_util.tree_leaves(nnx.state(m, nnx.Param)))
+    assert n == cfg.num_params()
+    tok = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 9)))
+    logits = m(tok)
+    assert logits.shape == (2, 9, 64) and bool(jnp.all(jnp.isfinite(logits)))
+    # the dense layer's MLP is used: zeroing it changes the output
+    m.layers.w_down[...] = jnp.zeros_like(m.layers.w_down[...])
+    assert not np.allclose(m(tok), logits)
+
+    cfg_s = _moe_cfg(num_layers=5, scan_layers=True)
+    cfg_u = _moe_cfg(num_layers=5, scan_layers=False)
+    ms, mu = init_model(cfg_s, seed=1), init_model(cfg_u, seed=1)
+    np.testing.assert_allclose(ms(tok), mu(tok), atol=2e-5)
+
+
+def test_moe_config_errors_name_the_key():
+    from rpeg_jax.config.base import ConfigError
+
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        _moe_cfg(num_experts_per_tok=5)
+    with pytest.raises(ConfigError, match="scan_layers"):
+        _moe_cfg(mlp_only_layers=(1,), scan_layers=True)
+    with pytest.raises(ConfigError, match="num_experts"):
+        _moe_cfg(arch="qwen3")

@@ -90,3 +90,17 @@ def routing_agreement(experts_a_NxK, experts_b_NxK, mask_N=None):
         return jnp.mean(same)
     m = mask_N.astype(jnp.float32)
     return jnp.sum(same * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+MOE_PARAMS = ("w_router", "we_gate", "we_up", "we_down")
+
+
+def layer_groups(sparse_layers) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(dense index, sparse index) of each layer: its row in the dense MLP weights (stacked over the
+    dense layers) and in the expert weights (stacked over the sparse layers); -1 where it has none."""
+    dense, sparse, nd, ns = [], [], 0, 0
+    for s in sparse_layers:
+        dense.append(-1 if s else nd)
+        sparse.append(ns if s else -1)
+        nd, ns = nd + (not s), ns + s
+    return tuple(dense), tuple(sparse)
