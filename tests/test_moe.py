@@ -166,3 +166,48 @@ def test_moe_config_errors_name_the_key():
         _moe_cfg(mlp_only_layers=(1,), scan_layers=True)
     with pytest.raises(ConfigError, match="num_experts"):
         _moe_cfg(arch="qwen3")
+
+
+def test_forward_matches_transformers_qwen3_moe():
+    """Logits <= 1e-4 vs transformers' Qwen3MoeForCausalLM in float32 (fixture written by
+    tests/fixtures/make_qwen3_moe_forward.py: 4 experts, top-2, layer 1 dense). The weights are put
+    into the model here, by the HF layouts (models/hf.py does not load qwen3_moe yet)."""
+    import os
+
+    from rpeg_jax.models.llama import init_model
+
+    f = np.load(os.path.join(os.path.dirname(__file__), "fixtures", "hf", "qwen3_moe_tiny_forward.npz"))
+    cfg = _moe_cfg(head_dim=8, max_position_embeddings=64, mlp_only_layers=(1,))
+    m = init_model(cfg, seed=0)
+    D, H, K, E, Fm = 32, 4, 2, 8, 16
+
+    def w(name):
+        return f[f"w/{name}"]
+
+    def stack(fn, layers):
+        return jnp.asarray(np.stack([fn(f"model.layers.{i}.") for i in layers]))
+
+    L = m.layers
+    every, sparse, dense = range(3), (0, 2), (1,)
+    L.attn_norm[...] = stack(lambda p: w(p + "input_layernorm.weight"), every)
+    L.mlp_norm[...] = stack(lambda p: w(p + "post_attention_layernorm.weight"), every)
+    L.q_norm[...] = stack(lambda p: w(p + "self_attn.q_norm.weight"), every)
+    L.k_norm[...] = stack(lambda p: w(p + "self_attn.k_norm.weight"), every)
+    L.wq[...] = stack(lambda p: w(p + "self_attn.q_proj.weight").T.reshape(D, H, E), every)
+    L.wk[...] = stack(lambda p: w(p + "self_attn.k_proj.weight").T.reshape(D, K, E), every)
+    L.wv[...] = stack(lambda p: w(p + "self_attn.v_proj.weight").T.reshape(D, K, E), every)
+    L.wo[...] = stack(lambda p: w(p + "self_attn.o_proj.weight").T.reshape(H, E, D), every)
+    L.w_gate[...] = stack(lambda p: w(p + "mlp.gate_proj.weight").T, dense)
+    L.w_up[...] = stack(lambda p: w(p + "mlp.up_proj.weight").T, dense)
+    L.w_down[...] = stack(lambda p: w(p + "mlp.down_proj.weight").T, dense)
+    L.w_router[...] = stack(lambda p: w(p + "mlp.gate.weight").T, sparse)
+    L.we_gate[...] = stack(lambda p: w(p + "mlp.experts.gate_up_proj")[:, :Fm].transpose(0, 2, 1), sparse)
+    L.we_up[...] = stack(lambda p: w(p + "mlp.experts.gate_up_proj")[:, Fm:].transpose(0, 2, 1), sparse)
+    L.we_down[...] = stack(lambda p: w(p + "mlp.experts.down_proj").transpose(0, 2, 1), sparse)
+    m.embed[...] = jnp.asarray(w("model.embed_tokens.weight"))
+    m.final_norm[...] = jnp.asarray(w("model.norm.weight"))
+    m.lm_head[...] = jnp.asarray(w("lm_head.weight").T)
+    logits = np.asarray(m(jnp.asarray(f["tokens"])))
+    print("max |logits - transformers|", np.abs(logits - f["logits"]).max())
+    np.testing.assert_allclose(logits, f["logits"], atol=1e-4, rtol=0)
+    assert np.abs(f["logits"]).max() > 0.05  # not a trivially small comparison
