@@ -211,3 +211,26 @@ def test_forward_matches_transformers_qwen3_moe():
     print("max |logits - transformers|", np.abs(logits - f["logits"]).max())
     np.testing.assert_allclose(logits, f["logits"], atol=1e-4, rtol=0)
     assert np.abs(f["logits"]).max() > 0.05  # not a trivially small comparison
+
+
+def test_load_hf_qwen3_moe_checkpoint_and_export(tmp_path):
+    """models/hf.load_hf reads transformers' saved Qwen3-MoE (per-expert tensors): logits <= 1e-4
+    vs transformers; save_hf writes the same tensors back (equal arrays, same names)."""
+    import os
+
+    from safetensors.numpy import load_file
+
+    from rpeg_jax.models.hf import load_hf, save_hf
+
+    ckpt = os.path.join(os.path.dirname(__file__), "fixtures", "hf", "qwen3_moe_tiny")
+    f = np.load(os.path.join(ckpt, "expected.npz"))
+    m = load_hf(ckpt)
+    assert m.cfg.arch == "qwen3_moe" and m.cfg.sparse_layers == (True, False, True)
+    logits = np.asarray(m(jnp.asarray(f["tokens"])))
+    np.testing.assert_allclose(logits, f["logits"], atol=1e-4, rtol=0)
+    save_hf(m, str(tmp_path / "out"))
+    a = load_file(os.path.join(ckpt, "model.safetensors"))
+    b = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for n in a:
+        np.testing.assert_array_equal(a[n], b[n])
