@@ -190,7 +190,11 @@ def test_generation_configs_eos_list_stops_the_sampler(tmp_path):
 
 BAD = [
     ("no-config", lambda p: os.remove(os.path.join(p, "config.json")), "no config.json in it"),
-    ("model-type", {"model_type": "gpt2"}, "config.json: model_type='gpt2' is not supported (llama, qwen2, qwen3)"),
+    (
+        "model-type",
+        {"model_type": "gpt2"},
+        "config.json: model_type='gpt2' is not supported (llama, qwen2, qwen3, qwen3_moe)",
+    ),
     ("not-json", "{'vocab_size': 128,", "config.json is not valid JSON: Expecting property name"),
     ("missing", {"num_hidden_layers": None}, "config.json: has no num_hidden_layers (required)"),
     ("bad-value", {"num_key_value_heads": 3}, "config.json: num_key_value_heads=3: must divide num_heads=4"),

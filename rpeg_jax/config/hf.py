@@ -25,7 +25,7 @@ from typing import Any
 from rpeg_jax.config.base import ConfigError, _coerce, build, key, to_dict
 from rpeg_jax.config.model import ModelConfig
 
-SUPPORTED = ("llama", "qwen2", "qwen3")  # config.json model_type values
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe")  # config.json model_type values
 QWEN3_HEAD_DIM = 128  # transformers' Qwen3Config default: a qwen3 config.json without head_dim means 128
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 # ModelConfig field -> the config.json key it comes from (for messages).
@@ -49,6 +49,12 @@ HF_NAMES = {
     "eos_id": "eos_token_id",
     "pad_id": "pad_token_id",
     "eos_ids": "eos_token_id",
+    "num_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "moe_intermediate_size": "moe_intermediate_size",
+    "norm_topk_prob": "norm_topk_prob",
+    "decoder_sparse_step": "decoder_sparse_step",
+    "mlp_only_layers": "mlp_only_layers",
 }
 # Fixed by the weights' shapes: a value given beside the path that differs cannot load.
 FIXED = (
@@ -63,6 +69,10 @@ FIXED = (
     "tie_embeddings",
     "qkv_bias",
     "qk_norm",
+    "num_experts",
+    "moe_intermediate_size",
+    "decoder_sparse_step",
+    "mlp_only_layers",
 )
 
 
@@ -88,15 +98,16 @@ def model_fields(hf: dict, generation: dict | None = None) -> dict[str, Any]:
             raise HFConfigError(f"{name}={v!r} must be an integer")
     if hf.get("mlp_bias"):
         raise HFConfigError("mlp_bias=true is not supported")
-    if arch in ("llama", "qwen3") and hf.get("attention_bias"):
+    qwen3 = arch in ("qwen3", "qwen3_moe")
+    if arch in ("llama", "qwen3", "qwen3_moe") and hf.get("attention_bias"):
         raise HFConfigError(f"attention_bias=true (q/k/v/o_proj biases) is not supported for {arch}")
-    if arch in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
         raise HFConfigError("use_sliding_window=true is not supported")
     windowed = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
     if windowed:
         raise HFConfigError(f"layer_types has {windowed[0]!r}: only full_attention layers are supported")
     heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or (QWEN3_HEAD_DIM if arch == "qwen3" else None)
+    head_dim = hf.get("head_dim") or (QWEN3_HEAD_DIM if qwen3 else None)
     if head_dim == hf["hidden_size"] // heads:
         head_dim = None  # canonical: implied by hidden_size / num_heads
     eos = _ids(hf.get("eos_token_id"), "eos_token_id")
@@ -119,11 +130,31 @@ def model_fields(hf: dict, generation: dict | None = None) -> dict[str, Any]:
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=(arch == "qwen2"),
-        qk_norm=(arch == "qwen3"),
+        qk_norm=qwen3,
+        **(_moe_fields(hf) if arch == "qwen3_moe" else {}),
         bos_id=hf.get("bos_token_id") or 0,
         eos_id=eos_id,
         pad_id=pad if pad is not None else eos_id,
         eos_ids=tuple(i for i in dict.fromkeys(eos) if i != eos_id),
+    )
+
+
+def _moe_fields(hf: dict) -> dict[str, Any]:
+    """Qwen3-MoE's fields (transformers' Qwen3MoeConfig defaults where absent; transformers 5 writes
+    num_experts as num_local_experts)."""
+    if hf.get("num_experts") is None and hf.get("num_local_experts") is not None:
+        hf = {**hf, "num_experts": hf["num_local_experts"]}
+    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        v = hf.get(name)
+        if v is None or isinstance(v, bool) or not isinstance(v, int):
+            raise HFConfigError(f"{name}={v!r} must be an integer (required for qwen3_moe)")
+    return dict(
+        num_experts=hf["num_experts"],
+        num_experts_per_tok=hf["num_experts_per_tok"],
+        moe_intermediate_size=hf["moe_intermediate_size"],
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+        mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
     )
 
 

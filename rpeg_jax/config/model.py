@@ -46,7 +46,9 @@ class ModelConfig:
     path: str | None = None  # local Hugging Face checkpoint dir (config.json + *.safetensors): its
     #   config.json sets every field it has (shape, ids, RoPE); fields given beside it override the
     #   numerics and ids (each reported), not the shape the weights fix (config/hf.py)
-    arch: Literal["llama", "qwen2", "qwen3"] = "llama"  # the Hugging Face family (model_type) it exports as
+    arch: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = (
+        "llama"  # the Hugging Face family (model_type) it exports as
+    )
     vocab_size: int = 128  # V
     hidden_size: int = 256  # D
     num_layers: int = 4  # L
@@ -62,6 +64,12 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2 has q/k/v biases
     qk_norm: bool = False  # Qwen3: an RMSNorm over head_dim (weights [E], shared by the heads) on every q and
     #   k head, after the projection and before RoPE
+    num_experts: int = 0  # X: experts per sparse MLP layer (Qwen3-MoE); 0 = every MLP is dense (models/moe.py)
+    num_experts_per_tok: int = 2  # k: experts each token is routed to (top-k of the router's softmax)
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width (0 -> intermediate_size)
+    norm_topk_prob: bool = True  # renormalise the k chosen probabilities to sum to 1 (HF norm_topk_prob)
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % decoder_sparse_step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (these keep a dense MLP)
     value_head: bool = False  # scalar value head (critic, or shared actor-critic)
     param_dtype: DType = "float32"
     dtype: DType = "float32"  # compute dtype of matmuls; logits/logprobs are always float32
@@ -87,7 +95,22 @@ class ModelConfig:
     @property
     def scanned(self) -> bool:
         """Whether the layers run under lax.scan (scan_layers, or its depth-based default)."""
-        return self.scan_layers if self.scan_layers is not None else self.num_layers > UNROLL_MAX_LAYERS
+        if self.scan_layers is not None:
+            return self.scan_layers
+        return self.num_layers > UNROLL_MAX_LAYERS and len(set(self.sparse_layers)) == 1
+
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether its MLP is the mixture of experts (HF Qwen3-MoE's rule)."""
+        if self.num_experts <= 0:
+            return (False,) * self.num_layers
+        return tuple(
+            i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0 for i in range(self.num_layers)
+        )
+
+    @property
+    def expert_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
 
     @property
     def head_size(self) -> int:
@@ -98,8 +121,10 @@ class ModelConfig:
         d, e, f = self.hidden_size, self.head_size, self.intermediate_size
         q, kv = self.num_heads * e, self.num_kv_heads * e
         attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0)
-        layer = attn + 3 * d * f + 2 * d + (2 * e if self.qk_norm else 0)
-        n = self.vocab_size * d + self.num_layers * layer + d
+        layer = attn + 2 * d + (2 * e if self.qk_norm else 0)
+        sparse = sum(self.sparse_layers)
+        mlp = (self.num_layers - sparse) * 3 * d * f + sparse * (d * self.num_experts * (1 + 3 * self.expert_size))
+        n = self.vocab_size * d + self.num_layers * layer + mlp + d
         if with_lm_head and not self.tie_embeddings:
             n += d * self.vocab_size
         if self.value_head:
@@ -142,10 +167,59 @@ class ModelConfig:
             check(0 <= v < self.vocab_size, key(path, name), v, f"must be in [0, vocab_size={self.vocab_size})")
         for v in self.eos_ids:
             check(0 <= v < self.vocab_size, key(path, "eos_ids"), v, f"must be in [0, vocab_size={self.vocab_size})")
-        if self.arch == "qwen3":  # the Hugging Face Qwen3 decoder, which export writes
-            why = "model.arch=qwen3 normalises q and k per head: must be true"
+        if self.num_experts > 0:
+            k = self.num_experts_per_tok
+            check(
+                1 <= k <= self.num_experts,
+                key(path, "num_experts_per_tok"),
+                k,
+                f"must be in [1, num_experts={self.num_experts}]",
+            )
+            check(
+                self.moe_intermediate_size >= 0,
+                key(path, "moe_intermediate_size"),
+                self.moe_intermediate_size,
+                "must be >= 0",
+            )
+            check(
+                self.decoder_sparse_step >= 1,
+                key(path, "decoder_sparse_step"),
+                self.decoder_sparse_step,
+                "must be >= 1",
+            )
+            for i in self.mlp_only_layers:
+                check(
+                    0 <= i < self.num_layers,
+                    key(path, "mlp_only_layers"),
+                    i,
+                    f"must be in [0, num_layers={self.num_layers})",
+                )
+            mixed = len(set(self.sparse_layers)) > 1
+            check(
+                not (mixed and self.scan_layers),
+                key(path, "scan_layers"),
+                self.scan_layers,
+                "a model mixing dense and sparse MLP layers runs unrolled: must be false or null",
+            )
+        check(self.num_experts >= 0, key(path, "num_experts"), self.num_experts, "must be >= 0")
+        if self.arch == "qwen3_moe":
+            check(
+                self.num_experts > 0,
+                key(path, "num_experts"),
+                self.num_experts,
+                "model.arch=qwen3_moe needs experts: must be >= 1",
+            )
+        elif self.num_experts > 0:
+            check(
+                False,
+                key(path, "num_experts"),
+                self.num_experts,
+                f"experts are Qwen3-MoE's: need model.arch=qwen3_moe (not {self.arch})",
+            )
+        if self.arch in ("qwen3", "qwen3_moe"):  # the Hugging Face Qwen3 decoder, which export writes
+            why = f"model.arch={self.arch} normalises q and k per head: must be true"
             check(self.qk_norm, key(path, "qk_norm"), self.qk_norm, why)
-            why = "model.arch=qwen3 has no q/k/v biases"
+            why = f"model.arch={self.arch} has no q/k/v biases"
             check(not self.qkv_bias, key(path, "qkv_bias"), self.qkv_bias, why)
         else:
             why = f"the q/k norm is Qwen3's: needs model.arch=qwen3 (not {self.arch})"

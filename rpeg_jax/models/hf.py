@@ -36,7 +36,13 @@ from rpeg_jax.config.model import ModelConfig
 from rpeg_jax.models.llama import Transformer
 from rpeg_jax.sharding.params import path_name
 
-_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHS = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+_EXPERT_PARAMS = {"we_gate": "gate_proj", "we_up": "up_proj", "we_down": "down_proj"}
 __all__ = ["config_from_hf", "config_to_hf", "hf_state", "load_hf", "save_hf"]
 
 
@@ -62,12 +68,23 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "eos_token_id": cfg.eos_id,
         "pad_token_id": cfg.pad_id,
     }
-    if cfg.head_dim is not None or cfg.arch == "qwen3":  # Qwen3Config's own default head_dim is 128
+    if cfg.head_dim is not None or cfg.arch in ("qwen3", "qwen3_moe"):  # Qwen3's own default head_dim is 128
         out["head_dim"] = cfg.head_size
     if cfg.arch == "llama":
         out.update(attention_bias=False, mlp_bias=False)
-    if cfg.arch == "qwen3":
+    if cfg.arch in ("qwen3", "qwen3_moe"):
         out.update(attention_bias=False, use_sliding_window=False)
+    if cfg.arch == "qwen3_moe":
+        out.update(
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.expert_size,
+            norm_topk_prob=cfg.norm_topk_prob,
+            decoder_sparse_step=cfg.decoder_sparse_step,
+            mlp_only_layers=list(cfg.mlp_only_layers),
+            router_aux_loss_coef=0.0,
+            output_router_logits=False,
+        )
     if cfg.rope_scaling is not None:
         s = cfg.rope_scaling
         out["rope_scaling"] = {
@@ -217,6 +234,14 @@ def _layer_mapping(cfg: ModelConfig) -> list[tuple[str, str, _Layout]]:
             ("q_norm", "self_attn.q_norm.weight", _Layout(((E,),), (0,))),
             ("k_norm", "self_attn.k_norm.weight", _Layout(((E,),), (0,))),
         ]
+    if cfg.num_experts:  # one HF tensor per expert: the layout is one expert's ("{e}" in the suffix)
+        Fe, X = cfg.expert_size, cfg.num_experts
+        rows += [
+            ("w_router", "mlp.gate.weight", _Layout(((X,), (D,)), (1, 0))),
+            ("we_gate", "mlp.experts.{e}.gate_proj.weight", _Layout(((Fe,), (D,)), (1, 0))),
+            ("we_up", "mlp.experts.{e}.up_proj.weight", _Layout(((Fe,), (D,)), (1, 0))),
+            ("we_down", "mlp.experts.{e}.down_proj.weight", _Layout(((D,), (Fe,)), (1, 0))),
+        ]
     return rows
 
 
@@ -229,12 +254,28 @@ def _mapping(cfg: ModelConfig) -> dict[str, tuple[list[str] | str, _Layout]]:
     }
     if not cfg.tie_embeddings:
         out["lm_head"] = ("lm_head.weight", _Layout(((V,), (D,)), (1, 0)))
+    sparse = cfg.sparse_layers
     for ours, suffix, layout in _layer_mapping(cfg):
-        out[f"layers.{ours}"] = ([f"model.layers.{i}.{suffix}" for i in range(cfg.num_layers)], layout)
+        if ours in ("w_gate", "w_up", "w_down", "w_router", *_EXPERT_PARAMS):  # their own group of layers
+            rows = [i for i in range(cfg.num_layers) if sparse[i] == (ours not in ("w_gate", "w_up", "w_down"))]
+        else:
+            rows = list(range(cfg.num_layers))
+        if ours in _EXPERT_PARAMS:  # [layer][expert] names
+            names = [[f"model.layers.{i}.{suffix.format(e=e)}" for e in range(cfg.num_experts)] for i in rows]
+        else:
+            names = [f"model.layers.{i}.{suffix}" for i in rows]
+        if names:
+            out[f"layers.{ours}"] = (names, layout)
     if cfg.value_head:  # TRL's names
         out["value_w"] = ("v_head.summary.weight", _Layout(((), (D,)), (0,)))
         out["value_b"] = ("v_head.summary.bias", _Layout(((),), ()))
     return out
+
+
+def _flat_names(names) -> list[str]:
+    if isinstance(names, str):
+        return [names]
+    return [n for x in names for n in (x if isinstance(x, list) else [x])]
 
 
 def _is_sharding(x) -> bool:
@@ -270,6 +311,13 @@ def _load(tensors: _Tensors, names: list[str] | str, layout: _Layout, shape, dty
         if isinstance(names, str):
             return layout.read(tensors, names, index).astype(dtype, copy=False)
         lo, hi = index[0].indices(len(names))[:2]
+        if isinstance(names[0], list):  # [layer][expert] (Qwen3-MoE's experts)
+            e0, e1 = index[1].indices(len(names[0]))[:2]
+            out = np.empty((hi - lo, e1 - e0, *layout.block_shape(index[2:])), dtype)
+            for i in range(lo, hi):
+                for e in range(e0, e1):
+                    out[i - lo, e - e0] = layout.read(tensors, names[i][e], index[2:])
+            return out
         out = np.empty((hi - lo, *layout.block_shape(index[1:])), dtype)
         for i in range(lo, hi):
             out[i - lo] = layout.read(tensors, names[i], index[1:])
@@ -305,7 +353,7 @@ def load_hf(path: str, *, value_head: bool = False, dtype: str | None = None, sh
     for ours, (names, layout) in mapping.items():
         if zero_value_head and ours in ("value_w", "value_b"):
             continue
-        for name in [names] if isinstance(names, str) else names:
+        for name in _flat_names(names):
             tensors.check(name, layout.hf_shape)
             expected.add(name)
     ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
@@ -337,6 +385,8 @@ def hf_state(model: Transformer) -> dict:
     for ours, (names, layout) in _mapping(model.cfg).items():
         if isinstance(names, str):
             out[names] = layout.to_hf(values[ours])
+        elif isinstance(names[0], list):
+            out.update({n: layout.to_hf(values[ours][i][e]) for i, row in enumerate(names) for e, n in enumerate(row)})
         else:
             out.update({name: layout.to_hf(values[ours][i]) for i, name in enumerate(names)})
     return {k: jnp.asarray(v) for k, v in out.items()}

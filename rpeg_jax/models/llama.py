@@ -25,6 +25,7 @@ from flax import nnx
 from rpeg_jax.config.model import ModelConfig
 from rpeg_jax.models.attention import DenseAttention, resolve_attention
 from rpeg_jax.models.dense import compute_layout, dense, embed_lookup
+from rpeg_jax.models.moe import MOE_PARAMS, layer_groups, moe_block
 from rpeg_jax.models.rope import apply_rope, inv_frequencies, rope_tables
 from rpeg_jax.sharding.axes import (
     BATCH,
@@ -55,6 +56,7 @@ LAYER_PARAMS = (
     "w_gate",
     "w_up",
     "w_down",
+    *MOE_PARAMS,
 )
 
 
@@ -134,9 +136,19 @@ class Layers(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
         self.mlp_norm = const((L, D), (LAYERS, EMBED), 1.0)
-        self.w_gate = weight((L, D, F), (LAYERS, EMBED, MLP))
-        self.w_up = weight((L, D, F), (LAYERS, EMBED, MLP))
-        self.w_down = weight((L, F, D), (LAYERS, MLP, EMBED))
+        Ls = sum(cfg.sparse_layers)  # Qwen3-MoE: dense MLP weights stacked over the dense layers only
+        Ld = L - Ls
+        self.w_gate = weight((Ld, D, F), (LAYERS, EMBED, MLP)) if Ld else None
+        self.w_up = weight((Ld, D, F), (LAYERS, EMBED, MLP)) if Ld else None
+        self.w_down = weight((Ld, F, D), (LAYERS, MLP, EMBED)) if Ld else None
+        if Ls:  # expert weights stacked over the sparse layers (models/moe.py)
+            X, Fe = cfg.num_experts, cfg.expert_size
+            self.w_router = weight((Ls, D, X), (LAYERS, EMBED, None))
+            self.we_gate = weight((Ls, X, D, Fe), (LAYERS, None, EMBED, MLP))
+            self.we_up = weight((Ls, X, D, Fe), (LAYERS, None, EMBED, MLP))
+            self.we_down = weight((Ls, X, Fe, D), (LAYERS, None, MLP, EMBED))
+        else:
+            self.w_router = self.we_gate = self.we_up = self.we_down = None
 
     def stacked(self) -> dict[str, jax.Array]:
         """{name: [L, ...] array} for the layer scan (biases and q/k norms only when present)."""
@@ -171,12 +183,17 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BxTxD, cos, sin, attention, layer
     x = x_BxTxD + dense(attn, p["wo"].astype(dt), contract=2)
     x = constrain(x, (BATCH, SEQ, EMBED))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    if "we_gate" in p:  # Qwen3-MoE sparse MLP (models/moe.py)
+        y, _, _ = moe_block(h, p, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        return constrain(x + y, (BATCH, SEQ, EMBED)), cache
     gate = dense(h, p["w_gate"].astype(dt))
     up = dense(h, p["w_up"].astype(dt))
     act = constrain(swiglu(gate, up), (BATCH, SEQ, MLP))
     x = x + dense(act, p["w_down"].astype(dt))
     return constrain(x, (BATCH, SEQ, EMBED)), cache
 
+
+_MLP_PARAMS = ("w_gate", "w_up", "w_down", *MOE_PARAMS)  # stacked over their own group of layers
 
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole layer in backward
@@ -232,8 +249,13 @@ class Transformer(nnx.Module):
         if cfg.scanned:
             (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, layer_ids))
         else:  # unrolled: no loop carry or stacked residuals (faster on CPU for a few layers)
+            dense_row, sparse_row = layer_groups(cfg.sparse_layers)
             for i in range(cfg.num_layers):
-                (x, cache), _ = body((x, cache), ({n: w[i] for n, w in stacked.items()}, layer_ids[i]))
+                row = {
+                    n: (sparse_row[i] if n in MOE_PARAMS else dense_row[i]) if n in _MLP_PARAMS else i for n in stacked
+                }
+                p = {n: w[row[n]] for n, w in stacked.items() if row[n] >= 0}
+                (x, cache), _ = body((x, cache), (p, layer_ids[i]))
         return rms_norm(x, compute_layout(self.final_norm[...], x), cfg.rms_norm_eps), cache
 
     def attention_impl(self, x_BxTxD) -> str:

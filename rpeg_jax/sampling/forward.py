@@ -72,6 +72,8 @@ def _split(params, num_layers: int, transposed: bool):
     t = (lambda w: w.T) if transposed else (lambda w: w)
 
     def layer(p):
+        if p.get("we_gate") is not None:
+            raise ValueError("model.num_experts: the sampler does not run Qwen3-MoE layers yet (issue 33 item 2)")
         d = p["wq"].shape[0]
         qkv = [p[n].reshape(d, -1) for n in ("wq", "wk", "wv")]
         lp = dict(
