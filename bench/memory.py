@@ -33,8 +33,8 @@ from rpeg_jax.costmodel.devices import force_cpu_devices  # noqa: E402 (imports 
 
 force_cpu_devices(1)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROMPTS, N, PROMPT_LEN, NEW = 8, 4, 32, 48
+from rs import NEW, PROMPT_LEN, PROMPTS, ROOT, N, rs_overrides, write_prompts  # noqa: E402 (bench/rs.py: RS itself)
+
 MB = 1 << 20
 
 
@@ -88,25 +88,8 @@ def _rss_kb(pid: int, field: str) -> int | None:
 
 
 def overrides(data: str, steps: int, run_dir: str, remat: str) -> list[str]:
-    return [
-        "model.preset=smollm2-135m",
-        f"model.remat={remat}",
-        "pipeline.plan=manual",  # the config's remat, not the planner's choice
-        "data.task=jsonl",
-        f"data.path={data}",
-        f"data.max_prompt_len={PROMPT_LEN}",
-        f"data.prompts_per_step={PROMPTS}",
-        f"rl.group_size={N}",
-        "rl.kl_coef=0.0",
-        f"rollout.max_new_tokens={NEW}",
-        "rollout.ignore_eos=true",
-        "optim.lr=1e-6",
-        f"train.steps={steps}",
-        "train.checkpoint_every=0",
-        "train.tensorboard=false",
-        "train.progress=false",
-        f"train.run_dir={run_dir}",
-    ]
+    """RS's overrides (bench/rs.py) with `remat` as the config sets it (a manual plan, not the planner's choice)."""
+    return [*rs_overrides(data, steps, run_dir), f"model.remat={remat}", "pipeline.plan=manual"]
 
 
 def predicted_gb(remat: str) -> float:
@@ -121,10 +104,7 @@ def predicted_gb(remat: str) -> float:
 def process(steps: int, remat: str) -> dict:
     """Peak RSS of `rpeg train` on RS (subprocess, sampled)."""
     with tempfile.TemporaryDirectory() as d:
-        data = os.path.join(d, "prompts.jsonl")
-        with open(data, "w") as f:
-            for i in range(PROMPTS * (steps + 1)):
-                f.write(json.dumps({"prompt": f"{i:05d}" + "3+4=" * 6 + "12", "answer": "7"}) + "\n")
+        data = write_prompts(os.path.join(d, "prompts.jsonl"), steps)
         over = overrides(data, steps, os.path.join(d, "run"), remat)
         env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
         cmd = [sys.executable, "-m", "rpeg_jax.cli", "train", "--config", "configs/default.yaml", *over]

@@ -26,31 +26,42 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS, N, PROMPT_LEN, NEW = 8, 4, 32, 48
 
 
+def write_prompts(path: str, steps: int) -> str:
+    """RS's prompts for `steps` steps (and one spare): 31 characters + bos = 32 tokens under the
+    character tokenizer."""
+    with open(path, "w") as f:
+        for i in range(PROMPTS * (steps + 1)):
+            f.write(json.dumps({"prompt": f"{i:05d}" + "3+4=" * 6 + "12", "answer": "7"}) + "\n")
+    return path
+
+
+def rs_overrides(data: str, steps: int, run_dir: str) -> list[str]:
+    """`rpeg train` overrides of configs/default.yaml that make it RS (bench/WORKLOADS.md)."""
+    return [
+        "model.preset=smollm2-135m",
+        "data.task=jsonl",
+        f"data.path={data}",
+        f"data.max_prompt_len={PROMPT_LEN}",
+        f"data.prompts_per_step={PROMPTS}",
+        f"rl.group_size={N}",
+        "rl.kl_coef=0.0",
+        f"rollout.max_new_tokens={NEW}",
+        "rollout.ignore_eos=true",
+        "optim.lr=1e-6",
+        "optim.warmup_steps=0",
+        f"train.steps={steps}",
+        "train.checkpoint_every=0",
+        "train.tensorboard=false",
+        "train.progress=false",
+        f"train.run_dir={run_dir}",
+    ]
+
+
 def rpeg_step(steps: int) -> dict:
     """Median seconds per step of `rpeg train` on RS (steps after the first), from metrics.jsonl."""
     with tempfile.TemporaryDirectory() as d:
-        data = os.path.join(d, "prompts.jsonl")
-        with open(data, "w") as f:  # 31 characters + bos = 32 tokens under the character tokenizer
-            for i in range(PROMPTS * (steps + 1)):
-                f.write(json.dumps({"prompt": f"{i:05d}" + "3+4=" * 6 + "12", "answer": "7"}) + "\n")
-        over = [
-            "model.preset=smollm2-135m",
-            "data.task=jsonl",
-            f"data.path={data}",
-            f"data.max_prompt_len={PROMPT_LEN}",
-            f"data.prompts_per_step={PROMPTS}",
-            f"rl.group_size={N}",
-            "rl.kl_coef=0.0",
-            f"rollout.max_new_tokens={NEW}",
-            "rollout.ignore_eos=true",
-            "optim.lr=1e-6",
-            "optim.warmup_steps=0",
-            f"train.steps={steps}",
-            "train.checkpoint_every=0",
-            "train.tensorboard=false",
-            "train.progress=false",
-            f"train.run_dir={os.path.join(d, 'run')}",
-        ]
+        data = write_prompts(os.path.join(d, "prompts.jsonl"), steps)
+        over = rs_overrides(data, steps, os.path.join(d, "run"))
         cmd = [sys.executable, "-m", "rpeg_jax.cli", "train", "--config", "configs/default.yaml", *over]
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
         rows = [json.loads(line) for line in open(os.path.join(d, "run", "metrics.jsonl"))]
