@@ -1,0 +1,146 @@
+"""model.lora wired into training (issue 33 item 5): the activation-side LoRA forward equals the
+PEFT-layout merge (models/lora.merge, PEFT parity in tests/test_lora.py); only the adapters train and
+have optimizer state; the reference is the base (adapters off, the same buffers); the sampler's
+weights are base + adapters merged; a resumed run equals an uninterrupted one; bad keys are one line."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import TINY, run
+
+from rpeg_jax.config import load_config
+from rpeg_jax.config.base import ConfigError
+from rpeg_jax.config.model import LoraConfig, model_preset
+from rpeg_jax.models import adapters
+from rpeg_jax.models.llama import Transformer
+from rpeg_jax.models.lora import from_peft, merge, to_peft
+
+LORA = TINY + ["model.lora.rank=4", "model.lora.alpha=8"]
+
+
+def _lora_model(targets=None, seed=0, qkv_bias=False):
+    kw = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96, qkv_bias=qkv_bias)
+    lora = LoraConfig(rank=3, alpha=5.0, **({"targets": tuple(targets)} if targets else {}))
+    cfg = model_preset("tiny", lora=lora, **kw)
+    model = Transformer(cfg, rngs=nnx.Rngs(params=seed))
+    rng = np.random.default_rng(seed + 1)
+    for name in adapters.adapter_names(model.layers):  # B = 0 at init: give every adapter a value
+        var = getattr(model.layers, name)
+        var[...] = jnp.asarray(rng.normal(0, 0.2, var.shape), jnp.float32)
+    return cfg, model
+
+
+@pytest.mark.parametrize("targets", [None, ["q_proj", "o_proj", "down_proj"]])
+def test_activation_side_lora_equals_the_peft_merge(targets):
+    cfg, model = _lora_model(targets, qkv_bias=targets is None)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+    got = model(tokens)
+    _, state = nnx.split(model, nnx.Param)
+    base, ad = adapters.split(state)
+    plain_cfg = dataclasses.replace(cfg, lora=LoraConfig())
+    plain = Transformer(plain_cfg, rngs=nnx.Rngs(params=0))
+    nnx.update(plain, base)
+    peft = to_peft(cfg, ad)
+    assert sorted(peft) == sorted(cfg.lora.targets)
+    merge(plain, peft, rank=cfg.lora.rank, alpha=cfg.lora.alpha)  # the PEFT-layout merge (PEFT parity)
+    want = plain(tokens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)
+    # the runtime's merge (sampler sync, export) gives the same weights
+    merged = adapters.merged_weights(cfg, base, ad)
+    for (p1, x), (p2, y) in zip(
+        jax.tree_util.tree_leaves_with_path(merged), jax.tree_util.tree_leaves_with_path(nnx.state(plain, nnx.Param))
+    ):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, err_msg=str(p1))
+    # round trip of the layouts
+    back = from_peft(cfg, peft)["layers"]
+    for name, v in ad["layers"].items():
+        np.testing.assert_array_equal(back[name], np.asarray(v[...]))
+
+
+def test_the_base_of_a_lora_model_is_the_plain_model_of_the_same_seed():
+    cfg, _ = _lora_model()
+    a = nnx.state(Transformer(cfg, rngs=nnx.Rngs(params=7)), nnx.Param)
+    b = nnx.state(Transformer(dataclasses.replace(cfg, lora=LoraConfig()), rngs=nnx.Rngs(params=7)), nnx.Param)
+    base, ad = adapters.split(a)
+    assert jax.tree.structure(base) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert all(np.all(np.asarray(v[...]) == 0) for k, v in ad["layers"].items() if k.startswith("lora_b_"))
+
+
+@pytest.mark.parametrize(
+    "over, key",
+    [
+        (["model.lora.rank=4", "model.lora.targets=[q_proj,qproj]"], "model.lora.targets"),
+        (["model.lora.rank=-1"], "model.lora.rank"),
+        (["model.lora.rank=4", "model.lora.alpha=0"], "model.lora.alpha"),
+        (["model.lora.rank=4", "model.lora.targets=[]"], "model.lora.targets"),
+        (["model.lora.rank=4", "rl.algorithm=ppo", "pipeline.share_actor_critic=true"], "model.lora.rank"),
+        (["model.lora.rank=4", "rl.kl_coef=0.1", "train.offload=optimizer+reference"], "train.offload"),
+    ],
+)
+def test_bad_lora_keys_are_one_line_naming_the_key(over, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, TINY + over)
+    assert e.value.key == key, str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_lora_run_trains_only_the_adapters_and_the_reference_is_the_base(tmp_path):
+    """GRPO with a KL term: the actor state and its AdamW moments are the adapters only; the
+    reference is the base (its buffers are the base's), so the KL to it is 0 while the adapters are
+    0 (step 1: B = 0) and grows once they train; the sampler's weights are the merged model."""
+    from rpeg_jax.graph.plan import graph_for_plan
+    from rpeg_jax.runtime.setup import build
+    from rpeg_jax.runtime.trainer import choose_plan
+
+    over = LORA + ["rl.kl_coef=0.1"]
+    r = run(tmp_path, "lora", over, steps=3)
+    actor = r.state["actor"]
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(actor)]
+    assert paths and all("lora_" in p for p in paths), paths
+    assert len(paths) == 2 * 7
+    n_adapter = sum(x.size for x in jax.tree.leaves(actor))
+    mu = [x for p, x in jax.tree_util.tree_leaves_with_path(r.state["actor_opt"]) if "mu" in jax.tree_util.keystr(p)]
+    assert sum(x.size for x in mu) == n_adapter  # AdamW's first moment: one entry per adapter parameter
+    assert any(float(jnp.max(jnp.abs(v))) > 0 for k, v in actor["layers"].items() if k.startswith("lora_b_"))
+    kl = [m["actor/kl"] for m in r.metrics]
+    assert abs(kl[0]) < 1e-6 and kl[-1] > 1e-6, kl
+
+    cfg = load_config(None, over + [f"train.run_dir={tmp_path / 'b'}"])
+    cfg, plan = choose_plan(cfg)
+    ctx, store = build(cfg, graph_for_plan(cfg, plan), plan)
+    ref = store.frozen["reference"]
+    assert all(x is y for x, y in zip(jax.tree.leaves(ref), jax.tree.leaves(ctx.lora_base), strict=True))
+    # the sync: the sampler's weights are base + s·A·B (the trained adapters of the run above)
+    trained = jax.device_put(actor, jax.tree.map(lambda x: x.sharding, store.latest("actor")[1]))
+    synced = ctx.placement.to_rollout(ctx.policy_params(trained))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, cfg.model.vocab_size, (2, 10)), jnp.int32)
+    lora_logits = nnx.merge(ctx.graphdefs["actor"], adapters.join(ctx.lora_base, trained))(tokens)
+    plain_logits = nnx.merge(ctx.graphdefs["policy"], synced)(tokens)
+    base_logits = nnx.merge(ctx.graphdefs["policy"], ctx.lora_base)(tokens)
+    assert float(jnp.max(jnp.abs(lora_logits - base_logits))) > 1e-4  # the adapters matter
+    np.testing.assert_allclose(np.asarray(plain_logits), np.asarray(lora_logits), atol=2e-5)
+
+
+def test_resume_of_a_lora_run_is_exact(tmp_path):
+    from rpeg_jax.runtime.trainer import train
+
+    straight = run(tmp_path, "straight", LORA, steps=3)
+
+    def go(steps):
+        cfg = load_config(None, LORA + [f"train.steps={steps}", f"train.run_dir={tmp_path / 'resumed'}"])
+        return train(cfg, keep_state=True)
+
+    go(2)
+    out = go(3)
+    assert out["steps"] == 3
+    for name in ("actor", "actor_opt"):
+        for x, y in zip(jax.tree.leaves(straight.state[name]), jax.tree.leaves(out["state"][name]), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
