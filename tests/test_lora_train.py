@@ -144,3 +144,65 @@ def test_resume_of_a_lora_run_is_exact(tmp_path):
     for name in ("actor", "actor_opt"):
         for x, y in zip(jax.tree.leaves(straight.state[name]), jax.tree.leaves(out["state"][name]), strict=True):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+
+
+def test_export_writes_the_merged_model_and_a_peft_adapter(tmp_path, capsys):
+    """A LoRA run from tests/fixtures/hf/llama_tiny, 2 steps: `rpeg export` writes base + adapters
+    merged, whose logits equal the run's LoRA model; `rpeg export --adapter` writes a PEFT adapter
+    directory that models/lora.read_peft_adapter (PEFT-parity tested on PEFT's own files) reads back to
+    the checkpoint's adapters, and whose PEFT-layout merge onto the base gives the same logits.
+    (PEFT itself loading such an export: tests/fixtures/make_lora_fixtures.py --only train-export.)"""
+    import json
+    import os
+
+    from helpers import HF
+
+    from rpeg_jax.cli import main
+    from rpeg_jax.models import load_hf
+    from rpeg_jax.models.lora import read_peft_adapter
+
+    src = os.path.join(HF, "llama_tiny")
+    over = LORA + [
+        f"model.path={src}",
+        "model.intermediate_size=160",
+        "model.max_position_embeddings=128",
+        "train.checkpoint_every=1",
+        "rl.entropy_coef=0.1",
+        "optim.lr=1e-2",
+    ]
+    r = run(tmp_path, "run", over, steps=2)
+    merged_dir, adapter_dir = str(tmp_path / "merged"), str(tmp_path / "adapter")
+    assert main(["export", "--run-dir", r.run_dir, "--out", merged_dir]) == 0
+    assert main(["export", "--run-dir", r.run_dir, "--adapter", adapter_dir]) == 0
+    assert sorted(os.listdir(adapter_dir)) == ["adapter_config.json", "adapter_model.safetensors"]
+    config = json.load(open(os.path.join(adapter_dir, "adapter_config.json")))
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8.0, src)
+
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 100, (2, 12)), jnp.int32)
+    base = load_hf(src)
+    cfg = base.cfg
+    base_logits = np.asarray(base(tokens))
+    trained = jax.device_put(r.state["actor"], jax.devices()[0])
+    lora_cfg = dataclasses.replace(cfg, lora=LoraConfig(rank=4, alpha=8.0))
+    lora_model = Transformer(lora_cfg, rngs=nnx.Rngs(0))
+    nnx.update(lora_model, adapters.join(nnx.state(base, nnx.Param), trained))
+    want = np.asarray(lora_model(tokens))
+    assert np.abs(want - base_logits).max() > 1e-3, "the adapters did not train: the test could not fail"
+
+    np.testing.assert_allclose(np.asarray(load_hf(merged_dir)(tokens)), want, atol=2e-5)
+    read, rank, alpha = read_peft_adapter(adapter_dir, cfg)
+    for target, (a, b) in to_peft(lora_cfg, trained).items():
+        np.testing.assert_array_equal(read[target][0], a)
+        np.testing.assert_array_equal(read[target][1], b)
+    merge(base, read, rank=rank, alpha=alpha)
+    np.testing.assert_allclose(np.asarray(base(tokens)), want, atol=2e-5)
+
+    plain = tmp_path / "plainrun"  # --adapter of a run without adapters: one line, exit 2
+    plain.mkdir()
+    text = open(os.path.join(r.run_dir, "config.yaml")).read()
+    (plain / "config.yaml").write_text(text.replace("rank: 4", "rank: 0"))
+    os.symlink(os.path.join(r.run_dir, "checkpoints"), plain / "checkpoints")
+    capsys.readouterr()
+    assert main(["export", "--run-dir", str(plain), "--adapter", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.lora.rank=0" in err, err

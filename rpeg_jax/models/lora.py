@@ -67,7 +67,9 @@ def merge(model: Transformer, adapters: dict, *, rank: int, alpha: float) -> Non
         var[...] = (w.astype(jnp.float32) + delta).astype(w.dtype)
 
 
-def write_peft_adapter(path: str, cfg: ModelConfig, adapters: dict, *, rank: int, alpha: float) -> None:
+def write_peft_adapter(
+    path: str, cfg: ModelConfig, adapters: dict, *, rank: int, alpha: float, base_model: str | None = None
+) -> None:
     """A PEFT adapter directory: adapter_config.json and adapter_model.safetensors (PEFT's key names)."""
     os.makedirs(path, exist_ok=True)
     tensors = {}
@@ -88,7 +90,7 @@ def write_peft_adapter(path: str, cfg: ModelConfig, adapters: dict, *, rank: int
         "fan_in_fan_out": False,
         "use_rslora": False,
         "inference_mode": True,
-        "base_model_name_or_path": None,
+        "base_model_name_or_path": base_model,
     }
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
