@@ -46,6 +46,7 @@ def test_activation_side_lora_equals_the_peft_merge(targets):
     plain_cfg = dataclasses.replace(cfg, lora=LoraConfig())
     plain = Transformer(plain_cfg, rngs=nnx.Rngs(params=0))
     nnx.update(plain, base)
+    assert float(jnp.max(jnp.abs(plain(tokens) - got))) > 1e-2  # the adapters matter
     peft = to_peft(cfg, ad)
     assert sorted(peft) == sorted(cfg.lora.targets)
     merge(plain, peft, rank=cfg.lora.rank, alpha=cfg.lora.alpha)  # the PEFT-layout merge (PEFT parity)
@@ -61,6 +62,22 @@ def test_activation_side_lora_equals_the_peft_merge(targets):
     back = from_peft(cfg, peft)["layers"]
     for name, v in ad["layers"].items():
         np.testing.assert_array_equal(back[name], np.asarray(v[...]))
+
+
+def test_activation_side_gradients_equal_those_of_the_merged_weights():
+    """d loss / d (A, B) of y = x W + s (x A) B (what training differentiates) equals that of the
+    forward on W + s A B (adapters.merged_weights, checked against the PEFT merge above)."""
+    cfg, model = _lora_model()
+    graphdef, state = nnx.split(model, nnx.Param)
+    base, ad = adapters.split(state)
+    plain = dataclasses.replace(cfg, lora=LoraConfig())
+    plain_gd = nnx.split(nnx.eval_shape(lambda: Transformer(plain, rngs=nnx.Rngs(0))), nnx.Param)[0]
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+    act = jax.grad(lambda a: jnp.sum(jnp.sin(nnx.merge(graphdef, adapters.join(base, a))(tokens))))(ad)
+    mrg = jax.grad(lambda a: jnp.sum(jnp.sin(nnx.merge(plain_gd, adapters.merged_weights(cfg, base, a))(tokens))))(ad)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(act), jax.tree.leaves(mrg), strict=True):
+        assert float(jnp.max(jnp.abs(x))) > 1e-2, path
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=5e-5, rtol=1e-4, err_msg=str(path))
 
 
 def test_the_base_of_a_lora_model_is_the_plain_model_of_the_same_seed():
