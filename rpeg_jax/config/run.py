@@ -25,7 +25,7 @@ from rpeg_jax.config.distributed import DistributedConfig
 from rpeg_jax.config.env import EnvConfig
 from rpeg_jax.config.eval import EvalConfig
 from rpeg_jax.config.hf import resolve_checkpoint
-from rpeg_jax.config.model import ModelConfig, resolve_preset
+from rpeg_jax.config.model import LoraConfig, ModelConfig, resolve_preset
 from rpeg_jax.config.optim import OptimConfig
 from rpeg_jax.config.pipeline import PipelineConfig
 from rpeg_jax.config.registry import load_plugins
@@ -141,6 +141,28 @@ class RunConfig:
                 True,
                 f"with pipeline.staleness={p.staleness} the proximal policy must be recomputed",
             )
+        if m.lora.rank:
+            check(
+                not p.share_actor_critic,
+                "model.lora.rank",
+                m.lora.rank,
+                "a shared actor-critic backbone trains its value head in full; LoRA needs a separate critic "
+                "(pipeline.share_actor_critic=false)",
+            )
+            check(
+                self.train.offload != "optimizer+reference",
+                "train.offload",
+                self.train.offload,
+                "with model.lora the reference is the actor's frozen base, already on the device; "
+                "use train.offload=optimizer",
+            )
+        if self.critic is not None:
+            check(
+                self.critic.lora.rank == 0,
+                "critic.lora.rank",
+                self.critic.lora.rank,
+                "LoRA trains the actor only (model.lora); the critic trains in full",
+            )
         if self.train.offload == "optimizer+reference":  # the reference exists only with β > 0
             check(
                 r.kl_coef > 0,
@@ -216,7 +238,7 @@ class RunConfig:
     @property
     def critic_model(self) -> ModelConfig:
         base = self.critic if self.critic is not None else self.model
-        return dataclasses.replace(base, value_head=True)
+        return dataclasses.replace(base, value_head=True, lora=LoraConfig())  # the critic trains in full
 
 
 def parse_value(text: str) -> Any:
