@@ -210,3 +210,55 @@ def test_bad_transcripts_name_file_and_line(tmp_path):
     p.write_text(json.dumps({"messages": cases()[0]["messages"]}) + "\n")
     with pytest.raises(DataError, match="sft.max_len=10"):
         read_transcripts(dataclasses.replace(cfg, path=str(p), max_len=10, on_bad_record="error"), template, tok)
+
+
+# ---- the agentic preset's files and the eval file of episodes ----------------------------------
+ROOT = os.path.dirname(HERE)
+AGENTIC = os.path.join(ROOT, "configs", "agentic")
+
+
+def test_agentic_files_are_what_make_data_writes(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_data", os.path.join(AGENTIC, "make_data.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(str(tmp_path))
+    names = sorted(os.listdir(tmp_path))
+    assert names == sorted(n for n in os.listdir(AGENTIC) if n != "make_data.py" and not n.startswith("__"))
+    for n in names:
+        with open(tmp_path / n, "rb") as a, open(os.path.join(AGENTIC, n), "rb") as b:
+            assert a.read() == b.read(), n
+
+
+def test_agentic_transcript_is_the_episode_rendering(monkeypatch):
+    """An SFT transcript of the preset is token for token what an RL episode of the tools environment
+    builds when the policy writes the same turns (prompt + turns + observations, env/session.py, the
+    calculator run for real), and its mask is 1 on exactly the tokens the policy samples there, plus
+    the <|im_end|> after the call (the episode's turn ends at </tool_call>; the template's end of turn
+    is then an observation token)."""
+    from rpeg_jax.data.chat import load_prompt_format
+    from rpeg_jax.data.sft import encode_conversation
+    from rpeg_jax.env.runner import EnvRunner
+
+    monkeypatch.chdir(ROOT)  # the preset's paths are relative to the repository
+    cfg = load_config(os.path.join(ROOT, "configs", "agentic.yaml"))
+    tok = HFTokenizer(cfg.data.tokenizer)
+    template = load_prompt_format(cfg.data).template
+    runner = EnvRunner.build(cfg, tok)
+    with open(cfg.sft.path) as f:
+        conv = json.loads(f.readline())
+    ex = encode_conversation(template, tok, conv["messages"], conv["tools"])
+    user, call, result, answer = conv["messages"]
+    s = runner.start({"id": "x", "prompt": user["content"], "answer": answer["content"]})
+    out = runner.end_turn(s, tok.encode(call["content"]), "call")
+    assert not out.done and tok.decode(out.observation_ids).count(result["content"]) == 1
+    out = runner.end_turn(s, tok.encode(answer["content"]) + [tok.eos_id], "stop")
+    assert out.done and out.reward == 1.0
+    runner.close()
+    episode = list(s.prompt_ids) + s.response_ids()
+    newline = tok.encode("\n")
+    assert list(ex.ids) == episode + newline  # the template's newline after the last <|im_end|>
+    sampled = [0] * len(s.prompt_ids) + s.response_mask() + [0]
+    diff = [t for t, (a, b) in enumerate(zip(ex.mask, sampled)) if a != b]
+    assert len(diff) == 1 and ex.ids[diff[0]] == tok.eos_id and ex.ids[diff[0] - 1] == tok.encode("</tool_call>")[0]
