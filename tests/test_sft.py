@@ -24,6 +24,7 @@ from rpeg_jax.data.chat import ChatTemplate
 from rpeg_jax.data.jsonl import DataError
 from rpeg_jax.data.sft import encode_conversation
 from rpeg_jax.data.tokenizer import HFTokenizer
+from rpeg_jax.env import Environment, Episode, StepResult
 
 HERE = os.path.dirname(__file__)
 QWEN = os.path.join(HERE, "fixtures", "chat", "qwen2_5")
@@ -262,3 +263,57 @@ def test_agentic_transcript_is_the_episode_rendering(monkeypatch):
     sampled = [0] * len(s.prompt_ids) + s.response_mask() + [0]
     diff = [t for t, (a, b) in enumerate(zip(ex.mask, sampled)) if a != b]
     assert len(diff) == 1 and ex.ids[diff[0]] == tok.eos_id and ex.ids[diff[0] - 1] == tok.encode("</tool_call>")[0]
+
+
+class TwoTurns(Environment):
+    """A tool result after the first turn, reward 0.5 after the second (the eval file test's)."""
+
+    def start(self, record):
+        return TwoTurnsEpisode(record, self.prompt_messages(record))
+
+
+class TwoTurnsEpisode(Episode):
+    def respond(self, turn):
+        if self.stats.turns >= 2:
+            return StepResult(reward=0.5, done=True)
+        return StepResult(observations=({"role": "tool", "content": "7"},))
+
+
+def test_evaluation_with_an_environment_writes_the_turns(tmp_path, monkeypatch):
+    """eval/step_N.jsonl of a run with an environment: per sample the messages its episode added (the
+    assistant's turns and the tool result between them), scored by the episode's reward."""
+    from flax import nnx
+    from jax.sharding import Mesh
+
+    from rpeg_jax.models import Transformer
+    from rpeg_jax.runtime.evaluation import Evaluator
+
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "agentic.yaml"),
+        [
+            *[o for o in TINY if o.split("=")[0].split(".")[0] in ("model",)],
+            "env.name=test_sft:TwoTurns",
+            "env.tools=[]",
+            "rollout.stop_token_ids=[0]",  # the model below writes only id 0: every turn is one token
+            "eval.max_prompts=3",
+            "eval.n=2",
+            "eval.temperature=0",
+            f"train.run_dir={tmp_path}",
+        ],
+    )
+    ev = Evaluator.for_run(cfg)
+    model = Transformer(cfg.model, rngs=nnx.Rngs(params=0))
+    model.lm_head[...] = np.zeros(model.lm_head.shape, np.float32)  # all logits 0: greedy writes id 0
+    graphdef, params = nnx.split(model, nnx.Param)
+    ev.on(graphdef, Mesh(np.asarray(jax.devices()[:1]), ("data",)), lambda p: p)
+    m = ev.run(5, params)
+    assert m["val-core/eval/reward/mean@2"] == 0.5 and m["val-aux/env/turns/mean"] == 2.0, m
+    with open(os.path.join(tmp_path, "eval", "step_5.jsonl")) as f:
+        lines = [json.loads(x) for x in f]
+    assert len(lines) == 3
+    for line in lines:
+        assert line["scores"] == [0.5, 0.5] and len(line["episodes"]) == 2
+        for ep in line["episodes"]:
+            assert [msg["role"] for msg in ep] == ["assistant", "tool", "assistant"]
+            assert ep[1]["content"] == "7"

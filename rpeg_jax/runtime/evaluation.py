@@ -121,6 +121,12 @@ def load_eval_records(cfg: RunConfig, tokenizer) -> list[dict]:
     return records
 
 
+def _after_prompt(messages: list[dict]) -> list[dict]:
+    """An episode's messages from its first assistant turn on (what the policy and the tools added)."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+    return list(messages[first:])
+
+
 class Evaluator:
     """Evaluation of one run config's eval set (module docstring): built before anything compiles
     (the eval file is read and checked then), told the policy's layout by `on`, then `run` per step."""
@@ -207,7 +213,7 @@ class Evaluator:
             lines = []
             for i, r in enumerate(self.records):
                 mine = res[i * n : (i + 1) * n]
-                added = [e.session.episode.messages[len(e.session.episode.prompt_messages(r)) :] for e in mine]
+                added = [_after_prompt(e.session.episode.messages) for e in mine]
                 line = {
                     "id": r["id"],
                     "data_source": r["data_source"],
