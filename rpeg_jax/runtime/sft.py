@@ -159,7 +159,13 @@ def _model(cfg: RunConfig):
 def train_sft(cfg: RunConfig, *, on_step=None, keep_state: bool = False) -> dict[str, Any]:
     """cfg.sft.steps SFT steps (module doc), resuming from the run directory's newest checkpoint
     when train.resume=auto. Returns {"steps", "run_dir", "loss"} (+ "state" with keep_state)."""
-    from rpeg_jax.runtime.trainer import check_run_dir
+    from rpeg_jax.runtime.trainer import StopSignals, check_run_dir
+
+    with StopSignals() as stop:  # SIGINT / SIGTERM: stop after the step in flight, its checkpoint saved
+        return _train_sft(cfg, stop, check_run_dir, on_step, keep_state)
+
+
+def _train_sft(cfg: RunConfig, stop, check_run_dir, on_step, keep_state: bool) -> dict[str, Any]:
 
     if jax.process_count() > 1:
         raise ConfigError("train.mode", cfg.train.mode, "SFT runs on one process for now")
@@ -211,7 +217,13 @@ def train_sft(cfg: RunConfig, *, on_step=None, keep_state: bool = False) -> dict
         )
         loss = float("nan")
         try:
+            done = start
             for t in range(start, s.steps):
+                if stop.agreed():
+                    log.warning("SFT: stopped by %s after step %d; run the same command to resume", stop.signal_name, t)
+                    if t > start:
+                        ckpt.save(t, {"actor": params, "actor_opt": opt_state}, {"step": t, "mode": "sft"})
+                    break
                 t0 = time.perf_counter()
                 idx = batch_indices(len(examples), s.batch_size, t, cfg.train.seed, s.shuffle)
                 host = pack([examples[i] for i in idx], s.max_len, len(devices))
@@ -234,11 +246,12 @@ def train_sft(cfg: RunConfig, *, on_step=None, keep_state: bool = False) -> dict
                     on_step(t + 1, m)
                 if last or (s.checkpoint_every and (t + 1) % s.checkpoint_every == 0):
                     ckpt.save(t + 1, {"actor": params, "actor_opt": opt_state}, {"step": t + 1, "mode": "sft"})
+                done = t + 1
         finally:
             writer.close()
     finally:
         ckpt.close()
-    out = {"steps": s.steps, "run_dir": d, "loss": loss}
+    out = {"steps": done, "interrupted": done < s.steps, "run_dir": d, "loss": loss}
     if keep_state:
         out["state"] = {"actor": params, "actor_opt": opt_state}
     return out
@@ -264,6 +277,8 @@ def sft_then_rl(cfg: RunConfig, rl_train, **kw) -> dict[str, Any]:
         cfg, train=dataclasses.replace(cfg.train, mode="sft", run_dir=os.path.join(cfg.train.run_dir, "sft"))
     )
     sft = train_sft(sft_cfg)
+    if sft["interrupted"]:
+        return {"sft": sft, "interrupted": True, "steps": 0, "run_dir": cfg.train.run_dir}
     model_dir = os.path.join(sft_cfg.train.run_dir, "model")
     step, _ = export(sft_cfg.train.run_dir, model_dir, overwrite=True)
     log.info("SFT: step %d exported to %s; RL starts from it", step, model_dir)
