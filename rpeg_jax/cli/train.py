@@ -104,7 +104,13 @@ def train(cfg, result_json: str | None = None, process_id: int = 0, who: str = "
     from rpeg_jax.runtime.trainer import train as run_training
 
     try:
-        result = plain(run_training(cfg))
+        if cfg.train.mode == "rl":
+            result = plain(run_training(cfg))
+        else:  # supervised fine-tuning on chat transcripts, and RL after it (runtime/sft.py)
+            from rpeg_jax.runtime import sft
+
+            out = sft.train_sft(cfg) if cfg.train.mode == "sft" else sft.sft_then_rl(cfg, run_training)
+            result = plain(out)
     except expected_failures() as e:
         print(f"{who}: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_FAILED, None

@@ -31,6 +31,7 @@ from rpeg_jax.config.pipeline import PipelineConfig
 from rpeg_jax.config.registry import load_plugins
 from rpeg_jax.config.rl import RLConfig
 from rpeg_jax.config.rollout import RolloutConfig
+from rpeg_jax.config.sft import SFTConfig
 from rpeg_jax.config.sharding import ShardingConfig
 from rpeg_jax.config.train import TrainConfig
 
@@ -57,6 +58,7 @@ class RunConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     env: EnvConfig = field(default_factory=EnvConfig)  # the episode's environment and tools (agentic RL)
+    sft: SFTConfig = field(default_factory=SFTConfig)  # supervised fine-tuning (train.mode=sft / sft_then_rl)
     plugins: tuple[str, ...] = ()  # the user's modules, imported when the config is loaded: they register
     #   rewards, sharding rules and tactics, environments, tools and kernels (config/registry.py)
 
@@ -95,6 +97,25 @@ class RunConfig:
                 "env.name",
                 self.env.name,
                 "multi-turn episodes run under rollout.admission=step without rl.filter_groups (for now)",
+            )
+        if self.train.mode != "rl":
+            check(
+                self.sft.path is not None,
+                "sft.path",
+                None,
+                f"train.mode={self.train.mode} trains on chat transcripts: give their JSONL file",
+            )
+            check(
+                d.chat_template != "none",
+                "train.mode",
+                self.train.mode,
+                "SFT renders conversations with the chat template; data.chat_template=none gives none",
+            )
+            check(
+                self.sft.max_len <= m.max_position_embeddings,
+                "sft.max_len",
+                self.sft.max_len,
+                f"exceeds model.max_position_embeddings={m.max_position_embeddings}",
             )
         if p.share_actor_critic:
             check(r.algorithm == "ppo", "pipeline.share_actor_critic", True, "needs a critic: set rl.algorithm=ppo")
