@@ -39,9 +39,9 @@ BUFFERED = ("completions", "behav_logp")
 def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None) -> None:
     """Checkpoint the run after `step` completed steps (call only between steps: every state is
     then at version `step`, and with generation k steps ahead the rollouts of steps step..step+k-1
-    are buffered). Under continuous admission the `engine` restarts its groups first (they are
-    generated again from their prompts, here and after a resume alike) and its queue and data
-    position are saved."""
+    are buffered). Under continuous admission the `engine`'s whole state is saved without
+    disturbing it (ContinuousRollouts.snapshot: its queues, groups, sequences and KV pools), so a
+    checkpoint the uninterrupted run did not take (the one a signal writes) changes nothing."""
     k = ex.generation_ahead
     train = {name: store.latest(name)[1] for name in TRAIN_STATES if name in store.state}
     versions = {n: store.latest(n)[0] for n in TRAIN_STATES if n in store.state}
@@ -49,8 +49,8 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None)
         raise RuntimeError(f"checkpoint of step {step} would hold state versions {versions}: not a step boundary")
     prompts = store.latest("data_iterator")[1]
     buffered = list(range(step, step + k))
+    engine_state, engine_arrays = engine.snapshot() if engine is not None else (None, None)
     if engine is not None:  # the stream resumes by drawing the engine's next data step again
-        engine.restart()
         d = engine.data_step
         data_state = prompts.state_before(d) if d in prompts.before else prompts.state()
     elif prompts.cursor_before:  # dynamic sampling: the stream continues at a (data step, index) cursor
@@ -63,7 +63,7 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None)
         "versions": versions,
         "structure": {**ex.program.plan.knobs, **ex.program.plan.settings},  # checked on restore
         "data_iterator": data_state,
-        "engine": engine.state() if engine is not None else None,
+        "engine": engine_state,
         "next_ahead_step": dict(ex.next_ahead_step),
         "buffer_steps": buffered,
         "buffer_specs": {},
@@ -83,7 +83,7 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None)
                     name = f"{s}/{node}/{key}"
                     buffer[name] = arr
                     meta["buffer_specs"][name] = [list(arr.shape), str(arr.dtype)]
-    ckpt.save(step, train, meta, buffer=buffer)
+    ckpt.save(step, train, meta, buffer=buffer, engine=engine_arrays)
 
 
 def restore(ckpt: Checkpointer, store: Store, ex: Executor, ctx) -> int:
@@ -204,7 +204,7 @@ def _load(ckpt: Checkpointer, store: Store, ex: Executor, ctx, step: int, target
     if ctx.engine is not None:
         if meta.get("engine") is None:
             raise ConfigError("rollout.admission", "continuous", f"checkpoint {step} holds no engine state")
-        ctx.engine.load(meta["engine"])
+        ctx.engine.restore(meta["engine"], ckpt.restore_engine(step, ctx.engine.snapshot_target()))
     store.put_state("data_iterator", step + len(buffered), prompts)
     if "admitted" in meta and "rollout_buffer" in store.state:
         buf = store.latest("rollout_buffer")[1]
