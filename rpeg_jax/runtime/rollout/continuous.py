@@ -28,7 +28,9 @@ weights, graph/passes.bounded_async(k, ahead=0)): what the asynchrony buys is th
 on across weight updates, so the engine stays full instead of draining every step.
 
 Everything is a function of the seeds, the data order and the decode-chunk count, never of timing:
-runs are reproducible. The policy's decisions are shapes/admission.py's, which the cost model's
+runs are reproducible. A checkpoint holds the engine's whole state (`snapshot`: groups, sequences,
+scheduler, page allocator and the KV pools), so a resume continues bit-exactly from any step.
+The policy's decisions are shapes/admission.py's, which the cost model's
 simulation of this engine (costmodel/lengths.admission) makes too. Called by: runtime/kernels.py
 (the generate stage), runtime/setup.py.
 """
