@@ -217,7 +217,8 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
             seed=cfg.train.seed,
             prompt_offset=jax.process_index() * (cfg.data.prompts_per_step // jax.process_count()),
             lengths=forced_lengths(r.forced_lengths, cfg.train.seed, G) if r.forced_lengths else None,
-            max_filtered=cfg.rl.filter_max_rounds * cfg.data.prompts_per_step,
+            # this process's share of the bound (each process fills its own share of the batch)
+            max_filtered=cfg.rl.filter_max_rounds * (cfg.data.prompts_per_step // jax.process_count()),
         )
     ctx = RuntimeContext(
         cfg=cfg,

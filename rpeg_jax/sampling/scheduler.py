@@ -58,6 +58,39 @@ class Sequence:
     def known(self) -> list[int]:
         return self.prompt + self.tokens
 
+    def state(self, opts: int) -> dict:
+        """JSON of the sequence (`opts`: the index of its request's settings in the snapshot)."""
+        return {
+            "request": self.request,
+            "sample_index": self.sample_index,
+            "prompt": list(self.prompt),
+            "end": self.end,
+            "opts": opts,
+            "prompt_id": int(self.opts[1]),
+            "tokens": list(self.tokens),
+            "logprobs": list(self.logprobs),  # float32 values as Python floats: exact through JSON
+            "versions": list(self.versions),
+            "slot": self.slot,
+            "preemptions": self.preemptions,
+            "finish_reason": self.finish_reason,
+        }
+
+    @classmethod
+    def from_state(cls, d: dict, opts: list) -> "Sequence":
+        return cls(
+            request=int(d["request"]),
+            sample_index=int(d["sample_index"]),
+            prompt=[int(t) for t in d["prompt"]],
+            end=int(d["end"]),
+            opts=(opts[int(d["opts"])], int(d["prompt_id"])),
+            tokens=[int(t) for t in d["tokens"]],
+            logprobs=[float(x) for x in d["logprobs"]],
+            versions=[int(v) for v in d["versions"]],
+            slot=int(d["slot"]),
+            preemptions=int(d["preemptions"]),
+            finish_reason=d["finish_reason"],
+        )
+
 
 @dataclasses.dataclass(eq=False)
 class Group:
@@ -88,6 +121,25 @@ class Scheduler:
         self.free_slots = [list(alloc.shard_slots(d)) for d in range(alloc.num_shards)]
         self._order = 0
         self.num_preemptions = 0
+
+    # ---- snapshots ----------------------------------------------------------------------------
+    def state(self, index: dict[int, int]) -> dict:
+        """JSON of the queues and slots; sequences by `index[id(seq)]` (Sampler.snapshot)."""
+        group = lambda g: {"seqs": [index[id(s)] for s in g.seqs], "order": g.order, "shard": g.shard}  # noqa: E731
+        return {
+            "waiting": [group(g) for g in self.waiting],
+            "running": [group(g) for g in self.running],
+            "free_slots": [list(f) for f in self.free_slots],
+            "order": self._order,
+            "preemptions": self.num_preemptions,
+        }
+
+    def load(self, state: dict, seqs: list[Sequence]) -> None:
+        group = lambda d: Group([seqs[int(i)] for i in d["seqs"]], int(d["order"]), int(d["shard"]))  # noqa: E731
+        self.waiting = collections.deque(group(d) for d in state["waiting"])
+        self.running = [group(d) for d in state["running"]]
+        self.free_slots = [[int(x) for x in f] for f in state["free_slots"]]
+        self._order, self.num_preemptions = int(state["order"]), int(state["preemptions"])
 
     # ---- queries ------------------------------------------------------------------------------
     def running_seqs(self, shard: int | None = None) -> list[Sequence]:
