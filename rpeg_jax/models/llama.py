@@ -165,8 +165,11 @@ def qk_normed(cfg: ModelConfig, p: dict, q_BxTxHxE, k_BxTxKxE):
     return rms_norm(q_BxTxHxE, p["q_norm"], cfg.rms_norm_eps), rms_norm(k_BxTxKxE, p["k_norm"], cfg.rms_norm_eps)
 
 
-def decoder_layer(cfg: ModelConfig, p: dict, x_BxTxD, cos, sin, attention, layer, cache):
-    """One pre-norm decoder layer: x + Attn(norm(x)); then x + SwiGLU(norm(x)).
+def decoder_layer(cfg: ModelConfig, p: dict, x_BxTxD, cos, sin, attention, layer, cache, experts_BxTxK=None):
+    """One pre-norm decoder layer: x + Attn(norm(x)); then x + SwiGLU(norm(x)) (or the sparse MLP).
+    Returns (x, cache, route): route is None for a dense MLP, else (router logits [B, T, X],
+    experts used [B, T, k]); `experts_BxTxK` imposes a sparse layer's experts (routing replay; -1
+    entries route freely, models/moe.route).
 
     Projections go through `dense` (one 2-D GEMM each, forward and backward; see models/dense.py).
     """
@@ -186,13 +189,13 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BxTxD, cos, sin, attention, layer
     x = constrain(x, (BATCH, SEQ, EMBED))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     if "we_gate" in p:  # Qwen3-MoE sparse MLP (models/moe.py)
-        y, _, _ = moe_block(h, p, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        return constrain(x + y, (BATCH, SEQ, EMBED)), cache
+        y, logits, experts = moe_block(h, p, cfg.num_experts_per_tok, cfg.norm_topk_prob, experts_BxTxK)
+        return constrain(x + y, (BATCH, SEQ, EMBED)), cache, (logits, experts)
     gate = project(cfg, p, "w_gate", h)
     up = project(cfg, p, "w_up", h)
     act = constrain(swiglu(gate, up), (BATCH, SEQ, MLP))
     x = x + project(cfg, p, "w_down", act)
-    return constrain(x, (BATCH, SEQ, EMBED)), cache
+    return constrain(x, (BATCH, SEQ, EMBED)), cache, None
 
 
 _MLP_PARAMS = ("w_gate", "w_up", "w_down", *MOE_PARAMS)  # stacked over their own group of layers
@@ -226,6 +229,23 @@ class Transformer(nnx.Module):
     # ---- forward pieces -------------------------------------------------------------------
     def hidden(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *, attention=None, cache: Any = None):
         """Final-normed hidden states [B, T, D] (compute dtype) and the updated cache."""
+        h, cache, _ = self.hidden_routed(tokens_BxT, positions_BxT, segment_ids_BxT, attention=attention, cache=cache)
+        return h, cache
+
+    def hidden_routed(
+        self,
+        tokens_BxT,
+        positions_BxT=None,
+        segment_ids_BxT=None,
+        *,
+        attention=None,
+        cache: Any = None,
+        experts_BxTxSxK=None,
+    ):
+        """`hidden` plus the sparse layers' routing: (h, cache, route) with route None for a dense
+        model, else {"logits": router logits [B, T, S, X] float32, "experts": the experts used
+        [B, T, S, k] int32} over the S sparse layers in order. `experts_BxTxSxK` imposes them
+        (routing replay; -1 entries route freely)."""
         cfg = self.cfg
         tokens_BxT = jnp.asarray(tokens_BxT, jnp.int32)
         if positions_BxT is None:
@@ -242,25 +262,37 @@ class Transformer(nnx.Module):
 
         def body(carry, xs):
             x, cache = carry
-            p, layer = xs
+            p, layer, forced = xs
             p = {n: compute_layout(w, x) for n, w in p.items()}  # identity unless sharding is in types
-            return decoder_layer(cfg, p, x, cos, sin, attention, layer, cache), None
+            x, cache, route = decoder_layer(cfg, p, x, cos, sin, attention, layer, cache, forced)
+            return (x, cache), route
 
         if cfg.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat])
         stacked = self.layers.stacked()
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        if cfg.scanned:
-            (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, layer_ids))
+        sparse = cfg.sparse_layers
+        if experts_BxTxSxK is not None:
+            experts_BxTxSxK = jnp.asarray(experts_BxTxSxK, jnp.int32)
+        if cfg.scanned:  # every layer of one kind
+            forced = None if experts_BxTxSxK is None else jnp.moveaxis(experts_BxTxSxK, 2, 0)
+            (x, cache), routes = jax.lax.scan(body, (x, cache), (stacked, layer_ids, forced))
+            route = None if routes is None else tuple(jnp.moveaxis(r, 0, 2) for r in routes)
         else:  # unrolled: no loop carry or stacked residuals (faster on CPU for a few layers)
-            dense_row, sparse_row = layer_groups(cfg.sparse_layers)
+            dense_row, sparse_row = layer_groups(sparse)
+            routes = []
             for i in range(cfg.num_layers):
                 row = {
                     n: (sparse_row[i] if n in MOE_PARAMS else dense_row[i]) if n in _MLP_PARAMS else i for n in stacked
                 }
                 p = {n: w[row[n]] for n, w in stacked.items() if row[n] >= 0}
-                (x, cache), _ = body((x, cache), (p, layer_ids[i]))
-        return rms_norm(x, compute_layout(self.final_norm[...], x), cfg.rms_norm_eps), cache
+                forced = None if experts_BxTxSxK is None or not sparse[i] else experts_BxTxSxK[:, :, sparse_row[i]]
+                (x, cache), r = body((x, cache), (p, layer_ids[i], forced))
+                if r is not None:
+                    routes.append(r)
+            route = tuple(jnp.stack(z, axis=2) for z in zip(*routes)) if routes else None
+        h = rms_norm(x, compute_layout(self.final_norm[...], x), cfg.rms_norm_eps)
+        return h, cache, (None if route is None else {"logits": route[0], "experts": route[1]})
 
     def attention_impl(self, x_BxTxD) -> str:
         """model.attention resolved for activations like `x_BxTxD` (models/attention.resolve_attention)."""

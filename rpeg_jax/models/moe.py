@@ -7,7 +7,7 @@ Letters: N tokens (B*T flattened), D hidden, X experts, F moe_intermediate_size,
 
 `experts_NxK` lets a caller impose the experts (routing replay: the sampler's choice); the weights
 are then the router's probabilities of those experts (renormalised as usual), so gradients still
-reach the router.
+reach the router. A token whose row holds a -1 (no record, e.g. padding) routes by its own top-k.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ def route(h_NxD, w_router_DxX, k: int, norm_topk_prob: bool, experts_NxK=None):
     """(router logits [N, X] float32, chosen experts [N, k] int32, their weights [N, k] float32)."""
     logits = jnp.dot(h_NxD, w_router_DxX.astype(h_NxD.dtype), preferred_element_type=jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
-    if experts_NxK is None:
-        weights, experts = jax.lax.top_k(probs, k)
-    else:
-        experts = jnp.asarray(experts_NxK, jnp.int32)
+    weights, experts = jax.lax.top_k(probs, k)
+    if experts_NxK is not None:  # a token with any -1 entry (not recorded) keeps its own top-k
+        forced = jnp.asarray(experts_NxK, jnp.int32)
+        experts = jnp.where(jnp.all(forced >= 0, axis=-1, keepdims=True), forced, experts)
         weights = jnp.take_along_axis(probs, experts, axis=-1)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)

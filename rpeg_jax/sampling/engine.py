@@ -17,7 +17,12 @@ Sharded pool (static `mesh`, sampling/sharding.py): each function runs per data 
 (page-table entries, write targets and copy indices are all local; the padding page id is P/D), and
 the other mesh axes (kv heads over `tensor`) left to XLA. Without a mesh the bodies run as they are.
 
-Letters: B slots, T tokens, W page-table width, N stop ids per slot, K chunk steps (buffer size).
+Qwen3-MoE (static `routed`): prefill and every decode step also return the experts each processed
+token was routed to in every sparse layer (prefill: [B, T, S, k]; decode: [K, B, S, k], -1 where a
+slot was inactive), which the Sampler records per sequence (routing replay, rl.routing).
+
+Letters: B slots, T tokens, W page-table width, N stop ids per slot, K chunk steps (buffer size),
+S sparse (MoE) layers, k experts per token.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class ChunkResult(NamedTuple):
     token_B: jax.Array  # state after the chunk
     pos_B: jax.Array
     active_B: jax.Array
+    experts_KxBxSxK: Any = None  # int32 experts of each step's input token (routed models; -1 inactive)
 
 
 DATA = "data"
@@ -81,26 +87,30 @@ def _per_shard(fn, mesh, in_specs, out_specs):
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={DATA}, check_vma=False)
 
 
-@functools.partial(jax.jit, static_argnames=("fwd", "mesh", "heads_sharded"), donate_argnames=("pools",))
-def prefill(fwd, params, pools, tokens_BxT, lengths_B, table_BxW, *, mesh=None, heads_sharded: bool = False):
+@functools.partial(jax.jit, static_argnames=("fwd", "mesh", "heads_sharded", "routed"), donate_argnames=("pools",))
+def prefill(
+    fwd, params, pools, tokens_BxT, lengths_B, table_BxW, *, mesh=None, heads_sharded: bool = False, routed=False
+):
     """Run the model over right-padded `tokens_BxT` (the first lengths_B of each row are real) and
-    write their K/V into the rows' pages. Padding rows use length 0. Returns the pools. With `mesh`
-    (a sharded pool) the rows come in D blocks, block d for shard d, with local page ids.
+    write their K/V into the rows' pages. Padding rows use length 0. Returns the pools, and with
+    `routed` (a MoE model) (pools, experts [B, T, S, k]). With `mesh` (a sharded pool) the rows come
+    in D blocks, block d for shard d, with local page ids.
     `heads_sharded`: the pools' kv heads are split over a mesh axis (paged_attention.gather_pages)."""
-    body = functools.partial(_prefill, fwd, heads_sharded=heads_sharded)
-    return _per_shard(body, mesh, (P(), _POOL, _ROWS, _ROWS, _ROWS), _POOL)(
+    body = functools.partial(_prefill, fwd, heads_sharded=heads_sharded, routed=routed)
+    out_specs = (_POOL, _ROWS) if routed else _POOL
+    return _per_shard(body, mesh, (P(), _POOL, _ROWS, _ROWS, _ROWS), out_specs)(
         params, pools, tokens_BxT, lengths_B, table_BxW
     )
 
 
-def _prefill(fwd, params, pools, tokens_BxT, lengths_B, table_BxW, *, heads_sharded: bool):
+def _prefill(fwd, params, pools, tokens_BxT, lengths_B, table_BxW, *, heads_sharded: bool, routed: bool):
     b, t = tokens_BxT.shape
     num_pages, page_size = pools[0].shape[2], pools[0].shape[3]
     pos_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     page, off = write_targets(table_BxW, pos_BxT, pos_BxT < lengths_B[:, None], num_pages, page_size)
     attention = PagedAttention(page, off, table_BxW, pos_BxT, lengths_B, batched_heads=heads_sharded)
-    _, pools = fwd.hidden(params, tokens_BxT, pos_BxT, attention, pools)
-    return pools
+    _, pools, experts = fwd.hidden(params, tokens_BxT, pos_BxT, attention, pools)
+    return (pools, experts) if routed else pools
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("pools",))
@@ -148,15 +158,25 @@ def _decode_step(
             interpret=interpret,
             heads_mesh=heads_mesh,
         )
-    h, cache = fwd.hidden(params, token_B[:, None], pos_Bx1, attn, cache)
+    h, cache, experts = fwd.hidden(params, token_B[:, None], pos_Bx1, attn, cache)
     logits_BxV = fwd.logits(params, h[:, 0])
     new_B, logp_B = sample(logits_BxV, keys_Bx2, pos_B + 1, st.temperature_B, st.top_k_B, st.top_p_B, st.min_p_B)
-    return cache, new_B, logp_B
+    return cache, new_B, logp_B, (None if experts is None else experts[:, 0])
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("fwd", "chunk", "attention", "block_pages", "mesh", "heads_sharded", "interpret", "heads_mesh"),
+    static_argnames=(
+        "fwd",
+        "chunk",
+        "attention",
+        "block_pages",
+        "mesh",
+        "heads_sharded",
+        "interpret",
+        "heads_mesh",
+        "routed",
+    ),
     donate_argnames=("pools",),
 )
 def decode_chunk(
@@ -174,6 +194,7 @@ def decode_chunk(
     heads_sharded: bool = False,
     interpret: bool = False,
     heads_mesh=None,
+    routed: bool = False,
 ):
     """Up to min(num_steps, chunk) decode steps in one while_loop; exits early once every slot has
     stopped (stop id sampled or end reached). `attention`: "gather" (gather the pages every step),
@@ -186,7 +207,8 @@ def decode_chunk(
     stopped in this chunk and at least `min steps` steps ran, so that a waiting group can be admitted
     (continuous admission); slots > max_slots never exits early.
     With `mesh` (a sharded pool) every data shard runs its own loop over its slots and local pages
-    (no collective over `data`; a shard exits when its own slots stop) and `steps` is int32 [D]."""
+    (no collective over `data`; a shard exits when its own slots stop) and `steps` is int32 [D].
+    `routed` (a MoE model): the result also holds each step's experts (ChunkResult.experts_KxBxSxK)."""
     if release is None:
         release = jnp.array([0, st.token_B.shape[0] + 1], jnp.int32)
     body = functools.partial(
@@ -198,10 +220,12 @@ def decode_chunk(
         heads_sharded=heads_sharded,
         interpret=interpret,
         heads_mesh=heads_mesh,
+        routed=routed,
     )
     if mesh is not None:
         body = _steps_per_shard(body)
-    out_specs = (_POOL, ChunkResult(P(None, DATA), P(None, DATA), _ROWS, _ROWS, _ROWS, _ROWS))
+    experts_spec = P(None, DATA) if routed else None
+    out_specs = (_POOL, ChunkResult(P(None, DATA), P(None, DATA), _ROWS, _ROWS, _ROWS, _ROWS, experts_spec))
     return _per_shard(body, mesh, (P(), _POOL, _ROWS, P(), P()), out_specs)(params, pools, st, num_steps, release)
 
 
@@ -227,6 +251,7 @@ def _decode_chunk(
     heads_sharded: bool,
     interpret: bool,
     heads_mesh,
+    routed: bool,
 ):
     b = st.token_B.shape[0]
     keys_Bx2 = sequence_keys(st.seed_B, st.prompt_id_B, st.sample_id_B)
@@ -239,14 +264,14 @@ def _decode_chunk(
     started = jnp.sum(st.active_B.astype(jnp.int32))
 
     def cond(carry):
-        step, _, _, _, active_B, _, _ = carry
+        step, _, _, _, active_B, _, _, _ = carry
         freed = started - jnp.sum(active_B.astype(jnp.int32))
         early = (step >= release[0]) & (freed >= release[1])
         return (step < limit) & jnp.any(active_B) & ~early
 
     def body(carry):
-        step, cache, token_B, pos_B, active_B, tok_KxB, logp_KxB = carry
-        cache, new_B, logp_B = _decode_step(
+        step, cache, token_B, pos_B, active_B, tok_KxB, logp_KxB, exp_KxBxSxK = carry
+        cache, new_B, logp_B, experts_BxSxK = _decode_step(
             fwd,
             params,
             cache,
@@ -264,9 +289,11 @@ def _decode_chunk(
         stopped = jnp.any(new_B[:, None] == st.stop_ids_BxN, axis=1) | (pos_B + 2 >= st.end_B)
         tok_KxB = tok_KxB.at[step].set(jnp.where(active_B, new_B, -1))
         logp_KxB = logp_KxB.at[step].set(jnp.where(active_B, logp_B, 0.0))
+        if routed:
+            exp_KxBxSxK = exp_KxBxSxK.at[step].set(jnp.where(active_B[:, None, None], experts_BxSxK, -1))
         token_B = jnp.where(active_B, new_B, token_B)
         pos_B = jnp.where(active_B, pos_B + 1, pos_B)
-        return step + 1, cache, token_B, pos_B, active_B & ~stopped, tok_KxB, logp_KxB
+        return step + 1, cache, token_B, pos_B, active_B & ~stopped, tok_KxB, logp_KxB, exp_KxBxSxK
 
     init = (
         jnp.zeros((), jnp.int32),
@@ -276,13 +303,21 @@ def _decode_chunk(
         st.active_B,
         jnp.full((chunk, b), -1, jnp.int32),
         jnp.zeros((chunk, b), jnp.float32),
+        _experts_buffer(fwd, params, chunk, b) if routed else None,
     )
-    steps, cache, token_B, pos_B, active_B, tok_KxB, logp_KxB = jax.lax.while_loop(cond, body, init)
+    steps, cache, token_B, pos_B, active_B, tok_KxB, logp_KxB, exp_KxBxSxK = jax.lax.while_loop(cond, body, init)
     if attention == "chunk":  # written: positions [pos at the start, pos now) of every slot
         pools = flush_chunk(pools, cache, st.table_BxW, st.pos_B, pos_B, chunk)
     else:
         pools = cache
-    return pools, ChunkResult(tok_KxB, logp_KxB, steps, token_B, pos_B, active_B)
+    return pools, ChunkResult(tok_KxB, logp_KxB, steps, token_B, pos_B, active_B, exp_KxBxSxK)
+
+
+def _experts_buffer(fwd, params, chunk: int, b: int):
+    """-1s [K, B, S, k]: the decode chunk's record of the experts of each step's input token."""
+    cfg = fwd.model_cfg(params)
+    s = sum(cfg.sparse_layers)
+    return jnp.full((chunk, b, s, cfg.num_experts_per_tok), -1, jnp.int32)
 
 
 def make_pools(

@@ -38,9 +38,11 @@ from flax import nnx
 from rpeg_jax.config.model import ModelConfig
 from rpeg_jax.models.dense import dense, embed_lookup
 from rpeg_jax.models.llama import jnp_dtype, qk_normed, rms_norm
+from rpeg_jax.models.moe import MOE_PARAMS, layer_groups, moe_block
 from rpeg_jax.models.rope import apply_rope, inv_frequencies, rope_tables
 from rpeg_jax.sharding.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, SEQ, constrain
 
+_MLP_PARAMS = ("w_gate", "w_up", "w_down", *MOE_PARAMS)  # stacked over their own group of layers
 TRANSPOSED_MAX_ROWS = 16  # "auto" uses transposed weights at decode batches up to this many rows
 
 
@@ -52,28 +54,34 @@ class ModelForward:
     def prepare(self, params):
         return params
 
+    def model_cfg(self, params) -> ModelConfig:
+        return nnx.merge(self.graphdef, params).cfg
+
     def hidden(self, params, tokens_BxT, positions_BxT, attention, cache):
-        return nnx.merge(self.graphdef, params).hidden(tokens_BxT, positions_BxT, attention=attention, cache=cache)
+        """(h, cache, experts [B, T, S, k] of the S sparse layers, or None for a dense model)."""
+        model = nnx.merge(self.graphdef, params)
+        h, cache, route = model.hidden_routed(tokens_BxT, positions_BxT, attention=attention, cache=cache)
+        return h, cache, (None if route is None else route["experts"])
 
     def logits(self, params, h):
         return nnx.merge(self.graphdef, params).logits(h)
 
 
-@functools.partial(jax.jit, static_argnames=("num_layers", "transposed"))
-def _split(params, num_layers: int, transposed: bool):
+@functools.partial(jax.jit, static_argnames=("sparse_layers", "transposed"))
+def _split(params, sparse_layers: tuple[bool, ...], transposed: bool):
     """{embed, final_norm, out, layers: tuple of per-layer dicts} from the model's params State.
     Per layer, the q/k/v projections are concatenated into one 2-D weight `wqkv` [D, (H+2K)*E]
     (biases into `bqkv`), gate and up into `w_gu` [D, 2F], and `wo` flattened to [H*E, D]; Qwen3's
     q_norm / k_norm [E] are kept as they are; with `transposed`, every product weight (and `out`)
-    is stored transposed, [out, in]."""
+    is stored transposed, [out, in]. A Qwen3-MoE sparse layer keeps its router and expert weights
+    as they are (w_router [D, X], we_* [X, ...]: models/moe.py's grouped products) instead of w_gu /
+    w_down."""
     flat = nnx.to_pure_dict(params)
     tied = flat.get("lm_head") is None
     out = flat["embed"].T if tied else flat["lm_head"]  # [D, V]
     t = (lambda w: w.T) if transposed else (lambda w: w)
 
     def layer(p):
-        if p.get("we_gate") is not None:
-            raise ValueError("model.num_experts: the sampler does not run Qwen3-MoE layers yet (issue 33 item 2)")
         d = p["wq"].shape[0]
         qkv = [p[n].reshape(d, -1) for n in ("wq", "wk", "wv")]
         lp = dict(
@@ -81,16 +89,26 @@ def _split(params, num_layers: int, transposed: bool):
             mlp_norm=p["mlp_norm"],
             wqkv=t(jnp.concatenate(qkv, axis=1)),
             wo=t(p["wo"].reshape(-1, d)),
-            w_gu=t(jnp.concatenate([p["w_gate"], p["w_up"]], axis=1)),
-            w_down=t(p["w_down"]),
         )
+        if p.get("we_gate") is not None:
+            lp.update({n: p[n] for n in MOE_PARAMS})
+        else:
+            lp.update(w_gu=t(jnp.concatenate([p["w_gate"], p["w_up"]], axis=1)), w_down=t(p["w_down"]))
         if p.get("bq") is not None:
             lp["bqkv"] = jnp.concatenate([p[n].reshape(-1) for n in ("bq", "bk", "bv")])
         if p.get("q_norm") is not None:  # Qwen3's per-head q/k RMSNorm scales, [E] each
             lp["q_norm"], lp["k_norm"] = p["q_norm"], p["k_norm"]
         return lp
 
-    per_layer = tuple(layer({n: w[i] for n, w in flat["layers"].items() if w is not None}) for i in range(num_layers))
+    dense_row, sparse_row = layer_groups(sparse_layers)
+
+    def row(n, i):
+        return (sparse_row[i] if n in MOE_PARAMS else dense_row[i]) if n in _MLP_PARAMS else i
+
+    per_layer = tuple(
+        layer({n: w[row(n, i)] for n, w in flat["layers"].items() if w is not None and row(n, i) >= 0})
+        for i in range(len(sparse_layers))
+    )
     return dict(embed=flat["embed"], final_norm=flat["final_norm"], out=t(out), layers=per_layer)
 
 
@@ -120,9 +138,12 @@ def _layer(cfg: ModelConfig, p: dict, x_BxTxD, cos, sin, attention, layer, cache
     attn, cache = attention(q, k, v, layer=layer, cache=cache)
     x = constrain(x_BxTxD + mm(attn.reshape(b, t, -1), p["wo"].astype(dt)), (BATCH, SEQ, EMBED))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    if "we_gate" in p:  # Qwen3-MoE sparse MLP: the model's own block (models/moe.py)
+        y, _, experts = moe_block(h, p, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        return constrain(x + y, (BATCH, SEQ, EMBED)), cache, experts
     gate, up = jnp.split(mm(h, p["w_gu"].astype(dt)), 2, axis=-1)
     act = constrain(jax.nn.silu(gate) * up, (BATCH, SEQ, MLP))
-    return constrain(x + mm(act, p["w_down"].astype(dt)), (BATCH, SEQ, EMBED)), cache
+    return constrain(x + mm(act, p["w_down"].astype(dt)), (BATCH, SEQ, EMBED)), cache, None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,18 +152,26 @@ class SplitForward:
     transposed: bool = False
     static_layers = True  # layers are unrolled: the attention gets a Python-int layer
 
+    def model_cfg(self, params) -> ModelConfig:
+        return self.cfg
+
     def prepare(self, params):
         """Per-layer copies of the weights (one jitted call; compiled once per parameter layout)."""
-        return _split(params, self.cfg.num_layers, self.transposed)
+        return _split(params, self.cfg.sparse_layers, self.transposed)
 
     def hidden(self, gp, tokens_BxT, positions_BxT, attention, cache):
-        """As `Transformer.hidden`, with the layer loop unrolled over per-layer buffers."""
+        """As `Transformer.hidden_routed`, with the layer loop unrolled over per-layer buffers:
+        (h, cache, experts [B, T, S, k] of the S sparse layers or None)."""
         cfg = self.cfg
         x = constrain(embed_lookup(gp["embed"], tokens_BxT, jnp_dtype(cfg.dtype)), (BATCH, SEQ, EMBED))
         cos, sin = rope_tables(positions_BxT, inv_frequencies(cfg))
+        routed = []
         for i, lp in enumerate(gp["layers"]):
-            x, cache = _layer(cfg, lp, x, cos, sin, attention, i, cache, self.transposed)
-        return rms_norm(x, gp["final_norm"], cfg.rms_norm_eps), cache
+            x, cache, experts = _layer(cfg, lp, x, cos, sin, attention, i, cache, self.transposed)
+            if experts is not None:
+                routed.append(experts)
+        experts = jnp.stack(routed, axis=2) if routed else None
+        return rms_norm(x, gp["final_norm"], cfg.rms_norm_eps), cache, experts
 
     def logits(self, gp, h):
         if self.transposed:

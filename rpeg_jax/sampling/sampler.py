@@ -105,6 +105,7 @@ class Sampler:
         params = self.sharding.place_params(params)
         self._signature = ParamSignature.of(params)
         self._fwd = choose_forward(cfg.forward, graphdef, mcfg, rows=cfg.max_slots)
+        self._routed = any(mcfg.sparse_layers)  # MoE: record every token's experts (Completion.experts)
         # What the device functions read: the params themselves (model forward; the caller must not
         # donate them afterwards) or per-layer copies (split forward).
         self._weights = self._fwd.prepare(params)
@@ -348,7 +349,7 @@ class Sampler:
                 for r, (slot, toks) in enumerate(rows, start=i * r_b):
                     tokens[r, : len(toks)], lengths[r] = toks, len(toks)
                     table[r] = self.alloc.table([slot], w_b)[0]
-            self.pools = self._device(
+            out = self._device(
                 engine.prefill,
                 self._fwd,
                 self._weights,
@@ -356,7 +357,13 @@ class Sampler:
                 *self.sharding.put_rows(tokens, lengths, table),
                 mesh=mesh,
                 heads_sharded=self.sharding.heads_sharded,
+                routed=self._routed,
             )
+            if self._routed:
+                self.pools, experts = out
+                self._record_prefill(plan, per, r_b, np.asarray(jax.device_get(experts)))
+            else:
+                self.pools = out
             self._stats["prefill_tokens"] += int(lengths.sum())
         if plan.copies:
             per = [[(src, dst) for sh, src, dst in plan.copies if sh == i] for i in range(d)]
@@ -387,8 +394,9 @@ class Sampler:
             heads_sharded=self.sharding.heads_sharded,
             interpret=self.cfg.kernel_interpret and self._attention == "kernel",
             heads_mesh=self._heads_mesh,
+            routed=self._routed,
         )
-        toks, logps, steps = jax.device_get((res.tokens_KxB, res.logprobs_KxB, res.steps))
+        toks, logps, steps, experts = jax.device_get((res.tokens_KxB, res.logprobs_KxB, res.steps, res.experts_KxBxSxK))
         steps = int(np.max(steps))  # one count per shard with a sharded pool (shards loop on their own)
         self._stats["chunks"] += 1
         self._stats["decode_steps"] += int(steps)
@@ -401,6 +409,9 @@ class Sampler:
             s.tokens += col[:n].tolist()
             s.logprobs += logps[:n, s.slot].tolist()
             s.versions += [self.version] * n
+            if experts is not None:  # the experts of the n inputs this chunk ran (positions pos .. pos+n-1)
+                run, old = experts[:n, s.slot], s.pos - n
+                s.experts = run if s.experts is None else np.concatenate([s.experts[:old], run])
             before = len(s.tokens)
             reason = s.opts[0].finish_reason(s, n)  # may truncate at a stop sequence
             self._stats["new_tokens"] += n - (before - len(s.tokens))
@@ -408,6 +419,17 @@ class Sampler:
                 self.sched.finish(s, reason)
                 done.append(s)
         return done
+
+    def _record_prefill(self, plan, per, r_b: int, experts) -> None:
+        """Store the prefilled positions' experts on their sequences (a fresh group's prompt, run once
+        in its first slot, is every member's)."""
+        by_slot = {s.slot: (g, s) for g in plan.groups for s in g.seqs}
+        for i, rows in enumerate(per):
+            for r, (slot, toks) in enumerate(rows, start=i * r_b):
+                g, s = by_slot[slot]
+                rec = experts[r, : len(toks)]
+                for t in g.seqs if g.fresh else [s]:
+                    t.experts = rec.copy()
 
     def _release(self):
         """decode_chunk's early exit: (min steps, slots freed) = (min_chunk_steps, the first waiting
@@ -502,11 +524,23 @@ class Sampler:
                     policy_versions=np.asarray(s.versions, np.int32),
                     num_preemptions=s.preemptions,
                     sample_index=s.sample_index,
+                    experts=self._experts_of(s),
                 )
             )
         for o in outs:
             o.completions.sort(key=lambda c: c.sample_index)
         return outs
+
+    def _experts_of(self, s: Sequence):
+        """[prompt + tokens, S, k] experts of the sequence's tokens (-1 where never run)."""
+        if not self._routed:
+            return None
+        n = len(s.prompt) + len(s.tokens)
+        out = np.full((n, sum(self.model_cfg.sparse_layers), self.model_cfg.num_experts_per_tok), -1, np.int32)
+        rec = s.experts if s.experts is not None else out[:0]
+        m = min(n, len(rec))
+        out[:m] = rec[:m]
+        return out
 
 
 class _Options:
