@@ -333,7 +333,7 @@ def _refused(cfg, plan, processes):
 def test_several_processes_search_only_what_the_runtime_runs(hw):
     """The planner filters with the rules the runtime refuses by (graph/processes.py): with 2
     processes every plan it offers passes the runtime's check, while one process is offered plans
-    two cannot run (a split, a sub-mesh, continuous admission). The
+    two cannot run (a split, a sub-mesh). The
     baselines keep their own engines' layouts."""
     cfg = load_config(
         None, ["costmodel.runners_up=12", "costmodel.search_algorithmic=true", "costmodel.max_staleness=1"]
@@ -347,10 +347,14 @@ def test_several_processes_search_only_what_the_runtime_runs(hw):
     for p in ours:
         assert p.knobs["placement"] == "colocated" and p.layout["groups"] == {"all": 8}
         # tensor-parallel decode inside a process (4 devices each), replicas across processes
-        assert 4 % p.layout["generate"]["tensor"] == 0 and p.layout["generate"]["admission"] == "step"
+        assert 4 % p.layout["generate"]["tensor"] == 0
     s = res.chosen.plan.settings
     gen = res.chosen.layout["generate"]
-    assert s["rollout.max_slots"] == gen["slots"] * gen["replicas"] // 2 <= B // 2
+    # a step-admission engine holds one batch; a continuous one up to max(SLOT_FACTORS) of it
+    from rpeg_jax.costmodel.stages import SLOT_FACTORS
+
+    cap = B // 2 * (max(SLOT_FACTORS) if gen["admission"] == "continuous" else 1)
+    assert s["rollout.max_slots"] == gen["slots"] * gen["replicas"] // 2 <= cap
     assert res.processes == res.chosen.plan.predicted["processes"] == 2
     assert res.baselines["verl_like"].step_time_s == pytest.approx(one.baselines["verl_like"].step_time_s)
     with pytest.raises(GraphError, match=r"costmodel.processes=3: 3 processes cannot own 8 devices"):
@@ -360,7 +364,6 @@ def test_several_processes_search_only_what_the_runtime_runs(hw):
 @pytest.mark.parametrize(
     "over, key",
     [
-        (["pipeline.staleness=1", "rollout.admission=continuous"], "rollout.admission='continuous'"),
         (["rl.filter_groups=zero_variance"], "rl.filter_groups='zero_variance'"),
         (["data.prompts_per_step=6"], "data.prompts_per_step=6"),
     ],
@@ -376,6 +379,15 @@ def test_planner_refuses_a_config_several_processes_cannot_run(over, key, capsys
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"config error: {key}: ") and "\n" not in err
     P.search(load_config(None, over), 8, CPU, processes=1)  # one process runs it
+
+
+def test_continuous_admission_and_filters_are_planned_on_several_processes():
+    """Each process runs its engine on its data shard, the counts global (runtime/admission.py):
+    continuous admission, and DAPO's filters under it, are plans for 4 processes."""
+    over = ["pipeline.staleness=1", "rollout.admission=continuous", "rl.filter_groups=zero_variance"]
+    res = P.search(load_config(None, over), 8, CPU, processes=4)
+    assert res.chosen.layout["generate"]["admission"] == "continuous"
+    assert res.chosen.plan.settings["rollout.admission"] == "continuous" and res.processes == 4
 
 
 def test_a_cluster_is_planned_as_one_process_per_node():

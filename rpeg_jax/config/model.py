@@ -409,6 +409,17 @@ PRESETS: dict[str, dict] = {
     "qwen3-8b": _qwen3(hidden_size=4096, num_layers=36, num_heads=32, intermediate_size=12288),
     "qwen3-14b": _qwen3(hidden_size=5120, num_layers=40, num_heads=40, intermediate_size=17408),
     "qwen3-32b": _qwen3(hidden_size=5120, num_layers=64, num_heads=64, intermediate_size=25600),
+    # Qwen3-MoE (Qwen/Qwen3-30B-A3B's config.json): 48 layers, every MLP a mixture of 128 experts of
+    # width 768 with 8 routed per token (renormalised), 4 kv heads; 30.5B parameters, 3.3B active.
+    "qwen3-30b-a3b": {
+        **_qwen3(hidden_size=2048, num_layers=48, num_heads=32, intermediate_size=6144),
+        "arch": "qwen3_moe",
+        "num_kv_heads": 4,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+    },
     "llama3-8b": dict(
         vocab_size=128256,
         hidden_size=4096,

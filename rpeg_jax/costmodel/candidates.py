@@ -61,7 +61,7 @@ def layouts(n: int, B: int, ms: ModelShape, tensor_sizes) -> np.ndarray:
     """(d, f, t) rows with d·f·t = n, t dividing heads and mlp, d·f dividing the batch."""
     rows = []
     for t in tensor_sizes:
-        if n % t or ms.H % t or ms.F % t:
+        if n % t or ms.H % t or any(w % t for w in ms.mlp_widths):
             continue
         for f in divisors(n // t):
             d = n // (t * f)
@@ -73,9 +73,8 @@ def layouts(n: int, B: int, ms: ModelShape, tensor_sizes) -> np.ndarray:
 def gen_layouts(n: int, B: int, ms: ModelShape, tensor_sizes) -> np.ndarray:
     """Tensor degrees t of generation on n devices: t divides heads and mlp, and the n/t replicas
     divide the batch (the sampler shards its slots over them)."""
-    return np.array(
-        [t for t in tensor_sizes if n % t == 0 and ms.H % t == 0 and ms.F % t == 0 and B % (n // t) == 0], np.int64
-    )
+    ok = [t for t in tensor_sizes if n % t == 0 and ms.H % t == 0 and B % (n // t) == 0]
+    return np.array([t for t in ok if all(w % t == 0 for w in ms.mlp_widths)], np.int64)
 
 
 def quantize_slots(slots: np.ndarray, n_rep: np.ndarray) -> np.ndarray:

@@ -168,6 +168,8 @@ def search(cfg: RunConfig, num_devices: int | None = None, hardware=None, proces
         if len(best) > cfg.costmodel.runners_up:
             break
         i = int(np.argmin(s.period))
+        if not np.isfinite(s.period[i]):  # no kept row of this option fits or divides: no plan
+            continue
         key = (
             s.pipeline.placement,
             s.pipeline.staleness,

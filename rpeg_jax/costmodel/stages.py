@@ -400,7 +400,7 @@ def decode_step_time(st: Setting, ms: ModelShape, t, busy, batch, ctx):
     rate, bw, ovh = rates(hw, ms.dtype, busy)
     flops = ms.decode_flops(batch, ctx) / t
     kv = batch * ctx * ms.kv_bytes_per_token / ms.kv_shards(t) * kv_read_factor(st)
-    nbytes = ms.weight_bytes() / t + kv + batch * ms.V * 4.0
+    nbytes = ms.decode_weight_bytes(batch) / t + kv + batch * ms.V * 4.0  # a mixture: the experts touched
     if hw.shared_host:  # a CPU's decode kernels (small GEMMs, page gathers, softmax) run one after
         # another on the same cores: streaming the weights and KV does not hide behind the compute
         core = flops / (rate * mm_eff(hw, ms.mm_size(batch, t)))
