@@ -73,6 +73,13 @@ class RunConfig:
             f"data.max_prompt_len + rollout.max_new_tokens = {need} exceeds "
             f"model.max_position_embeddings={m.max_position_embeddings}",
         )
+        check(
+            not (m.num_experts > 0 and self.sharding.axis_types == "explicit"),
+            "sharding.axis_types",
+            self.sharding.axis_types,
+            "a mixture of experts (model.num_experts > 0) runs with auto axis types only: its token sort "
+            "over the batch-sharded tokens has no explicit layout (models/moe.py)",
+        )
         batch = d.prompts_per_step * r.group_size
         if r.forward_micro_batches > 1 and batch % p.pieces == 0:  # pieces: checked by the graph pass
             piece = batch // p.pieces

@@ -31,6 +31,7 @@ from rpeg_jax.models.rope import apply_rope, inv_frequencies, rope_tables
 from rpeg_jax.sharding.axes import (
     BATCH,
     EMBED,
+    EXPERT,
     HEAD_DIM,
     HEADS,
     KV_HEADS,
@@ -145,9 +146,9 @@ class Layers(nnx.Module):
         if Ls:  # expert weights stacked over the sparse layers (models/moe.py)
             X, Fe = cfg.num_experts, cfg.expert_size
             self.w_router = weight((Ls, D, X), (LAYERS, EMBED, None))
-            self.we_gate = weight((Ls, X, D, Fe), (LAYERS, None, EMBED, MLP))
-            self.we_up = weight((Ls, X, D, Fe), (LAYERS, None, EMBED, MLP))
-            self.we_down = weight((Ls, X, Fe, D), (LAYERS, None, MLP, EMBED))
+            self.we_gate = weight((Ls, X, D, Fe), (LAYERS, EXPERT, EMBED, MLP))
+            self.we_up = weight((Ls, X, D, Fe), (LAYERS, EXPERT, EMBED, MLP))
+            self.we_down = weight((Ls, X, Fe, D), (LAYERS, EXPERT, MLP, EMBED))
         else:
             self.w_router = self.we_gate = self.we_up = self.we_down = None
 

@@ -13,7 +13,7 @@ import contextvars
 from typing import Any, Callable, Sequence
 
 # The logical axes used by rpeg_jax models (parameters and activations).
-BATCH, SEQ, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS = (
+BATCH, SEQ, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS, EXPERT = (
     "batch",
     "seq",
     "embed",
@@ -23,8 +23,9 @@ BATCH, SEQ, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS = (
     "mlp",
     "vocab",
     "layers",
+    "expert",  # a mixture of experts' expert dimension (models/moe.py)
 )
-LOGICAL_AXES = (BATCH, SEQ, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS)
+LOGICAL_AXES = (BATCH, SEQ, EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS, EXPERT)
 
 Axes = tuple[str | None, ...]
 

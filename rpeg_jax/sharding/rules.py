@@ -26,6 +26,9 @@ Rule presets (`PRESETS`; mesh axes data, fsdp, tensor) are usable for training a
   fsdp         batch over (data, fsdp); parameters sharded on `embed` over fsdp (ZeRO-3 style)
   tensor       batch over (data, fsdp); heads, kv_heads, mlp, vocab over tensor (Megatron)
   fsdp_tensor  tensor + `embed` over fsdp
+  fsdp_expert  fsdp, with a mixture's `expert` dimension over fsdp (expert parallelism: whole
+               experts per device; a mesh axis shards one dimension per array, so their `embed`
+               stays whole)
 Users add presets with `register_rules(name, data)` (in a plugin module, see tactics.py).
 """
 
@@ -162,6 +165,9 @@ _PRESET_DATA: dict[str, list] = {
     "fsdp": _BATCH + [("embed", "fsdp")],
     "tensor": _BATCH + _TENSOR,
     "fsdp_tensor": _BATCH + _TENSOR + [("embed", "fsdp")],
+    # expert parallelism for a mixture of experts: each fsdp shard holds whole experts (X / fsdp of
+    # them) rather than a slice of every expert; the other weights as fsdp
+    "fsdp_expert": _BATCH + [("expert", "fsdp"), ("embed", "fsdp")],
 }
 PRESETS = Registry("rule preset", key="sharding.train_rules")  # name -> Rules (config/registry.py)
 for _name, _data in _PRESET_DATA.items():
