@@ -329,7 +329,7 @@ def _refused(cfg, plan, processes):
 def test_several_processes_search_only_what_the_runtime_runs(hw):
     """The planner filters with the rules the runtime refuses by (graph/processes.py): with 2
     processes every plan it offers passes the runtime's check, while one process is offered plans
-    two cannot run (a split, a sub-mesh, continuous admission). The
+    two cannot run (a split, a sub-mesh). The
     baselines keep their own engines' layouts."""
     cfg = load_config(
         None, ["costmodel.runners_up=12", "costmodel.search_algorithmic=true", "costmodel.max_staleness=1"]
@@ -343,10 +343,11 @@ def test_several_processes_search_only_what_the_runtime_runs(hw):
     for p in ours:
         assert p.knobs["placement"] == "colocated" and p.layout["groups"] == {"all": 8}
         # tensor-parallel decode inside a process (4 devices each), replicas across processes
-        assert 4 % p.layout["generate"]["tensor"] == 0 and p.layout["generate"]["admission"] == "step"
+        assert 4 % p.layout["generate"]["tensor"] == 0  # either admission: continuous runs on several too
     s = res.chosen.plan.settings
     gen = res.chosen.layout["generate"]
-    assert s["rollout.max_slots"] == gen["slots"] * gen["replicas"] // 2 <= B // 2
+    assert s["rollout.max_slots"] == gen["slots"] * gen["replicas"] // 2  # each process's engine
+    assert gen["admission"] == "continuous" or s["rollout.max_slots"] <= B // 2  # step: at most its share
     assert res.processes == res.chosen.plan.predicted["processes"] == 2
     assert res.baselines["verl_like"].step_time_s == pytest.approx(one.baselines["verl_like"].step_time_s)
     with pytest.raises(GraphError, match=r"costmodel.processes=3: 3 processes cannot own 8 devices"):
@@ -356,8 +357,7 @@ def test_several_processes_search_only_what_the_runtime_runs(hw):
 @pytest.mark.parametrize(
     "over, key",
     [
-        (["pipeline.staleness=1", "rollout.admission=continuous"], "rollout.admission='continuous'"),
-        (["rl.filter_groups=zero_variance"], "rl.filter_groups='zero_variance'"),
+        (["rl.filter_groups=zero_variance"], "rl.filter_groups='zero_variance'"),  # under step admission
         (["data.prompts_per_step=6"], "data.prompts_per_step=6"),
     ],
 )
