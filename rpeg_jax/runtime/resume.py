@@ -208,7 +208,13 @@ def _load(ckpt: Checkpointer, store: Store, ex: Executor, ctx, step: int, target
     if ctx.engine is not None:
         entries = meta.get("engine")
         if not isinstance(entries, list) or len(entries) != jax.process_count():
-            held = "no engine state" if not entries else f"the engines of {len(entries)} processes"
+            held = (
+                f"the engines of {len(entries)} processes"
+                if isinstance(entries, list)
+                else "no engine state"
+                if not entries
+                else "an engine state of an older format (its sequences in flight were not saved)"
+            )
             raise ConfigError(
                 "rollout.admission",
                 "continuous",
