@@ -1,7 +1,7 @@
 """Clean failures: each way a run can fail for a reason outside the code ends with one line that
 names what and where, a non-zero exit, and nothing lost. A full disk (a small tmpfs where this
 process may mount one, else orbax's writer failing as tensorstore does on ENOSPC), a truncated
-weights file, a page pool too small for one sequence, continuous admission on several local
+weights file, a page pool too small for one sequence, dynamic sampling under step admission on several local
 processes, and SIGTERM / SIGINT before training started.
 """
 
@@ -115,21 +115,25 @@ def test_a_page_pool_too_small_for_one_sequence_names_rollout_num_pages(tmp_path
     assert "cannot hold one sequence of max_seq_len=" in err.value.why
 
 
-def test_continuous_admission_on_local_processes_is_one_line_before_any_starts(tmp_path):
+def test_dynamic_sampling_under_step_admission_on_local_processes_is_one_line_before_any_starts(tmp_path):
+    """Continuous admission runs on several processes (tests/test_multihost_continuous.py); dynamic
+    sampling does only under it: with step admission each process would refill its share in its own
+    number of rounds. The launcher says so once, before it starts any process."""
     from rpeg_jax.costmodel import planner
 
     args = [a for a in TINY if not a.startswith("pipeline.plan")]  # the default plan: auto
-    over = ["rollout.admission=continuous", "pipeline.staleness=1", f"train.run_dir={tmp_path / 'run'}"]
+    over = ["rl.filter_groups=zero_variance", f"train.run_dir={tmp_path / 'run'}"]
     cmd = [sys.executable, os.path.join(ROOT, "launch", "multihost.py"), "--local-processes", "2", *args, *over]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip() == (
-        "config error: rollout.admission='continuous': runs on one process for now (each process's engine state "
-        "is not checkpointed yet); this run has 2 processes: use rollout.admission=step with several processes"
+        "config error: rl.filter_groups='zero_variance': with 2 processes dynamic sampling runs under "
+        "rollout.admission=continuous only (under step admission each process would refill its share in its own "
+        "number of rounds); use none, or continuous admission"
     )
     assert not os.path.exists(tmp_path / "run")
     # Several processes started otherwise (SLURM, --num-processes): the planner says the same, as a ConfigError.
-    with pytest.raises(ConfigError, match="rollout.admission='continuous': runs on one process for now"):
+    with pytest.raises(ConfigError, match="rl.filter_groups='zero_variance': with 2 processes dynamic sampling"):
         planner.choose_plan(load_config(None, args + over), 8, "cpu", 2)
 
 

@@ -35,8 +35,13 @@ def test_one_process_runs_everything():
         ([], 3, Runs(), "config error: costmodel.processes=3: 3 processes cannot own 8 devices evenly"),
         ([], 0, Runs(), "config error: costmodel.processes=0: "),
         (["data.prompts_per_step=6"], 4, Runs(), "config error: data.prompts_per_step=6: must be a multiple of the 4"),
-        ([], 2, Runs(admission="continuous"), "config error: rollout.admission='continuous': runs on one process"),
-        (["rl.filter_groups=zero_variance"], 2, Runs(), "config error: rl.filter_groups='zero_variance': runs on one"),
+        (
+            ["rl.filter_groups=zero_variance"],
+            2,
+            Runs(),
+            "config error: rl.filter_groups='zero_variance': with 2 processes dynamic sampling runs under "
+            "rollout.admission=continuous only",
+        ),
         ([], 2, Runs(placement="split"), "config error: pipeline.placement='split': with 2 processes every process"),
         ([], 2, Runs(group_sizes=(8, 4)), "config error: pipeline.plan='auto': a stage runs on a group of 4 devices"),
         ([], 2, Runs(gen_tensor=8), "config error: pipeline.plan='auto': generation has tensor=8; with 2 processes"),
@@ -51,9 +56,14 @@ def test_each_rule_is_one_line_naming_the_key_and_value(over, processes, runs, l
 
 def test_rules_are_judged_in_order_and_unjudged_parts_pass():
     cfg = cfg_of("rl.filter_groups=zero_variance")
-    both = Runs(admission="continuous", placement="split", gen_tensor=2)
-    assert why_not(cfg, 2, 8, both).key == "rollout.admission"  # before rl.filter_groups
-    assert why_not(cfg, 2, 8, Runs(placement="split")).key == "rl.filter_groups"
+    both = Runs(admission="step", placement="split", gen_tensor=2)
+    assert why_not(cfg, 2, 8, both).key == "rl.filter_groups"  # before pipeline.placement
+    assert why_not(cfg, 2, 8, Runs(placement="split")).key == "rl.filter_groups"  # the config's admission: step
+    # continuous admission (the plan's or the config's) runs on several processes, with dynamic sampling too
+    assert why_not(cfg, 2, 8, Runs(admission="continuous", placement="split")).key == "pipeline.placement"
+    cont = cfg_of("rl.filter_groups=zero_variance", "rollout.admission=continuous", "pipeline.staleness=1")
+    assert why_not(cont, 2, 8) is None
+    assert why_not(cfg_of(), 2, 8, Runs(admission="continuous", group_sizes=(8,), gen_tensor=2)) is None
     assert why_not(cfg_of(), 2, 8, Runs(placement="split", gen_tensor=2)).key == "pipeline.placement"
     assert (
         why_not(cfg_of(), 2, 8, Runs(admission="step", placement="colocated", group_sizes=(8,), gen_tensor=1)) is None
@@ -119,16 +129,19 @@ def test_a_manual_plan_takes_generations_mesh_from_sharding_generate_mesh():
         plan_from_config(cfg_of("sharding.generate_mesh={data: 3}"), 8)
 
 
-def test_a_plan_file_with_continuous_admission_is_refused_on_two_processes(tmp_path):
+def test_a_plan_file_with_continuous_admission_runs_on_two_processes_and_filters_under_step_do_not(tmp_path):
     cfg = cfg_of("pipeline.staleness=1", "rollout.admission=continuous")
     path = str(tmp_path / "cont.json")
     plan_from_config(cfg, 8).save(path)
-    file_cfg = cfg_of(f"pipeline.plan={path}")
+    file_cfg = cfg_of(f"pipeline.plan={path}", "rl.filter_groups=zero_variance")
     loaded = plan_for_config(file_cfg, 8)
     run_cfg = _runtime_cfg(file_cfg, loaded)
     assert run_cfg.rollout.admission == "continuous"  # the plan's setting, whatever the config said
-    with pytest.raises(NotRunnable, match=r"^config error: rollout.admission='continuous': runs on one process"):
-        check_plan(run_cfg, loaded, graph_for_plan(run_cfg, loaded), 2)
+    check_plan(run_cfg, loaded, graph_for_plan(run_cfg, loaded), 2)
+    step = cfg_of("pipeline.staleness=1", "rl.filter_groups=zero_variance")
+    plan = plan_from_config(step, 8)
+    with pytest.raises(NotRunnable, match=r"^config error: rl.filter_groups='zero_variance': with 2 processes"):
+        check_plan(step, plan, graph_for_plan(step, plan), 2)
 
 
 def test_costmodel_processes_is_validated():

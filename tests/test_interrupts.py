@@ -182,7 +182,9 @@ CONTINUOUS = [
 FILTER = ["plugins=[varying_reward]", "data.reward=varying_test_reward", "rl.filter_groups=zero_variance"]
 
 
-@pytest.mark.parametrize("extra", [[], FILTER], ids=["plain", "filter"])
+@pytest.mark.parametrize(
+    "extra", [[], pytest.param(FILTER, marks=pytest.mark.slow)], ids=["plain", "filter"]
+)  # ~30 s each on 2 cores: the plain case runs by default
 def test_ctrl_c_under_continuous_admission_resumes_exactly(tmp_path, extra):
     import jax
     import numpy as np

@@ -33,6 +33,7 @@ import threading
 
 from rpeg_jax.config.base import ConfigError
 from rpeg_jax.config.run import load_config
+from rpeg_jax.graph.processes import Runs, why_not
 from rpeg_jax.runtime import distributed as dist
 
 
@@ -209,6 +210,12 @@ def _run(args) -> int:
         print(str(e), file=sys.stderr)
         return EXIT_CONFIG
     d = cfg.distributed
+    if args.local_processes > 1:  # what several processes cannot run: said once, not by every child
+        n = args.local_processes
+        bad = why_not(cfg, n, n * args.local_devices, Runs(admission=cfg.rollout.admission))
+        if bad is not None:
+            print(str(bad.error()), file=sys.stderr)
+            return EXIT_CONFIG
     if args.local_processes:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # spawn_local passes Ctrl-C on to the children
         return dist.spawn_local(

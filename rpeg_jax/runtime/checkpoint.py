@@ -7,8 +7,9 @@ A checkpoint at step t holds three items (what goes in each is chosen by runtime
   - "buffer": the rollouts generated ahead under bounded asynchrony for steps t..t+k-1 (their
               completions arrays and behaviour logprobs, as global device arrays: each process
               writes its shards), omitted when empty;
-  - "engine": under continuous admission, the generation engine's device arrays (its KV pools: the
-              sequences in flight continue from them bit-exactly), omitted otherwise;
+  - "engine": under continuous admission, the KV of every process's engine pages in use, as
+              [processes, ...] arrays (each process writes its row; the sequences in flight
+              continue from them bit-exactly), omitted otherwise;
   - "meta":   JSON: step, the version of each train state, the data-iterator state, the
               executor's next lead step per stage, the buffered steps with each buffer array's
               shape and dtype, their pending generate-side metrics, and the weights version
@@ -400,8 +401,8 @@ class Checkpointer:
         return out["train"], dict(out["meta"]), dict(out["buffer"]) if buffer_target else {}
 
     def restore_engine(self, step: int, target: dict) -> dict:
-        """The "engine" item of checkpoint `step` (the generation engine's device arrays: its KV
-        pools under continuous admission), laid out like `target` (abstract arrays)."""
+        """The "engine" item of checkpoint `step` (the generation engines' KV pages under continuous
+        admission), laid out like `target` (abstract arrays)."""
         self.check(step)
         out = self._mngr.restore(step, args=ocp.args.Composite(engine=ocp.args.StandardRestore(dict(target))))
         return dict(out["engine"])

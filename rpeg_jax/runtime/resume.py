@@ -41,7 +41,7 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None)
     """Checkpoint the run after `step` completed steps (call only between steps: every state is
     then at version `step`, and with generation k steps ahead the rollouts of steps step..step+k-1
     are buffered). Under continuous admission the `engine`'s whole state is saved without
-    disturbing it (ContinuousRollouts.snapshot: its queues, groups, sequences and KV pools), so a
+    disturbing it (ContinuousRollouts.snapshot: its queues, groups, sequences and KV pages), so a
     checkpoint the uninterrupted run did not take (the one a signal writes) changes nothing."""
     k = ex.generation_ahead
     train = {name: store.latest(name)[1] for name in TRAIN_STATES if name in store.state}
@@ -54,9 +54,9 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None)
     if engine is not None:  # every process's engine; each one's stream resumes by drawing its next data step again
         d = engine.data_step
         data_state = prompts.state_before(d) if d in prompts.before else prompts.state()
-        state, arrays = engine.snapshot()
+        state, arrays = engine.snapshot()  # arrays: the KV of the pages in use, [L, K, n, S, E]
         engine_state = every_process({"engine": state, "data_iterator": data_state})
-        engine_arrays = {name: with_process_axis(x) for name, x in arrays.items()}
+        engine_arrays = {name: with_process_axis(x, axis=2) for name, x in arrays.items()}
     elif prompts.cursor_before:  # dynamic sampling: the stream continues at a (data step, index) cursor
         start = prompts.cursor_before[step] if k else prompts.cursor
         data_state = prompts.state_at(start)
@@ -68,6 +68,7 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None)
         "structure": {**ex.program.plan.knobs, **ex.program.plan.settings},  # checked on restore
         "data_iterator": data_state,
         "engine": engine_state,
+        "engine_specs": {k: [list(x.shape), str(x.dtype)] for k, x in (engine_arrays or {}).items()},
         "next_ahead_step": dict(ex.next_ahead_step),
         "buffer_steps": buffered,
         "buffer_specs": {},
@@ -208,18 +209,25 @@ def _load(ckpt: Checkpointer, store: Store, ex: Executor, ctx, step: int, target
     if ctx.engine is not None:
         entries = meta.get("engine")
         if not isinstance(entries, list) or len(entries) != jax.process_count():
-            held = "no engine state" if not entries else f"the engines of {len(entries)} processes"
+            held = (
+                f"the engines of {len(entries)} processes"
+                if isinstance(entries, list)
+                else "no engine state"
+                if not entries
+                else "an engine state of an older format (its sequences in flight were not saved)"
+            )
             raise ConfigError(
                 "rollout.admission",
                 "continuous",
                 f"checkpoint {step} holds {held}; this run has {jax.process_count()} processes",
             )
         mine = entries[jax.process_index()]
-        target = {name: process_axis_target(x) for name, x in ctx.engine.snapshot_target().items()}
-        arrays = {
-            name: own_row(x, ctx.engine.snapshot_target()[name])
-            for name, x in ckpt.restore_engine(step, target).items()
+        target = {
+            name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=_process_sharding())
+            for name, (shape, dtype) in meta["engine_specs"].items()
         }
+        n = _pages_in_use(mine["engine"])  # this process's rows of the page axis (the rest pads)
+        arrays = {name: own_row(x)[:, :, :n] for name, x in ckpt.restore_engine(step, target).items()}
         prompts.pipeline.set_state(mine["data_iterator"])  # this process's stream (its shard's own position)
         ctx.engine.restore(mine["engine"], arrays)
     store.put_state("data_iterator", step + len(buffered), prompts)
@@ -251,20 +259,30 @@ def _process_sharding():
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("process"))
 
 
-def with_process_axis(x: jax.Array) -> jax.Array:
-    """A process-local array (one process's engine pool) as row p of a global [processes, ...] array,
-    so that every process writes its own row of the checkpoint."""
+def with_process_axis(x: np.ndarray, axis: int) -> jax.Array:
+    """A process-local array (one process's engine pages) as row p of a global [processes, ...]
+    array, so that every process writes its own row of the checkpoint; `axis` (the page axis) is
+    padded to the longest of the processes' (every row has one shape, at least 1)."""
+    x = np.asarray(x)
+    n = (
+        int(np.max(multihost_utils.process_allgather(np.int32(x.shape[axis]))))
+        if jax.process_count() > 1
+        else x.shape[axis]
+    )
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, max(n, 1) - x.shape[axis])
+    local = np.pad(x, widths)[None]
     sharding = _process_sharding()
-    local = np.asarray(jax.device_get(x))[None]
     shards = [jax.device_put(local, d) for d in sharding.addressable_devices]
-    return jax.make_array_from_single_device_arrays((jax.process_count(), *x.shape), sharding, shards)
+    return jax.make_array_from_single_device_arrays((jax.process_count(), *local.shape[1:]), sharding, shards)
 
 
-def process_axis_target(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((jax.process_count(), *x.shape), x.dtype, sharding=_process_sharding())
+def own_row(x: jax.Array) -> np.ndarray:
+    """This process's row of a restored [processes, ...] array (host memory)."""
+    return np.asarray(x.addressable_shards[0].data)[0]
 
 
-def own_row(x: jax.Array, target: jax.ShapeDtypeStruct) -> jax.Array:
-    """This process's row of a restored [processes, ...] array, laid out as `target`."""
-    row = np.asarray(x.addressable_shards[0].data)[0]
-    return jax.device_put(row, target.sharding)
+def _pages_in_use(engine_state: dict) -> int:
+    """Pages in use in a snapshot's allocator (the rows its KV arrays hold)."""
+    shards = engine_state["sampler"]["alloc"]["shards"]
+    return sum(int(np.count_nonzero(np.asarray(a["refcount"]))) for a in shards)

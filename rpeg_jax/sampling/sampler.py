@@ -270,14 +270,17 @@ class Sampler:
 
     # ---- snapshots (checkpoints of an engine with sequences in flight) --------------------------
     def snapshot(self, seqs: Seq[Sequence]) -> tuple[dict, dict]:
-        """The engine's whole state: (host state as JSON, device arrays {"k_pool", "v_pool"}).
+        """The engine's whole state: (host state as JSON, host arrays {"k_pages", "v_pages"}: the
+        KV of the pages in use, [L, K, n, S, E], in the order of `used_pages`).
         `seqs`: every sequence the caller holds that is queued, running, or finished in a group
         still in flight; the state names them by their index in `seqs` (`restore` returns them in
-        that order). With the KV pools, the scheduler's queues and slots, the allocator's pages and
+        that order). With the KV pages, the scheduler's queues and slots, the allocator's pages and
         every sequence's tokens, logprobs, versions and random stream (seed, prompt id, sample id)
-        restored, decoding continues bit-exactly: nothing is re-prefilled. The weights are not
-        saved: under continuous admission (on_weight_update continue/recompute, never a pending
-        swap) the next step installs the newest actor before any decode."""
+        restored, decoding continues bit-exactly: nothing is re-prefilled. Only the pages in use
+        are saved: a free page (the null page included) is never read unmasked (attention selects
+        its columns away, sampling/paged_attention.py), so what it holds changes nothing. The
+        weights are not saved: under continuous admission (on_weight_update continue/recompute,
+        never a pending swap) the next step installs the newest actor before any decode."""
         if self._pending is not None:
             raise RuntimeError("Sampler.snapshot: a weight swap is pending (on_weight_update=finish)")
         index = {id(s): i for i, s in enumerate(seqs)}
@@ -299,30 +302,40 @@ class Sampler:
             "sched": self.sched.state(index),
             "alloc": self.alloc.state(),
         }
-        return state, {"k_pool": self.pools[0], "v_pool": self.pools[1]}
+        used = self.used_pages()
+        idx = np.zeros(pow2ceil(max(len(used), 1)), np.int32)  # bucketed: few compiled gathers
+        idx[: len(used)] = used
+        pages = jax.device_get(_take_pages(self.pools, jnp.asarray(idx)))
+        return state, {"k_pages": pages[0][:, :, : len(used)], "v_pages": pages[1][:, :, : len(used)]}
 
-    def snapshot_target(self) -> dict:
-        """Abstract arrays (shape, dtype, sharding) of `snapshot`'s device arrays, to restore into."""
-        return {
-            name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-            for name, x in zip(("k_pool", "v_pool"), self.pools)
-        }
+    def used_pages(self) -> np.ndarray:
+        """Global page ids (shard * pages_per_shard + local id) of the pages in use, shard by shard."""
+        per = [d * self.pages_per_shard + np.flatnonzero(a.refcount > 0) for d, a in enumerate(self.alloc.allocs)]
+        return np.concatenate(per).astype(np.int32)
 
     def restore(self, state: dict, arrays: dict) -> list[Sequence]:
-        """Continue from `snapshot`'s (state, arrays); returns the sequences in the order given to it."""
+        """Continue from `snapshot`'s (state, arrays); returns the sequences in the order given to it.
+        Call it on a fresh Sampler of the same settings (its free pages are zero)."""
         opts = [
             _Options.build(self, SamplingParams(**_params_from(o["params"])), int(o["seed"])) for o in state["opts"]
         ]
         seqs = [Sequence.from_state(d, opts) for d in state["seqs"]]
+        self.alloc.load(state["alloc"])
+        used = self.used_pages()
+        want = (*self.pools[0].shape[:2], len(used), *self.pools[0].shape[3:])
+        for name in ("k_pages", "v_pages"):
+            x = arrays[name]
+            if tuple(x.shape) != want or x.dtype != self.pools[0].dtype:
+                got = f"{tuple(x.shape)} {x.dtype}"
+                raise ValueError(f"Sampler.restore: {name} is {got}, the snapshot's allocator holds {want}")
         self.version, self._pending, self._calls = int(state["version"]), None, int(state["calls"])
         self._stats.update(state["stats"])
-        self.alloc.load(state["alloc"])
         self.sched.load(state["sched"], seqs)
-        for name, x in zip(("k_pool", "v_pool"), self.pools):
-            if arrays[name].shape != x.shape or arrays[name].dtype != x.dtype:
-                got = f"{arrays[name].shape} {arrays[name].dtype}"
-                raise ValueError(f"Sampler.restore: {name} is {got}, this pool's is {x.shape} {x.dtype}")
-        self.pools = (arrays["k_pool"], arrays["v_pool"])
+        n = pow2ceil(max(len(used), 1))
+        idx = np.full(n, self.num_pages, np.int32)  # padding: out of range, dropped
+        idx[: len(used)] = used
+        pad = lambda x: np.concatenate([np.asarray(x), np.zeros((*want[:2], n - len(used), *want[3:]), x.dtype)], 2)  # noqa: E731
+        self.pools = _put_pages(self.pools, jnp.asarray(idx), pad(arrays["k_pages"]), pad(arrays["v_pages"]))
         return seqs
 
     # ---- device calls -------------------------------------------------------------------------
@@ -584,6 +597,21 @@ class _Options:
         if len(s.prompt) + len(s.tokens) >= s.end:
             return "length"
         return None
+
+
+@jax.jit
+def _take_pages(pools, idx):
+    return tuple(jnp.take(p, idx, axis=2) for p in pools)
+
+
+def _put_pages(pools, idx, k, v):
+    """Pages idx of both pools set to k, v (idx >= the pool's pages: dropped); the pools keep their layout."""
+    fn = jax.jit(_set_pages, donate_argnums=0, out_shardings=tuple(p.sharding for p in pools))
+    return fn(pools, idx, k, v)
+
+
+def _set_pages(pools, idx, k, v):
+    return pools[0].at[:, :, idx].set(k, mode="drop"), pools[1].at[:, :, idx].set(v, mode="drop")
 
 
 def _params_json(p: SamplingParams) -> dict:

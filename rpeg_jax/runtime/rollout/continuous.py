@@ -29,7 +29,9 @@ on across weight updates, so the engine stays full instead of draining every ste
 
 Everything is a function of the seeds, the data order and the decode-chunk count, never of timing:
 runs are reproducible. A checkpoint holds the engine's whole state (`snapshot`: groups, sequences,
-scheduler, page allocator and the KV pools), so a resume continues bit-exactly from any step.
+scheduler, page allocator and the KV of the pages in use), so a resume continues bit-exactly from
+any step. With several processes every process runs its own engine on its data shard (its share of
+the batch, group ids gid * P + process); the rollout counts logged are summed over processes.
 The policy's decisions are shapes/admission.py's, which the cost model's
 simulation of this engine (costmodel/lengths.admission) makes too. Called by: runtime/kernels.py
 (the generate stage), runtime/setup.py.
@@ -156,7 +158,7 @@ class ContinuousRollouts:
         as if no checkpoint were written): (JSON, device arrays). The JSON holds the stream's
         position, the retry queue, every group in flight or completed but not consumed (with its
         sequences' tokens, logprobs, versions and, under dynamic sampling, its scores) and the
-        sampler's scheduler and page allocator; the arrays are the sampler's KV pools. `restore`
+        sampler's scheduler and page allocator; the arrays are the KV of its pages in use. `restore`
         continues decoding from it bit-exactly (re-prefilling is not: bench/NOTES.md)."""
         keep = ("gid", "data_step", "index", "attempt", "prompt", "host")
         groups = self.in_flight + self.done
@@ -178,9 +180,6 @@ class ContinuousRollouts:
             "sampler": sampler,
         }
         return state, arrays
-
-    def snapshot_target(self) -> dict:
-        return self.sampler.snapshot_target()
 
     def restore(self, state: dict, arrays: dict) -> None:
         seqs = self.sampler.restore(state["sampler"], arrays)
