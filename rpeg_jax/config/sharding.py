@@ -42,7 +42,8 @@ class ShardingConfig:
             check(self.devices_per_node >= 1, key(path, "devices_per_node"), self.devices_per_node, "must be >= 1")
 
 
-BUILTIN_RULES = ("replicated", "data", "fsdp", "tensor", "fsdp_tensor")  # rpeg_jax/sharding/rules.py PRESETS
+# rpeg_jax/sharding/rules.py PRESETS that a priced plan may lift to fit its mesh (fsdp_expert is kept as named)
+BUILTIN_RULES = ("replicated", "data", "fsdp", "tensor", "fsdp_tensor")
 AUTO_BASE = {"train": "fsdp", "generate": "data"}  # what `auto` is on a mesh of data replicas only
 
 
