@@ -21,7 +21,7 @@ from rpeg_jax.models import adapters
 from rpeg_jax.models.llama import Transformer
 from rpeg_jax.models.lora import from_peft, merge, to_peft
 
-LORA = TINY + ["model.lora.rank=4", "model.lora.alpha=8"]
+LORA = TINY + ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2"]
 
 
 def _lora_model(targets=None, seed=0, qkv_bias=False):
@@ -112,12 +112,14 @@ def test_bad_lora_keys_are_one_line_naming_the_key(over, key):
 def test_lora_run_trains_only_the_adapters_and_the_reference_is_the_base(tmp_path):
     """GRPO with a KL term: the actor state and its AdamW moments are the adapters only; the
     reference is the base (its buffers are the base's), so the KL to it is 0 while the adapters are
-    0 (step 1: B = 0) and grows once they train; the sampler's weights are the merged model."""
+    0 (step 1: B = 0) and grows once they train; the sampler's weights are the merged model: with
+    pipeline.elide_old_forward π_old is the sampler's logprob, and ppo_kl (π_old vs the trainer's
+    LoRA forward at the same weights) stays ~0 while the KL to the base grows."""
     from rpeg_jax.graph.plan import graph_for_plan
     from rpeg_jax.runtime.setup import build
     from rpeg_jax.runtime.trainer import choose_plan
 
-    over = LORA + ["rl.kl_coef=0.1"]
+    over = LORA + ["rl.kl_coef=0.1", "pipeline.elide_old_forward=true"]
     r = run(tmp_path, "lora", over, steps=3)
     actor = r.state["actor"]
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(actor)]
@@ -128,7 +130,9 @@ def test_lora_run_trains_only_the_adapters_and_the_reference_is_the_base(tmp_pat
     assert sum(x.size for x in mu) == n_adapter  # AdamW's first moment: one entry per adapter parameter
     assert any(float(jnp.max(jnp.abs(v))) > 0 for k, v in actor["layers"].items() if k.startswith("lora_b_"))
     kl = [m["actor/kl"] for m in r.metrics]
-    assert abs(kl[0]) < 1e-6 and kl[-1] > 1e-6, kl
+    assert abs(kl[0]) < 1e-6 and kl[-1] > 1e-3, kl
+    sampler_vs_trainer = [abs(m["actor/ppo_kl"]) for m in r.metrics]
+    assert max(sampler_vs_trainer) < 1e-5, sampler_vs_trainer
 
     cfg = load_config(None, over + [f"train.run_dir={tmp_path / 'b'}"])
     cfg, plan = choose_plan(cfg)
@@ -146,6 +150,7 @@ def test_lora_run_trains_only_the_adapters_and_the_reference_is_the_base(tmp_pat
     np.testing.assert_allclose(np.asarray(plain_logits), np.asarray(lora_logits), atol=2e-5)
 
 
+@pytest.mark.slow  # ~25 s on the loaded 2-core machine
 def test_resume_of_a_lora_run_is_exact(tmp_path):
     from rpeg_jax.runtime.trainer import train
 
@@ -163,6 +168,7 @@ def test_resume_of_a_lora_run_is_exact(tmp_path):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
 
 
+@pytest.mark.slow  # ~30 s on the loaded 2-core machine
 def test_export_writes_the_merged_model_and_a_peft_adapter(tmp_path, capsys):
     """A LoRA run from tests/fixtures/hf/llama_tiny, 2 steps: `rpeg export` writes base + adapters
     merged, whose logits equal the run's LoRA model; `rpeg export --adapter` writes a PEFT adapter
