@@ -83,7 +83,7 @@ def test_greedy_equals_full_forward_and_records_experts(moe, prompts, reference,
         ls = np.asarray(jax.nn.log_softmax(logits[i, len(p) - 1 : len(p) + 15], axis=-1))
         np.testing.assert_allclose(c.logprobs, np.take_along_axis(ls, np.asarray(r)[:, None], 1)[:, 0], atol=LP_TOL)
         n = len(p) + len(r)
-        assert c.experts.shape == (n, s, 2) and c.experts.dtype == np.int32
+        assert c.experts.shape == (n, s, 2) and c.experts.dtype == np.int16
         np.testing.assert_array_equal(np.sort(c.experts[: n - 1], axis=-1), experts[i, : n - 1])
         assert (c.experts[n - 1] == -1).all()  # the last token never ran
         assert len(np.unique(c.experts[: n - 1])) > 1  # the record is not constant

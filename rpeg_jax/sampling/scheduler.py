@@ -50,7 +50,7 @@ class Sequence:
     slot: int = -1
     preemptions: int = 0
     finish_reason: str | None = None
-    experts: Any = None  # MoE models: int32 [positions processed, S, k], each cached position's experts
+    experts: Any = None  # MoE models: int16 [positions processed, S, k], each cached position's experts
 
     @property
     def pos(self) -> int:
