@@ -51,10 +51,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rpeg_jax.config import load_config  # noqa: E402
 from rpeg_jax.config.pipeline import PipelineConfig  # noqa: E402
+from rpeg_jax.costmodel.baselines import baseline  # noqa: E402
 from rpeg_jax.costmodel.candidates import layouts  # noqa: E402
+from rpeg_jax.costmodel.context import make_context, roles_of  # noqa: E402
 from rpeg_jax.costmodel.hardware import load_hardware  # noqa: E402
 from rpeg_jax.costmodel.lengths import LengthDist  # noqa: E402
-from rpeg_jax.costmodel.planner import baseline, make_context, roles_of  # noqa: E402
 from rpeg_jax.costmodel.pricing import price_layout  # noqa: E402
 from rpeg_jax.graph.ir import GraphError  # noqa: E402
 from rpeg_jax.graph.plan import knobs_of  # noqa: E402

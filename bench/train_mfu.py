@@ -87,8 +87,8 @@ def stage_prediction(hw, ms: ModelShape, b: int, p: int, r: int, attention: str,
     st = dataclasses.replace(
         setting(hw, {"B": b, "P": p, "R": r}), causal_skip=attention in FLASH, dense_scores=attention not in FLASH
     )
-    sec, parts = S.train_stage(st, ms, 1, 1, 1, 1, micro, remat)
-    mem = S.train_memory(st, ms, 1, 1, 1, micro, remat)
+    sec, parts = S.train_stage(st, ms, busy=1, d=1, f=1, t=1, micro=micro, remat=remat)
+    mem = S.train_memory(st, ms, d=1, f=1, t=1, micro=micro, remat=remat)
     return {"executed_flops": float(parts["flops"]), "predicted_s": float(sec), "predicted_bytes": float(mem)}
 
 

@@ -194,8 +194,8 @@ def test_good_config_through_cli():
 
 def test_rollout_kv_pool_reaches_the_sampler_and_the_cost_model():
     from rpeg_jax.config import ConfigError
+    from rpeg_jax.costmodel.context import make_context
     from rpeg_jax.costmodel.hardware import load_hardware
-    from rpeg_jax.costmodel.planner import make_context
     from rpeg_jax.sampling.types import SamplerConfig
 
     for pool in ("sharded", "replicated"):

@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 from rpeg_jax.config import load_config
+from rpeg_jax.costmodel import context as CX
 from rpeg_jax.costmodel import planner as P
+from rpeg_jax.costmodel import scoring as SC
+from rpeg_jax.costmodel import space as SP
 from rpeg_jax.costmodel.hardware import load_hardware
 from rpeg_jax.costmodel.lengths import LengthDist, LengthStream, admission
 from rpeg_jax.costmodel.pricing import predict_run, price_layout
@@ -200,7 +203,7 @@ def test_the_cost_model_uses_the_samplers_width_buckets():
     for growth in (2.0, 1.25):
         cfg = load_config(None, ["model.preset=tiny", f"rollout.table_width_growth={growth}"])
         assert sampler_config(cfg).table_width_growth == growth  # the engine runs it
-        assert P.make_context(cfg, 1, CPU).st.table_growth == growth  # the cost model prices it
+        assert CX.make_context(cfg, 1, CPU).st.table_growth == growth  # the cost model prices it
 
 
 def test_finer_width_buckets_price_a_cheaper_continuous_generation():
@@ -337,21 +340,21 @@ def test_planner_searches_admission_and_splits_the_gain():
 
 def test_user_admission_and_k_are_kept():
     cfg = load_config(None, ["pipeline.staleness=1", "rollout.admission=continuous"])
-    ctx = P.make_context(cfg, 1, CPU)
-    for placement, share in P.families(ctx):
-        for pipe, g in P.option_graphs(ctx, P.structural_options(ctx, placement, share)):
-            assert pipe.staleness == 1 and P.admission_of(g) == "continuous"
+    ctx = CX.make_context(cfg, 1, CPU)
+    for placement, share in SP.families(ctx):
+        for pipe, g in SC.option_graphs(ctx, SP.structural_options(ctx, placement, share)):
+            assert pipe.staleness == 1 and SC.admission_of(g) == "continuous"
     # Left to the planner: both modes at k >= 1 on one process, step only on several.
-    ctx = P.make_context(load_config(None, ["costmodel.max_staleness=1", "costmodel.search_algorithmic=true"]), 2, CPU)
+    ctx = CX.make_context(load_config(None, ["costmodel.max_staleness=1", "costmodel.search_algorithmic=true"]), 2, CPU)
     seen = {
-        (p.staleness, P.admission_of(g)) for p, g in P.option_graphs(ctx, P.structural_options(ctx, "split", False))
+        (p.staleness, SC.admission_of(g)) for p, g in SC.option_graphs(ctx, SP.structural_options(ctx, "split", False))
     }
     assert {(0, "step"), (1, "step"), (1, "continuous")} <= seen
-    many = P.make_context(
+    many = CX.make_context(
         load_config(None, ["costmodel.max_staleness=1", "costmodel.search_algorithmic=true"]), 2, CPU, processes=2
     )
-    opts = P.option_graphs(many, P.structural_options(many, "colocated", False))
-    assert {P.admission_of(g) for _, g in opts} == {"step"}
+    opts = SC.option_graphs(many, SP.structural_options(many, "colocated", False))
+    assert {SC.admission_of(g) for _, g in opts} == {"step"}
 
 
 def test_p1_preset_loads_and_plans(tmp_path, capsys):
@@ -380,7 +383,7 @@ def test_packed_updates_are_priced_on_the_consumed_batches():
     # padded one on R columns whatever the lengths.
     from rpeg_jax.config.model import model_preset
     from rpeg_jax.costmodel import stages as S
-    from rpeg_jax.costmodel.candidates import Roles, consumed_columns, consumed_setting
+    from rpeg_jax.costmodel.candidates import Layouts, Roles, consumed_setting, consumed_side
     from rpeg_jax.costmodel.shape import ModelShape
     from rpeg_jax.graph.algorithms import model_dims
 
@@ -406,21 +409,25 @@ def test_packed_updates_are_priced_on_the_consumed_batches():
     assert S.packed_per_seq(sc, st.B, 1)[0] < S.packed_per_seq(st, st.B, 1)[0]
     assert consumed_setting(dataclasses.replace(st, packing=False), 1, 64, 1).dist == dist
     one = np.array([1])
-    row = {
-        "n_gen": one,
-        "t_g": one,
-        "d": one,
-        "f": one,
-        "t": one,
-        "fd": one,
-        "ff": one,
-        "ft": one,
-        "micro": one,
-        "remat": np.array([0]),
-        "fmicro": one,
-    }
+    row = Layouts(
+        n_gen=one,
+        n_train=one,
+        t_g=one,
+        d=one,
+        f=one,
+        t=one,
+        fd=one,
+        ff=one,
+        ft=one,
+        micro=one,
+        remat=np.array([0]),
+        fmicro=one,
+    )
     roles = Roles(actor=ms, critic=None, ref=None, epochs=1, minibatches=1, offload="none")
-    cols = consumed_columns(st, roles, 1, row, 1, np.array([64]))
-    want = S.train_stage(sc, ms, 1, one, one, one, one, "none", 1, 1)[0]
-    assert cols["t_upd_actor_c1"] == pytest.approx(want, rel=1e-12)
-    assert cols["t_upd_actor_c1"][0] < S.train_stage(st, ms, 1, one, one, one, one, "none", 1, 1)[0][0]
+    side = consumed_side(st, roles, 1, row, 1, np.array([64]))
+    want = S.train_stage(sc, ms, busy=1, d=one, f=one, t=one, micro=one, remat="none", epochs=1, minibatches=1)[0]
+    assert side.t_upd["actor"] == pytest.approx(want, rel=1e-12)
+    assert (
+        side.t_upd["actor"][0]
+        < S.train_stage(st, ms, busy=1, d=one, f=one, t=one, micro=one, remat="none", epochs=1, minibatches=1)[0][0]
+    )

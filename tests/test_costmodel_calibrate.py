@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from rpeg_jax.costmodel import context as CX
 from rpeg_jax.costmodel import planner as P
 from rpeg_jax.costmodel.hardware import check_table, interp_eff, load_hardware
 from rpeg_jax.costmodel.microfit import _monotone_table, fit
@@ -74,8 +75,8 @@ def test_kv_attend_rate_is_fitted_and_prices_the_cpu_decode_step():
     assert fit(base, synthetic()).efficiency.kv_attend_bw is None  # not measured: the memory table
     prof = fit(base, {**synthetic(), "kv_attend": 5e9})
     assert prof.efficiency.kv_attend_bw == 5e9
-    ctx = P.make_context(load_config(None, ["model.preset=tiny"]), 1, prof)
-    ms = P.roles_of(ctx, ctx.base).actor
+    ctx = CX.make_context(load_config(None, ["model.preset=tiny"]), 1, prof)
+    ms = CX.roles_of(ctx, ctx.base).actor
     slow = S.decode_step_time(ctx.st, ms, 1, 1, 64, 200.0)
     faster = dataclasses.replace(prof, efficiency=dataclasses.replace(prof.efficiency, kv_attend_bw=1e10))
     fast = S.decode_step_time(dataclasses.replace(ctx.st, hw=faster), ms, 1, 1, 64, 200.0)
@@ -161,7 +162,7 @@ def test_stage_fit_recovers_known_factors():
             budget_bytes=1e12,
         )
         fn = S.forward_stage if kind == "forward" else S.train_stage
-        args = (1,) if kind == "forward" else (1, "none")
+        args = {"micro": 1} if kind == "forward" else {"micro": 1, "remat": "none"}
         meas.append(
             {
                 "kind": kind,
@@ -170,7 +171,7 @@ def test_stage_fit_recovers_known_factors():
                 "T": T,
                 "devices": n,
                 "D": D,
-                "seconds": float(fn(st, ms, n, n, 1, 1, *args)[0]),
+                "seconds": float(fn(st, ms, busy=n, d=n, f=1, t=1, **args)[0]),
             }
         )
     fitted, resid = fit_stages(base, meas)

@@ -13,8 +13,9 @@ from helpers import load_file
 from rpeg_jax.config import load_config
 from rpeg_jax.config.base import ConfigError
 from rpeg_jax.config.model import model_preset
+from rpeg_jax.costmodel import baselines as BL
+from rpeg_jax.costmodel import context as CX
 from rpeg_jax.costmodel import hardware as H
-from rpeg_jax.costmodel import planner as P
 from rpeg_jax.costmodel import stages as S
 from rpeg_jax.costmodel.comm import transfer_time
 from rpeg_jax.costmodel.lengths import LengthDist
@@ -67,14 +68,14 @@ def test_weight_sync_colocated_by_hand():
     buckets = math.ceil(w / 2.5e8)
     cast = n * (4 + 2) / 4 / 3.35e12  # read fp32 shard, write bf16 shard, h100 memory_bw
     want = 3.0 + buckets * 0.05 + cast + 1e-4
-    got = float(S.weight_sync_stage(st, ms, True, 4.0, 4, 8, 8))
+    got = float(S.weight_sync_stage(st, ms, colocated=True, shards_train=4.0, t_g=4, n_train=8, n_gen=8))
     assert got == pytest.approx(want, rel=1e-12)
     assert buckets == 61  # 7.6e9 params x 2 B / 250 MB: the bucket count is part of the price
     # Split: the transfer priced by comm.transfer_time, plus the same fixed and per-bucket terms.
     move = float(transfer_time(hw, w, 8, 8, 4))
-    assert float(S.weight_sync_stage(st, ms, False, 4.0, 4, 8, 8)) == pytest.approx(
-        3.0 + buckets * 0.05 + move + 1e-4, rel=1e-12
-    )
+    assert float(
+        S.weight_sync_stage(st, ms, colocated=False, shards_train=4.0, t_g=4, n_train=8, n_gen=8)
+    ) == pytest.approx(3.0 + buckets * 0.05 + move + 1e-4, rel=1e-12)
     # Unset constants (the CPU profile) cost nothing beyond the data movement.
     cpu = H.load_hardware("cpu", calibrated=False)
     assert float(S.weight_sync_time(cpu, w, 0.25)) == pytest.approx(0.25 + cpu.efficiency.dispatch_s)
@@ -99,7 +100,7 @@ def _cfg(*extra):
 
 
 def _verl(hw):
-    return P.baseline(P.make_context(_cfg(), 8, hw), "verl_like", {})
+    return BL.baseline(CX.make_context(_cfg(), 8, hw), "verl_like", {})
 
 
 def test_sync_and_framework_costs_add_to_the_synchronous_step():
@@ -132,8 +133,8 @@ def test_train_matmul_cap_caps_the_trainer_only():
     st_cap, st_free = setting(hw, B=256, R=2048), setting(with_eff(H100, train_matmul_cap=1.0), B=256, R=2048)
     # A compute-bound update (8 sequences x 2.5k tokens per micro-batch): the matmul part of the
     # update scales by exactly table / cap; decode is not the trainer's and does not move.
-    _, p_cap = S.train_stage(st_cap, ms, 8, 1, 8, 1, 4, "none")
-    _, p_free = S.train_stage(st_free, ms, 8, 1, 8, 1, 4, "none")
+    _, p_cap = S.train_stage(st_cap, ms, busy=8, d=1, f=8, t=1, micro=4, remat="none")
+    _, p_free = S.train_stage(st_free, ms, busy=8, d=1, f=8, t=1, micro=4, remat="none")
     tokens = 256 / 8 / 4 * (512 + 2048)
     eff = float(S.mm_eff(H100, ms.mm_size(tokens, 1)))
     assert eff > 0.45
@@ -154,7 +155,7 @@ def test_mixed_precision_update_memory_is_16_bytes_per_param():
     # Sharded over fsdp x tensor in the update's peak: 16 N / 32 plus activations, logits, gathers.
     st = setting(H100, B=64, R=1024)
     d, f, t, micro = 1, 32, 1, 8
-    mem = float(S.train_memory(st, ms, d, f, t, micro, "none"))
+    mem = float(S.train_memory(st, ms, d=d, f=f, t=t, micro=micro, remat="none"))
     gathered = 2.0 * max(ms.D * ms.H * ms.E, ms.D * ms.K * ms.E, ms.D * ms.F) * 2  # two bf16 matrices
     tok = 64 / 32 / 8 * (512 + 1024)
     act = ms.L * tok * float(ms.act_bytes_per_token_layer(1, "none"))
@@ -172,7 +173,7 @@ def test_fsdp_gathers_move_bf16_under_mixed_precision():
 
     ms = shape("qwen2-7b", dtype="bfloat16", param_dtype="float32")
     st = setting(H100, B=64)
-    _, parts = S.forward_stage(st, ms, 8, 1, 8, 1, 1)
+    _, parts = S.forward_stage(st, ms, busy=8, d=1, f=8, t=1, micro=1)
     core = float(parts["compute"])
     gather = ms.L * float(collective_time(H100, "all_gather", ms.layer_params * 2.0, 8, 1))  # bf16
     want = gather - H100.efficiency.overlap * min(gather, core)
@@ -239,8 +240,8 @@ def test_anchor_workloads_match_the_published_table():
     mod = load_file("costmodel_anchors", path, register=True)  # its dataclasses look their module up
     for a in mod.ANCHORS:
         cfg, med = mod.anchor_config(a)
-        ctx = P.make_context(cfg, a.gpus, H100)
+        ctx = CX.make_context(cfg, a.gpus, H100)
         assert ctx.st.B == 2048 and ctx.st.P == 128 and ctx.st.R == 3968 and cfg.rl.minibatches == 4
         assert abs(ctx.st.dist.mean(2048) - a.mean_response) <= 1.0
-        n = P.roles_of(ctx, ctx.base).actor.num_params
+        n = CX.roles_of(ctx, ctx.base).actor.num_params
         assert n == pytest.approx(32.76e9 if "qwen3" in a.name else 8.03e9, rel=0.005)

@@ -68,7 +68,7 @@ def test_qwen_flops_against_parameter_count(preset):
     assert fwd == 2 * matmul_params + 2 * d * V
     # 6N rule: training FLOPs per token ≈ 6 × params (within the share of norms/biases/embedding).
     st = setting(B=8, P=0, R=2)
-    t, parts = S.train_stage(st, ms, 1, 1, 1, 1, 1, "none")
+    t, parts = S.train_stage(st, ms, busy=1, d=1, f=1, t=1, micro=1, remat="none")
     tokens = st.B * st.seq_tokens
     assert float(parts["flops"]) / tokens == pytest.approx(6 * (matmul_params + d * V), rel=0.02)
     assert 6 * cfg.num_params() / (float(parts["flops"]) / tokens) == pytest.approx(1.0, rel=0.12)
@@ -120,9 +120,9 @@ def test_train_state_memory_replicated_fsdp_tensor():
     # gradient accumulator (4 B/param) with micro-batches > 1.
     assert ms.resident_state_bytes() == 12.0 * n
     assert float(ms.update_state_bytes(1)) == 12.0 * n and float(ms.update_state_bytes(4)) == 16.0 * n
-    rep = float(S.train_memory(st, ms, 8, 1, 1, 1, "full"))
-    fsdp = float(S.train_memory(st, ms, 1, 8, 1, 1, "full"))
-    tp = float(S.train_memory(st, ms, 1, 1, 8, 8, "full"))
+    rep = float(S.train_memory(st, ms, d=8, f=1, t=1, micro=1, remat="full"))
+    fsdp = float(S.train_memory(st, ms, d=1, f=8, t=1, micro=1, remat="full"))
+    tp = float(S.train_memory(st, ms, d=1, f=1, t=8, micro=8, remat="full"))
     state = 24.0 * n
     act_rep = rep - state
     assert act_rep > 0
@@ -174,11 +174,11 @@ def test_decode_grows_with_context():
 def test_forward_roofline_and_fsdp_comm():
     st = setting(B=64, P=512, R=512)
     ms = shape("qwen2-7b", dtype="bfloat16", param_dtype="float32")
-    t, parts = S.forward_stage(st, ms, 64, 64, 1, 1, 1)
+    t, parts = S.forward_stage(st, ms, busy=64, d=64, f=1, t=1, micro=1)
     flops = float(ms.forward_flops(1024, 512, 1024**2, True))
     assert float(parts["flops"]) == pytest.approx(flops)
     assert float(parts["compute"]) >= flops / st.hw.peak("bfloat16")
-    _, p8 = S.forward_stage(st, ms, 64, 8, 8, 1, 1)
+    _, p8 = S.forward_stage(st, ms, busy=64, d=8, f=8, t=1, micro=1)
     assert float(p8["comm"]) > 0 and float(parts["comm"]) == 0
 
 
@@ -186,7 +186,7 @@ def test_generation_tail_and_async():
     st = setting(B=64, P=128, R=4096)
     st = dataclasses.replace(st, dist=LengthDist(max_len=4096, min_len=64, median=512, sigma=1.0))
     ms = shape("qwen2-1.5b", dtype="bfloat16")
-    sync, parts, finished_at, asy = S.generate_stage(st, ms, 8, [1], [64], async_ks=(1,))
+    sync, parts, finished_at, asy = S.generate_stage(st, ms, n_gen=8, t=[1], slots=[64], async_ks=(1,))
     lens = st.dist.lengths(64)
     # The synchronous stage lasts at least the longest response's decode steps at batch 1.
     floor = lens.max() * float(S.decode_step_time(st, ms, 1, 8, 1, st.P))
@@ -247,7 +247,7 @@ def test_shared_host_collectives_and_decode_serialise():
     st = setting("cpu", B=16, P=16, R=32)
     hw, ms = st.hw, shape("tiny")
     assert hw.shared_host and hw.efficiency.overlap == 0.0
-    _, parts = S.forward_stage(st, ms, 8, 1, 8, 1, 1)
+    _, parts = S.forward_stage(st, ms, busy=8, d=1, f=8, t=1, micro=1)
     one = ms.L * collective_time(hw, "all_gather", ms.layer_params * ms.param_bytes_per, 8, 1)
     assert float(parts["comm"]) == pytest.approx(float(one) * 8 / hw.host_cores)
     b, ctx, busy = 4, 40, 8
@@ -297,7 +297,7 @@ def test_shared_host_roofline_adds_and_fsdp_gathers_by_layer_loop():
         ag = ms.L * float(collective_time(hw, "all_gather", layer_p, f, 1))
         rs = ms.L * float(collective_time(hw, "reduce_scatter", layer_p, f, 1))
         for micro in (1, 2):
-            _, parts = S.train_stage(st, ms, f, 1, f, 1, micro, "none")
+            _, parts = S.train_stage(st, ms, busy=f, d=1, f=f, t=1, micro=micro, remat="none")
             gathers = 2 * micro if scanned else 1
             assert float(parts["comm"]) == pytest.approx((gathers * ag + micro * rs) * f / hw.host_cores), (
                 scanned,
@@ -323,8 +323,8 @@ def test_group_prompt_counted_once_where_the_runtime_shares_it():
     assert float(S.shared_tokens(off, 1, 1, 1)[0]) == 48
     # ... and the training stage's FLOPs follow them
     ms = shape("tiny")
-    _, on = S.train_stage(st, ms, 1, 1, 1, 1, 1, "none")
-    _, plain = S.train_stage(off, ms, 1, 1, 1, 1, 1, "none")
+    _, on = S.train_stage(st, ms, busy=1, d=1, f=1, t=1, micro=1, remat="none")
+    _, plain = S.train_stage(off, ms, busy=1, d=1, f=1, t=1, micro=1, remat="none")
     ratio = float(on["flops"]) / float(plain["flops"])
     lin = float(ms.forward_flops(64 * shared_tok, 64 * 32, 64 * shared_sq, st.causal_skip)) / float(
         ms.forward_flops(64 * 48, 64 * 32, 64 * 48**2, st.causal_skip)
@@ -409,22 +409,22 @@ def test_trainer_prices_the_runtime_length_bucket_sampler_the_decoded_steps():
         assert bucketed.R_train == padded and bucketed.seq_tokens == 16 + padded
         assert bucketed.seq_scored == padded and bucketed.seq_sumsq == (16 + padded) ** 2
         # training and scoring passes: exactly the plain setting at the padded width
-        assert float(S.train_stage(bucketed, ms, 1, 1, 1, 1, 1, "none")[0]) == pytest.approx(
-            float(S.train_stage(plain, ms, 1, 1, 1, 1, 1, "none")[0]), rel=1e-12
+        assert float(S.train_stage(bucketed, ms, busy=1, d=1, f=1, t=1, micro=1, remat="none")[0]) == pytest.approx(
+            float(S.train_stage(plain, ms, busy=1, d=1, f=1, t=1, micro=1, remat="none")[0]), rel=1e-12
         )
-        assert float(S.forward_stage(bucketed, ms, 1, 1, 1, 1, 1)[0]) == pytest.approx(
-            float(S.forward_stage(plain, ms, 1, 1, 1, 1, 1)[0]), rel=1e-12
+        assert float(S.forward_stage(bucketed, ms, busy=1, d=1, f=1, t=1, micro=1)[0]) == pytest.approx(
+            float(S.forward_stage(plain, ms, busy=1, d=1, f=1, t=1, micro=1)[0]), rel=1e-12
         )
         # generation: R decode steps, as without the bucket
         unpadded = setting("cpu", B=64, P=16, R=R, dense=True)
-        assert S.generate_stage(bucketed, ms, 1, [1], [64])[0][0] == pytest.approx(
-            S.generate_stage(unpadded, ms, 1, [1], [64])[0][0], rel=1e-12
+        assert S.generate_stage(bucketed, ms, n_gen=1, t=[1], slots=[64])[0][0] == pytest.approx(
+            S.generate_stage(unpadded, ms, n_gen=1, t=[1], slots=[64])[0][0], rel=1e-12
         )
 
 
 def test_planner_setting_uses_the_length_bucket_unless_shapes_are_fixed():
     from rpeg_jax.config import load_config
-    from rpeg_jax.costmodel.planner import make_context
+    from rpeg_jax.costmodel.context import make_context
 
     hw = load_hardware("cpu", calibrated=False)
     st = make_context(load_config(None, ["rollout.max_new_tokens=12"]), 1, hw).st
@@ -438,7 +438,7 @@ def test_planner_prices_the_prompt_columns_the_runtime_pads_to(task, digits):
     """The model's P is what runtime/rollout/layout lays out: the longest tokenized prompt of the data,
     bucketed (not data.max_prompt_len); fixed shapes keep max_prompt_len; an override is bucketed."""
     from rpeg_jax.config import load_config
-    from rpeg_jax.costmodel.planner import make_context
+    from rpeg_jax.costmodel.context import make_context
     from rpeg_jax.data import CharTokenizer, make_records
     from rpeg_jax.shapes.buckets import length_bucket
 
@@ -470,8 +470,8 @@ def test_generation_prices_the_samplers_host_cost_per_sequence():
         base, hw=dataclasses.replace(hw, efficiency=dataclasses.replace(hw.efficiency, gen_seq_s=4e-4))
     )
     for n, t, slots in ((1, 1, 96), (8, 1, 12), (4, 2, 48)):
-        a = S.generate_stage(base, ms, n, [t], [slots], async_ks=(1,))
-        b = S.generate_stage(costly, ms, n, [t], [slots], async_ks=(1,))
+        a = S.generate_stage(base, ms, n_gen=n, t=[t], slots=[slots], async_ks=(1,))
+        b = S.generate_stage(costly, ms, n_gen=n, t=[t], slots=[slots], async_ks=(1,))
         assert b[0][0] - a[0][0] == pytest.approx(96 * 4e-4, rel=1e-9)
         assert b[3][1][0] - a[3][1][0] == pytest.approx(96 * 4e-4, rel=1e-9)
 
@@ -508,8 +508,8 @@ def test_decode_kv_read_follows_the_attention():
     # place: decode moves the cached KV bytes once (kv_read_factor 1), gather the profile's factor
     # (2 on the GPU presets: the pages are copied, then read). Hand roofline of a memory-bound step.
     from rpeg_jax.config import load_config
+    from rpeg_jax.costmodel.context import make_context
     from rpeg_jax.costmodel.hardware import interp_eff
-    from rpeg_jax.costmodel.planner import make_context
 
     st, ms = setting("h200"), shape("tiny")
     hw = st.hw

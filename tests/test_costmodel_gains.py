@@ -11,8 +11,12 @@ import numpy as np
 import pytest
 
 from rpeg_jax.config import load_config
+from rpeg_jax.costmodel import context as CX
 from rpeg_jax.costmodel import planner as P
+from rpeg_jax.costmodel import scoring as SC
+from rpeg_jax.costmodel import space as SP
 from rpeg_jax.costmodel.hardware import load_hardware
+from rpeg_jax.graph.passes import apply_pipeline
 
 GH = load_hardware("gh200", calibrated=False)
 # The same profile without the weight sync's and the framework's fixed seconds per step (~9 s at
@@ -50,8 +54,8 @@ def test_utilization_is_on_the_reference_work_of_the_synchronous_unfused_graph()
     # is credited with verl's work: generate + ref + old + critic forwards + 3 (actor) + 3 (critic).
     cfg = cfg_of(*PPO)
     res = P.search(cfg, 8, GH)
-    ctx = P.make_context(cfg, 8, GH)
-    roles = P.roles_of(ctx, ctx.base)
+    ctx = CX.make_context(cfg, 8, GH)
+    roles = CX.roles_of(ctx, ctx.base)
     a, c = _one_forward(ctx, roles.actor), _one_forward(ctx, roles.critic)
     ref_work = a + a + a + c + 3 * a + 3 * c  # generate, ref, old, critic forward, two updates
     peak = GH.peak(roles.actor.dtype) * 8
@@ -60,7 +64,7 @@ def test_utilization_is_on_the_reference_work_of_the_synchronous_unfused_graph()
     for p in (c0, *res.runners_up, *res.baselines.values()):
         assert p.utilization * p.step_time_s * peak == pytest.approx(ref_work, rel=1e-3), p.label
     # Own work: the chosen plan runs fewer passes than the reference, so it is credited less.
-    own = P.useful_flops(ctx.st, P.apply_pipeline(ctx.base, _pipe(c0)))
+    own = CX.useful_flops(ctx.st, apply_pipeline(ctx.base, _pipe(c0)))
     assert c0.utilization_own_work * c0.step_time_s * peak == pytest.approx(own, rel=1e-9)
     assert c0.utilization_own_work < c0.utilization
     # A faster plan on the same reference work has the higher utilization.
@@ -87,23 +91,23 @@ def _brute_equal_algorithm(ctx):
     from rpeg_jax.costmodel.schedule import simulate, unroll
 
     cache, best = {}, np.inf
-    for placement, share in P.families(ctx, equal_algorithm=True):
+    for placement, share in SP.families(ctx, equal_algorithm=True):
         assert not share
-        for pipe, g in P.option_graphs(ctx, P.structural_options(ctx, placement, share, equal_algorithm=True)):
+        for pipe, g in SC.option_graphs(ctx, SP.structural_options(ctx, placement, share, equal_algorithm=True)):
             assert pipe.staleness == 0 and not pipe.share_actor_critic
-            tab = P.family_table(ctx, g, placement, cache)
-            dur, pieces = P.durations(ctx, g, tab)
+            tab = SC.family_table(ctx, g, placement, cache)
+            dur, pieces = SC.durations(ctx, g, tab)
             per = simulate(unroll(g, shared_resource=ctx.hw.shared_host), dur, pieces)[0]
-            per = np.where(P.divisible(ctx, g, tab), per, np.inf)
+            per = np.where(SP.divisible(ctx, g, tab), per, np.inf)
             best = min(best, float(np.min(per)))
     return best
 
 
 def test_algorithmic_knobs_are_off_unless_asked_and_the_gain_is_all_systems():
     cfg = cfg_of(*PPO, "costmodel.max_staleness=2")  # a bound alone does not ask for staleness
-    ctx = P.make_context(cfg, 8, GH)
-    assert {s for _, s in P.families(ctx)} == {False}
-    assert all(o.staleness == 0 for p, s in P.families(ctx) for o in P.structural_options(ctx, p, s))
+    ctx = CX.make_context(cfg, 8, GH)
+    assert {s for _, s in SP.families(ctx)} == {False}
+    assert all(o.staleness == 0 for p, s in SP.families(ctx) for o in SP.structural_options(ctx, p, s))
     res = P.search(cfg, 8, GH)
     c, g = res.chosen, res.gains
     assert c.knobs["staleness"] == 0 and not c.knobs["share_actor_critic"]
@@ -128,7 +132,7 @@ def test_gains_split_staleness_from_systems_and_multiply_to_the_total():
     assert g["total"] == pytest.approx(verl.step_time_s / c.step_time_s, rel=1e-12)
     assert g["systems"] * g["algorithmic"] == pytest.approx(g["total"], rel=1e-12)
     # The systems reference is the best k = 0 plan over the whole space (brute force, no pruning).
-    ctx = P.make_context(cfg, 16, GH)
+    ctx = CX.make_context(cfg, 16, GH)
     assert g["equal_algorithm_step_s"] == pytest.approx(_brute_equal_algorithm(ctx), rel=1e-9)
     assert res.equal_algorithm.knobs["staleness"] == 0
     # The chosen layout's own asynchrony factor is at least the algorithmic gain (the best k = 0
@@ -143,7 +147,7 @@ def test_a_pinned_staleness_still_gets_an_equal_algorithm_reference():
     assert res.chosen.knobs["staleness"] == 1  # the config's own choice is respected
     eq = res.equal_algorithm
     assert eq is not None and eq.knobs["staleness"] == 0 and eq is not res.chosen
-    ctx = P.make_context(cfg, 16, GH)
+    ctx = CX.make_context(cfg, 16, GH)
     assert eq.step_time_s == pytest.approx(_brute_equal_algorithm(ctx), rel=1e-9)
     assert res.gains["algorithmic"] == pytest.approx(eq.step_time_s / res.chosen.step_time_s, rel=1e-12)
 
@@ -198,10 +202,10 @@ def test_real_like_runs_the_scoring_forwards_side_by_side_on_disjoint_sub_meshes
     serial = sum(v for k, v in st.items() if k not in calls) + max(st[k] for k in calls)
     assert real.step_time_s == pytest.approx(serial, abs=st["reward"] + 1e-9)
     # It beats the best serial plan of its old family (per-stage layouts on all devices) and verl-like.
-    ctx = P.make_context(cfg, 16, GH_NO_FIXED)
-    g = P.reference_graph(ctx)
-    tab = P.family_table(ctx, g, "colocated", {})
-    assert real.step_time_s < float(np.min(P.periods(ctx, g, tab)[0])) < verl.step_time_s * (1 + 1e-9)
+    ctx = CX.make_context(cfg, 16, GH_NO_FIXED)
+    g = CX.reference_graph(ctx)
+    tab = SC.family_table(ctx, g, "colocated", {})
+    assert real.step_time_s < float(np.min(SC.periods(ctx, g, tab)[0])) < verl.step_time_s * (1 + 1e-9)
     # (By how much depends on how far a forward is from linear scaling: with the GPU profiles'
     # train_matmul_cap, since session 12, the halves run almost as efficiently as the whole and
     # the gain here is ~0.2%; it was ~2% before.)

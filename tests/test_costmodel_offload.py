@@ -100,13 +100,14 @@ P1_32B = ["model.preset=qwen2-32b", "data.prompts_per_step=8"]  # configs/p1.yam
 
 def _table(offload, n=8):
     from rpeg_jax.config import load_config
-    from rpeg_jax.costmodel import planner as P
+    from rpeg_jax.costmodel import context as CX
+    from rpeg_jax.costmodel import scoring as SC
 
     cfg = load_config("configs/p1.yaml", P1_32B + [f"train.offload={offload}"])
-    ctx = P.make_context(cfg, n, GH)
+    ctx = CX.make_context(cfg, n, GH)
     ctx = dataclasses.replace(ctx, st=dataclasses.replace(ctx.st, budget_bytes=np.inf))  # keep every row
-    roles = P.roles_of(ctx, ctx.base)
-    return P.family_table(ctx, ctx.base, "colocated", {}), roles
+    roles = CX.roles_of(ctx, ctx.base)
+    return SC.family_table(ctx, ctx.base, "colocated", {}), roles
 
 
 def test_rows_drop_the_offloaded_state_and_pay_the_transfer():
@@ -114,18 +115,18 @@ def test_rows_drop_the_offloaded_state_and_pay_the_transfer():
     memory drops by exactly the Adam moments per device, the update pays 2 x their bytes / 450 GB/s,
     and with +reference the reference's weights move from resident to its forward."""
     (a, roles), (b, _), (c, _) = _table("none"), _table("optimizer"), _table("optimizer+reference")
-    key = lambda t: list(zip(t["d"], t["f"], t["t"], t["fd"], t["ff"], t["ft"], t["t_g"], t["slots"]))  # noqa: E731
-    assert key(a) == key(b) == key(c) and len(a["d"]) > 10
+    key = lambda t: list(zip(t.d, t.f, t.t, t.fd, t.ff, t.ft, t.t_g, t.slots))  # noqa: E731
+    assert key(a) == key(b) == key(c) and len(a.d) > 10
     ms, ref = roles.actor, roles.ref
-    ft, fft = a["f"] * a["t"], a["ff"] * a["ft"]
+    ft, fft = a.f * a.t, a.ff * a.ft
     s = 2.0 * ms.num_params * 4 / ft  # float32 m, v per device
-    np.testing.assert_allclose(a["mem_gen"] - b["mem_gen"], s, rtol=1e-9)
-    np.testing.assert_allclose(b["mem_gen"] - c["mem_gen"], ref.num_params * 2 / fft, rtol=1e-9)
-    np.testing.assert_allclose(b["t_upd_actor"] - a["t_upd_actor"], 2 * s / 450e9, rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(c["t_fwd_ref"] - b["t_fwd_ref"], ref.num_params * 2 / fft / 450e9, rtol=1e-9)
-    np.testing.assert_allclose(b["t_fwd_actor"], a["t_fwd_actor"])  # the actor's forward moves nothing
-    assert np.all(b["mem_update"] <= a["mem_update"] + 1e-3)  # never worse at the update either
-    assert np.any(b["mem_update"] < a["mem_update"] - 1e9)
+    np.testing.assert_allclose(a.mem_gen - b.mem_gen, s, rtol=1e-9)
+    np.testing.assert_allclose(b.mem_gen - c.mem_gen, ref.num_params * 2 / fft, rtol=1e-9)
+    np.testing.assert_allclose(b.train.t_upd["actor"] - a.train.t_upd["actor"], 2 * s / 450e9, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(c.train.t_fwd["ref"] - b.train.t_fwd["ref"], ref.num_params * 2 / fft / 450e9, rtol=1e-9)
+    np.testing.assert_allclose(b.train.t_fwd["actor"], a.train.t_fwd["actor"])  # the actor's forward moves nothing
+    assert np.all(b.mem_update <= a.mem_update + 1e-3)  # never worse at the update either
+    assert np.any(b.mem_update < a.mem_update - 1e9)
 
 
 def test_32b_on_8_gh200_plans_only_with_offload():
@@ -135,13 +136,15 @@ def test_32b_on_8_gh200_plans_only_with_offload():
     planned as one process, and as the two processes one per node that launch on 8 GH200: their
     generation is tensor-parallel inside each process (a whole 32B copy per device would not fit)."""
     from rpeg_jax.config import load_config
+    from rpeg_jax.costmodel import context as CX
     from rpeg_jax.costmodel import planner as P
+    from rpeg_jax.costmodel import scoring as SC
 
     cfg = load_config("configs/p1.yaml", P1_32B)
     two = P.search(cfg, 8, GH)  # one process per node: 2
     assert two.processes == 2 and two.chosen.layout["generate"]["tensor"] in (2, 4)
     assert two.chosen.plan.settings["train.offload"] in ("optimizer", "optimizer+reference")
-    assert P._score(P.make_context(cfg, 8, GH), {})[0] == []  # no candidate fits without offload
+    assert SC.score(CX.make_context(cfg, 8, GH), {})[0] == []  # no candidate fits without offload
     res = P.search(cfg, 8, GH, processes=1)
     assert res.chosen.plan.settings["train.offload"] in ("optimizer", "optimizer+reference")
     assert res.chosen.memory_per_gpu_gb * 1e9 <= 0.9 * GH.hbm_bytes + 1e-3

@@ -10,10 +10,15 @@ import numpy as np
 import pytest
 
 from rpeg_jax.config import load_config
+from rpeg_jax.config.pipeline import PipelineConfig
+from rpeg_jax.costmodel import context as CX
 from rpeg_jax.costmodel import planner as P
+from rpeg_jax.costmodel import scoring as SC
+from rpeg_jax.costmodel import space as SP
 from rpeg_jax.costmodel.hardware import load_hardware
 from rpeg_jax.costmodel.schedule import simulate, unroll
 from rpeg_jax.graph.ir import GraphError
+from rpeg_jax.graph.passes import apply_pipeline
 from rpeg_jax.graph.plan import Plan, graph_for_plan
 
 GH = load_hardware("gh200", calibrated=False)
@@ -135,13 +140,13 @@ def test_continuous_admission_hides_the_tail():
     assert ca.chosen.layout["generate"]["admission"] == "continuous"
     assert ca.chosen.step_time_s < base.chosen.step_time_s
     assert ca.chosen.stage_times_s["generate"] < base.chosen.stage_times_s["generate"]
-    ctx = P.make_context(cfg_of("costmodel.max_staleness=1", "costmodel.search_algorithmic=true"), 16, GH)
-    opts = P.option_graphs(ctx, P.structural_options(ctx, "colocated", False))
-    assert {(o.staleness, P.admission_of(g)) for o, g in opts} == {(0, "step"), (1, "continuous")}
+    ctx = CX.make_context(cfg_of("costmodel.max_staleness=1", "costmodel.search_algorithmic=true"), 16, GH)
+    opts = SC.option_graphs(ctx, SP.structural_options(ctx, "colocated", False))
+    assert {(o.staleness, SC.admission_of(g)) for o, g in opts} == {(0, "step"), (1, "continuous")}
 
 
 def _all_periods(ctx, placement, share, graph, tab):
-    dur, pieces = P.durations(ctx, graph, tab)
+    dur, pieces = SC.durations(ctx, graph, tab)
     return simulate(unroll(graph, shared_resource=ctx.hw.shared_host), dur, pieces)[0]
 
 
@@ -150,19 +155,19 @@ def test_search_finds_the_optimum_of_its_space_and_baselines_are_family_best(alg
     # With the same generation engine (per-replica KV pools) our space contains both baselines.
     cfg = cfg_of(f"rl.algorithm={algo}", "rl.kl_coef=0.05", "rollout.kv_pool=sharded")
     res = P.search(cfg, n, GH)
-    ctx = P.make_context(cfg, n, GH)
+    ctx = CX.make_context(cfg, n, GH)
     cache = {}
     best = np.inf
-    for placement, share in P.families(ctx):  # brute force: every option x every row, no pruning
-        for pipe, g in P.option_graphs(ctx, P.structural_options(ctx, placement, share)):
-            tab = P.family_table(ctx, g, placement, cache)
+    for placement, share in SP.families(ctx):  # brute force: every option x every row, no pruning
+        for pipe, g in SC.option_graphs(ctx, SP.structural_options(ctx, placement, share)):
+            tab = SC.family_table(ctx, g, placement, cache)
             best = min(best, float(np.min(_all_periods(ctx, placement, share, g, tab))))
     assert res.chosen.step_time_s == pytest.approx(best, rel=1e-9)
     # Baselines: best over their own family (colocated, synchronous, unfused).
-    base = P.option_graphs(ctx, [P.PipelineConfig(placement="colocated")])[0][1]
-    tab = P.family_table(ctx, base, "colocated", cache)
+    base = SC.option_graphs(ctx, [PipelineConfig(placement="colocated")])[0][1]
+    tab = SC.family_table(ctx, base, "colocated", cache)
     per = _all_periods(ctx, "colocated", False, base, tab)
-    verl = (tab["t"] == 1) & (tab["d"] == tab["fd"]) & (tab["f"] == tab["ff"]) & (tab["t"] == tab["ft"])
+    verl = (tab.t == 1) & (tab.d == tab.fd) & (tab.f == tab.ff) & (tab.t == tab.ft)
     real = res.baselines["real_like"]
     if "concurrent" in real.layout:  # ReaL's per-call sub-meshes won (tests/test_costmodel_gains.py)
         assert real.step_time_s < per.min()
@@ -190,8 +195,8 @@ def test_baselines_use_their_own_engines():
 def test_replicated_kv_pool_costs_memory_per_replica():
     from rpeg_jax.costmodel import stages as S
 
-    ctx = P.make_context(cfg_of("rollout.kv_pool=replicated", model="qwen2-7b"), 16, GH)
-    ms = P.roles_of(ctx, ctx.base).actor
+    ctx = CX.make_context(cfg_of("rollout.kv_pool=replicated", model="qwen2-7b"), 16, GH)
+    ms = CX.roles_of(ctx, ctx.base).actor
     st = ctx.st
     one = float(S.generate_memory(st, ms, 4, 8, reps=1))
     four = float(S.generate_memory(st, ms, 4, 8, reps=4))
@@ -274,19 +279,18 @@ def test_config_for_plan_applies_the_planner_settings():
 def test_useful_flops_counts_fused_parts_and_sharing():
     from rpeg_jax.config.pipeline import PipelineConfig
     from rpeg_jax.graph.algorithms import build_graph
-    from rpeg_jax.graph.passes import apply_pipeline
 
     cfg = cfg_of("rl.algorithm=ppo", "rl.kl_coef=0.05")
-    ctx = P.make_context(cfg, 8, GH)
-    plain = P.useful_flops(ctx.st, ctx.base)
+    ctx = CX.make_context(cfg, 8, GH)
+    plain = CX.useful_flops(ctx.st, ctx.base)
     fused = apply_pipeline(build_graph(cfg), PipelineConfig(fuse=("forwards", "advantage")))
-    assert P.useful_flops(ctx.st, fused) == pytest.approx(plain)
+    assert CX.useful_flops(ctx.st, fused) == pytest.approx(plain)
     shared = apply_pipeline(build_graph(cfg), PipelineConfig(share_actor_critic=True))
     # Sharing removes the critic's forward and update: 4 forward-equivalents of the model.
-    ms = P.roles_of(ctx, ctx.base).actor
+    ms = CX.roles_of(ctx, ctx.base).actor
     lens = ctx.st.dist.lengths(ctx.st.B).astype(float)
     one = float(ms.forward_flops(np.sum(ctx.st.P + lens), np.sum(lens), np.sum((ctx.st.P + lens) ** 2), True))
-    assert plain - P.useful_flops(ctx.st, shared) == pytest.approx(4 * one, rel=0.01)
+    assert plain - CX.useful_flops(ctx.st, shared) == pytest.approx(4 * one, rel=0.01)
 
 
 # ---- meshes, processes, shared host, elision, defaults ---------------------------------------
@@ -329,7 +333,7 @@ def _refused(cfg, plan, processes):
 def test_several_processes_search_only_what_the_runtime_runs(hw):
     """The planner filters with the rules the runtime refuses by (graph/processes.py): with 2
     processes every plan it offers passes the runtime's check, while one process is offered plans
-    two cannot run (a split, a sub-mesh, continuous admission). The
+    two cannot run (a split, a sub-mesh). The
     baselines keep their own engines' layouts."""
     cfg = load_config(
         None, ["costmodel.runners_up=12", "costmodel.search_algorithmic=true", "costmodel.max_staleness=1"]
@@ -343,10 +347,14 @@ def test_several_processes_search_only_what_the_runtime_runs(hw):
     for p in ours:
         assert p.knobs["placement"] == "colocated" and p.layout["groups"] == {"all": 8}
         # tensor-parallel decode inside a process (4 devices each), replicas across processes
-        assert 4 % p.layout["generate"]["tensor"] == 0 and p.layout["generate"]["admission"] == "step"
+        assert 4 % p.layout["generate"]["tensor"] == 0
     s = res.chosen.plan.settings
     gen = res.chosen.layout["generate"]
-    assert s["rollout.max_slots"] == gen["slots"] * gen["replicas"] // 2 <= B // 2
+    # a step-admission engine holds one batch; a continuous one up to max(SLOT_FACTORS) of it
+    from rpeg_jax.costmodel.stages import SLOT_FACTORS
+
+    cap = B // 2 * (max(SLOT_FACTORS) if gen["admission"] == "continuous" else 1)
+    assert s["rollout.max_slots"] == gen["slots"] * gen["replicas"] // 2 <= cap
     assert res.processes == res.chosen.plan.predicted["processes"] == 2
     assert res.baselines["verl_like"].step_time_s == pytest.approx(one.baselines["verl_like"].step_time_s)
     with pytest.raises(GraphError, match=r"costmodel.processes=3: 3 processes cannot own 8 devices"):
@@ -356,7 +364,6 @@ def test_several_processes_search_only_what_the_runtime_runs(hw):
 @pytest.mark.parametrize(
     "over, key",
     [
-        (["pipeline.staleness=1", "rollout.admission=continuous"], "rollout.admission='continuous'"),
         (["rl.filter_groups=zero_variance"], "rl.filter_groups='zero_variance'"),
         (["data.prompts_per_step=6"], "data.prompts_per_step=6"),
     ],
@@ -372,6 +379,15 @@ def test_planner_refuses_a_config_several_processes_cannot_run(over, key, capsys
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"config error: {key}: ") and "\n" not in err
     P.search(load_config(None, over), 8, CPU, processes=1)  # one process runs it
+
+
+def test_continuous_admission_and_filters_are_planned_on_several_processes():
+    """Each process runs its engine on its data shard, the counts global (runtime/admission.py):
+    continuous admission, and DAPO's filters under it, are plans for 4 processes."""
+    over = ["pipeline.staleness=1", "rollout.admission=continuous", "rl.filter_groups=zero_variance"]
+    res = P.search(load_config(None, over), 8, CPU, processes=4)
+    assert res.chosen.layout["generate"]["admission"] == "continuous"
+    assert res.chosen.plan.settings["rollout.admission"] == "continuous" and res.processes == 4
 
 
 def test_a_cluster_is_planned_as_one_process_per_node():
@@ -412,12 +428,12 @@ def test_shared_host_groups_do_not_overlap_but_gpus_do():
     # never the slower group's alone; on GPUs the groups overlap.
     cfg = load_config(None, ["pipeline.staleness=1", "costmodel.max_staleness=1"])
     for hw, overlap in ((CPU, False), (GH, True)):
-        ctx = P.make_context(cfg, 8, hw)
-        opts = [o for o in P.structural_options(ctx, "split", False) if o.staleness == 1 and o.pieces == 1]
-        pipe, g = P.option_graphs(ctx, opts[:1])[0]
-        tab = P.family_table(ctx, g, "split", {})
-        period, _ = P.periods(ctx, g, tab)
-        dur, _ = P.durations(ctx, g, tab)
+        ctx = CX.make_context(cfg, 8, hw)
+        opts = [o for o in SP.structural_options(ctx, "split", False) if o.staleness == 1 and o.pieces == 1]
+        pipe, g = SC.option_graphs(ctx, opts[:1])[0]
+        tab = SC.family_table(ctx, g, "split", {})
+        period, _ = SC.periods(ctx, g, tab)
+        dur, _ = SC.durations(ctx, g, tab)
         device = sum(v for k, v in dur.items() if k != "reward")
         fin = np.isfinite(period)
         assert fin.any()
@@ -429,10 +445,10 @@ def test_shared_host_groups_do_not_overlap_but_gpus_do():
 
 def test_shared_host_may_leave_devices_idle_but_gpus_use_all():
     cfg = load_config(None, [])
-    assert {n for n, _ in P.allocations(P.make_context(cfg, 8, CPU), "colocated")} == set(range(1, 9))
-    assert P.allocations(P.make_context(cfg, 8, GH), "colocated") == [(8, 8)]
-    assert all(g + t == 8 for g, t in P.allocations(P.make_context(cfg, 8, GH), "split"))
-    assert all(g + t <= 8 for g, t in P.allocations(P.make_context(cfg, 8, CPU), "split"))
+    assert {n for n, _ in SP.allocations(CX.make_context(cfg, 8, CPU), "colocated")} == set(range(1, 9))
+    assert SP.allocations(CX.make_context(cfg, 8, GH), "colocated") == [(8, 8)]
+    assert all(g + t == 8 for g, t in SP.allocations(CX.make_context(cfg, 8, GH), "split"))
+    assert all(g + t <= 8 for g, t in SP.allocations(CX.make_context(cfg, 8, CPU), "split"))
     res = P.search(cfg, 8, CPU, 1)
     used = res.chosen.plan.groups
     assert all(max(g.devices) < 8 for g in used)
@@ -440,25 +456,25 @@ def test_shared_host_may_leave_devices_idle_but_gpus_use_all():
 
 def test_elide_old_forward_is_searched_and_priced():
     cfg = load_config(None, ["costmodel.search_one_step_rewrites=false"])  # old_forward kept unless elided
-    ctx = P.make_context(cfg, 4, GH)
-    opts = P.structural_options(ctx, "colocated", False)
+    ctx = CX.make_context(cfg, 4, GH)
+    opts = SP.structural_options(ctx, "colocated", False)
     assert {o.elide_old_forward for o in opts} == {False, True}
     assert all(o.staleness == 0 for o in opts if o.elide_old_forward)
     sync = [o for o in opts if not o.fuse and not o.staleness]
-    pairs = dict((o.elide_old_forward, g) for o, g in P.option_graphs(ctx, sync))
-    tab = P.family_table(ctx, pairs[False], "colocated", {})
-    full, _ = P.periods(ctx, pairs[False], tab)
-    elided, _ = P.periods(ctx, pairs[True], tab)
-    dur, _ = P.durations(ctx, pairs[False], tab)
+    pairs = dict((o.elide_old_forward, g) for o, g in SC.option_graphs(ctx, sync))
+    tab = SC.family_table(ctx, pairs[False], "colocated", {})
+    full, _ = SC.periods(ctx, pairs[False], tab)
+    elided, _ = SC.periods(ctx, pairs[True], tab)
+    dur, _ = SC.durations(ctx, pairs[False], tab)
     assert "old_forward" not in pairs[True].stage_names()
     # colocated: serial, except the host reward that ran beside old_forward is now on the path
     saved = dur["old_forward"] - np.minimum(dur["reward"], dur["old_forward"])
     np.testing.assert_allclose(full - elided, saved, rtol=1e-9)
     # Truncated sampling (top_p < 1) makes the sampler's logprobs differ from the trainer's.
-    ctx = P.make_context(load_config(None, ["rollout.top_p=0.9"]), 4, GH)
-    assert not any(o.elide_old_forward for o in P.structural_options(ctx, "colocated", False))
-    ctx = P.make_context(load_config(None, ["costmodel.search_elide_old_forward=false"]), 4, GH)
-    assert not any(o.elide_old_forward for o in P.structural_options(ctx, "colocated", False))
+    ctx = CX.make_context(load_config(None, ["rollout.top_p=0.9"]), 4, GH)
+    assert not any(o.elide_old_forward for o in SP.structural_options(ctx, "colocated", False))
+    ctx = CX.make_context(load_config(None, ["costmodel.search_elide_old_forward=false"]), 4, GH)
+    assert not any(o.elide_old_forward for o in SP.structural_options(ctx, "colocated", False))
 
 
 def test_utilization_on_a_shared_host_counts_the_host_once():
@@ -549,17 +565,17 @@ def test_price_reproduces_planner_predictions_and_streamed_pieces_cost_calls():
         assert price(cfg, p.plan, CPU, 1).step_time_s == pytest.approx(p.step_time_s, rel=1e-9)
     # The runtime generates each streamed piece with its own call: m pieces of B/m sequences
     # cost m calls, each paying every decode step (more than one call of B on a CPU host).
-    ctx = P.make_context(cfg, 8, CPU)
+    ctx = CX.make_context(cfg, 8, CPU)
     opts = [
         o
-        for o in P.structural_options(ctx, "split", False)
+        for o in SP.structural_options(ctx, "split", False)
         if o.staleness == 0 and not o.fuse and not o.elide_old_forward and o.pieces in (1, 8)
     ]
-    (o1, g1), (o8, g8) = sorted(P.option_graphs(ctx, opts), key=lambda x: x[0].pieces)
-    tab = P.family_table(ctx, g1, "split", {})
-    d1, _ = P.durations(ctx, g1, tab)
-    d8, pieces = P.durations(ctx, g8, tab)
-    np.testing.assert_allclose(d8["generate"], 8 * tab["t_gen_p8"], rtol=1e-9)
+    (o1, g1), (o8, g8) = sorted(SC.option_graphs(ctx, opts), key=lambda x: x[0].pieces)
+    tab = SC.family_table(ctx, g1, "split", {})
+    d1, _ = SC.durations(ctx, g1, tab)
+    d8, pieces = SC.durations(ctx, g8, tab)
+    np.testing.assert_allclose(d8["generate"], 8 * tab.t_gen_pieces[8], rtol=1e-9)
     np.testing.assert_allclose(sum(pieces["generate"]), d8["generate"], rtol=1e-9)
     assert (d8["generate"] > d1["generate"]).all()
 

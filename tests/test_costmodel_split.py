@@ -9,9 +9,12 @@ import math
 import numpy as np
 
 from rpeg_jax.config import load_config
-from rpeg_jax.costmodel import planner as P
+from rpeg_jax.config.pipeline import PipelineConfig
+from rpeg_jax.costmodel import context as CX
+from rpeg_jax.costmodel import scoring as SC
 from rpeg_jax.costmodel import stages as S
 from rpeg_jax.costmodel.hardware import load_hardware
+from rpeg_jax.graph.passes import apply_pipeline
 
 H100 = load_hardware("h100", calibrated=False)
 WORKLOAD = [
@@ -41,22 +44,22 @@ def _grid_floor(s: int) -> int:
 
 
 def test_split_generation_kv_capacity_ignores_the_training_groups_state():
-    ctx = P.make_context(load_config(None, WORKLOAD), 16, H100)
-    g = P.apply_pipeline(ctx.base, P.PipelineConfig(placement="split", split_sizes=(1, 1), plan="manual"))
-    tab = P.family_table(ctx, g, "split", {}, allocs=[(8, 8)])
-    assert len(tab["n_gen"]), "no split row fits"
-    actor = P.roles_of(ctx, g).actor
+    ctx = CX.make_context(load_config(None, WORKLOAD), 16, H100)
+    g = apply_pipeline(ctx.base, PipelineConfig(placement="split", split_sizes=(1, 1), plan="manual"))
+    tab = SC.family_table(ctx, g, "split", {}, allocs=[(8, 8)])
+    assert len(tab.n_gen), "no split row fits"
+    actor = CX.roles_of(ctx, g).actor
     budget = ctx.st.budget_bytes
     checked = 0
-    for t_g in np.unique(tab["t_g"]):
+    for t_g in np.unique(tab.t_g):
         reps = 8 // int(t_g)
         n_rep = -(-ctx.st.B // reps)
         s = 0  # brute force: the most slots whose generation memory fits on a generation device
         while float(S.generate_memory(ctx.st, actor, int(t_g), s + 1, reps)) <= budget:
             s += 1
         want = min(_grid_floor(s), n_rep) if s < n_rep else n_rep
-        rows = tab["t_g"] == t_g
-        assert set(tab["slots"][rows].tolist()) == {want}, (int(t_g), s, n_rep)
+        rows = tab.t_g == t_g
+        assert set(tab.slots[rows].tolist()) == {want}, (int(t_g), s, n_rep)
         checked += int(want < n_rep)  # a KV-limited layout: where the bug showed
-        assert np.all(tab["mem_gen"][rows] <= budget)
+        assert np.all(tab.mem_gen[rows] <= budget)
     assert checked, "no generation layout was KV-limited: the test would not see the bug"

@@ -213,16 +213,16 @@ def test_forward_memory_drops_with_micro():
     activations are those of B / (8 micro) rows (x micro constant while the prompt stays shared,
     micro <= 4: 32/micro groups per piece, a multiple of the 8 devices); the gathered weights and
     the logits chunk do not change; past that the pieces lose prompt sharing but still shrink."""
-    from rpeg_jax.costmodel import planner as P
+    from rpeg_jax.costmodel import context as CX
     from rpeg_jax.costmodel import stages as S
     from rpeg_jax.costmodel.hardware import load_hardware
 
     gh = load_hardware("gh200", calibrated=False)
-    ctx = P.make_context(_p1(["train.pack_sequences=false"]), 8, gh)  # padded: the prompt-sharing law
-    st, ms, eff = ctx.st, P.roles_of(ctx, ctx.base).actor, gh.efficiency
+    ctx = CX.make_context(_p1(["train.pack_sequences=false"]), 8, gh)  # padded: the prompt-sharing law
+    st, ms, eff = ctx.st, CX.roles_of(ctx, ctx.base).actor, gh.efficiency
     assert st.B == 512 and not st.packing
     weights = ms.pass_weight_bytes(8, 1, eff.fsdp_gather, eff.weight_copies, train=False)
-    mem = {m: float(S.forward_memory(st, ms, 1, 8, 1, m)) for m in (1, 2, 4, 8, 16, 64)}
+    mem = {m: float(S.forward_memory(st, ms, d=1, f=8, t=1, micro=m)) for m in (1, 2, 4, 8, 16, 64)}
     # one logits chunk (capped at LOGITS_BUDGET, the same at every micro here) and the weights are fixed
     fixed = {m: weights + eff.fwd_act_memory_factor * ms.logits_bytes(64 / m * st.seq_scored) for m in mem}
     assert len({round(v) for v in fixed.values()}) == 1
@@ -238,6 +238,7 @@ def test_planner_picks_forward_micro_batches_when_one_pass_does_not_fit():
     per device needs more than the whole budget, so the plan micro-batches the forwards (main before
     this: no plan fits). At B = 128 one pass fits and is the fastest: the planner keeps 1. The
     choice is a plan setting, and the run's config takes it (graph/plan.config_for_plan)."""
+    from rpeg_jax.costmodel import context as CX
     from rpeg_jax.costmodel import planner as P
     from rpeg_jax.costmodel import stages as S
     from rpeg_jax.costmodel.hardware import load_hardware
@@ -247,10 +248,10 @@ def test_planner_picks_forward_micro_batches_when_one_pass_does_not_fit():
     cfg = _p1()
     res = P.search(cfg, 8, gh, processes=1)  # tensor-parallel generation (two processes fit nothing)
     fw = res.chosen.layout["forward"]
-    ctx = P.make_context(cfg, 8, gh)
-    st, ms = ctx.st, P.roles_of(ctx, ctx.base).actor
+    ctx = CX.make_context(cfg, 8, gh)
+    st, ms = ctx.st, CX.roles_of(ctx, ctx.base).actor
     d, f, t, micro = fw["data"], fw["fsdp"], fw["tensor"], fw["micro_batches"]
-    assert micro > 1 and float(S.forward_memory(st, ms, d, f, t, 1)) > st.budget_bytes
+    assert micro > 1 and float(S.forward_memory(st, ms, d=d, f=f, t=t, micro=1)) > st.budget_bytes
     assert res.chosen.memory_per_gpu_gb * 1e9 <= st.budget_bytes + 1e-3
     plan = res.chosen.plan
     assert plan.settings["rl.forward_micro_batches"] == micro

@@ -24,7 +24,8 @@ from rpeg_jax.runtime.checkpoint import Checkpointer
 from rpeg_jax.runtime.metrics import read_metrics
 from rpeg_jax.runtime.trainer import train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 TINY = BASE + ["train.steps=4"]
 
 # The patch: signals sent from inside the target stage's call (CompiledStage.__call__), or between
@@ -160,3 +161,59 @@ def test_a_second_ctrl_c_stops_at_once_without_a_new_checkpoint(tmp_path):
     assert Checkpointer(str(tmp_path / "checkpoints")).latest_step() == 2  # the one of the last whole step
     out = train(load_config(None, overrides))
     assert out["steps"] == 4
+
+
+# Continuous admission (k = 2) with sequences in flight across steps: the checkpoint a signal writes
+# at a step the uninterrupted run does not checkpoint holds the engine's whole state (its groups,
+# sequences and KV pools, runtime/rollout/continuous.snapshot), so the resumed run decodes on exactly
+# as the uninterrupted one (it used to restart the groups in flight, which changed the run).
+CONTINUOUS = [
+    "pipeline.staleness=2",
+    "rollout.admission=continuous",
+    "rollout.max_new_tokens=16",
+    "rollout.forced_lengths=[3,1.2,1,16]",  # a long tail: groups run across weight updates
+    "rollout.chunk_steps=4",
+    "rollout.min_chunk_steps=4",
+    "train.steps=5",
+    "train.checkpoint_every=2",
+]
+
+
+FILTER = ["plugins=[varying_reward]", "data.reward=varying_test_reward", "rl.filter_groups=zero_variance"]
+
+
+@pytest.mark.parametrize("extra", [[], FILTER], ids=["plain", "filter"])
+def test_ctrl_c_under_continuous_admission_resumes_exactly(tmp_path, extra):
+    import jax
+    import numpy as np
+
+    common = BASE + CONTINUOUS + extra
+    want = train(load_config(None, common + [f"train.run_dir={tmp_path / 'straight'}"]), keep_state=True)
+    run_dir = tmp_path / "stopped"
+    overrides = common + [f"train.run_dir={run_dir}"]
+    proc = subprocess.run(  # SIGINT inside step 3's actor update (0-based 2): the checkpoint is of step 3
+        [sys.executable, "-c", _DRIVER, "update", "2", "SIGINT", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])},  # the plugin
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if "stopped by" in line]
+    assert len(said) == 1 and "stopped by SIGINT after step 3:" in said[0], proc.stderr[-3000:]
+    assert Checkpointer(str(run_dir / "checkpoints")).latest_step() == 3  # not a periodic one (every 2)
+    got = train(load_config(None, overrides), keep_state=True)
+    assert got["steps"] == 5 and not got["interrupted"]
+    a = {r["step"]: r for r in read_metrics(str(tmp_path / "straight" / "metrics.jsonl"))}
+    b = {r["step"]: r for r in read_metrics(str(run_dir / "metrics.jsonl"))}
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5]
+    assert a[3]["rollout/in_flight"] > 0  # sequences were in flight at the signal's checkpoint
+    if extra:
+        assert sum(a[s]["rollout/filtered_groups"] for s in (4, 5)) > 0  # groups filtered after it
+    for s in a:
+        keys = [key for key in a[s] if not key.startswith(SKIP)]
+        assert {key: a[s][key] for key in keys} == {key: b[s].get(key) for key in keys}, s
+    for name, tree in want["state"].items():
+        for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(got["state"][name])):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)

@@ -132,27 +132,30 @@ def test_useful_flops_never_count_a_pass_one_step_makes_redundant():
 
 
 def test_planner_plans_drop_the_passes_one_step_makes_redundant():
+    from rpeg_jax.costmodel import context as CX
     from rpeg_jax.costmodel import planner as P
+    from rpeg_jax.costmodel import scoring as SC
+    from rpeg_jax.costmodel import space as SP
     from rpeg_jax.costmodel.hardware import load_hardware
 
     hw = load_hardware("gh200", calibrated=False)
-    ctx = P.make_context(load_config(None, ["rl.algorithm=ppo"]), 4, hw)
+    ctx = CX.make_context(load_config(None, ["rl.algorithm=ppo"]), 4, hw)
     for share in (False, True):
-        opts = P.structural_options(ctx, "colocated", share)
+        opts = SP.structural_options(ctx, "colocated", share)
         assert all(o.proximal_from_update != o.elide_old_forward for o in opts)
         assert all(o.values_from_critic_update for o in opts)
-        for _, g in P.option_graphs(ctx, opts):
+        for _, g in SC.option_graphs(ctx, opts):
             assert not {"old_forward", "critic_forward"} & set(g.stage_names())
     res = P.search(load_config(None, ["rl.algorithm=ppo", "costmodel.search_share_actor_critic=false"]), 4, hw)
     assert res.chosen.knobs["values_from_critic_update"] and "advantage+critic_update" in res.chosen.stage_times_s
     assert not {"critic_forward", "old_forward"} & set(res.chosen.stage_times_s)
-    off = P.make_context(load_config(None, ["rl.algorithm=ppo", "costmodel.search_one_step_rewrites=false"]), 4, hw)
+    off = CX.make_context(load_config(None, ["rl.algorithm=ppo", "costmodel.search_one_step_rewrites=false"]), 4, hw)
     assert not any(
-        o.proximal_from_update or o.values_from_critic_update for o in P.structural_options(off, "colocated", False)
+        o.proximal_from_update or o.values_from_critic_update for o in SP.structural_options(off, "colocated", False)
     )
-    two = P.make_context(load_config(None, ["rl.algorithm=ppo", "rl.ppo_epochs=2"]), 4, hw)
+    two = CX.make_context(load_config(None, ["rl.algorithm=ppo", "rl.ppo_epochs=2"]), 4, hw)
     assert not any(
-        o.proximal_from_update or o.values_from_critic_update for o in P.structural_options(two, "colocated", False)
+        o.proximal_from_update or o.values_from_critic_update for o in SP.structural_options(two, "colocated", False)
     )
 
 

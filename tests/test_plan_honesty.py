@@ -10,8 +10,8 @@ import pytest
 
 from rpeg_jax.cli import main as rpeg
 from rpeg_jax.config import load_config
+from rpeg_jax.costmodel.context import make_context
 from rpeg_jax.costmodel.hardware import load_hardware
-from rpeg_jax.costmodel.planner import make_context
 from rpeg_jax.data.pipeline import load_records, with_data_prompt_len
 from rpeg_jax.data.tokenizer import load_tokenizer
 from rpeg_jax.shapes.buckets import length_bucket

@@ -33,7 +33,6 @@ import threading
 
 from rpeg_jax.config.base import ConfigError
 from rpeg_jax.config.run import load_config
-from rpeg_jax.costmodel.space import continuous_on_processes
 from rpeg_jax.runtime import distributed as dist
 
 
@@ -104,7 +103,13 @@ def train(cfg, result_json: str | None = None, process_id: int = 0, who: str = "
     from rpeg_jax.runtime.trainer import train as run_training
 
     try:
-        result = plain(run_training(cfg))
+        if cfg.train.mode == "rl":
+            result = plain(run_training(cfg))
+        else:  # supervised fine-tuning on chat transcripts, and RL after it (runtime/sft.py)
+            from rpeg_jax.runtime import sft
+
+            out = sft.train_sft(cfg) if cfg.train.mode == "sft" else sft.sft_then_rl(cfg, run_training)
+            result = plain(out)
     except expected_failures() as e:
         print(f"{who}: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_FAILED, None
@@ -204,10 +209,6 @@ def _run(args) -> int:
         print(str(e), file=sys.stderr)
         return EXIT_CONFIG
     d = cfg.distributed
-    if args.local_processes > 1 and cfg.rollout.admission == "continuous":  # said once, not by every child
-        why = continuous_on_processes(args.local_processes)
-        print(str(ConfigError("rollout.admission", "continuous", why)), file=sys.stderr)
-        return EXIT_CONFIG
     if args.local_processes:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # spawn_local passes Ctrl-C on to the children
         return dist.spawn_local(

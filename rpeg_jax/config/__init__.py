@@ -13,6 +13,7 @@ from rpeg_jax.config.pipeline import PipelineConfig
 from rpeg_jax.config.rl import RLConfig
 from rpeg_jax.config.rollout import RolloutConfig
 from rpeg_jax.config.run import DEFAULT_CONFIG, RunConfig, dump_yaml, from_dict, load_config
+from rpeg_jax.config.sft import SFTConfig
 from rpeg_jax.config.sharding import ShardingConfig
 from rpeg_jax.config.train import TrainConfig
 
@@ -39,5 +40,6 @@ __all__ = [
     "from_dict",
     "load_config",
     "ShardingConfig",
+    "SFTConfig",
     "TrainConfig",
 ]

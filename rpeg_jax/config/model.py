@@ -37,6 +37,34 @@ class RopeScaling:
         )
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # PEFT's names
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """LoRA adapters on the actor's projections (models/lora.py): rank 0 trains every parameter; rank r
+    > 0 trains only rank-r adapters A [r, in], B [out, r] per target (PEFT's layout and init: B = 0),
+    the forward computing y = x W + (alpha / r) (x A^T) B^T beside the frozen base weight W."""
+
+    rank: int = 0  # r; 0 = off (full fine-tuning)
+    alpha: float | None = None  # the adapters' scale is alpha / rank; None -> 2 * rank (scale 2)
+    targets: tuple[str, ...] = LORA_TARGETS  # projections (PEFT target_modules names) that get adapters
+
+    @property
+    def scale(self) -> float:
+        return (self.alpha if self.alpha is not None else 2.0 * self.rank) / max(self.rank, 1)
+
+    def validate(self, path: str) -> None:
+        check(self.rank >= 0, key(path, "rank"), self.rank, "must be >= 0 (0 = off)")
+        if self.alpha is not None:
+            check(self.alpha > 0, key(path, "alpha"), self.alpha, "must be > 0")
+        for t in self.targets:
+            check(t in LORA_TARGETS, key(path, "targets"), t, f"unknown projection; known: {', '.join(LORA_TARGETS)}")
+        check(len(self.targets) > 0, key(path, "targets"), list(self.targets), "must name at least one projection")
+        twice = len(set(self.targets)) != len(self.targets)
+        check(not twice, key(path, "targets"), list(self.targets), "names a projection twice")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Decoder shape. Letters used in tensor names: B batch, T sequence, D hidden (embed),
@@ -84,6 +112,7 @@ class ModelConfig:
     pad_id: int = 0
     bos_id: int = 1
     eos_id: int = 2
+    lora: LoraConfig = LoraConfig()  # LoRA fine-tuning of the actor (rank 0 = off)
     eos_ids: tuple[int, ...] = ()  # more ids that end a sequence as eos_id does (generation_config.json's
     #   eos_token_id list, e.g. Llama 3's <|eot_id|>): the sampler stops at them, rewards cut there
 
@@ -245,6 +274,14 @@ class ModelConfig:
             )
         if self.rope_scaling is not None:
             self.rope_scaling.validate(key(path, "rope_scaling"))
+        self.lora.validate(key(path, "lora"))
+        if self.lora.rank:
+            check(
+                self.num_experts == 0,
+                key(path, "lora.rank"),
+                self.lora.rank,
+                "LoRA on a mixture-of-experts model (model.num_experts > 0) is not supported",
+            )
 
 
 def _qwen3(*, tie_embeddings: bool = False, **shape) -> dict:
@@ -372,6 +409,17 @@ PRESETS: dict[str, dict] = {
     "qwen3-8b": _qwen3(hidden_size=4096, num_layers=36, num_heads=32, intermediate_size=12288),
     "qwen3-14b": _qwen3(hidden_size=5120, num_layers=40, num_heads=40, intermediate_size=17408),
     "qwen3-32b": _qwen3(hidden_size=5120, num_layers=64, num_heads=64, intermediate_size=25600),
+    # Qwen3-MoE (Qwen/Qwen3-30B-A3B's config.json): 48 layers, every MLP a mixture of 128 experts of
+    # width 768 with 8 routed per token (renormalised), 4 kv heads; 30.5B parameters, 3.3B active.
+    "qwen3-30b-a3b": {
+        **_qwen3(hidden_size=2048, num_layers=48, num_heads=32, intermediate_size=6144),
+        "arch": "qwen3_moe",
+        "num_kv_heads": 4,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+    },
     "llama3-8b": dict(
         vocab_size=128256,
         hidden_size=4096,

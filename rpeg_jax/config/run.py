@@ -25,12 +25,13 @@ from rpeg_jax.config.distributed import DistributedConfig
 from rpeg_jax.config.env import EnvConfig
 from rpeg_jax.config.eval import EvalConfig
 from rpeg_jax.config.hf import resolve_checkpoint
-from rpeg_jax.config.model import ModelConfig, resolve_preset
+from rpeg_jax.config.model import LoraConfig, ModelConfig, resolve_preset
 from rpeg_jax.config.optim import OptimConfig
 from rpeg_jax.config.pipeline import PipelineConfig
 from rpeg_jax.config.registry import load_plugins
 from rpeg_jax.config.rl import RLConfig
 from rpeg_jax.config.rollout import RolloutConfig
+from rpeg_jax.config.sft import SFTConfig
 from rpeg_jax.config.sharding import ShardingConfig
 from rpeg_jax.config.train import TrainConfig
 
@@ -57,6 +58,7 @@ class RunConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     env: EnvConfig = field(default_factory=EnvConfig)  # the episode's environment and tools (agentic RL)
+    sft: SFTConfig = field(default_factory=SFTConfig)  # supervised fine-tuning (train.mode=sft / sft_then_rl)
     plugins: tuple[str, ...] = ()  # the user's modules, imported when the config is loaded: they register
     #   rewards, sharding rules and tactics, environments, tools and kernels (config/registry.py)
 
@@ -95,6 +97,25 @@ class RunConfig:
                 "env.name",
                 self.env.name,
                 "multi-turn episodes run under rollout.admission=step without rl.filter_groups (for now)",
+            )
+        if self.train.mode != "rl":
+            check(
+                self.sft.path is not None,
+                "sft.path",
+                None,
+                f"train.mode={self.train.mode} trains on chat transcripts: give their JSONL file",
+            )
+            check(
+                d.chat_template != "none",
+                "train.mode",
+                self.train.mode,
+                "SFT renders conversations with the chat template; data.chat_template=none gives none",
+            )
+            check(
+                self.sft.max_len <= m.max_position_embeddings,
+                "sft.max_len",
+                self.sft.max_len,
+                f"exceeds model.max_position_embeddings={m.max_position_embeddings}",
             )
         if p.share_actor_critic:
             check(r.algorithm == "ppo", "pipeline.share_actor_critic", True, "needs a critic: set rl.algorithm=ppo")
@@ -140,6 +161,28 @@ class RunConfig:
                 "pipeline.elide_old_forward",
                 True,
                 f"with pipeline.staleness={p.staleness} the proximal policy must be recomputed",
+            )
+        if m.lora.rank:
+            check(
+                not p.share_actor_critic,
+                "model.lora.rank",
+                m.lora.rank,
+                "a shared actor-critic backbone trains its value head in full; LoRA needs a separate critic "
+                "(pipeline.share_actor_critic=false)",
+            )
+            check(
+                self.train.offload != "optimizer+reference",
+                "train.offload",
+                self.train.offload,
+                "with model.lora the reference is the actor's frozen base, already on the device; "
+                "use train.offload=optimizer",
+            )
+        if self.critic is not None:
+            check(
+                self.critic.lora.rank == 0,
+                "critic.lora.rank",
+                self.critic.lora.rank,
+                "LoRA trains the actor only (model.lora); the critic trains in full",
             )
         if self.train.offload == "optimizer+reference":  # the reference exists only with β > 0
             check(
@@ -234,7 +277,7 @@ class RunConfig:
     @property
     def critic_model(self) -> ModelConfig:
         base = self.critic if self.critic is not None else self.model
-        return dataclasses.replace(base, value_head=True)
+        return dataclasses.replace(base, value_head=True, lora=LoraConfig())  # the critic trains in full
 
 
 def parse_value(text: str) -> Any:

@@ -10,6 +10,9 @@ from rpeg_jax.config.base import check, key
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
+    mode: Literal["rl", "sft", "sft_then_rl"] = "rl"  # rl: RL steps; sft: supervised fine-tuning on chat
+    #   transcripts (the sft section; runtime/sft.py); sft_then_rl: SFT into <run_dir>/sft, its policy
+    #   exported to <run_dir>/sft/model, then RL from it (model.path) in <run_dir>/rl
     steps: int = 100  # RL steps (one batch of rollouts each)
     seed: int = 0
     run_dir: str = "runs/default"  # metrics.jsonl, checkpoints/, trace.json, plots go here

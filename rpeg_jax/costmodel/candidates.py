@@ -19,7 +19,7 @@ Split: the generation group holds rollout weights, KV pages and the generation w
 slots are sized on that alone); the training group the rest (training state, reference weights,
 forward copies and transients). The row's peak is the larger of the two groups' peaks.
 
-Callers: costmodel/planner.py.
+The table's columns: costmodel/table.py. Callers: costmodel/scoring.py, pricing.py.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from rpeg_jax.costmodel import offload as OFF
 from rpeg_jax.costmodel import stages as S
 from rpeg_jax.costmodel.comm import reshard_time
 from rpeg_jax.costmodel.shape import ModelShape
+from rpeg_jax.costmodel.table import Continuous, Table, TrainSide
 
 REMATS = ("none", "dots", "full")
 MICROS = (1, 2, 4, 8, 16, 32, 64)  # gradient-accumulation micro-batches tried
@@ -60,7 +61,7 @@ def layouts(n: int, B: int, ms: ModelShape, tensor_sizes) -> np.ndarray:
     """(d, f, t) rows with d·f·t = n, t dividing heads and mlp, d·f dividing the batch."""
     rows = []
     for t in tensor_sizes:
-        if n % t or ms.H % t or ms.F % t:
+        if n % t or ms.H % t or any(w % t for w in ms.mlp_widths):
             continue
         for f in divisors(n // t):
             d = n // (t * f)
@@ -72,9 +73,8 @@ def layouts(n: int, B: int, ms: ModelShape, tensor_sizes) -> np.ndarray:
 def gen_layouts(n: int, B: int, ms: ModelShape, tensor_sizes) -> np.ndarray:
     """Tensor degrees t of generation on n devices: t divides heads and mlp, and the n/t replicas
     divide the batch (the sampler shards its slots over them)."""
-    return np.array(
-        [t for t in tensor_sizes if n % t == 0 and ms.H % t == 0 and ms.F % t == 0 and B % (n // t) == 0], np.int64
-    )
+    ok = [t for t in tensor_sizes if n % t == 0 and ms.H % t == 0 and B % (n // t) == 0]
+    return np.array([t for t in ok if all(w % t == 0 for w in ms.mlp_widths)], np.int64)
 
 
 def quantize_slots(slots: np.ndarray, n_rep: np.ndarray) -> np.ndarray:
@@ -96,10 +96,21 @@ def _best_train(st, roles: Roles, busy, lay: np.ndarray, trained: list[ModelShap
     for ms in trained:
         for r in dict.fromkeys(o[1] for o in opts):
             cols = [j for j, o in enumerate(opts) if o[1] == r]
-            tt, _ = S.train_stage(st, ms, busy, d, f, t, micro[:, cols], r, roles.epochs, roles.minibatches)
-            mem = S.train_memory(st, ms, d, f, t, micro[:, cols], r, roles.minibatches) - ms.resident_state_bytes() / (
-                f * t
+            tt, _ = S.train_stage(
+                st,
+                ms,
+                busy=busy,
+                d=d,
+                f=f,
+                t=t,
+                micro=micro[:, cols],
+                remat=r,
+                epochs=roles.epochs,
+                minibatches=roles.minibatches,
             )
+            mem = S.train_memory(
+                st, ms, d=d, f=f, t=t, micro=micro[:, cols], remat=r, minibatches=roles.minibatches
+            ) - ms.resident_state_bytes() / (f * t)
             mem = OFF.update_transient(roles.offload, ms, mem, f, t, micro[:, cols], roles.epochs * roles.minibatches)
             time[:, cols] += tt
             trans[:, cols] = np.maximum(trans[:, cols], mem)
@@ -119,15 +130,16 @@ def _best_forward(st, busy, lay: np.ndarray, models: list[ModelShape], only=None
     times = []
     trans = np.zeros((len(lay), len(micros)))
     for ms in models:
-        tt, _ = S.forward_stage(st, ms, busy, d, f, t, micro)
+        tt, _ = S.forward_stage(st, ms, busy=busy, d=d, f=f, t=t, micro=micro)
         times.append(np.where(valid, tt, INF))
-        trans = np.maximum(trans, S.forward_memory(st, ms, d, f, t, micro))
+        trans = np.maximum(trans, S.forward_memory(st, ms, d=d, f=f, t=t, micro=micro))
     return times, trans, micros
 
 
 def build(
     st: S.Setting,
     roles: Roles,
+    *,
     allocs: list[tuple[int, int]],
     placement: str,
     tensor_sizes,
@@ -135,40 +147,40 @@ def build(
     continuous: bool = False,
     gen_tensor_sizes=None,
     settings: tuple | None = None,
-) -> dict[str, np.ndarray]:
+) -> Table | None:
     """All feasible rows of a placement family (see the module docstring) over the device-group
-    options `allocs` [(n_gen, n_train)] (colocated: n_gen = n_train, the one group). `continuous`:
-    also price rollout.admission=continuous at every k in 1..max_staleness (columns *_c{k}: the
-    engine's simulated steady state, stages.continuous_step, and the training stages on the
-    shorter batches it hands over). `settings`: (micro_batches, remat, forward_micro_batches) fixed
-    (pricing a given plan with its config's settings), else the best of each that fits."""
+    options `allocs` [(n_gen, n_train)] (colocated: n_gen = n_train, the one group); None when no
+    row fits. `continuous`: also price rollout.admission=continuous at every k in
+    1..max_staleness (Table.continuous[k]: the engine's simulated steady state,
+    stages.continuous_step, and the training stages on the shorter batches it hands over).
+    `settings`: (micro_batches, remat, forward_micro_batches) fixed (pricing a given plan with its
+    config's settings), else the best of each that fits."""
     parts = [
         _alloc_rows(
             st,
             roles,
-            ng,
-            nt,
-            placement,
-            tensor_sizes,
-            max_staleness,
-            continuous,
-            gen_tensor_sizes or tensor_sizes,
-            settings,
+            n_gen=ng,
+            n_train=nt,
+            placement=placement,
+            tensor_sizes=tensor_sizes,
+            max_k=max_staleness,
+            continuous=continuous,
+            gen_tensor_sizes=gen_tensor_sizes or tensor_sizes,
+            settings=settings,
         )
         for ng, nt in allocs
     ]
-    considered = sum(p.pop("considered", 0) for p in parts if p)
-    parts = [p for p in parts if p and len(p["n_gen"])]
-    if not parts:
-        return {}
-    out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    out["considered"] = np.full(len(out["n_gen"]), considered)
-    return out
+    considered = sum(c for c, _ in parts)
+    tables = [t for _, t in parts if t is not None and len(t)]
+    if not tables:
+        return None
+    return dataclasses.replace(Table.concat(tables), considered=considered)
 
 
 def _alloc_rows(
     st,
     roles: Roles,
+    *,
     n_gen: int,
     n_train: int,
     placement: str,
@@ -177,13 +189,14 @@ def _alloc_rows(
     continuous: bool,
     gen_tensor_sizes,
     settings: tuple | None = None,
-) -> dict:
+) -> tuple[int, Table | None]:
+    """(combinations considered, the table of the rows that fit) for one device-group option."""
     hw, actor = st.hw, roles.actor
     coloc = placement == "colocated"
     lay = layouts(n_train, st.B, actor, tensor_sizes)
     gl = gen_layouts(n_gen, st.B, actor, gen_tensor_sizes)
     if not len(lay) or not len(gl):
-        return {}
+        return 0, None
     trained, fwd_models = _models(roles)
     up_only, fw_only = (tuple(settings[:2]), settings[2]) if settings is not None else (None, None)
     up_t, up_m, up_opts = _best_train(st, roles, n_train, lay, trained, up_only)
@@ -228,14 +241,16 @@ def _alloc_rows(
     ok = np.isfinite(fw_best) & np.isfinite(up_best) & (slots >= 1)
     considered = len(I) * len(up_opts) * len(fw_micros)
     if not ok.any():
-        return {"considered": considered}
+        return considered, None
     I, J, G, t_g, slots, n_rep, reps = I[ok], J[ok], G[ok], t_g[ok], slots[ok], n_rep[ok], reps[ok]
     slots_max = slots_max[ok]
     resident, copies, same = resident[ok], copies[ok], same[ok]
     fw_pick, up_pick = fw_pick[ok], up_pick[ok]
     ks = tuple(range(1, max_k + 1)) if continuous else ()
-    gen_t, _, finished_at, _ = S.generate_stage(st, actor, n_gen, t_g, slots)
-    gen_async, slots_c = S.continuous_stage(st, actor, n_gen, t_g, slots_max, ks, recompute=st.recompute_kv)
+    gen_t, _, finished_at, _ = S.generate_stage(st, actor, n_gen=n_gen, t=t_g, slots=slots)
+    gen_async, slots_c = S.continuous_stage(
+        st, actor, n_gen=n_gen, t=t_g, slots=slots_max, ks=ks, recompute=st.recompute_kv
+    )
     # The runtime's host work around the sampler: per step, per sequence, and per streamed piece
     # beyond the first.
     eff = hw.efficiency
@@ -249,8 +264,8 @@ def _alloc_rows(
         for m in PIECES:
             if st.B % m == 0:
                 stm = dataclasses.replace(st, B=st.B // m)
-                pieces[f"t_gen_p{m}"] = (
-                    S.generate_stage(stm, actor, n_gen, t_g, np.minimum(slots, -(-stm.B // reps)))[0]
+                pieces[m] = (
+                    S.generate_stage(stm, actor, n_gen=n_gen, t=t_g, slots=np.minimum(slots, -(-stm.B // reps)))[0]
                     + eff.piece_s * (m - 1) / m
                     + stm.B * eff.host_seq_s
                     + eff.host_step_s / m
@@ -262,59 +277,72 @@ def _alloc_rows(
     peak_fw = resident + copies + fw_m[J, fw_pick]
     peak = np.maximum(np.maximum(peak_up, peak_fw), gen_mem)
     peak_sync = np.maximum(np.maximum(peak_up, peak_fw), gen_mem_sync)
-    row = {
-        "considered": considered,
-        "n_gen": np.full(len(I), n_gen),
-        "n_train": np.full(len(I), n_train),
-        "t_g": t_g,
-        "slots": slots,
-        "n_rep": n_rep,
-        "d": lay[I, 0],
-        "f": lay[I, 1],
-        "t": lay[I, 2],
-        "fd": lay[J, 0],
-        "ff": lay[J, 1],
-        "ft": lay[J, 2],
-        "micro": np.array([up_opts[k][0] for k in up_pick]),
-        "remat": np.array([REMATS.index(up_opts[k][1]) for k in up_pick]),
-        "fmicro": np.array([fw_micros[k] for k in fw_pick]),
-        "mem_peak": peak,
-        "mem_resident": resident,  # per device: training state, reference weights (+ rollout weights colocated)
-        "mem_peak_sync": peak_sync,
-        "mem_gen": gen_mem,
-        "mem_update": peak_up,
-        "mem_forward": peak_fw,
-        "t_gen": gen_t,
-        "gen_q": gen_q,
-        **pieces,
+    lo = Layouts(
+        n_gen=np.full(len(I), n_gen),
+        n_train=np.full(len(I), n_train),
+        t_g=t_g,
+        d=lay[I, 0],
+        f=lay[I, 1],
+        t=lay[I, 2],
+        fd=lay[J, 0],
+        ff=lay[J, 1],
+        ft=lay[J, 2],
+        micro=np.array([up_opts[k][0] for k in up_pick]),
+        remat=np.array([REMATS.index(up_opts[k][1]) for k in up_pick]),
+        fmicro=np.array([fw_micros[k] for k in fw_pick]),
+    )
+    # Per-role stage times at the chosen options.
+    moves, fetch = _transfers(roles, hw, trained, lo)
+    t_upd = {
+        name: _train_rows(st, ms, n_train, lo, roles) + moves[name] for name, ms in zip(("actor", "critic"), trained)
     }
+    t_fwd = {
+        name: S.forward_stage(st, ms, busy=n_train, d=lo.fd, f=lo.ff, t=lo.ft, micro=lo.fmicro)[0]
+        + fetch.get(name, 0.0)
+        for name, ms in fwd_models
+    }
+    # Reallocation of actor/critic weights into the forward layout (ReaL's parameter realloc).
+    shards_tr, shards_fw = lo.f * lo.t, lo.ff * lo.ft
+    t_realloc = {}
+    for ms, name in zip(trained, ["actor", "critic"]):
+        rs = reshard_time(hw, ms.weight_bytes(), shards_tr, shards_fw, n_train)
+        t_realloc[name] = np.where(same, 0.0, rs + ms.weight_bytes() / shards_fw / hw.device.memory_bw)
+    cont = {}
     for k in ks:  # continuous admission: KV pages stay resident while the stages train (colocated)
         sk = slots_c[k]
         kv = S.generate_memory(st, actor, t_g, sk, reps) - S.generate_memory(st, actor, t_g, 0, reps)
         mem = np.maximum(S.generate_memory(st, actor, t_g, sk, reps) + others, peak_fw)
         mem = np.maximum(mem, peak_up + (kv if coloc else 0.0))
-        row[f"slots_c{k}"] = sk
-        row[f"mem_peak_c{k}"] = mem
-        row[f"t_gen_c{k}"] = np.where(mem <= budget, gen_async[k], INF)
-    # Per-role stage times at the chosen options.
-    moves, fetch = _transfers(roles, hw, trained, row)
-    for name, ms in zip(("actor", "critic"), trained):
-        row[f"t_upd_{name}"] = _train_rows(st, ms, n_train, row, roles) + moves[name]
-    for name, ms in fwd_models:
-        row[f"t_fwd_{name}"] = S.forward_stage(st, ms, n_train, row["fd"], row["ff"], row["ft"], row["fmicro"])[0]
-        row[f"t_fwd_{name}"] = row[f"t_fwd_{name}"] + fetch.get(name, 0.0)
-    # Reallocation of actor/critic weights into the forward layout (ReaL's parameter realloc).
-    shards_tr, shards_fw = row["f"] * row["t"], row["ff"] * row["ft"]
-    for ms, name in zip(trained, ["actor", "critic"]):
-        rs = reshard_time(hw, ms.weight_bytes(), shards_tr, shards_fw, n_train)
-        row[f"t_realloc_{name}"] = np.where(same, 0.0, rs + ms.weight_bytes() / shards_fw / hw.device.memory_bw)
-    # Weight sync into the generation layout (fixed + per-bucket costs + data movement).
-    row["t_sync"] = S.weight_sync_stage(st, actor, coloc, shards_tr, t_g, n_train, n_gen)
-    row["t_adv"] = np.full(len(I), float(S.elementwise_stage(st, n_train)))
-    row["t_reward"] = np.full(len(I), S.reward_stage(st))
-    for k in ks:  # the training side on the batches continuous admission hands over
-        row.update(consumed_columns(st, roles, n_train, row, k, row[f"slots_c{k}"]))
-    return row
+        cont[k] = Continuous(
+            slots=sk,
+            mem_peak=mem,
+            t_gen=np.where(mem <= budget, gen_async[k], INF),
+            # the training side on the batches continuous admission hands over
+            train=consumed_side(st, roles, n_train, lo, k, sk),
+        )
+    return considered, Table(
+        considered=considered,
+        **dataclasses.asdict(lo),
+        slots=slots,
+        n_rep=n_rep,
+        mem_peak=peak,
+        mem_resident=resident,  # per device: training state, reference weights (+ rollout weights colocated)
+        mem_peak_sync=peak_sync,
+        mem_gen=gen_mem,
+        mem_update=peak_up,
+        mem_forward=peak_fw,
+        t_gen=gen_t,
+        gen_q=gen_q,
+        # Weight sync into the generation layout (fixed + per-bucket costs + data movement).
+        t_sync=S.weight_sync_stage(
+            st, actor, colocated=coloc, shards_train=shards_tr, t_g=t_g, n_train=n_train, n_gen=n_gen
+        ),
+        t_reward=np.full(len(I), S.reward_stage(st)),
+        t_realloc=t_realloc,
+        train=TrainSide(t_upd=t_upd, t_fwd=t_fwd, t_adv=np.full(len(I), float(S.elementwise_stage(st, n_train)))),
+        t_gen_pieces=pieces,
+        continuous=cont,
+    )
 
 
 def consumed_setting(st: S.Setting, reps: int, slots: int, k: int) -> S.Setting:
@@ -338,30 +366,49 @@ def consumed_setting(st: S.Setting, reps: int, slots: int, k: int) -> S.Setting:
     )
 
 
-def consumed_columns(st: S.Setting, roles: Roles, n_train: int, row: dict, k: int, slots) -> dict[str, np.ndarray]:
-    """Columns t_upd_{actor,critic}_c{k}, t_fwd_{model}_c{k}, t_adv_c{k} of `row` with the engine at
-    `slots` slots per replica (per row): each row's training stages priced on its engine's consumed
-    batches (consumed_setting), rows grouped by (replicas, slots)."""
+def consumed_side(st: S.Setting, roles: Roles, n_train: int, lo, k: int, slots) -> TrainSide:
+    """The training side (updates, scoring forwards, advantages) of the rows `lo` (a Table or
+    Layouts) with the engine at `slots` slots per replica (per row): each row's training stages
+    priced on its engine's consumed batches at staleness k (consumed_setting), rows grouped by
+    (replicas, slots)."""
     hw = st.hw
     trained, fwd_models = _models(roles)
-    n = len(row["d"])
-    reps = np.maximum(np.asarray(row["n_gen"]) // np.asarray(row["t_g"]), 1)
+    n = len(lo.d)
+    reps = np.maximum(np.asarray(lo.n_gen) // np.asarray(lo.t_g), 1)
     slots = np.broadcast_to(np.asarray(slots, np.int64), (n,))
-    out = {f"t_upd_{name}_c{k}": np.empty(n) for name in ("actor", "critic")[: len(trained)]}
-    out |= {f"t_fwd_{name}_c{k}": np.empty(n) for name, _ in fwd_models}
-    out[f"t_adv_c{k}"] = np.empty(n)
-    moves, fetch = _transfers(roles, hw, trained, row)
+    t_upd = {name: np.empty(n) for name in ("actor", "critic")[: len(trained)]}
+    t_fwd = {name: np.empty(n) for name, _ in fwd_models}
+    t_adv = np.empty(n)
+    moves, fetch = _transfers(roles, hw, trained, lo)
     for r, c in set(zip(reps.tolist(), slots.tolist())):
         sel = np.nonzero((reps == r) & (slots == c))[0]
         sc = consumed_setting(st, r, max(int(c), 1), k)
-        sub = {key: np.asarray(row[key])[sel] for key in ("d", "f", "t", "fd", "ff", "ft", "micro", "remat", "fmicro")}
+        sub = Layouts(**{f.name: np.asarray(getattr(lo, f.name))[sel] for f in dataclasses.fields(Layouts)})
         for name, ms in zip(("actor", "critic"), trained):
-            out[f"t_upd_{name}_c{k}"][sel] = _train_rows(sc, ms, n_train, sub, roles) + moves[name][sel]
+            t_upd[name][sel] = _train_rows(sc, ms, n_train, sub, roles) + moves[name][sel]
         for name, ms in fwd_models:
-            t_f = S.forward_stage(sc, ms, n_train, sub["fd"], sub["ff"], sub["ft"], sub["fmicro"])[0]
-            out[f"t_fwd_{name}_c{k}"][sel] = t_f + (fetch[name][sel] if name in fetch else 0.0)
-        out[f"t_adv_c{k}"][sel] = float(S.elementwise_stage(sc, n_train))
-    return out
+            t_f = S.forward_stage(sc, ms, busy=n_train, d=sub.fd, f=sub.ff, t=sub.ft, micro=sub.fmicro)[0]
+            t_fwd[name][sel] = t_f + (fetch[name][sel] if name in fetch else 0.0)
+        t_adv[sel] = float(S.elementwise_stage(sc, n_train))
+    return TrainSide(t_upd=t_upd, t_fwd=t_fwd, t_adv=t_adv)
+
+
+@dataclass(frozen=True)
+class Layouts:
+    """The layout columns of candidate rows (a Table's first columns; see costmodel/table.py)."""
+
+    n_gen: np.ndarray
+    n_train: np.ndarray
+    t_g: np.ndarray
+    d: np.ndarray
+    f: np.ndarray
+    t: np.ndarray
+    fd: np.ndarray
+    ff: np.ndarray
+    ft: np.ndarray
+    micro: np.ndarray
+    remat: np.ndarray
+    fmicro: np.ndarray
 
 
 def _models(roles: Roles) -> tuple[list[ModelShape], list[tuple[str, ModelShape]]]:
@@ -375,31 +422,30 @@ def _models(roles: Roles) -> tuple[list[ModelShape], list[tuple[str, ModelShape]
     return trained, fwd_models
 
 
-def _transfers(roles: Roles, hw, trained, row: dict) -> tuple[dict, dict]:
+def _transfers(roles: Roles, hw, trained, lo) -> tuple[dict, dict]:
     """Per row: seconds each update moves its offloaded optimizer state ({actor, critic}) and the
     reference forward fetches its offloaded weights ({"ref"}), costmodel/offload.py."""
     moves = {
-        n: OFF.update_transfer_seconds(roles.offload, hw, ms, row["f"], row["t"])
-        for n, ms in zip(("actor", "critic"), trained)
+        n: OFF.update_transfer_seconds(roles.offload, hw, ms, lo.f, lo.t) for n, ms in zip(("actor", "critic"), trained)
     }
-    return moves, {"ref": OFF.reference_transfer_seconds(roles.offload, hw, roles.ref, row["ff"], row["ft"])}
+    return moves, {"ref": OFF.reference_transfer_seconds(roles.offload, hw, roles.ref, lo.ff, lo.ft)}
 
 
-def _train_rows(st, ms, busy, row, roles: Roles) -> np.ndarray:
-    out = np.empty(len(row["d"]))
+def _train_rows(st, ms, busy, lo, roles: Roles) -> np.ndarray:
+    out = np.empty(len(lo.d))
     for k, r in enumerate(REMATS):
-        idx = row["remat"] == k
+        idx = lo.remat == k
         if idx.any():
             out[idx] = S.train_stage(
                 st,
                 ms,
-                busy,
-                row["d"][idx],
-                row["f"][idx],
-                row["t"][idx],
-                row["micro"][idx],
-                r,
-                roles.epochs,
-                roles.minibatches,
+                busy=busy,
+                d=lo.d[idx],
+                f=lo.f[idx],
+                t=lo.t[idx],
+                micro=lo.micro[idx],
+                remat=r,
+                epochs=roles.epochs,
+                minibatches=roles.minibatches,
             )[0]
     return out

@@ -93,15 +93,15 @@ def predict_point(hw: HardwareProfile, p: dict) -> tuple[float, float]:
     n = d * f * t
     if p["kind"] == "generate":  # the sampler's slots are global: B / (d·f) per data replica
         reps = n // t
-        sec = S.generate_stage(st, ms, n, [t], [-(-p["B"] // reps)])[0][0]
+        sec = S.generate_stage(st, ms, n_gen=n, t=[t], slots=[-(-p["B"] // reps)])[0][0]
         mem = S.generate_memory(st, ms, t, -(-p["B"] // reps), reps)
         return float(sec), float(mem)
     if p["kind"] == "forward":
-        sec = S.forward_stage(st, ms, n, d, f, t, p["micro"])[0]
-        mem = ms.weight_bytes(ms.param_bytes_per) / (f * t) + S.forward_memory(st, ms, d, f, t, p["micro"])
+        sec = S.forward_stage(st, ms, busy=n, d=d, f=f, t=t, micro=p["micro"])[0]
+        mem = ms.weight_bytes(ms.param_bytes_per) / (f * t) + S.forward_memory(st, ms, d=d, f=f, t=t, micro=p["micro"])
         return float(sec), float(mem)
-    sec = S.train_stage(st, ms, n, d, f, t, p["micro"], p["remat"])[0]
-    return float(sec), float(S.train_memory(st, ms, d, f, t, p["micro"], p["remat"]))
+    sec = S.train_stage(st, ms, busy=n, d=d, f=f, t=t, micro=p["micro"], remat=p["remat"])[0]
+    return float(sec), float(S.train_memory(st, ms, d=d, f=f, t=t, micro=p["micro"], remat=p["remat"]))
 
 
 def _apply(hw: HardwareProfile, values: dict) -> HardwareProfile:

@@ -65,8 +65,12 @@ def fit_stages(prof: HardwareProfile, stages: list[dict]) -> tuple[HardwareProfi
     def parts(hw, m):
         ms, st, n = _synthetic_setting(hw, m)
         if m["kind"] == "forward":
-            return ms, S.forward_stage(st, ms, n, n, 1, 1, 1)[1], float(S.rates(hw, "float32", n)[2])
-        return ms, S.train_stage(st, ms, n, n, 1, 1, 1, "none")[1], float(S.rates(hw, "float32", n)[2])
+            return ms, S.forward_stage(st, ms, busy=n, d=n, f=1, t=1, micro=1)[1], float(S.rates(hw, "float32", n)[2])
+        return (
+            ms,
+            S.train_stage(st, ms, busy=n, d=n, f=1, t=1, micro=1, remat="none")[1],
+            float(S.rates(hw, "float32", n)[2]),
+        )
 
     eff0 = dataclasses.replace(prof.efficiency, elementwise_factor=1.0, layer_s=0.0, backward_factor=1.0)
     base = dataclasses.replace(prof, efficiency=eff0)
@@ -148,8 +152,8 @@ def _predict(hw: HardwareProfile, m: dict) -> float:
 
     ms, st, n = _synthetic_setting(hw, m)
     if m["kind"] == "forward":
-        return float(S.forward_stage(st, ms, n, n, 1, 1, 1)[0])
-    return float(S.train_stage(st, ms, n, n, 1, 1, 1, "none")[0])
+        return float(S.forward_stage(st, ms, busy=n, d=n, f=1, t=1, micro=1)[0])
+    return float(S.train_stage(st, ms, busy=n, d=n, f=1, t=1, micro=1, remat="none")[0])
 
 
 def _nnls(A, b, iters: int = 50):

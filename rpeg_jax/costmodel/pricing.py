@@ -16,21 +16,13 @@ import dataclasses
 import numpy as np
 
 from rpeg_jax.config.run import RunConfig
-from rpeg_jax.costmodel.candidates import REMATS, consumed_columns
+from rpeg_jax.costmodel.candidates import REMATS, consumed_side
+from rpeg_jax.costmodel.context import make_context, roles_of
 from rpeg_jax.costmodel.devices import resolve
-from rpeg_jax.costmodel.planner import (
-    GEN_SIDE,
-    TRAIN_SIDE,
-    family_table,
-    make_context,
-    option_graphs,
-    periods,
-    predict,
-    roles_of,
-    take_rows,
-)
+from rpeg_jax.costmodel.scoring import GEN_SIDE, TRAIN_SIDE, family_table, option_graphs, periods, predict
 from rpeg_jax.costmodel.space import families, structural_options
 from rpeg_jax.costmodel.stages import continuous_stage
+from rpeg_jax.costmodel.table import Table, TrainSide
 from rpeg_jax.costmodel.types import Prediction
 from rpeg_jax.graph.algorithms import build_graph
 from rpeg_jax.graph.ir import GraphError
@@ -49,10 +41,10 @@ def best_by_groups(
     best: dict[tuple, tuple] = {}
     for placement, share in families(ctx):
         pairs = option_graphs(ctx, structural_options(ctx, placement, share))
-        tab = family_table(ctx, pairs[0][1], placement, cache) if pairs else {}
-        if not tab:
+        tab = family_table(ctx, pairs[0][1], placement, cache) if pairs else None
+        if tab is None:
             continue
-        groups = np.stack([tab["n_gen"], tab["n_train"]], axis=1)
+        groups = np.stack([tab.n_gen, tab.n_train], axis=1)
         for pipe, g in pairs:
             period, _ = periods(ctx, g, tab)
             for key in {tuple(r) for r in groups.tolist()}:
@@ -106,50 +98,58 @@ def price_layout(
         "ff": fw["fsdp"],
         "ft": fw["tensor"],
     }
-    sel = np.ones(len(tab["n_gen"]), bool)
+    if tab is None:
+        raise GraphError("plan", f"no candidate of the model matches the layout {want}")
+    sel = np.ones(len(tab), bool)
     for k, v in want.items():
-        sel &= tab[k] == v
-    exact = (
-        sel & (tab["micro"] == tr.get("micro_batches", -1)) & (tab["remat"] == REMATS.index(tr.get("remat", "none")))
-    )
+        sel &= getattr(tab, k) == v
+    exact = sel & (tab.micro == tr.get("micro_batches", -1)) & (tab.remat == REMATS.index(tr.get("remat", "none")))
     idx = np.nonzero(exact if exact.any() else sel)[0]
     if not len(idx):
         raise GraphError("plan", f"no candidate of the model matches the layout {want}")
-    sub = take_rows(tab, idx)
+    sub = tab.take(idx)
     if admission == "continuous" and layout["generate"].get("slots"):
         sub = _continuous_at(ctx, g, sub, int(layout["generate"]["slots"]))
     period, _ = periods(ctx, g, sub)
     return predict(ctx, g, pipe, sub, int(np.argmin(period)), f"priced {pipe.placement}")
 
 
-def _continuous_at(ctx, g, sub: dict, slots: int) -> dict:
+def _continuous_at(ctx, g, sub: Table, slots: int) -> Table:
     """Rows with the continuous engine priced at exactly `slots` slots per replica (a run's
     rollout.max_slots) instead of the best count the table chose."""
     k, st, eff = g.staleness, ctx.st, ctx.hw.efficiency
     roles = roles_of(ctx, g)
     actor = roles.actor
-    out = dict(sub)
-    secs, best = {}, {}
-    for ng in set(sub["n_gen"].tolist()):
-        sel = sub["n_gen"] == ng
+    old = sub.continuous[k]
+    col, sl = old.t_gen.copy(), old.slots.copy()
+    for ng in set(sub.n_gen.tolist()):
+        sel = sub.n_gen == ng
         s_k, b_k = continuous_stage(
-            st, actor, int(ng), sub["t_g"][sel], np.full(int(sel.sum()), slots), (k,), st.recompute_kv, True
+            st,
+            actor,
+            n_gen=int(ng),
+            t=sub.t_g[sel],
+            slots=np.full(int(sel.sum()), slots),
+            ks=(k,),
+            recompute=st.recompute_kv,
+            exact=True,
         )
-        secs[ng], best[ng] = s_k[k], b_k[k]
-    col, sl = out[f"t_gen_c{k}"].copy(), out[f"slots_c{k}"].copy()
-    for ng in secs:
-        sel = sub["n_gen"] == ng
-        col[sel] = np.where(np.isfinite(col[sel]), secs[ng] + st.B * eff.host_seq_s + eff.host_step_s, np.inf)
-        sl[sel] = best[ng]
-    out[f"t_gen_c{k}"], out[f"slots_c{k}"] = col, sl
-    # the training stages on the consumed batches of that engine (candidates.consumed_columns)
-    new: dict[str, np.ndarray] = {}
-    for nt in set(sub["n_train"].tolist()):
-        sel = np.nonzero(sub["n_train"] == nt)[0]
-        for name, v in consumed_columns(st, roles, int(nt), take_rows(out, sel), k, sl[sel]).items():
-            new.setdefault(name, out[name].copy())[sel] = v
-    out.update(new)
-    return out
+        col[sel] = np.where(np.isfinite(col[sel]), s_k[k] + st.B * eff.host_seq_s + eff.host_step_s, np.inf)
+        sl[sel] = b_k[k]
+    # the training stages on the consumed batches of that engine (candidates.consumed_side)
+    upd = {n: v.copy() for n, v in old.train.t_upd.items()}
+    fwd = {n: v.copy() for n, v in old.train.t_fwd.items()}
+    adv = old.train.t_adv.copy()
+    for nt in set(sub.n_train.tolist()):
+        sel = np.nonzero(sub.n_train == nt)[0]
+        side = consumed_side(st, roles, int(nt), sub.take(sel), k, sl[sel])
+        for n, v in side.t_upd.items():
+            upd[n][sel] = v
+        for n, v in side.t_fwd.items():
+            fwd[n][sel] = v
+        adv[sel] = side.t_adv
+    new = dataclasses.replace(old, t_gen=col, slots=sl, train=TrainSide(t_upd=upd, t_fwd=fwd, t_adv=adv))
+    return sub.replace(continuous={**sub.continuous, k: new})
 
 
 def predict_run(cfg: RunConfig, hardware=None, num_devices: int | None = None, processes: int = 1) -> Prediction:

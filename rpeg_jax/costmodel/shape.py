@@ -12,6 +12,13 @@ Narayanan et al. 2021 for GPT; activations after Korthikanti et al. 2022):
     KV bytes per token                        = 2·L·K·E·a  (K and V)
     saved activations per token per layer     = a (4D + (2HE + 2KE + 3F)/t) [+ scores]
 
+A mixture of experts (X experts of width Fe in Ls of the L layers, k routed per token) computes
+with its active parameters (router D·X + k experts' 3·D·Fe per token), holds all of them (memory,
+FSDP gathers, optimizer state), saves k experts' activations per token, and a decode step reads
+only the experts its batch touches: X (1 - (1 - k/X)^b) of them per sparse layer for b tokens
+(routing taken as uniform). Expert parallelism is not priced: the runtime has no expert axis yet
+(the experts are sharded as every other weight, models/moe.py).
+
 Callers: costmodel/stages.py (stage times), candidates.py (memory), planner.py, fit.py,
 microfit.py, calibration/stages.py, tests.
 """
@@ -53,6 +60,10 @@ class ModelShape:
     dtype: str
     value_head: bool = False
     scanned: bool = True  # layers run under lax.scan (models/: deeper than UNROLL_MAX_LAYERS), else unrolled
+    X: int = 0  # experts per sparse layer (0: dense)
+    k: int = 0  # experts per token
+    Fe: int = 0  # an expert's SwiGLU width
+    Ls: int = 0  # sparse layers
 
     @staticmethod
     def of(m: ModelDims) -> ModelShape:
@@ -70,12 +81,16 @@ class ModelShape:
             dtype=m.dtype,
             value_head=m.value_head,
             scanned=default_scanned(m.num_layers),
+            X=m.num_experts,
+            k=m.num_experts_per_tok,
+            Fe=m.expert_size,
+            Ls=m.sparse_layers,
         )
 
     # ---- FLOPs (shapes/flops.py: the one FLOP model) ------------------------------------------
     @property
     def dims(self) -> Dims:
-        return Dims(self.L, self.D, self.H, self.K, self.E, self.F, self.V)
+        return Dims(self.L, self.D, self.H, self.K, self.E, self.F, self.V, self.X, self.k, self.Fe, self.Ls)
 
     @property
     def layer_matmul_flops(self) -> int:
@@ -102,22 +117,58 @@ class ModelShape:
 
     def mm_size(self, tokens, t):
         """FLOPs of the largest single matmul (the MLP up projection) for `tokens` rows on one
-        shard: the size the matmul efficiency table is looked up by."""
-        return 2.0 * np.asarray(tokens, np.float64) * self.D * self.F / np.asarray(t, np.float64)
+        shard: the size the matmul efficiency table is looked up by. A mixture of experts' largest
+        is the query projection, a dense layer's MLP, or one expert's up projection over the
+        tokens*k/X rows routed to it, whichever is larger."""
+        rows, t = np.asarray(tokens, np.float64), np.asarray(t, np.float64)
+        if not self.X:
+            return 2.0 * rows * self.D * self.F / t
+        widths = [self.H * self.E, self.Fe * self.k / self.X] + ([self.F] if self.L > self.Ls else [])
+        return 2.0 * rows * self.D * max(widths) / t
+
+    @property
+    def mlp_widths(self) -> tuple[int, ...]:
+        """The MLP widths a tensor-parallel degree must divide (dense F, the experts' Fe)."""
+        dense = (self.F,) if self.L > self.Ls else ()
+        return dense + ((self.Fe,) if self.X else ())
+
+    @property
+    def act_mlp_width(self) -> float:
+        """MLP activation columns a token saves per layer, the mean over the layers: F for a dense
+        layer, k·Fe (+ the router's X logits) for a mixture."""
+        return ((self.L - self.Ls) * self.F + self.Ls * (self.k * self.Fe + self.X / 3.0)) / self.L
+
+    def expert_bytes(self, dtype_bytes: int | None = None) -> float:
+        """Bytes of every expert of every sparse layer (0 for a dense model)."""
+        return float(self.Ls * self.X * 3 * self.D * self.Fe * (dtype_bytes or self.act_bytes_per))
+
+    def decode_weight_bytes(self, batch, dtype_bytes: int | None = None):
+        """Weight bytes a decode step of `batch` tokens reads: every weight of a dense model; of a
+        mixture, the dense part and the experts its tokens touch (uniform routing: each expert is
+        missed by one token with probability 1 - k/X)."""
+        w = self.weight_bytes(dtype_bytes)
+        if not self.X:
+            return np.full_like(np.asarray(batch, np.float64), w)
+        touched = 1.0 - (1.0 - self.k / self.X) ** np.asarray(batch, np.float64)
+        ex = self.expert_bytes(dtype_bytes)
+        return (w - ex) + ex * touched
 
     # ---- bytes ---------------------------------------------------------------------------
     @property
-    def layer_params(self) -> int:
+    def layer_params(self) -> float:
+        """Parameters of one layer (the mean over the layers with a mixture of experts: all experts)."""
         d, q, kv, f = self.D, self.H * self.E, self.K * self.E, self.F
-        return d * q + 2 * d * kv + q * d + 3 * d * f + 2 * d
+        mlp = ((self.L - self.Ls) * 3 * d * f + self.Ls * d * self.X * (1 + 3 * self.Fe)) / self.L
+        return d * q + 2 * d * kv + q * d + mlp + 2 * d
 
     def gather_bytes(self, t, mode: str = "matrix"):
         """FSDP gather buffers live at once (the profile's `fsdp_gather`): "matrix", each weight
         matrix gathered right before its use, two of the largest live (one in use, one prefetched);
         "layer", two whole layers; "model", every layer's weights (gathers hoisted out of the scan)."""
         d, q, kv, f = self.D, self.H * self.E, self.K * self.E, self.F
+        largest = max(d * q, d * kv, *(d * w for w in self.mlp_widths if w == f), self.X * d * self.Fe)
         per = {
-            "matrix": 2.0 * max(d * q, d * kv, d * f),
+            "matrix": 2.0 * largest,
             "layer": 2.0 * self.layer_params,
             "model": float(self.L * self.layer_params),
         }[mode]
@@ -185,7 +236,7 @@ class ModelShape:
         (`score_arrays` of them: 2 saved for backward, 1 live in a forward-only pass)."""
         t = np.asarray(t, np.float64)
         a = self.act_bytes_per
-        q, kv, f = self.H * self.E, self.K * self.E, self.F
+        q, kv, f = self.H * self.E, self.K * self.E, self.act_mlp_width
         full = a * (4 * self.D + (2 * q + 2 * kv + 3 * f) / t) + 4.0 * score_arrays * self.H / t * np.asarray(
             dense_scores_ctx
         )

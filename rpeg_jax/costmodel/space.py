@@ -196,7 +196,7 @@ def allocations(ctx, placement: str, ours: bool = True) -> list[tuple[int, int]]
     return [(g, t) for g, t in out if runnable(ctx, placement=placement, group_sizes=(g, t))]
 
 
-def divisible(ctx, graph: Graph, tab: dict) -> np.ndarray:
+def divisible(ctx, graph: Graph, tab) -> np.ndarray:
     """Rows whose mesh axes divide the batch dimensions they shard in this graph: the sequences
     of one piece (B / pieces) over the generation replicas (the sampler's slot axis), the
     forward layout's data x fsdp (streamed forwards) and the training layout's data x fsdp (the
@@ -204,8 +204,8 @@ def divisible(ctx, graph: Graph, tab: dict) -> np.ndarray:
     B = ctx.st.B
     m = max((s.pieces for s in graph.stages()), default=1)
     if B % m:
-        return np.zeros(len(tab["n_gen"]), bool)
+        return np.zeros(len(tab.n_gen), bool)
     piece = B // m
-    reps = tab["n_gen"] // tab["t_g"]
-    ok = (piece % reps == 0) & (piece % (tab["d"] * tab["f"]) == 0) & (piece % (tab["fd"] * tab["ff"]) == 0)
+    reps = tab.n_gen // tab.t_g
+    ok = (piece % reps == 0) & (piece % (tab.d * tab.f) == 0) & (piece % (tab.fd * tab.ff) == 0)
     return ok

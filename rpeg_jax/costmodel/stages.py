@@ -218,7 +218,18 @@ def _exposed(hw: HardwareProfile, core, overlappable, serial):
 
 
 def train_stage(
-    st: Setting, ms: ModelShape, busy, d, f, t, micro, remat: str, epochs: int = 1, minibatches: int = 1, heads: int = 1
+    st: Setting,
+    ms: ModelShape,
+    *,
+    busy,
+    d,
+    f,
+    t,
+    micro,
+    remat: str,
+    epochs: int = 1,
+    minibatches: int = 1,
+    heads: int = 1,
 ):
     """(seconds, parts dict) of forward + backward + optimizer over the batch on one layout."""
     hw = st.hw
@@ -279,7 +290,7 @@ def train_stage(
     }
 
 
-def train_memory(st: Setting, ms: ModelShape, d, f, t, micro, remat: str, minibatches: int = 1):
+def train_memory(st: Setting, ms: ModelShape, *, d, f, t, micro, remat: str, minibatches: int = 1):
     """Peak bytes per device of a training stage: resident state + update buffers + activations."""
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
     seqs_mb = st.B / (d * f) / (minibatches * micro)
@@ -298,7 +309,7 @@ def train_memory(st: Setting, ms: ModelShape, d, f, t, micro, remat: str, miniba
     return state + eff.act_memory_factor * (act + logits) + weights
 
 
-def forward_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, heads: int = 1):
+def forward_stage(st: Setting, ms: ModelShape, *, busy, d, f, t, micro, heads: int = 1):
     """(seconds, parts) of one forward over the batch (logprobs and/or values)."""
     hw = st.hw
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
@@ -326,7 +337,7 @@ def forward_stage(st: Setting, ms: ModelShape, busy, d, f, t, micro, heads: int 
     }
 
 
-def forward_memory(st: Setting, ms: ModelShape, d, f, t, micro):
+def forward_memory(st: Setting, ms: ModelShape, *, d, f, t, micro):
     """Transient bytes per device of a forward (weights are counted by the caller)."""
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
     seqs_mb = st.B / (d * f) / micro
@@ -389,7 +400,7 @@ def decode_step_time(st: Setting, ms: ModelShape, t, busy, batch, ctx):
     rate, bw, ovh = rates(hw, ms.dtype, busy)
     flops = ms.decode_flops(batch, ctx) / t
     kv = batch * ctx * ms.kv_bytes_per_token / ms.kv_shards(t) * kv_read_factor(st)
-    nbytes = ms.weight_bytes() / t + kv + batch * ms.V * 4.0
+    nbytes = ms.decode_weight_bytes(batch) / t + kv + batch * ms.V * 4.0  # a mixture: the experts touched
     if hw.shared_host:  # a CPU's decode kernels (small GEMMs, page gathers, softmax) run one after
         # another on the same cores: streaming the weights and KV does not hide behind the compute
         core = flops / (rate * mm_eff(hw, ms.mm_size(batch, t)))
@@ -428,7 +439,7 @@ def sampler_tp_time(hw: HardwareProfile, ms: ModelShape, rows, t):
 SLOT_FACTORS = (1.0, 1.5, 2.0, 3.0)  # continuous admission: slots tried, x one batch per replica
 
 
-def generate_stage(st: Setting, ms: ModelShape, n_gen: int, t, slots, async_ks=(), recompute: bool = False):
+def generate_stage(st: Setting, ms: ModelShape, *, n_gen: int, t, slots, async_ks=(), recompute: bool = False):
     """Generation on `n_gen` devices as n_gen/t replicas with `slots` sequences each.
 
     Returns (seconds, parts, finished_at, continuous_seconds):
@@ -461,7 +472,7 @@ def generate_stage(st: Setting, ms: ModelShape, n_gen: int, t, slots, async_ks=(
             curves[i] = (sched.finish_step, sched.critical[w].bin_edges, cum)
     host = st.B * st.hw.efficiency.gen_seq_s  # the sampler's host work per sequence (admission, pages, results)
     total = total + st.hw.efficiency.dispatch_s + host
-    asy, best = continuous_stage(st, ms, n_gen, t, slots, async_ks, recompute)
+    asy, best = continuous_stage(st, ms, n_gen=n_gen, t=t, slots=slots, ks=async_ks, recompute=recompute)
 
     def finished_at(q: float) -> np.ndarray:
         out = np.empty(len(t))
@@ -474,7 +485,9 @@ def generate_stage(st: Setting, ms: ModelShape, n_gen: int, t, slots, async_ks=(
     return total, parts, finished_at, asy
 
 
-def continuous_stage(st: Setting, ms: ModelShape, n_gen: int, t, slots, ks, recompute: bool = False, exact=False):
+def continuous_stage(
+    st: Setting, ms: ModelShape, *, n_gen: int, t, slots, ks, recompute: bool = False, exact: bool = False
+):
     """({k: seconds per step}, {k: slots per replica}) of generation under continuous admission at
     staleness k, per candidate: the best slot count up to `slots` (continuous_slots; `exact`: `slots`
     itself, a run's rollout.max_slots) of continuous_step, plus the sampler's host cost per
@@ -576,7 +589,7 @@ def weight_sync_time(hw: HardwareProfile, nbytes, transport_s):
     return fixed + buckets * per + transport_s + eff.dispatch_s
 
 
-def weight_sync_stage(st: Setting, ms: ModelShape, colocated: bool, shards_train, t_g, n_train: int, n_gen: int):
+def weight_sync_stage(st: Setting, ms: ModelShape, *, colocated: bool, shards_train, t_g, n_train: int, n_gen: int):
     """Weight sync of the actor `ms` into the generation layout (tensor `t_g`): colocated, a reshard
     of the training shards (fsdp x tensor = `shards_train`) on the same devices plus the cast of
     the parameters to the rollout dtype; split, a transfer from the training group's `n_train`

@@ -48,6 +48,10 @@ def model_dims(m: ModelConfig, role: str, value_head: bool | None = None) -> Mod
         param_dtype=m.param_dtype,
         dtype=m.dtype,
         value_head=vh,
+        num_experts=m.num_experts,
+        num_experts_per_tok=m.num_experts_per_tok if m.num_experts else 0,
+        expert_size=m.expert_size if m.num_experts else 0,
+        sparse_layers=sum(m.sparse_layers),
     )
 
 

@@ -152,6 +152,10 @@ class ModelDims:
     param_dtype: str
     dtype: str  # compute dtype
     value_head: bool = False
+    num_experts: int = 0  # X: a mixture of experts in `sparse_layers` of the layers (0: dense)
+    num_experts_per_tok: int = 0  # k
+    expert_size: int = 0  # Fe: each expert's SwiGLU width
+    sparse_layers: int = 0  # layers whose MLP is the mixture
 
     @property
     def param_bytes(self) -> int:

@@ -12,10 +12,11 @@ that fails is returned: one line naming the key and the value):
 
     costmodel.processes    P >= 1 divides the devices (each process owns N / P of them, in order)
     data.prompts_per_step  a multiple of P: each process generates whole groups, its share
-    rollout.admission      step: the continuous engine outlives the step on one process only (each
-                           process's engine state is not checkpointed yet)
-    rl.filter_groups       none: under step admission each process would refill its share in its own
-                           number of rounds
+    rl.filter_groups       none, or rollout.admission=continuous: under step admission each process
+                           would refill its share in its own number of rounds (and only one process's
+                           stream cursor would reach the checkpoint); under continuous admission every
+                           process's engine runs on its own data shard, decides from seeds, data order
+                           and decode-chunk counts only, and checkpoints its whole state
     pipeline.placement     colocated: a split's generation group leaves processes without generation
                            devices, and its training group leaves some without rollouts to put
     the plan's groups      every stage on all N devices (no sub-mesh on some processes only)
@@ -86,18 +87,13 @@ def why_not(cfg: RunConfig, processes: int, num_devices: int, runs: Runs | None 
     if prompts % P:
         why = f"must be a multiple of the {P} processes (each generates whole groups of its share)"
         return Illegal("data.prompts_per_step", prompts, why)
-    if runs.admission == "continuous":
-        return Illegal(
-            "rollout.admission",
-            "continuous",
-            f"runs on one process for now (each process's engine state is not checkpointed yet); use step {procs}",
-        )
-    if cfg.rl.filter_groups != "none":
+    admission = runs.admission or cfg.rollout.admission
+    if cfg.rl.filter_groups != "none" and admission != "continuous":
         return Illegal(
             "rl.filter_groups",
             cfg.rl.filter_groups,
-            f"runs on one process for now (each process would refill its share in its own number of rounds); "
-            f"use none {procs}",
+            f"{procs} dynamic sampling runs under rollout.admission=continuous only (under step admission each "
+            f"process would refill its share in its own number of rounds); use none, or continuous admission",
         )
     if runs.placement is not None and runs.placement != "colocated":
         return Illegal(

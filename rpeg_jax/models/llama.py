@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rpeg_jax.config.model import ModelConfig
+from rpeg_jax.models.adapters import adapter_names, add_adapters, project
 from rpeg_jax.models.attention import DenseAttention, resolve_attention
 from rpeg_jax.models.dense import compute_layout, dense, embed_lookup
 from rpeg_jax.models.moe import MOE_PARAMS, layer_groups, moe_block
@@ -152,7 +153,8 @@ class Layers(nnx.Module):
 
     def stacked(self) -> dict[str, jax.Array]:
         """{name: [L, ...] array} for the layer scan (biases and q/k norms only when present)."""
-        return {n: getattr(self, n)[...] for n in LAYER_PARAMS if getattr(self, n) is not None}
+        out = {n: getattr(self, n)[...] for n in LAYER_PARAMS if getattr(self, n) is not None}
+        return out | {n: getattr(self, n)[...] for n in adapter_names(self)}  # model.lora (models/adapters.py)
 
 
 def qk_normed(cfg: ModelConfig, p: dict, q_BxTxHxE, k_BxTxKxE):
@@ -173,9 +175,9 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BxTxD, cos, sin, attention, layer
     """
     dt = x_BxTxD.dtype
     h = rms_norm(x_BxTxD, p["attn_norm"], cfg.rms_norm_eps)
-    q = dense(h, p["wq"].astype(dt))
-    k = dense(h, p["wk"].astype(dt))
-    v = dense(h, p["wv"].astype(dt))
+    q = project(cfg, p, "wq", h)  # x W (+ the LoRA term when model.lora: models/adapters.py)
+    k = project(cfg, p, "wk", h)
+    v = project(cfg, p, "wv", h)
     if "bq" in p:
         q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
     q, k = qk_normed(cfg, p, q, k)
@@ -183,16 +185,16 @@ def decoder_layer(cfg: ModelConfig, p: dict, x_BxTxD, cos, sin, attention, layer
     k = constrain(apply_rope(k, cos, sin), (BATCH, SEQ, KV_HEADS, HEAD_DIM))
     v = constrain(v, (BATCH, SEQ, KV_HEADS, HEAD_DIM))
     attn, cache = attention(q, k, v, layer=layer, cache=cache)
-    x = x_BxTxD + dense(attn, p["wo"].astype(dt), contract=2)
+    x = x_BxTxD + project(cfg, p, "wo", attn, contract=2)
     x = constrain(x, (BATCH, SEQ, EMBED))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     if "we_gate" in p:  # Qwen3-MoE sparse MLP (models/moe.py)
         y, logits, experts = moe_block(h, p, cfg.num_experts_per_tok, cfg.norm_topk_prob, experts_BxTxK)
         return constrain(x + y, (BATCH, SEQ, EMBED)), cache, (logits, experts)
-    gate = dense(h, p["w_gate"].astype(dt))
-    up = dense(h, p["w_up"].astype(dt))
+    gate = project(cfg, p, "w_gate", h)
+    up = project(cfg, p, "w_up", h)
     act = constrain(swiglu(gate, up), (BATCH, SEQ, MLP))
-    x = x + dense(act, p["w_down"].astype(dt))
+    x = x + project(cfg, p, "w_down", act)
     return constrain(x, (BATCH, SEQ, EMBED)), cache, None
 
 
@@ -221,6 +223,8 @@ class Transformer(nnx.Module):
             self.value_b = nnx.Param(jnp.zeros((), pd), axes=())
         else:
             self.value_w = self.value_b = None
+        if cfg.lora.rank:  # model.lora: adapters drawn after every base weight (models/adapters.py)
+            add_adapters(self.layers, cfg, rngs)
 
     # ---- forward pieces -------------------------------------------------------------------
     def hidden(self, tokens_BxT, positions_BxT=None, segment_ids_BxT=None, *, attention=None, cache: Any = None):

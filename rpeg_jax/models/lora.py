@@ -6,10 +6,11 @@ without rsLoRA). Here adapters are stacked over layers: {target: (A [L, r, in], 
 `merge` adds the delta into our stacked weights through the same layouts models/hf.py loads HF
 tensors with, so a merged model exports with save_hf and equals PEFT's merge_and_unload.
 
-Status: library piece of issue 33 item 5 (adapter I/O and merge). Not yet wired to a config key,
-the trainer, the sampler sync or the cost model.
+Training (model.lora) keeps the adapters as model parameters in our orientation (models/adapters.py:
+lora_a_<w> [L, in..., r], lora_b_<w> [L, r, out...]); `to_peft` / `from_peft` convert between the two.
 
-Called by: tests/test_lora.py.
+Called by: runtime/export.py (`rpeg export --adapter`), tests/test_lora.py, tests/test_lora_train.py,
+bench/lora.py.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from rpeg_jax.config.model import ModelConfig
+from rpeg_jax.models.adapters import PROJECTIONS, names
 from rpeg_jax.models.hf import _layer_mapping
 from rpeg_jax.models.llama import Transformer
 
@@ -65,7 +67,9 @@ def merge(model: Transformer, adapters: dict, *, rank: int, alpha: float) -> Non
         var[...] = (w.astype(jnp.float32) + delta).astype(w.dtype)
 
 
-def write_peft_adapter(path: str, cfg: ModelConfig, adapters: dict, *, rank: int, alpha: float) -> None:
+def write_peft_adapter(
+    path: str, cfg: ModelConfig, adapters: dict, *, rank: int, alpha: float, base_model: str | None = None
+) -> None:
     """A PEFT adapter directory: adapter_config.json and adapter_model.safetensors (PEFT's key names)."""
     os.makedirs(path, exist_ok=True)
     tensors = {}
@@ -86,7 +90,7 @@ def write_peft_adapter(path: str, cfg: ModelConfig, adapters: dict, *, rank: int
         "fan_in_fan_out": False,
         "use_rslora": False,
         "inference_mode": True,
-        "base_model_name_or_path": None,
+        "base_model_name_or_path": base_model,
     }
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
@@ -128,3 +132,43 @@ def init_adapters(cfg: ModelConfig, targets, rank: int, rngs: nnx.Rngs) -> dict:
             jnp.zeros(b_shape, jnp.float32),
         )
     return out
+
+
+def _params(state) -> dict:
+    """{name: array} of the adapters under `layers` of a state (nnx.State or nested dict of arrays)."""
+    layers = state["layers"]
+    return {k: (v[...] if isinstance(v, nnx.Variable) else v) for k, v in layers.items()}
+
+
+def to_peft(cfg: ModelConfig, state) -> dict:
+    """Adapters of a LoRA model's state (models/adapters.py orientation) -> {target: (A [L, r, in],
+    B [L, out, r])} in PEFT's orientation, as float32 numpy. Our in-dims and out-dims are HF's
+    grouped dims in HF's order (models/hf._layer_mapping), so each is a transpose and a reshape."""
+    params = _params(state)
+    out = {}
+    for target in cfg.lora.targets:
+        weight, _ = PROJECTIONS[target]
+        a_name, b_name = names(weight)
+        a, b = np.asarray(params[a_name], np.float32), np.asarray(params[b_name], np.float32)
+        L, r = a.shape[0], a.shape[-1]
+        out[target] = (
+            np.moveaxis(a, -1, 1).reshape(L, r, -1),  # [L, in..., r] -> [L, r, in]
+            np.moveaxis(b.reshape(L, r, -1), 1, 2),  # [L, r, out...] -> [L, out, r]
+        )
+    return out
+
+
+def from_peft(cfg: ModelConfig, adapters: dict) -> dict:
+    """{target: (A [L, r, in], B [L, out, r])} -> {"layers": {lora_a_<w>: ..., lora_b_<w>: ...}} in our
+    orientation (the inverse of to_peft; shapes from the model's weight layouts)."""
+    layouts = _layouts(cfg)
+    out = {}
+    for target, (a, b) in adapters.items():
+        weight, c = PROJECTIONS[target]
+        ours = layouts[weight].shape  # one layer's [in..., out...]
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        L, r = a.shape[0], a.shape[1]
+        a_name, b_name = names(weight)
+        out[a_name] = np.moveaxis(a.reshape(L, r, *ours[:c]), 1, -1)
+        out[b_name] = np.moveaxis(b, 2, 1).reshape(L, r, *ours[c:])
+    return {"layers": out}

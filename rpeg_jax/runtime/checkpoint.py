@@ -7,6 +7,8 @@ A checkpoint at step t holds three items (what goes in each is chosen by runtime
   - "buffer": the rollouts generated ahead under bounded asynchrony for steps t..t+k-1 (their
               completions arrays and behaviour logprobs, as global device arrays: each process
               writes its shards), omitted when empty;
+  - "engine": under continuous admission, the generation engine's device arrays (its KV pools: the
+              sequences in flight continue from them bit-exactly), omitted otherwise;
   - "meta":   JSON: step, the version of each train state, the data-iterator state, the
               executor's next lead step per stage, the buffered steps with each buffer array's
               shape and dtype, their pending generate-side metrics, and the weights version
@@ -225,12 +227,14 @@ class Checkpointer:
         return sorted(self._mngr.all_steps())
 
     # ---- writing -----------------------------------------------------------------------------
-    def save(self, step: int, train: Any, meta: dict, buffer: dict | None = None) -> None:
+    def save(self, step: int, train: Any, meta: dict, buffer: dict | None = None, engine: dict | None = None) -> None:
         assert_finite(train, f"checkpoint at step {step}")
         meta = json.loads(json.dumps(meta, default=_json_scalar))  # fail here, not in the async writer
         items = {"train": ocp.args.StandardSave(train), "meta": ocp.args.JsonSave(meta)}
         if buffer:
             items["buffer"] = ocp.args.StandardSave(dict(buffer))
+        if engine:
+            items["engine"] = ocp.args.StandardSave(dict(engine))
         self.wait()  # the save in flight committed (else its failure is raised here), old steps pruned
         self._sealing, self._unlogged = step, step
         with self._reporting(step):
@@ -394,6 +398,13 @@ class Checkpointer:
             items["buffer"] = ocp.args.StandardRestore(buffer_target)
         out = self._mngr.restore(step, args=ocp.args.Composite(**items))
         return out["train"], dict(out["meta"]), dict(out["buffer"]) if buffer_target else {}
+
+    def restore_engine(self, step: int, target: dict) -> dict:
+        """The "engine" item of checkpoint `step` (the generation engine's device arrays: its KV
+        pools under continuous admission), laid out like `target` (abstract arrays)."""
+        self.check(step)
+        out = self._mngr.restore(step, args=ocp.args.Composite(engine=ocp.args.StandardRestore(dict(target))))
+        return dict(out["engine"])
 
     def state_shapes(self, step: int, name: str) -> dict[str, tuple[tuple[int, ...], str]]:
         """{parameter path ('layers.wq'): (shape, dtype)} of train state `name` ("actor") at `step`,

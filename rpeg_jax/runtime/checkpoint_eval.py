@@ -32,7 +32,7 @@ def evaluate_checkpoint(cfg, step: int | None = None, out: str | None = None) ->
     from rpeg_jax.graph.plan import graph_for_plan
     from rpeg_jax.runtime.checkpoint import Checkpointer
     from rpeg_jax.runtime.placement import Placement
-    from rpeg_jax.runtime.setup import build_actor
+    from rpeg_jax.runtime.setup import build_actor, build_adapters, merge_adapters
     from rpeg_jax.runtime.trainer import choose_plan
 
     if not cfg.eval.enabled:
@@ -48,12 +48,14 @@ def evaluate_checkpoint(cfg, step: int | None = None, out: str | None = None) ->
     placement = Placement(cfg, graph, plan)
     graphdef, params = nnx.split(build_actor(cfg, graph, placement), nnx.Param)
     ev.on(graphdef, placement.generate.mesh, placement.to_rollout)
+    actor = build_adapters(cfg, placement)[1] if cfg.model.lora.rank else params  # model.lora: the adapters
     if step:
         ckpt = Checkpointer(ckpt_dir)
         try:
-            params = ckpt.restore_state(step, "actor", params)
+            actor = ckpt.restore_state(step, "actor", actor)
         finally:
             ckpt.close()
+    params = merge_adapters(cfg, placement, params, actor) if cfg.model.lora.rank else actor
     if out is None:  # never the run's own eval/step_<N>.jsonl (its in-flight evaluation's record)
         out = ev.path(step)[: -len(".jsonl")] + ".rpeg_eval.jsonl"
     return step, ev.run(step, params, out)

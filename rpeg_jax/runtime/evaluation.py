@@ -17,6 +17,12 @@ r_ij the reward of sample j of prompt i (verl's trainer/ppo/metric_utils.process
 Results per prompt go to <run_dir>/eval/step_<step>.jsonl, one line per prompt in file order: id,
 data_source, prompt_text (the prompt as rendered for the model, a chat template applied),
 completions (decoded text, cut where the sampler stopped), answer, scores.
+With an environment (env.name other than single_turn) every sample is an episode, run as training
+runs them (sampling/episodes.EpisodeDriver, rollout.max_new_tokens its token budget): its score is
+the episode's reward, its completion every token after the prompt decoded (the turns and the
+observations between them), and the line also has `episodes`: for each sample the messages it
+added after the prompt (the assistant's turns with their calls, the tool results), and
+`val-aux/env/...` the environment's metrics (turns, tool calls, tool errors, truncated).
 
 Evaluation disturbs nothing that training depends on, so a run with it is exactly the run without:
 it runs at step boundaries (no stage in flight) on its own Sampler, built for each evaluation from
@@ -115,6 +121,12 @@ def load_eval_records(cfg: RunConfig, tokenizer) -> list[dict]:
     return records
 
 
+def _after_prompt(messages: list[dict]) -> list[dict]:
+    """An episode's messages from its first assistant turn on (what the policy and the tools added)."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+    return list(messages[first:])
+
+
 class Evaluator:
     """Evaluation of one run config's eval set (module docstring): built before anything compiles
     (the eval file is read and checked then), told the policy's layout by `on`, then `run` per step."""
@@ -157,6 +169,8 @@ class Evaluator:
         t0 = time.perf_counter()
         model = nnx.merge(self.graphdef, self.to_rollout(actor_params))
         sampler = Sampler(model, self.sampler_config, tokenizer=self.tokenizer, mesh=self.mesh)
+        if self.cfg.env.name != "single_turn":
+            return self._run_episodes(step, sampler, out, t0)
         outs = sampler.generate([r["prompt_tokens"] for r in self.records], self.params)
         stops = (*sampler.eos_ids, *self.params.stop_token_ids)  # where the sampler stops a sequence
         del sampler, model  # its KV pool goes with it
@@ -177,6 +191,43 @@ class Evaluator:
             self._write(out or self.path(step), samples, scores)
         metrics = val_metrics([r["data_source"] for r in self.records], scores, self.cfg.eval.pass_threshold)
         metrics["val-aux/reward/errors"] = float(errors)
+        metrics["timing_s/testing"] = time.perf_counter() - t0
+        return metrics
+
+    def _run_episodes(self, step: int, sampler, out: str | None, t0: float) -> dict[str, float]:
+        """Every eval prompt's eval.n samples as episodes of the run's environment (module doc)."""
+        from rpeg_jax.env.runner import EnvRunner
+        from rpeg_jax.sampling.episodes import EpisodeDriver
+
+        runner = EnvRunner.build(self.cfg, self.tokenizer)
+        try:
+            drv = EpisodeDriver(sampler, runner, self.params, max_total_tokens=self.cfg.rollout.max_new_tokens)
+            res = drv.run(self.records, group=self.cfg.eval.n)
+            env_metrics = runner.metrics([r.session.stats for r in res])
+        finally:
+            runner.close()
+        del sampler
+        n = self.cfg.eval.n
+        scores = np.asarray([r.reward for r in res], np.float64).reshape(len(self.records), n)
+        if self.chief:
+            lines = []
+            for i, r in enumerate(self.records):
+                mine = res[i * n : (i + 1) * n]
+                added = [_after_prompt(e.session.episode.messages) for e in mine]
+                line = {
+                    "id": r["id"],
+                    "data_source": r["data_source"],
+                    "prompt_text": r["prompt"],
+                    "completions": [self.tokenizer.decode(e.response_ids) for e in mine],
+                    "episodes": added,
+                    "answer": r["answer"],
+                    "scores": [float(x) for x in scores[i]],
+                }
+                lines.append(json.dumps(line) + "\n")
+            write_atomic(out or self.path(step), "".join(lines))
+        metrics = val_metrics([r["data_source"] for r in self.records], scores, self.cfg.eval.pass_threshold)
+        metrics.update({f"val-aux/{k}": v for k, v in env_metrics.items() if k.startswith("env/")})
+        metrics["val-aux/reward/errors"] = float(sum(int(e.session.stats.errors.get("env_exception", 0)) for e in res))
         metrics["timing_s/testing"] = time.perf_counter() - t0
         return metrics
 

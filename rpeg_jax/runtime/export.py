@@ -13,6 +13,12 @@ directory, else model.path, and as chat_template.jinja the template the run rend
 plain LlamaForCausalLM / Qwen2ForCausalLM. Relative paths in config.yaml are read from the
 current directory, as the run read them.
 
+With model.lora the checkpoint's actor is the adapters: the plain export is the base (model.path, else
+the random init of train.seed, as the run built it) with the adapters merged in (W + alpha/r B A), and
+`adapter=True` (`rpeg export --adapter DIR`) writes them as a PEFT adapter directory instead
+(adapter_config.json, adapter_model.safetensors: models/lora.write_peft_adapter), which
+`PeftModel.from_pretrained(base, DIR)` loads (tests/fixtures/make_lora_fixtures.py --only train-export).
+
 Errors (no run, no checkpoint, a step not saved, an output directory that is not empty, a
 checkpoint that does not fit config.yaml) are an ExportError with one line (the command: exit 2).
 """
@@ -32,9 +38,11 @@ class ExportError(Exception):
     pass
 
 
-def export(run_dir: str, out: str, *, step: int | None = None, overwrite: bool = False) -> tuple[int, list[str]]:
-    """Write the actor of `run_dir`'s checkpoint `step` (default: the latest) to `out`; returns the
-    step and the files written."""
+def export(
+    run_dir: str, out: str, *, step: int | None = None, overwrite: bool = False, adapter: bool = False
+) -> tuple[int, list[str]]:
+    """Write the actor of `run_dir`'s checkpoint `step` (default: the latest) to `out` (adapter: the
+    LoRA adapters as a PEFT adapter directory); returns the step and the files written."""
     config_file = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(config_file):
         raise ExportError(f"{config_file} not found (--run-dir is a run's train.run_dir)")
@@ -46,6 +54,8 @@ def export(run_dir: str, out: str, *, step: int | None = None, overwrite: bool =
     if not Checkpointer.has_checkpoint(ckpt_dir):
         raise ExportError(f"no checkpoint in {ckpt_dir}")
     cfg = load_config(config_file)
+    if adapter and not cfg.model.lora.rank:
+        raise ExportError(f"--adapter: the run trained no adapters ({config_file} has model.lora.rank=0)")
     from rpeg_jax.models.hf import save_hf
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -57,6 +67,8 @@ def export(run_dir: str, out: str, *, step: int | None = None, overwrite: bool =
             if step not in steps:
                 raise ExportError(f"step {step} is not in {ckpt_dir} (saved: {', '.join(map(str, sorted(steps)))})")
             try:
+                if adapter:
+                    return step, _write_adapter(ckpt, step, cfg, out, overwrite)
                 model = _restore_actor(ckpt, step, cfg)
             except CheckpointCorrupt as e:
                 saved = ", ".join(map(str, steps))
@@ -75,15 +87,30 @@ def _policy_config(cfg):
 
 def _restore_actor(ckpt, step: int, cfg):
     """The actor's params at `step` in a Transformer on the host's CPU device, after checking the
-    checkpoint holds the shapes and dtypes config.yaml implies."""
+    checkpoint holds the shapes and dtypes config.yaml implies (model.lora: the base with the
+    checkpoint's adapters merged in)."""
     import jax
     from flax import nnx
 
+    from rpeg_jax.config.model import LoraConfig
+    from rpeg_jax.models import adapters
     from rpeg_jax.models.llama import Transformer
-    from rpeg_jax.sharding.params import param_infos
 
     mcfg = _policy_config(cfg)
+    if mcfg.lora.rank:  # the checkpoint holds the adapters; the base comes as the run built it
+        base, restored = _base(cfg), _restore_adapters(ckpt, step, cfg)
+        plain = dataclasses.replace(mcfg, lora=LoraConfig())
+        graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(plain, rngs=nnx.Rngs(0))), nnx.Param)[0]
+        return nnx.merge(graphdef, jax.jit(adapters.merged_weights, static_argnums=0)(mcfg, base, restored))
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0))), nnx.Param)
+    _check_saved(ckpt, step, params)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_cpu()), params)
+    return nnx.merge(graphdef, ckpt.restore_state(step, "actor", target))
+
+
+def _check_saved(ckpt, step: int, params) -> None:
+    from rpeg_jax.sharding.params import param_infos
+
     saved = ckpt.state_shapes(step, "actor")
     for info in param_infos(params):
         want = (info.shape, str(info.dtype))
@@ -92,9 +119,65 @@ def _restore_actor(ckpt, step: int, cfg):
                 f"checkpoint {step} holds actor.{info.name} as {saved.get(info.name, 'nothing')}, "
                 f"but config.yaml's model gives {want}"
             )
-    cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu), params)
-    return nnx.merge(graphdef, ckpt.restore_state(step, "actor", target))
+
+
+def _cpu():
+    import jax
+
+    return jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+
+
+def _restore_adapters(ckpt, step: int, cfg):
+    """model.lora: the checkpoint's adapters (the actor state) on the host's CPU device."""
+    import jax
+    from flax import nnx
+
+    from rpeg_jax.models import adapters
+    from rpeg_jax.models.llama import Transformer
+
+    mcfg = _policy_config(cfg)
+    abstract = adapters.split(nnx.state(nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0))), nnx.Param))[1]
+    _check_saved(ckpt, step, abstract)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_cpu()), abstract)
+    return ckpt.restore_state(step, "actor", target)
+
+
+def _base(cfg):
+    """model.lora: the frozen base on the host's CPU device, as runtime/setup.py built it (model.path,
+    else the random init of train.seed)."""
+    import jax
+    from flax import nnx
+
+    from rpeg_jax.config.model import LoraConfig
+    from rpeg_jax.models import load_hf
+    from rpeg_jax.models.llama import Transformer
+
+    plain = dataclasses.replace(_policy_config(cfg), lora=LoraConfig())
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        if plain.path:
+            return nnx.state(load_hf(plain.path, dtype=plain.param_dtype), nnx.Param)
+        return jax.jit(lambda: nnx.state(Transformer(plain, rngs=nnx.Rngs(params=cfg.train.seed)), nnx.Param))()
+
+
+def _write_adapter(ckpt, step: int, cfg, out: str, overwrite: bool) -> list[str]:
+    """`rpeg export --adapter`: the checkpoint's adapters as a PEFT adapter directory."""
+    import shutil
+
+    from rpeg_jax.models.lora import to_peft, write_peft_adapter
+
+    restored = _restore_adapters(ckpt, step, cfg)
+    lora = cfg.model.lora
+    if overwrite and os.path.isdir(out):
+        shutil.rmtree(out)
+    write_peft_adapter(
+        out,
+        cfg.model,
+        to_peft(cfg.model, restored),
+        rank=lora.rank,
+        alpha=lora.scale * lora.rank,
+        base_model=cfg.model.path,
+    )
+    return sorted(os.listdir(out))
 
 
 def _extra_files(cfg, scratch: str) -> dict[str, str]:

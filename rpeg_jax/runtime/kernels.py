@@ -41,6 +41,7 @@ from flax import nnx
 from rpeg_jax.config.base import ConfigError
 from rpeg_jax.graph.compile import Kernel, KernelRegistry, StageEnv
 from rpeg_jax.graph.ir import StageKind
+from rpeg_jax.models import adapters
 from rpeg_jax.models.logprobs import chunked_logprobs, token_logprobs
 from rpeg_jax.models.moe import load_balancing_loss, routing_agreement
 from rpeg_jax.models.prefix import group_hidden, group_token_logprobs
@@ -257,6 +258,14 @@ def _scoring_kernel(env: StageEnv, fn) -> Kernel:
     return Kernel(with_metrics, prepare=_forward_pack_prepare(env))
 
 
+def actor_params(i: dict, node: str = "actor"):
+    """A stage's actor params for the actor's graphdef: with model.lora the frozen base (the runtime's
+    extra input adapters.BASE_PORT) joined with the adapters the "actor" state holds."""
+    if node == "actor" and adapters.BASE_PORT in i:
+        return adapters.join(i[adapters.BASE_PORT], i["actor"])
+    return i[node]
+
+
 def _rl_batch(inputs: dict, ports: dict[str, str]) -> dict:
     """The learner's flat batch from stage inputs: completions' arrays + named [B, R] arrays."""
     c = inputs["completions"]
@@ -335,7 +344,7 @@ def old_forward(env: StageEnv) -> Kernel:
     )
 
     def fn(i):
-        out = fwd(i["actor"], i["completions"], i.get(FORWARD_PACK))
+        out = fwd(actor_params(i), i["completions"], i.get(FORWARD_PACK))
         res = {"old_logp": out["logp"]}
         if want_values:
             res["values"] = out["values"]
@@ -358,7 +367,9 @@ def critic_forward(env: StageEnv) -> Kernel:
         values=True,
         routing=ctx.cfg.rl.routing,
     )
-    return _scoring_kernel(env, lambda i: {"values": fwd(i[src], i["completions"], i.get(FORWARD_PACK))["values"]})
+    return _scoring_kernel(
+        env, lambda i: {"values": fwd(actor_params(i, src), i["completions"], i.get(FORWARD_PACK))["values"]}
+    )
 
 
 def _advantages(batch: dict, ctx, step):
@@ -380,25 +391,28 @@ def _grouped_update(make, graphdef, optimizer, ctx, accum_dtype, devices, make_k
     forward passes when the batch's minibatches and micro-batches split into whole groups (decided
     per batch shape while tracing; the forward and the update's shuffles agree on it). With a
     packing plan (train.pack_sequences, `_pack_prepare`) the forward runs packed rows instead and
-    the shuffles and splits stay those of the unpacked update."""
+    the shuffles and splits stay those of the unpacked update.
+
+    base (model.lora): the frozen base params; `params` are then the adapters, the only parameters
+    differentiated and updated (the forward joins them with the base: models/adapters.py)."""
     rl = ctx.cfg.rl
     updates = {}
 
-    def update(params, opt_state, batch, rng, pack=None):
+    def update(params, opt_state, batch, rng, pack=None, base=None):
         g = shared_prompt_groups(batch, rl.group_size, rl.minibatches * rl.micro_batches, devices)
-        if (g, pack is None) not in updates:
+        if base is not None or (g, pack is None) not in updates:
             if pack is None:
                 fwd = forward_fn(graphdef, temperature=ctx.temperature, group_size=g, **fwd_kw)
             else:
                 fwd = packed_forward_fn(graphdef, temperature=ctx.temperature, **fwd_kw)
-            updates[g, pack is None] = make(
-                lambda params, mb, fwd=fwd: fwd(params, mb),
-                optimizer,
-                rl,
-                accum_dtype=accum_dtype,
-                group_size=g,
-                **(make_kw or {}),
-            )
+            if base is None:
+                policy = lambda params, mb, fwd=fwd: fwd(params, mb)  # noqa: E731
+            else:  # built per trace: it closes over this trace's base
+                policy = lambda params, mb, fwd=fwd: fwd(adapters.join(base, params), mb)  # noqa: E731
+            built = make(policy, optimizer, rl, accum_dtype=accum_dtype, group_size=g, **(make_kw or {}))
+            if base is not None:
+                return built(params, opt_state, batch, rng, pack)
+            updates[g, pack is None] = built
         return updates[g, pack is None](params, opt_state, batch, rng, pack)
 
     return update
@@ -446,7 +460,9 @@ def actor_update(env: StageEnv) -> Kernel:
 
     def fn(i):
         batch = _actor_batch(i, ctx)
-        params, opt_state, metrics = update(i["actor"], i["actor_opt"], batch, rng_of(i), i.get("_pack_actor"))
+        params, opt_state, metrics = update(
+            i["actor"], i["actor_opt"], batch, rng_of(i), i.get("_pack_actor"), i.get(adapters.BASE_PORT)
+        )
         metrics.update(packing.plan_metrics(i.get("_pack_actor"), "actor"))
         return {"actor": params, "actor_opt": opt_state, "metrics": metrics}
 
@@ -581,11 +597,12 @@ def reward(env: StageEnv) -> Kernel:
 
 
 def weight_sync(env: StageEnv) -> Kernel:
-    """Training layout -> generation layout (an explicit, cached resharding program)."""
+    """Training layout -> generation layout (an explicit, cached resharding program); with model.lora
+    the adapters are merged into a copy of the base first (W + s A B: the sampler runs a plain model)."""
     ctx = env.context
 
     def fn(i):
-        return {"rollout_weights": ctx.placement.to_rollout(i["actor"])}
+        return {"rollout_weights": ctx.placement.to_rollout(ctx.policy_params(i["actor"]))}
 
     return Kernel(fn, jittable=False)
 

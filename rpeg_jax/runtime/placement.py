@@ -162,6 +162,11 @@ class Placement:
                 out[port.name] = self.resharder(inputs[port.name], self.shardings(layout, port.node, inputs[port.name]))
         return out
 
+    def place_state(self, cs: CompiledStage, key: str, tree) -> Any:
+        """A state not on the graph (model.lora's frozen base) in stage `cs`'s layout."""
+        layout = self.layouts.get(cs.name)
+        return tree if layout is None else self.resharder(tree, self.shardings(layout, key, tree))
+
     def to_rollout(self, params) -> Any:
         """Training layout -> the sampler's (generation) layout."""
         layout = self.generate

@@ -18,6 +18,7 @@ Called by: runtime/trainer.py.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any
@@ -27,7 +28,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from rpeg_jax.config.base import ConfigError
-from rpeg_jax.runtime.checkpoint import CheckpointCorrupt, Checkpointer
+from rpeg_jax.runtime.checkpoint import CheckpointCorrupt, Checkpointer, _json_scalar
 from rpeg_jax.runtime.executor import Executor, Store
 from rpeg_jax.runtime.rollout.layout import host_fields, stream_host_fields
 
@@ -39,9 +40,9 @@ BUFFERED = ("completions", "behav_logp")
 def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None) -> None:
     """Checkpoint the run after `step` completed steps (call only between steps: every state is
     then at version `step`, and with generation k steps ahead the rollouts of steps step..step+k-1
-    are buffered). Under continuous admission the `engine` restarts its groups first (they are
-    generated again from their prompts, here and after a resume alike) and its queue and data
-    position are saved."""
+    are buffered). Under continuous admission the `engine`'s whole state is saved without
+    disturbing it (ContinuousRollouts.snapshot: its queues, groups, sequences and KV pools), so a
+    checkpoint the uninterrupted run did not take (the one a signal writes) changes nothing."""
     k = ex.generation_ahead
     train = {name: store.latest(name)[1] for name in TRAIN_STATES if name in store.state}
     versions = {n: store.latest(n)[0] for n in TRAIN_STATES if n in store.state}
@@ -49,10 +50,13 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None)
         raise RuntimeError(f"checkpoint of step {step} would hold state versions {versions}: not a step boundary")
     prompts = store.latest("data_iterator")[1]
     buffered = list(range(step, step + k))
-    if engine is not None:  # the stream resumes by drawing the engine's next data step again
-        engine.restart()
+    engine_state, engine_arrays = None, None
+    if engine is not None:  # every process's engine; each one's stream resumes by drawing its next data step again
         d = engine.data_step
         data_state = prompts.state_before(d) if d in prompts.before else prompts.state()
+        state, arrays = engine.snapshot()
+        engine_state = every_process({"engine": state, "data_iterator": data_state})
+        engine_arrays = {name: with_process_axis(x) for name, x in arrays.items()}
     elif prompts.cursor_before:  # dynamic sampling: the stream continues at a (data step, index) cursor
         start = prompts.cursor_before[step] if k else prompts.cursor
         data_state = prompts.state_at(start)
@@ -63,7 +67,7 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None)
         "versions": versions,
         "structure": {**ex.program.plan.knobs, **ex.program.plan.settings},  # checked on restore
         "data_iterator": data_state,
-        "engine": engine.state() if engine is not None else None,
+        "engine": engine_state,
         "next_ahead_step": dict(ex.next_ahead_step),
         "buffer_steps": buffered,
         "buffer_specs": {},
@@ -83,7 +87,7 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None)
                     name = f"{s}/{node}/{key}"
                     buffer[name] = arr
                     meta["buffer_specs"][name] = [list(arr.shape), str(arr.dtype)]
-    ckpt.save(step, train, meta, buffer=buffer)
+    ckpt.save(step, train, meta, buffer=buffer, engine=engine_arrays)
 
 
 def restore(ckpt: Checkpointer, store: Store, ex: Executor, ctx) -> int:
@@ -180,7 +184,7 @@ def _load(ckpt: Checkpointer, store: Store, ex: Executor, ctx, step: int, target
     for name, value in train.items():
         store.put_state(name, meta["versions"][name], value)
     version, actor = store.latest("actor")
-    store.put_state("rollout_weights", version, ctx.placement.to_rollout(actor))
+    store.put_state("rollout_weights", version, ctx.placement.to_rollout(ctx.policy_params(actor)))
     buffered = list(meta["buffer_steps"])
     prompts = store.latest("data_iterator")[1]
     prompts.pipeline.set_state(meta["data_iterator"])
@@ -202,12 +206,65 @@ def _load(ckpt: Checkpointer, store: Store, ex: Executor, ctx, step: int, target
     if filt is not None:
         prompts.cursor = tuple(int(x) for x in filt["cursor"])
     if ctx.engine is not None:
-        if meta.get("engine") is None:
-            raise ConfigError("rollout.admission", "continuous", f"checkpoint {step} holds no engine state")
-        ctx.engine.load(meta["engine"])
+        entries = meta.get("engine")
+        if not isinstance(entries, list) or len(entries) != jax.process_count():
+            held = "no engine state" if not entries else f"the engines of {len(entries)} processes"
+            raise ConfigError(
+                "rollout.admission",
+                "continuous",
+                f"checkpoint {step} holds {held}; this run has {jax.process_count()} processes",
+            )
+        mine = entries[jax.process_index()]
+        target = {name: process_axis_target(x) for name, x in ctx.engine.snapshot_target().items()}
+        arrays = {
+            name: own_row(x, ctx.engine.snapshot_target()[name])
+            for name, x in ckpt.restore_engine(step, target).items()
+        }
+        prompts.pipeline.set_state(mine["data_iterator"])  # this process's stream (its shard's own position)
+        ctx.engine.restore(mine["engine"], arrays)
     store.put_state("data_iterator", step + len(buffered), prompts)
     if "admitted" in meta and "rollout_buffer" in store.state:
         buf = store.latest("rollout_buffer")[1]
         buf.admitted = {int(s): int(v) for s, v in meta["admitted"].items()}
         store.put_state("rollout_buffer", step + len(buffered), buf)
     ex.resume_at(step, buffered, meta["pending_metrics"], meta["next_ahead_step"])
+
+
+# ---- per-process engine state (continuous admission: every process runs its own engine) -----------
+def every_process(obj: dict) -> list[dict]:
+    """[each process's `obj`] on every process (JSON through a padded byte all-gather): the meta item
+    is written by one process, and a resume picks its own entry."""
+    if jax.process_count() == 1:
+        return [json.loads(json.dumps(obj, default=_json_scalar))]
+    raw = np.frombuffer(json.dumps(obj, default=_json_scalar).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(raw.size))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: raw.size] = raw
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    return [json.loads(rows[i, : int(n)].tobytes()) for i, n in enumerate(sizes)]
+
+
+def _process_sharding():
+    """[processes, ...] with row p on process p's devices (replicated over them)."""
+    devices = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
+    mesh = jax.sharding.Mesh(np.array(devices), ("process", "local"))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("process"))
+
+
+def with_process_axis(x: jax.Array) -> jax.Array:
+    """A process-local array (one process's engine pool) as row p of a global [processes, ...] array,
+    so that every process writes its own row of the checkpoint."""
+    sharding = _process_sharding()
+    local = np.asarray(jax.device_get(x))[None]
+    shards = [jax.device_put(local, d) for d in sharding.addressable_devices]
+    return jax.make_array_from_single_device_arrays((jax.process_count(), *x.shape), sharding, shards)
+
+
+def process_axis_target(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((jax.process_count(), *x.shape), x.dtype, sharding=_process_sharding())
+
+
+def own_row(x: jax.Array, target: jax.ShapeDtypeStruct) -> jax.Array:
+    """This process's row of a restored [processes, ...] array, laid out as `target`."""
+    row = np.asarray(x.addressable_shards[0].data)[0]
+    return jax.device_put(row, target.sharding)

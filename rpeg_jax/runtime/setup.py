@@ -21,13 +21,14 @@ from flax import nnx
 
 from rpeg_jax.config.base import ConfigError
 from rpeg_jax.config.hf import FIXED
+from rpeg_jax.config.model import LoraConfig
 from rpeg_jax.config.run import RunConfig
 from rpeg_jax.data.pipeline import build_pipeline
 from rpeg_jax.data.rewards import resolve_reward
 from rpeg_jax.graph.ir import Graph, StateKind
 from rpeg_jax.graph.plan import Plan
 from rpeg_jax.graph.processes import check_plan
-from rpeg_jax.models import Transformer, load_hf
+from rpeg_jax.models import Transformer, adapters, load_hf
 from rpeg_jax.models.attention import resolve_attention
 from rpeg_jax.models.hf import WeightsFileError
 from rpeg_jax.rl import make_optimizer, optimizer_steps
@@ -67,10 +68,23 @@ class RuntimeContext:
     admission: str = "step"  # rollout.admission as the graph runs it (Graph.admission, like k)
     rollout: Any = None  # the RolloutSource every step's batch comes from (runtime/rollout/sources.py), set by build
     compiler_options: dict[str, str] = field(default_factory=dict)  # stage programs' XLA options (xla_flags)
+    lora_base: Any = None  # model.lora: the actor's frozen base params (training layout); the "actor"
+    #   state then holds only the adapters (models/adapters.py), and stages reading it get the base too
+
+    # ---- model.lora ----------------------------------------------------------------------------------
+    def policy_params(self, actor):
+        """The actor state as a plain model's params (graphdefs["policy"]): itself, or with model.lora
+        the base with the adapters merged in (W + s A B; a new copy, for the sampler and evaluation)."""
+        if self.lora_base is None:
+            return actor
+        return merge_adapters(self.cfg, self.placement, self.lora_base, actor)
 
     # ---- graph.compile.StageRuntime ----------------------------------------------------------------
     def place_inputs(self, cs, inputs):
-        return self.placement.place_inputs(cs, inputs)
+        out = self.placement.place_inputs(cs, inputs)
+        if self.lora_base is not None and any(p.state and p.node == "actor" for p in cs.reads):
+            out[adapters.BASE_PORT] = self.placement.place_state(cs, "lora_base", self.lora_base)
+        return out
 
     def stage_scope(self, cs):
         layout = self.placement.layouts.get(cs.name)
@@ -81,7 +95,7 @@ def _model(cfg_model, path: str | None, seed: int, layout, value_head: bool = Fa
     """A model built directly in `layout`: a sharded init, or loaded from a local HF checkpoint
     (each process reads only the slices of the files its devices hold); a damaged weights file
     is a ConfigError naming `<section>.path` and the file."""
-    mcfg = dataclasses.replace(cfg_model, value_head=value_head or cfg_model.value_head)
+    mcfg = dataclasses.replace(cfg_model, value_head=value_head or cfg_model.value_head, lora=LoraConfig())
     resolve_attention(mcfg)  # model.attention=cudnn|pallas where it cannot run: ConfigError before any compile
     if path:
         try:
@@ -102,17 +116,19 @@ def _model(cfg_model, path: str | None, seed: int, layout, value_head: bool = Fa
 
 def build_actor(cfg: RunConfig, graph: Graph, placement: Placement) -> nnx.Module:
     """The initial actor (model.path, else a random init from train.seed) in its training layout, with
-    a value head when the backbone is shared (runtime/evaluation.py builds it alone)."""
+    a value head when the backbone is shared (runtime/evaluation.py builds it alone). With model.lora
+    this is the frozen base (no adapters: build_adapters)."""
     shared = bool(graph.attrs.get("shared"))
     return _model(cfg.model, cfg.model.path, cfg.train.seed, placement.state_layout("actor"), shared)
 
 
 def build_models(cfg: RunConfig, graph: Graph, placement: Placement) -> dict[str, nnx.Module]:
     """actor (+ value head when the backbone is shared), reference (the initial actor's weights,
-    separate buffers) when β > 0, and a separate critic for PPO without sharing."""
+    separate buffers) when β > 0 (with model.lora none: the reference is the actor's frozen base), and
+    a separate critic for PPO without sharing."""
     seed = cfg.train.seed
     models = {"actor": build_actor(cfg, graph, placement)}
-    if graph.has(StateKind.REFERENCE.value):
+    if graph.has(StateKind.REFERENCE.value) and not cfg.model.lora.rank:
         models["reference"] = _model(cfg.model, cfg.model.path, seed, placement.state_layout("reference"))
     if graph.has(StateKind.CRITIC.value):
         critic_cfg = cfg.critic_model
@@ -125,6 +141,32 @@ def build_models(cfg: RunConfig, graph: Graph, placement: Placement) -> dict[str
             section="critic" if cfg.critic is not None else "model",
         )
     return models
+
+
+@functools.lru_cache(maxsize=4)
+def _merge_program(mcfg):
+    return jax.jit(functools.partial(adapters.merged_weights, mcfg))
+
+
+def merge_adapters(cfg: RunConfig, placement: Placement, base, adapter_params):
+    """model.lora: base + s A B in the training layout (the plain model's params: a new copy)."""
+    with placement.train.activations():
+        return _merge_program(cfg.model)(base, adapter_params)
+
+
+def build_adapters(cfg: RunConfig, placement: Placement) -> tuple[Any, Any]:
+    """model.lora: (the LoRA model's graphdef, its adapters' initial params in the actor's training
+    layout). The adapters are those of `Transformer(cfg.model)` from train.seed (drawn after the base
+    weights); the init runs under jit and keeps only them, so no second base is ever made."""
+    mcfg = dataclasses.replace(cfg.model, value_head=False)
+
+    def init():
+        return adapters.split(nnx.split(Transformer(mcfg, rngs=nnx.Rngs(params=cfg.train.seed)), nnx.Param)[1])[1]
+
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0))), nnx.Param)
+    layout = placement.state_layout("actor")
+    shardings = layout.params(jax.eval_shape(init))
+    return graphdef, jax.jit(init, out_shardings=shardings)()
 
 
 def sampler_config(cfg: RunConfig) -> SamplerConfig:
@@ -145,14 +187,21 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
     offload = placement.offload
     models = build_models(cfg, graph, placement)
     split = {name: nnx.split(m, nnx.Param) for name, m in models.items()}
+    graphdefs = {k: v[0] for k, v in split.items()}
+    graphdefs["policy"] = split["actor"][0]  # the plain model the sampler and evaluation run
+    actor, base = split["actor"][1], None
+    if cfg.model.lora.rank:  # the actor state is the adapters; the base is frozen (and the reference)
+        base = actor
+        graphdefs["actor"], actor = build_adapters(cfg, placement)
+        graphdefs["reference"] = graphdefs["policy"]
     total = optimizer_steps(cfg.train.steps, cfg.rl)
     optimizers = {"actor": make_optimizer(cfg.optim, total)}
     if "critic" in models:
         optimizers["critic"] = make_optimizer(cfg.critic_optim or cfg.optim, total)
-    rollout_params = placement.to_rollout(split["actor"][1])
     scfg = sampler_config(cfg)
+    rollout_params = placement.to_rollout(actor if base is None else merge_adapters(cfg, placement, base, actor))
     sampler = Sampler(
-        nnx.merge(split["actor"][0], rollout_params), scfg, tokenizer=pipeline.tokenizer, mesh=placement.generate.mesh
+        nnx.merge(graphdefs["policy"], rollout_params), scfg, tokenizer=pipeline.tokenizer, mesh=placement.generate.mesh
     )
     reward_name, reward_fn = resolve_reward(cfg.data)
     engine = None
@@ -168,11 +217,12 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
             seed=cfg.train.seed,
             prompt_offset=jax.process_index() * (cfg.data.prompts_per_step // jax.process_count()),
             lengths=forced_lengths(r.forced_lengths, cfg.train.seed, G) if r.forced_lengths else None,
-            max_filtered=cfg.rl.filter_max_rounds * cfg.data.prompts_per_step,
+            # this process's share of the bound (each process fills its own share of the batch)
+            max_filtered=cfg.rl.filter_max_rounds * (cfg.data.prompts_per_step // jax.process_count()),
         )
     ctx = RuntimeContext(
         cfg=cfg,
-        graphdefs={k: v[0] for k, v in split.items()},
+        graphdefs=graphdefs,
         optimizers=optimizers,
         sampler=sampler,
         tokenizer=pipeline.tokenizer,
@@ -188,19 +238,20 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
         engine=engine,
         admission=graph.admission,
         compiler_options=xla_flags.train_compiler_options(),
+        lora_base=base,
     )
     if engine is not None and cfg.rl.filter_groups != "none":
         engine.scorer = functools.partial(group_scores, ctx)
     ctx.rollout = make_source(ctx)  # where each step's batch comes from, chosen once
     store = Store(keep_versions=graph.staleness + 2)  # generation reads t - k while training writes t + 1
-    store.put_state("actor", 0, split["actor"][1])
-    store.put_state(
-        "actor_opt", 0, offload.park_now("actor_opt", placement.init_opt_state(optimizers["actor"], split["actor"][1]))
-    )
+    store.put_state("actor", 0, actor)
+    store.put_state("actor_opt", 0, offload.park_now("actor_opt", placement.init_opt_state(optimizers["actor"], actor)))
     store.put_state("rollout_weights", 0, rollout_params)
     store.put_state("data_iterator", 0, StepPrompts(pipeline))
     if "reference" in split:
         store.frozen["reference"] = offload.park_now("reference", split["reference"][1])
+    elif base is not None and graph.has(StateKind.REFERENCE.value):
+        store.frozen["reference"] = base  # model.lora: the same buffers as the actor's base
     if "critic" in split:
         store.put_state("critic", 0, split["critic"][1])
         critic_opt = placement.init_opt_state(optimizers["critic"], split["critic"][1])

@@ -186,7 +186,7 @@ def train(
         evaluator = Evaluator.for_run(cfg)  # None without eval.path; the eval file is checked here
         ctx, store = build(cfg, graph, plan)
         if evaluator is not None:
-            evaluator.on(ctx.graphdefs["actor"], ctx.placement.generate.mesh, ctx.placement.to_rollout)
+            evaluator.on(ctx.graphdefs["policy"], ctx.placement.generate.mesh, ctx.placement.to_rollout)
         program = compile_graph(graph, plan, registry or default_registry(), ctx)
         chief = jax.process_index() == 0
         os.makedirs(cfg.train.run_dir, exist_ok=True)
@@ -263,7 +263,7 @@ def _loop(
             saved_box[0] = info.step
 
     def evaluate(info: StepInfo) -> dict:
-        return evaluator.run(info.step, store.latest("actor")[1])
+        return evaluator.run(info.step, ctx.policy_params(store.latest("actor")[1]))
 
     built_in = []
     if evaluator is not None and cfg.eval.every > 0:  # eval.every steps and after the last (runtime/evaluation.due)
@@ -282,7 +282,7 @@ def _loop(
     _COMPILES.step = None
     try:
         if evaluator is not None and cfg.eval.before_train and start == 0:
-            writer.write(0, evaluator.run(0, store.latest("actor")[1]))
+            writer.write(0, evaluator.run(0, ctx.policy_params(store.latest("actor")[1])))
         for t in range(start, cfg.train.steps):
             if stop.agreed():
                 break

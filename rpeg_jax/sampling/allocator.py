@@ -121,6 +121,28 @@ class PageAllocator:
         self._maybe_check()
         return freed
 
+    # ---- snapshots ----------------------------------------------------------------------------
+    def state(self) -> dict:
+        """JSON of every page's owner and the free stack in its order (the next pages handed out)."""
+        return {
+            "refcount": self.refcount.tolist(),
+            "free": list(self._free),
+            "slot_pages": [list(p) for p in self.slot_pages],
+            "shared_prefix": self.shared_prefix.tolist(),
+        }
+
+    def load(self, state: dict) -> None:
+        if len(state["refcount"]) != self.num_pages or len(state["slot_pages"]) != self.max_slots:
+            raise ValueError(
+                f"page allocator snapshot of {len(state['refcount'])} pages x {len(state['slot_pages'])} slots, "
+                f"this pool has {self.num_pages} x {self.max_slots}"
+            )
+        self.refcount = np.asarray(state["refcount"], np.int32)
+        self._free = [int(p) for p in state["free"]]
+        self.slot_pages = [[int(p) for p in pages] for pages in state["slot_pages"]]
+        self.shared_prefix = np.asarray(state["shared_prefix"], np.int64)
+        self.check()
+
     # ---- invariants ---------------------------------------------------------------------------
     def _maybe_check(self) -> None:
         if self.debug:
@@ -232,3 +254,12 @@ class ShardedPages:
     def check(self) -> None:
         for a in self.allocs:
             a.check()
+
+    def state(self) -> dict:
+        return {"shards": [a.state() for a in self.allocs]}
+
+    def load(self, state: dict) -> None:
+        if len(state["shards"]) != self.num_shards:
+            raise ValueError(f"page pool snapshot of {len(state['shards'])} shards, this pool has {self.num_shards}")
+        for a, st in zip(self.allocs, state["shards"]):
+            a.load(st)

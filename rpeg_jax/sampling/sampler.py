@@ -30,6 +30,7 @@ equal (bucketed) size. `config.num_pages` counts the global pool: ceil(num_pages
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -267,6 +268,63 @@ class Sampler:
         )
         return s
 
+    # ---- snapshots (checkpoints of an engine with sequences in flight) --------------------------
+    def snapshot(self, seqs: Seq[Sequence]) -> tuple[dict, dict]:
+        """The engine's whole state: (host state as JSON, device arrays {"k_pool", "v_pool"}).
+        `seqs`: every sequence the caller holds that is queued, running, or finished in a group
+        still in flight; the state names them by their index in `seqs` (`restore` returns them in
+        that order). With the KV pools, the scheduler's queues and slots, the allocator's pages and
+        every sequence's tokens, logprobs, versions and random stream (seed, prompt id, sample id)
+        restored, decoding continues bit-exactly: nothing is re-prefilled. The weights are not
+        saved: under continuous admission (on_weight_update continue/recompute, never a pending
+        swap) the next step installs the newest actor before any decode."""
+        if self._pending is not None:
+            raise RuntimeError("Sampler.snapshot: a weight swap is pending (on_weight_update=finish)")
+        index = {id(s): i for i, s in enumerate(seqs)}
+        held = [s for g in (*self.sched.waiting, *self.sched.running) for s in g.seqs]
+        missing = [s for s in held if id(s) not in index]
+        if missing:
+            raise RuntimeError(f"Sampler.snapshot: {len(missing)} sequences in the engine are not in `seqs`")
+        opts, opt_index = [], {}
+        for s in seqs:
+            if id(s.opts[0]) not in opt_index:
+                opt_index[id(s.opts[0])] = len(opts)
+                opts.append({"params": _params_json(s.opts[0].params), "seed": s.opts[0].seed})
+        state = {
+            "version": self.version,
+            "calls": self._calls,
+            "stats": dict(self._stats),
+            "opts": opts,
+            "seqs": [s.state(opt_index[id(s.opts[0])]) for s in seqs],
+            "sched": self.sched.state(index),
+            "alloc": self.alloc.state(),
+        }
+        return state, {"k_pool": self.pools[0], "v_pool": self.pools[1]}
+
+    def snapshot_target(self) -> dict:
+        """Abstract arrays (shape, dtype, sharding) of `snapshot`'s device arrays, to restore into."""
+        return {
+            name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+            for name, x in zip(("k_pool", "v_pool"), self.pools)
+        }
+
+    def restore(self, state: dict, arrays: dict) -> list[Sequence]:
+        """Continue from `snapshot`'s (state, arrays); returns the sequences in the order given to it."""
+        opts = [
+            _Options.build(self, SamplingParams(**_params_from(o["params"])), int(o["seed"])) for o in state["opts"]
+        ]
+        seqs = [Sequence.from_state(d, opts) for d in state["seqs"]]
+        self.version, self._pending, self._calls = int(state["version"]), None, int(state["calls"])
+        self._stats.update(state["stats"])
+        self.alloc.load(state["alloc"])
+        self.sched.load(state["sched"], seqs)
+        for name, x in zip(("k_pool", "v_pool"), self.pools):
+            if arrays[name].shape != x.shape or arrays[name].dtype != x.dtype:
+                got = f"{arrays[name].shape} {arrays[name].dtype}"
+                raise ValueError(f"Sampler.restore: {name} is {got}, this pool's is {x.shape} {x.dtype}")
+        self.pools = (arrays["k_pool"], arrays["v_pool"])
+        return seqs
+
     # ---- device calls -------------------------------------------------------------------------
     def _device(self, fn, *args, **kw):
         before, backend = _COMPILES.count, _COMPILES.backend
@@ -490,6 +548,7 @@ class _Options:
     """Resolved per-request settings shared by the request's sequences."""
 
     def __init__(self, params: SamplingParams, seed: int, stop_ids: tuple[int, ...], matcher: StopMatcher):
+        self.params = params  # what a snapshot saves (Sampler.snapshot), built again on restore
         self.temperature, self.top_k, self.top_p, self.min_p = (
             params.temperature,
             params.top_k,
@@ -526,3 +585,13 @@ class _Options:
         if len(s.prompt) + len(s.tokens) >= s.end:
             return "length"
         return None
+
+
+def _params_json(p: SamplingParams) -> dict:
+    """A SamplingParams as JSON (tuples as lists; `_params_from` reads it back)."""
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+
+
+def _params_from(d: dict) -> dict:
+    tup = lambda v: tuple(tuple(x) if isinstance(x, list) else x for x in v)  # noqa: E731
+    return {k: tup(v) if isinstance(v, list) else v for k, v in d.items()}

@@ -33,6 +33,8 @@ import collections
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from rpeg_jax.sampling.allocator import ShardedPages
 from rpeg_jax.shapes import admission as policy
 
@@ -58,6 +60,44 @@ class Sequence:
 
     def known(self) -> list[int]:
         return self.prompt + self.tokens
+
+    def state(self, opts: int) -> dict:
+        """JSON of the sequence (`opts`: the index of its request's settings in the snapshot)."""
+        return {
+            "request": self.request,
+            "sample_index": self.sample_index,
+            "prompt": list(self.prompt),
+            "end": self.end,
+            "opts": opts,
+            "prompt_id": int(self.opts[1]),
+            "tokens": list(self.tokens),
+            "logprobs": list(self.logprobs),  # float32 values as Python floats: exact through JSON
+            "versions": list(self.versions),
+            "slot": self.slot,
+            "preemptions": self.preemptions,
+            "finish_reason": self.finish_reason,
+            # a MoE model's expert record (int16 [positions, S, k]) as its shape and flat values
+            "experts": None if self.experts is None else [list(self.experts.shape), self.experts.ravel().tolist()],
+        }
+
+    @classmethod
+    def from_state(cls, d: dict, opts: list) -> "Sequence":
+        return cls(
+            request=int(d["request"]),
+            sample_index=int(d["sample_index"]),
+            prompt=[int(t) for t in d["prompt"]],
+            end=int(d["end"]),
+            opts=(opts[int(d["opts"])], int(d["prompt_id"])),
+            tokens=[int(t) for t in d["tokens"]],
+            logprobs=[float(x) for x in d["logprobs"]],
+            versions=[int(v) for v in d["versions"]],
+            slot=int(d["slot"]),
+            preemptions=int(d["preemptions"]),
+            finish_reason=d["finish_reason"],
+            experts=None
+            if d.get("experts") is None
+            else np.asarray(d["experts"][1], np.int16).reshape(d["experts"][0]),
+        )
 
 
 @dataclasses.dataclass(eq=False)
@@ -89,6 +129,25 @@ class Scheduler:
         self.free_slots = [list(alloc.shard_slots(d)) for d in range(alloc.num_shards)]
         self._order = 0
         self.num_preemptions = 0
+
+    # ---- snapshots ----------------------------------------------------------------------------
+    def state(self, index: dict[int, int]) -> dict:
+        """JSON of the queues and slots; sequences by `index[id(seq)]` (Sampler.snapshot)."""
+        group = lambda g: {"seqs": [index[id(s)] for s in g.seqs], "order": g.order, "shard": g.shard}  # noqa: E731
+        return {
+            "waiting": [group(g) for g in self.waiting],
+            "running": [group(g) for g in self.running],
+            "free_slots": [list(f) for f in self.free_slots],
+            "order": self._order,
+            "preemptions": self.num_preemptions,
+        }
+
+    def load(self, state: dict, seqs: list[Sequence]) -> None:
+        group = lambda d: Group([seqs[int(i)] for i in d["seqs"]], int(d["order"]), int(d["shard"]))  # noqa: E731
+        self.waiting = collections.deque(group(d) for d in state["waiting"])
+        self.running = [group(d) for d in state["running"]]
+        self.free_slots = [[int(x) for x in f] for f in state["free_slots"]]
+        self._order, self.num_preemptions = int(state["order"]), int(state["preemptions"])
 
     # ---- queries ------------------------------------------------------------------------------
     def running_seqs(self, shard: int | None = None) -> list[Sequence]:

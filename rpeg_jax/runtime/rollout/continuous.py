@@ -28,7 +28,9 @@ weights, graph/passes.bounded_async(k, ahead=0)): what the asynchrony buys is th
 on across weight updates, so the engine stays full instead of draining every step.
 
 Everything is a function of the seeds, the data order and the decode-chunk count, never of timing:
-runs are reproducible. The policy's decisions are shapes/admission.py's, which the cost model's
+runs are reproducible. A checkpoint holds the engine's whole state (`snapshot`: groups, sequences,
+scheduler, page allocator and the KV pools), so a resume continues bit-exactly from any step.
+The policy's decisions are shapes/admission.py's, which the cost model's
 simulation of this engine (costmodel/lengths.admission) makes too. Called by: runtime/kernels.py
 (the generate stage), runtime/setup.py.
 """
@@ -149,34 +151,52 @@ class ContinuousRollouts:
         return batch, stats
 
     # ---- checkpoints ----------------------------------------------------------------------------
-    def restart(self) -> None:
-        """Take every group in flight or completed but not consumed out of the engine; they go to the
-        front of the retry queue in admission order, with the same attempt, and are generated again
-        from their prompts. Called at every checkpoint, so the run that goes on and a run resumed
-        from the checkpoint continue from the same state (the KV of sequences in flight, which the
-        checkpoint does not hold, is what this gives up)."""
-        for g in self.in_flight:
-            self.sampler.abort(g.seqs)
-        back = sorted(self.in_flight + self.done, key=lambda g: g.gid)
-        self.retry = [dataclasses.replace(g, seqs=[], scores=None) for g in back] + self.retry
-        self.in_flight, self.done = [], []
-
-    def state(self) -> dict:
-        """After restart(): the data stream's position and the retry queue (JSON)."""
-        assert not self.in_flight and not self.done, "restart() first"
+    def snapshot(self) -> tuple[dict, dict]:
+        """The engine's whole state at a step boundary, taken without disturbing it (the run goes on
+        as if no checkpoint were written): (JSON, device arrays). The JSON holds the stream's
+        position, the retry queue, every group in flight or completed but not consumed (with its
+        sequences' tokens, logprobs, versions and, under dynamic sampling, its scores) and the
+        sampler's scheduler and page allocator; the arrays are the sampler's KV pools. `restore`
+        continues decoding from it bit-exactly (re-prefilling is not: bench/NOTES.md)."""
         keep = ("gid", "data_step", "index", "attempt", "prompt", "host")
-        return {
+        groups = self.in_flight + self.done
+        seqs = [s for g in groups for s in g.seqs]
+        sampler, arrays = self.sampler.snapshot(seqs)
+        out, n = {"in_flight": [], "done": []}, 0
+        for name in out:
+            for g in getattr(self, name):
+                out[name].append(
+                    {**{k: getattr(g, k) for k in keep}, "seqs": list(range(n, n + len(g.seqs))), "scores": _scores(g)}
+                )
+                n += len(g.seqs)
+        state = {
             "data_step": self.data_step,
             "data_index": self.data_index,
             "next_gid": self.next_gid,
             "retry": [{k: getattr(g, k) for k in keep} for g in self.retry],
+            **out,
+            "sampler": sampler,
         }
+        return state, arrays
 
-    def load(self, state: dict) -> None:
+    def snapshot_target(self) -> dict:
+        return self.sampler.snapshot_target()
+
+    def restore(self, state: dict, arrays: dict) -> None:
+        seqs = self.sampler.restore(state["sampler"], arrays)
         self.data_step, self.data_index = int(state["data_step"]), int(state["data_index"])
         self.next_gid = int(state["next_gid"])
-        self.retry = [Group(**{**g, "prompt": [int(t) for t in g["prompt"]]}) for g in state["retry"]]
-        self.in_flight, self.done = [], []
+
+        def group(d: dict) -> Group:
+            g = Group(**{k: v for k, v in d.items() if k not in ("seqs", "scores")})
+            g.prompt = [int(t) for t in g.prompt]
+            g.seqs = [seqs[int(i)] for i in d.get("seqs", [])]
+            g.scores = _scores_from(d.get("scores"))
+            return g
+
+        self.retry = [group(d) for d in state["retry"]]
+        self.in_flight = [group(d) for d in state["in_flight"]]
+        self.done = [group(d) for d in state["done"]]
 
     def in_flight_sequences(self) -> int:
         return sum(1 for g in self.in_flight for s in g.seqs if s.finish_reason is None)
@@ -250,6 +270,31 @@ class ContinuousRollouts:
         lengths = None if self.lengths is None else [self.lengths(g.data_step, g.index, g.attempt)]
         g.seqs = self.sampler.submit([g.prompt], sp, prompt_ids=[self.prompt_offset + g.index], lengths=lengths)
         self.in_flight.append(g)
+
+
+def _scores(g: Group) -> dict | None:
+    """JSON of a group's dynamic-sampling scores (rewards [G], errors, truncated [G]), exact."""
+    if g.scores is None:
+        return None
+    rewards, errors, truncated = g.scores
+    rewards, truncated = np.asarray(rewards), np.asarray(truncated)
+    return {
+        "rewards": rewards.tolist(),
+        "rewards_dtype": str(rewards.dtype),
+        "errors": int(errors),
+        "truncated": truncated.tolist(),
+        "truncated_dtype": str(truncated.dtype),
+    }
+
+
+def _scores_from(d: dict | None):
+    if d is None:
+        return None
+    return (
+        np.asarray(d["rewards"], np.dtype(d["rewards_dtype"])),
+        int(d["errors"]),
+        np.asarray(d["truncated"], np.dtype(d["truncated_dtype"])),
+    )
 
 
 def rollout_seed(base: int, step: int) -> int:

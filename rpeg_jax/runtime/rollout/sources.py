@@ -20,6 +20,7 @@ from typing import Protocol
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from rpeg_jax.runtime.rollout.continuous import FilterExhausted, forced_lengths, occupancy, rollout_seed
 from rpeg_jax.runtime.rollout.layout import HOST_FIELDS, lay_out
@@ -138,24 +139,41 @@ def continuous_batch(ctx, params, version: int, prompts, step: int):
     G = ctx.cfg.rl.group_size
     seqs = [(g.prompt, s) for g in groups for s in sorted(g.seqs, key=lambda s: s.sample_index)]
     rows = [(p, s.tokens, s.logprobs, s.versions) for p, s in seqs]
-    gids = np.repeat(np.array([g.gid for g in groups], np.int32), G)
+    # group ids unique over processes (each process's engine numbers its own groups): gid * P + process
+    nproc, me = jax.process_count(), jax.process_index()
+    gids = np.repeat(np.array([g.gid * nproc + me for g in groups], np.int32), G)
     host = {k: [g.host[k] for g in groups] for k, _ in HOST_FIELDS}
     records = [engine.sampler.experts_of(s) for _, s in seqs]
     comps, behav, new_tokens = lay_out(ctx, rows, gids, host, None if records[0] is None else records)
     if engine.scorer is not None:  # dynamic sampling scored every group as it completed
         comps.update(cached_scores([g.scores for g in groups]))
+    counts = np.array(
+        [
+            sum(s.preemptions for _, s in seqs),
+            st.requeued,
+            st.dropped,
+            engine.in_flight_sequences(),
+            st.filtered,
+            st.decode_steps,
+            st.occupancy,
+        ],
+        np.float64,
+    )
+    if nproc > 1:  # the run's counts: every process's engine (sums; decode steps: the longest; occupancy: mean)
+        every = np.asarray(multihost_utils.process_allgather(counts)).reshape(nproc, -1)
+        counts = np.concatenate([every[:, :5].sum(axis=0), every[:, 5:6].max(axis=0), every[:, 6:].mean(axis=0)])
     metrics = {
         "perf/gen_tokens_per_s": new_tokens / gen_s if gen_s > 0 else 0.0,
-        "rollout/preemptions": float(sum(s.preemptions for _, s in seqs)),
+        "rollout/preemptions": float(counts[0]),
         "rollout/weights_version": float(version),
-        "rollout/occupancy": st.occupancy,
-        "rollout/requeued": float(st.requeued),
-        "rollout/dropped": float(st.dropped),
-        "rollout/in_flight": float(engine.in_flight_sequences()),
-        "rollout/decode_steps": float(st.decode_steps),
+        "rollout/occupancy": float(counts[6]),
+        "rollout/requeued": float(counts[1]),
+        "rollout/dropped": float(counts[2]),
+        "rollout/in_flight": float(counts[3]),
+        "rollout/decode_steps": float(counts[5]),
     }
     if engine.scorer is not None:
-        metrics["rollout/filtered_groups"] = float(st.filtered)
+        metrics["rollout/filtered_groups"] = float(counts[4])
     return comps, behav, metrics
 
 

@@ -1,0 +1,32 @@
+"""A test plugin (`plugins=[interrupt_plugin]`) that sends a real signal from inside a training
+process, for runs started as subprocesses (several local processes among them, where no test code
+runs in the children): with RPEG_TEST_SIGNAL=<step>:<SIGNAME> in the environment, process 0 sends
+itself the signal at the start of the actor update of step <step> (0-based), once. Without the
+variable it changes nothing (the same command resumes the run)."""
+
+import os
+import signal
+
+spec = os.environ.get("RPEG_TEST_SIGNAL")
+if spec:
+    import jax
+
+    from rpeg_jax.graph import compile as C
+    from rpeg_jax.runtime import executor as E
+
+    _step, _name = int(spec.split(":")[0]), spec.split(":")[1]
+    _where = {"step": None, "fired": False}
+    _run_task, _call = E.Executor._run_task, C.CompiledStage.__call__
+
+    def run_task(self, task, threaded):
+        _where["step"] = task.step
+        return _run_task(self, task, threaded)
+
+    def call(self, inputs):
+        if _where["step"] == _step and "actor_update" in self.name and not _where["fired"]:
+            _where["fired"] = True
+            if jax.process_index() == 0:
+                os.kill(os.getpid(), getattr(signal, _name))
+        return _call(self, inputs)
+
+    E.Executor._run_task, C.CompiledStage.__call__ = run_task, call

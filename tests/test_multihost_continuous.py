@@ -1,0 +1,101 @@
+"""Continuous admission (k = 2) on 2 local processes (gloo, 2 CPU devices each): every process runs
+its engine on its own data shard, and a checkpoint holds every engine's whole state (each
+process's groups, sequences, scheduler and page allocator in the meta item, its KV pools as its
+row of a [processes, ...] array). SIGINT in the middle of a step (process 0's actor update; the
+processes agree on the step to stop after), then the same command: the metrics of every step and
+the final parameters are those of the run nobody interrupted; also with dynamic sampling
+(rl.filter_groups=zero_variance)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import SKIP, TINY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAUNCH = os.path.join(ROOT, "launch", "multihost.py")
+CONTINUOUS = [
+    "pipeline.staleness=2",
+    "rollout.admission=continuous",
+    "rollout.max_new_tokens=16",
+    "rollout.forced_lengths=[3,1.2,1,16]",
+    "rollout.chunk_steps=4",
+    "rollout.min_chunk_steps=4",
+    "train.steps=5",
+    "train.checkpoint_every=2",
+    "plugins=[interrupt_plugin]",
+]
+FILTER = [
+    "plugins=[interrupt_plugin,varying_reward]",
+    "data.reward=varying_test_reward",
+    "rl.filter_groups=zero_variance",
+]
+
+
+def launch(run_dir, overrides, signal_at=None):
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([ROOT, HERE]),
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    )
+    env.pop("RPEG_TEST_SIGNAL", None)
+    if signal_at:
+        env["RPEG_TEST_SIGNAL"] = signal_at
+    cmd = [sys.executable, LAUNCH, "--local-processes", "2", "--local-devices", "2", *overrides]
+    return subprocess.run(cmd + [f"train.run_dir={run_dir}"], capture_output=True, text=True, timeout=900, env=env)
+
+
+def params(run_dir, step):
+    """The actor's parameters in checkpoint `step` of a run, as numpy arrays by path."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    path = os.path.join(run_dir, "checkpoints", str(step), "train")
+    reader = ocp.PyTreeCheckpointer()
+    try:
+        meta = reader.metadata(path).item_metadata
+        actor = {"actor": getattr(meta, "tree", meta)["actor"]}
+        leaf = lambda x: hasattr(x, "shape") or x is None  # noqa: E731
+        item = jax.tree.map(lambda m: np.zeros(()), actor, is_leaf=leaf)
+        args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), actor, is_leaf=leaf)
+        got = reader.restore(path, args=ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True))
+    finally:
+        reader.close()
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(got["actor"])[0]}
+
+
+def records(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, filter(str.strip, f))}
+
+
+@pytest.mark.multihost
+@pytest.mark.slow  # three 2-process runs: ~4 min of CPU on 2 cores
+@pytest.mark.parametrize("extra", [[], FILTER], ids=["plain", "filter"])
+def test_ctrl_c_on_two_processes_resumes_exactly(tmp_path, extra):
+    common = TINY + CONTINUOUS + extra
+    straight = launch(tmp_path / "straight", common)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    stopped = launch(tmp_path / "stopped", common, signal_at="2:SIGINT")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "stopped by SIGINT after step 3:" in stopped.stderr, stopped.stderr[-3000:]
+    assert sorted(records(tmp_path / "stopped")) == [1, 2, 3]
+    resumed = launch(tmp_path / "stopped", common)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = records(tmp_path / "straight"), records(tmp_path / "stopped")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5]
+    assert a[3]["rollout/in_flight"] > 0  # sequences were in flight at the signal's checkpoint
+    if extra:
+        assert sum(a[s]["rollout/filtered_groups"] for s in (4, 5)) > 0
+    for s in a:
+        keys = [k for k in a[s] if not k.startswith(SKIP)]
+        assert {k: a[s][k] for k in keys} == {k: b[s].get(k) for k in keys}, s
+    want, got = params(tmp_path / "straight", 5), params(tmp_path / "stopped", 5)
+    assert want.keys() == got.keys() and want
+    for k in want:
+        np.testing.assert_array_equal(want[k], got[k], err_msg=k)
