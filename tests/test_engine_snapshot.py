@@ -10,6 +10,7 @@ a checkpoint does; the reference is the same engine run straight through. Also: 
 on_weight_update=recompute, and a snapshot with dynamic-sampling scores. End to end (a real run
 stopped by SIGINT mid-run, then resumed): tests/test_interrupts.py."""
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -81,7 +82,8 @@ def run_steps(roll, model, prompts, steps):
         batch, st = roll.next_batch(t, t, weights(model, t), prompts)
         for g in batch:
             for s in sorted(g.seqs, key=lambda s: s.sample_index):
-                out.append((t, g.gid, g.attempt, s.tokens, s.logprobs, s.versions))
+                experts = None if s.experts is None else s.experts.tolist()  # a MoE model's record
+                out.append((t, g.gid, g.attempt, s.tokens, s.logprobs, s.versions, experts))
         out.append((t, st.requeued, st.filtered, st.decode_steps, roll.in_flight_sequences()))
     return out
 
@@ -92,12 +94,27 @@ def through_checkpoint(roll):
     return json.loads(json.dumps(state)), {k: np.array(v) for k, v in arrays.items()}
 
 
-CASES = [("continue", 1, False), ("recompute", 1, False), ("continue", 2, False), ("continue", 1, True)]
+CASES = [
+    ("continue", 1, False, False),
+    ("recompute", 1, False, False),
+    ("continue", 2, False, False),
+    ("continue", 1, True, False),
+    ("continue", 1, False, True),  # a Qwen3-MoE model: the sequences' expert records survive too
+]
 
 
-@pytest.mark.parametrize("policy,data,scorer", CASES)
-def test_a_restored_engine_decodes_as_the_one_never_stopped(cpu_devices, policy, data, scorer):
-    model = init_model(model_preset("tiny"), seed=0)
+def _model(moe: bool):
+    cfg = model_preset("tiny")
+    if moe:
+        cfg = dataclasses.replace(
+            cfg, arch="qwen3_moe", qk_norm=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64
+        )
+    return init_model(cfg, seed=0)
+
+
+@pytest.mark.parametrize("policy,data,scorer,moe", CASES)
+def test_a_restored_engine_decodes_as_the_one_never_stopped(cpu_devices, policy, data, scorer, moe):
+    model = _model(moe)
     mesh = None
     if data > 1:
         mesh = jax.make_mesh((data,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:data])
@@ -125,6 +142,8 @@ def test_a_restored_engine_decodes_as_the_one_never_stopped(cpu_devices, policy,
     assert len(got) == len(want)
     for a, b in zip(want, got):
         assert a == b  # lists of ints and Python floats: bit for bit
+    if moe:
+        assert all(r[6] is not None for r in want if len(r) == 7)
     if scorer:
         assert sum(r[2] for r in want if len(r) == 5) > 0  # groups were filtered after the snapshot too
 

@@ -83,7 +83,7 @@ def test_greedy_equals_full_forward_and_records_experts(moe, prompts, reference,
         ls = np.asarray(jax.nn.log_softmax(logits[i, len(p) - 1 : len(p) + 15], axis=-1))
         np.testing.assert_allclose(c.logprobs, np.take_along_axis(ls, np.asarray(r)[:, None], 1)[:, 0], atol=LP_TOL)
         n = len(p) + len(r)
-        assert c.experts.shape == (n, s, 2) and c.experts.dtype == np.int32
+        assert c.experts.shape == (n, s, 2) and c.experts.dtype == np.int16
         np.testing.assert_array_equal(np.sort(c.experts[: n - 1], axis=-1), experts[i, : n - 1])
         assert (c.experts[n - 1] == -1).all()  # the last token never ran
         assert len(np.unique(c.experts[: n - 1])) > 1  # the record is not constant
@@ -125,3 +125,19 @@ def test_sharded_pool_equals_single_device(moe, prompts, num_pages):
         _assert_same(o, r)
     if num_pages:
         assert sampler.stats()["preemptions"] > 0
+
+
+def test_data2_tensor2_model_forward_equals_single_device(moe, prompts):
+    """Parameters over `tensor` (heads, kv heads, the experts' and the dense MLP's width), the pool
+    over `data` = 2, the model's own forward with "gather" attention (the GPU defaults)."""
+    from helpers import shard
+
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:4])
+    cfg = dataclasses.replace(BASE, attention="gather", forward="model")
+    ref = [Sampler(moe, cfg).generate(prompts, p) for p in (SAMPLED, GREEDY)]
+    sharded = shard(moe, mesh)
+    assert len(sharded.layers.we_gate[...].sharding.device_set) == 4
+    sampler = Sampler(sharded, cfg)
+    assert sampler.stats()["pool_shards"] == 2
+    for o, r in zip([sampler.generate(prompts, p) for p in (SAMPLED, GREEDY)], ref):
+        _assert_same(o, r)

@@ -61,6 +61,14 @@ class RLConfig:
     overlong_buffer: int = 0  # L_cache (tokens) of soft_penalty: the penalty ramps over the last L_cache
     #   tokens before rollout.max_new_tokens; required, 0 < L_cache < max_new_tokens
     overlong_penalty: float = 1.0  # soft_penalty's factor: the penalty at the cap (reward - factor)
+    # Qwen3-MoE (model.num_experts > 0; models/moe.py):
+    router_aux_loss: float = 0.0  # coefficient of the router's load-balancing loss (HF/Switch:
+    #   X·Σ_x f_x·P_x over the update forward's real tokens, all sparse layers) added to the policy loss;
+    #   logged as moe/aux_loss whatever the coefficient
+    routing: Literal["recompute", "replay"] = "recompute"  # the trainer's forwards route each token by
+    #   their own router (recompute) or impose the experts the sampler chose for it (replay; the gate
+    #   weights still come from the trainer's router over those experts); moe/routing_agreement (the
+    #   fraction of tokens whose top-k expert sets match the sampler's) is logged either way
 
     @property
     def advantage_estimator(self) -> str:
@@ -118,6 +126,13 @@ class RLConfig:
             check(self.behav_weight_cap >= 1.0, key(path, "behav_weight_cap"), self.behav_weight_cap, "must be >= 1")
         if self.tis_cap is not None:
             check(self.tis_cap >= 1.0, key(path, "tis_cap"), self.tis_cap, "must be >= 1")
+        check(self.router_aux_loss >= 0.0, key(path, "router_aux_loss"), self.router_aux_loss, "must be >= 0")
+        check(
+            self.routing in ("recompute", "replay"),
+            key(path, "routing"),
+            self.routing,
+            "must be 'recompute' or 'replay'",
+        )
         for name in ("ppo_epochs", "minibatches", "micro_batches", "forward_micro_batches"):
             v = getattr(self, name)
             check(v >= 1, key(path, name), v, "must be >= 1")

@@ -206,7 +206,25 @@ class RunConfig:
                 "packing gathers rows across the batch, which sharding.axis_types=explicit does not "
                 "support yet; use sharding.axis_types=auto or train.pack_sequences=false",
             )
+        self._check_moe()
         self._check_one_step_rewrites()
+
+    def _check_moe(self) -> None:
+        """rl.router_aux_loss / rl.routing act on a Qwen3-MoE model's routers, through the update's
+        plain (unpacked) forward, from the single-turn sampler's records."""
+        m, r = self.model, self.rl
+        moe = m.num_experts > 0
+        if r.router_aux_loss > 0:
+            why = "the load-balancing loss needs a mixture-of-experts model (model.num_experts > 0)"
+            check(moe, "rl.router_aux_loss", r.router_aux_loss, why)
+        if r.routing == "replay":
+            why = "routing replay needs a mixture-of-experts model (model.num_experts > 0)"
+            check(moe, "rl.routing", r.routing, why)
+            why = "the multi-turn episode driver records no experts yet: routing replay needs env.name=single_turn"
+            check(self.env.name == "single_turn", "rl.routing", r.routing, why)
+        if moe:
+            why = "a mixture-of-experts model's updates run unpacked (routing, aux loss): set it to false"
+            check(not self.train.pack_sequences, "train.pack_sequences", True, why)
 
     def _check_one_step_rewrites(self) -> None:
         """pipeline.proximal_from_update / values_from_critic_update are exact only when the update

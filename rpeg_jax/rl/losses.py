@@ -135,7 +135,9 @@ def all_finite(mask, *arrays):
 def actor_objective(out: dict, mb: dict, cfg: RLConfig, loss_w, tok_w):
     """Actor loss (pg - c_e·H + β·KL) for one (micro-)batch and its additive metrics.
 
-    `out` = policy_fn output (logp, optional entropy); `mb` holds response_mask_BxR,
+    `out` = policy_fn output (logp, optional entropy, optional router: a MoE forward's scalar
+    aux_loss and agreements, added to the loss as rl.router_aux_loss x aux_loss, logged as moe/*,
+    each weighted by the micro-batch's share of tokens); `mb` holds response_mask_BxR,
     advantages_BxR, old_logp_BxR and optionally behav_logp_BxR, ref_logp_BxR. Non-finite inputs at
     response tokens make the loss NaN on purpose, so that the update's guard skips the step."""
     mask, logp = mb["response_mask_BxR"], out["logp"]
@@ -194,6 +196,14 @@ def actor_objective(out: dict, mb: dict, cfg: RLConfig, loss_w, tok_w):
         metrics["actor/entropy"] = wsum(ent, tok_w)
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * wsum(ent, loss_w)
+    router = out.get("router")  # a MoE forward's routing stats over this micro-batch (runtime/kernels.router_stats)
+    if router is not None:
+        share = jnp.sum(tok_w)  # the micro-batch's share of the minibatch's tokens: the metrics stay additive
+        metrics.update({f"moe/{k}": v * share for k, v in router.items()})
+        if cfg.router_aux_loss > 0:
+            loss = loss + cfg.router_aux_loss * router["aux_loss"] * share
+    elif cfg.router_aux_loss > 0:
+        raise ValueError(f"rl.router_aux_loss={cfg.router_aux_loss} needs policy_fn to return 'router' (a MoE model)")
     loss = jnp.where(all_finite(mask, *checked), loss, jnp.nan)
     return loss, metrics
 

@@ -42,7 +42,8 @@ from rpeg_jax.config.base import ConfigError
 from rpeg_jax.graph.compile import Kernel, KernelRegistry, StageEnv
 from rpeg_jax.graph.ir import StageKind
 from rpeg_jax.models import adapters
-from rpeg_jax.models.logprobs import token_logprobs
+from rpeg_jax.models.logprobs import chunked_logprobs, token_logprobs
+from rpeg_jax.models.moe import load_balancing_loss, routing_agreement
 from rpeg_jax.models.prefix import group_hidden, group_token_logprobs
 from rpeg_jax.rl import (
     batch_metrics,
@@ -79,6 +80,8 @@ def shared_prompt_groups(c: dict, group_size: int, pieces: int = 1, devices: int
     in types) keeps the plain pass."""
     tokens, r = c["tokens_BxS"], c["response_mask_BxR"].shape[1]
     b = tokens.shape[0]
+    if EXPERTS in c:  # a MoE rollout: the plain pass carries the routing (replay, aux loss, agreement)
+        return 1
     if not prompt_groups_fit(b, group_size, pieces, devices):
         return 1
     if r < 2 or tokens.shape[1] <= r or explicit_spec(tokens) is not None:
@@ -86,11 +89,45 @@ def shared_prompt_groups(c: dict, group_size: int, pieces: int = 1, devices: int
     return group_size
 
 
-def forward_fn(graphdef, *, temperature: float, logp: bool, entropy: bool, values: bool, group_size: int = 1):
+EXPERTS = "experts_BxSxLxK"  # the sampler's record of each token's experts (runtime/rollout/layout.py)
+
+
+def router_stats(route: dict, c: dict, k: int) -> dict:
+    """The update forward's routing metrics over the batch's real tokens (segment id > 0), every
+    sparse layer's tokens concatenated as HF does: "aux_loss" (models/moe.load_balancing_loss) and,
+    where the rollout recorded experts, "routing_agreement" (the experts the forward used vs the
+    sampler's, per token and layer: 1 under replay) and "topk_agreement" (the forward's own router
+    top-k vs the sampler's: how far recompute would drift)."""
+    logits = route["logits"]  # [B, S, L, X]
+    X = logits.shape[-1]
+    real = jnp.broadcast_to((c["segment_ids_BxS"] > 0)[:, :, None], logits.shape[:3]).reshape(-1)
+    out = {"aux_loss": load_balancing_loss(logits.reshape(-1, X), k, real)}
+    if EXPERTS in c:
+        rec = c[EXPERTS].reshape(-1, k)
+        valid = real & jnp.all(rec >= 0, axis=-1)
+        own = jax.lax.top_k(logits.reshape(-1, X), k)[1]
+        out["routing_agreement"] = routing_agreement(route["experts"].reshape(-1, k), rec, valid)
+        out["topk_agreement"] = routing_agreement(own, rec, valid)
+    return out
+
+
+def forward_fn(
+    graphdef,
+    *,
+    temperature: float,
+    logp: bool,
+    entropy: bool,
+    values: bool,
+    group_size: int = 1,
+    routing: str = "recompute",
+    router: bool = False,
+):
     """(params, completions) -> {"logp", "entropy", "values"} over the response window [B, R].
 
     group_size > 1: the rows come in groups of that many responses to one prompt, and the
-    prompt runs once per group (models/prefix.py; the same values to float32 rounding)."""
+    prompt runs once per group (models/prefix.py; the same values to float32 rounding).
+    A MoE model (plain pass): routing="replay" imposes the sampler's recorded experts (EXPERTS in
+    the completions; rl.routing), and `router` adds {"router": router_stats(...)} (the update)."""
 
     def fn(params, c):
         model = nnx.merge(graphdef, params)
@@ -98,7 +135,17 @@ def forward_fn(graphdef, *, temperature: float, logp: bool, entropy: bool, value
         start = c["tokens_BxS"].shape[1] - r - 1  # column P-1 predicts the first response token
         args = (model, c["tokens_BxS"], c["positions_BxS"], c["segment_ids_BxS"])
         out = {"logp": None, "entropy": None, "values": None}
-        if logp and group_size > 1:
+        if any(model.cfg.sparse_layers) and group_size == 1:
+            forced = c.get(EXPERTS) if routing == "replay" else None
+            hfull, _, route = model.hidden_routed(*args[1:], experts_BxTxSxK=forced)
+            h = jax.lax.slice_in_dim(hfull, start, start + r, axis=1)
+            if logp:
+                tg = jax.lax.slice_in_dim(_shifted(c["tokens_BxS"]), start, start + r, axis=1)
+                lp, ent = chunked_logprobs(h, model.output_matrix(), tg, temperature=temperature, with_entropy=entropy)
+                out.update(logp=lp, entropy=ent)
+            if router:
+                out["router"] = router_stats(route, c, model.cfg.num_experts_per_tok)
+        elif logp and group_size > 1:
             lp, ent, h = group_token_logprobs(
                 *args,
                 response_len=r,
@@ -267,6 +314,7 @@ def ref_forward(env: StageEnv) -> Kernel:
         logp=True,
         entropy=False,
         values=False,
+        routing=ctx.cfg.rl.routing,
     )
     # train.offload=optimizer+reference: the weights come in from host memory inside this program
     return _scoring_kernel(
@@ -292,6 +340,7 @@ def old_forward(env: StageEnv) -> Kernel:
         logp=True,
         entropy=False,
         values=want_values,
+        routing=ctx.cfg.rl.routing,
     )
 
     def fn(i):
@@ -316,6 +365,7 @@ def critic_forward(env: StageEnv) -> Kernel:
         logp=False,
         entropy=False,
         values=True,
+        routing=ctx.cfg.rl.routing,
     )
     return _scoring_kernel(
         env, lambda i: {"values": fwd(actor_params(i, src), i["completions"], i.get(FORWARD_PACK))["values"]}
@@ -402,6 +452,8 @@ def actor_update(env: StageEnv) -> Kernel:
         logp=True,
         entropy=rl.entropy_coef > 0,
         values=shared,
+        routing=rl.routing,
+        router=True,
     )
 
     rng_of = lambda i: jax.random.fold_in(ctx.update_key, i["_step"])  # noqa: E731
@@ -431,6 +483,7 @@ def _critic_updater(make, env: StageEnv):
         logp=False,
         entropy=False,
         values=True,
+        routing=ctx.cfg.rl.routing,
     )
 
 
@@ -497,6 +550,8 @@ def shared_values_update(env: StageEnv) -> Kernel | None:
         logp=True,
         entropy=ctx.cfg.rl.entropy_coef > 0,
         values=True,
+        routing=ctx.cfg.rl.routing,
+        router=True,
     )
 
     def fn(i):

@@ -51,9 +51,13 @@ def packed_outputs(
     return out
 
 
-def packed_forward_fn(graphdef, *, temperature: float, logp: bool, entropy: bool, values: bool):
+def packed_forward_fn(
+    graphdef, *, temperature: float, logp: bool, entropy: bool, values: bool, routing: str = "recompute", router=False
+):
     """(params, micro-batch) -> packed_outputs over the micro-batch's plan (rl.packing.PLAN_KEY):
-    the update's policy_fn under train.pack_sequences (runtime/kernels.py)."""
+    the update's policy_fn under train.pack_sequences (runtime/kernels.py). `routing` / `router`
+    (a MoE model's) do not apply: the run config keeps MoE models off packing (config/run.py)."""
+    del routing, router
     from flax import nnx  # noqa: PLC0415
 
     def fn(params, mb):

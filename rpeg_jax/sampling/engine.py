@@ -19,7 +19,7 @@ the other mesh axes (kv heads over `tensor`) left to XLA. Without a mesh the bod
 
 Qwen3-MoE (static `routed`): prefill and every decode step also return the experts each processed
 token was routed to in every sparse layer (prefill: [B, T, S, k]; decode: [K, B, S, k], -1 where a
-slot was inactive), which the Sampler records per sequence (routing replay, rl.routing).
+slot was inactive; int16), which the Sampler records per sequence (routing replay, rl.routing).
 
 Letters: B slots, T tokens, W page-table width, N stop ids per slot, K chunk steps (buffer size),
 S sparse (MoE) layers, k experts per token.
@@ -65,10 +65,13 @@ class ChunkResult(NamedTuple):
     token_B: jax.Array  # state after the chunk
     pos_B: jax.Array
     active_B: jax.Array
-    experts_KxBxSxK: Any = None  # int32 experts of each step's input token (routed models; -1 inactive)
+    experts_KxBxSxK: Any = None  # int16 experts of each step's input token (routed models; -1 inactive)
 
 
 DATA = "data"
+# expert ids as recorded (-1 = none): int16 holds any expert count up to 32767 at half int32's host
+# memory (Qwen3-30B-A3B: 48 layers x top-8 = 768 bytes per token)
+EXPERT_DTYPE = jnp.int16
 _POOL = (P(None, None, DATA), P(None, None, DATA))  # page axis over data (kv heads stay Auto)
 _ROWS = P(DATA)
 
@@ -110,7 +113,7 @@ def _prefill(fwd, params, pools, tokens_BxT, lengths_B, table_BxW, *, heads_shar
     page, off = write_targets(table_BxW, pos_BxT, pos_BxT < lengths_B[:, None], num_pages, page_size)
     attention = PagedAttention(page, off, table_BxW, pos_BxT, lengths_B, batched_heads=heads_sharded)
     _, pools, experts = fwd.hidden(params, tokens_BxT, pos_BxT, attention, pools)
-    return (pools, experts) if routed else pools
+    return (pools, experts.astype(EXPERT_DTYPE)) if routed else pools
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("pools",))
@@ -290,7 +293,8 @@ def _decode_chunk(
         tok_KxB = tok_KxB.at[step].set(jnp.where(active_B, new_B, -1))
         logp_KxB = logp_KxB.at[step].set(jnp.where(active_B, logp_B, 0.0))
         if routed:
-            exp_KxBxSxK = exp_KxBxSxK.at[step].set(jnp.where(active_B[:, None, None], experts_BxSxK, -1))
+            rec = jnp.where(active_B[:, None, None], experts_BxSxK, -1).astype(EXPERT_DTYPE)
+            exp_KxBxSxK = exp_KxBxSxK.at[step].set(rec)
         token_B = jnp.where(active_B, new_B, token_B)
         pos_B = jnp.where(active_B, pos_B + 1, pos_B)
         return step + 1, cache, token_B, pos_B, active_B & ~stopped, tok_KxB, logp_KxB, exp_KxBxSxK
@@ -317,7 +321,7 @@ def _experts_buffer(fwd, params, chunk: int, b: int):
     """-1s [K, B, S, k]: the decode chunk's record of the experts of each step's input token."""
     cfg = fwd.model_cfg(params)
     s = sum(cfg.sparse_layers)
-    return jnp.full((chunk, b, s, cfg.num_experts_per_tok), -1, jnp.int32)
+    return jnp.full((chunk, b, s, cfg.num_experts_per_tok), -1, EXPERT_DTYPE)
 
 
 def make_pools(

@@ -537,19 +537,20 @@ class Sampler:
                     policy_versions=np.asarray(s.versions, np.int32),
                     num_preemptions=s.preemptions,
                     sample_index=s.sample_index,
-                    experts=self._experts_of(s),
+                    experts=self.experts_of(s),
                 )
             )
         for o in outs:
             o.completions.sort(key=lambda c: c.sample_index)
         return outs
 
-    def _experts_of(self, s: Sequence):
-        """[prompt + tokens, S, k] experts of the sequence's tokens (-1 where never run)."""
+    def experts_of(self, s: Sequence):
+        """[prompt + tokens, S, k] experts of the sequence's tokens (-1 where never run); None for a
+        dense model."""
         if not self._routed:
             return None
         n = len(s.prompt) + len(s.tokens)
-        out = np.full((n, sum(self.model_cfg.sparse_layers), self.model_cfg.num_experts_per_tok), -1, np.int32)
+        out = np.full((n, sum(self.model_cfg.sparse_layers), self.model_cfg.num_experts_per_tok), -1, np.int16)
         rec = s.experts if s.experts is not None else out[:0]
         m = min(n, len(rec))
         out[:m] = rec[:m]

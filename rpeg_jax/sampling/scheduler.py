@@ -33,6 +33,8 @@ import collections
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from rpeg_jax.sampling.allocator import ShardedPages
 from rpeg_jax.shapes import admission as policy
 
@@ -50,7 +52,7 @@ class Sequence:
     slot: int = -1
     preemptions: int = 0
     finish_reason: str | None = None
-    experts: Any = None  # MoE models: int32 [positions processed, S, k], each cached position's experts
+    experts: Any = None  # MoE models: int16 [positions processed, S, k], each cached position's experts
 
     @property
     def pos(self) -> int:
@@ -74,6 +76,8 @@ class Sequence:
             "slot": self.slot,
             "preemptions": self.preemptions,
             "finish_reason": self.finish_reason,
+            # a MoE model's expert record (int16 [positions, S, k]) as its shape and flat values
+            "experts": None if self.experts is None else [list(self.experts.shape), self.experts.ravel().tolist()],
         }
 
     @classmethod
@@ -90,6 +94,9 @@ class Sequence:
             slot=int(d["slot"]),
             preemptions=int(d["preemptions"]),
             finish_reason=d["finish_reason"],
+            experts=None
+            if d.get("experts") is None
+            else np.asarray(d["experts"][1], np.int16).reshape(d["experts"][0]),
         )
 
 

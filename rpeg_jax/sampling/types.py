@@ -155,7 +155,7 @@ class Completion:
     policy_versions: np.ndarray  # int32 [n_tokens]: weights version that produced each token
     num_preemptions: int = 0
     sample_index: int = 0
-    experts: np.ndarray | None = None  # MoE models: int32 [prompt + n_tokens, S, k], the experts each
+    experts: np.ndarray | None = None  # MoE models: int16 [prompt + n_tokens, S, k], the experts each
     #   token was routed to in each of the S sparse layers when the sampler ran it (-1: never run, e.g.
     #   the last token); the record routing replay imposes on the trainer (rl.routing=replay)
 

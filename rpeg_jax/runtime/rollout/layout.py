@@ -3,7 +3,8 @@
 B = prompts x G sequences (a prompt's G rows adjacent), prompts LEFT-padded to P, responses
 RIGHT-padded to R, S = P + R. `completions` holds global arrays sharded over `data` (tokens_BxS,
 positions_BxS, segment_ids_BxS: 1 on real tokens, 0 on padding; response_mask_BxR, versions_BxR: the
-policy version of each sampled token; group_ids_B) plus host-only `host_*` fields (tokens, mask,
+policy version of each sampled token; group_ids_B; a MoE model's experts_BxSxLxK: the experts the
+sampler routed each token to, rl.routing) plus host-only `host_*` fields (tokens, mask,
 prompt, answer, record) for the reward; the behaviour logprobs are a separate [B, R] array. P and R
 are bucketed (shapes/buckets.length_bucket: fewer padded tokens, few distinct compiled shapes)
 unless the run streams micro-batches, where every piece must have the configured shape so pieces
@@ -25,10 +26,12 @@ from rpeg_jax.shapes.buckets import length_bucket
 HOST_FIELDS = (("prompt", "prompts"), ("answer", "answers"), ("record", "records"))
 
 
-def lay_out(ctx, rows, gids: np.ndarray, host: dict[str, list]) -> tuple[dict, Any, int]:
+def lay_out(ctx, rows, gids: np.ndarray, host: dict[str, list], experts=None) -> tuple[dict, Any, int]:
     """Rows (prompt tokens, response tokens, their logprobs, their policy versions) -> the rollout
     layout (module docstring) as this process's share of global arrays, plus host fields; returns
-    (completions, behav_logp, new tokens)."""
+    (completions, behav_logp, new tokens). `experts` (a MoE model's sampler records, one [prompt +
+    response, S, k] array per row, sampling.Completion.experts) -> experts_BxSxLxK in the token
+    layout (-1 at padding and wherever the sampler ran no token)."""
     cfg, fixed = ctx.cfg, ctx.fixed_shapes
     toks = [np.asarray(t, np.int32) for _, t, _, _ in rows]
     lps = [np.asarray(lp, np.float32) for _, _, lp, _ in rows]
@@ -65,6 +68,12 @@ def lay_out(ctx, rows, gids: np.ndarray, host: dict[str, list]) -> tuple[dict, A
         "versions_BxR": versions,
         "group_ids_B": gids,
     }
+    if experts is not None:
+        rec = np.full((B, P + R, *experts[0].shape[1:]), -1, experts[0].dtype)
+        for b, (p, *_) in enumerate(rows):
+            e = experts[b][: len(p) + len(toks[b])]
+            rec[b, P - len(p) : P - len(p) + len(e)] = e
+        comps["experts_BxSxLxK"] = rec
     comps = {k: ctx.placement.put_batch(v) for k, v in comps.items()}
     comps.update(_host_columns(ctx.cfg.rl.group_size, host, tokens, mask))
     return comps, ctx.placement.put_batch(behav), int(mask.sum())

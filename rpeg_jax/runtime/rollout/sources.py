@@ -58,7 +58,7 @@ def generate_piece(ctx, params, version: int, batch, step: int, piece: int, piec
     rows = [(p, c.tokens, c.logprobs, c.policy_versions) for p, c in done]
     gids = np.repeat(np.arange(lo, hi, dtype=np.int32) + ctx.prompt_offset, G)
     host = {k: [getattr(batch, a)[i] for i in range(lo, hi)] for k, a in HOST_FIELDS}
-    comps, behav, new_tokens = lay_out(ctx, rows, gids, host)
+    comps, behav, new_tokens = lay_out(ctx, rows, gids, host, _experts([c for _, c in done]))
     metrics = {
         "perf/gen_tokens_per_s": new_tokens / gen_s if gen_s > 0 else 0.0,
         "rollout/preemptions": float(sum(c.num_preemptions for _, c in done)),
@@ -116,7 +116,7 @@ def filtered_piece(ctx, params, version: int, prompts: StepPrompts, step: int, p
     rows = [(p, c.tokens, c.logprobs, c.policy_versions) for p, cs, *_ in kept for c in cs]
     gids = np.repeat(np.arange(lo, hi, dtype=np.int32) + ctx.prompt_offset, G)
     host = {k: [h[k] for _, _, h, *_ in kept] for k, _ in HOST_FIELDS}
-    comps, behav, _ = lay_out(ctx, rows, gids, host)
+    comps, behav, _ = lay_out(ctx, rows, gids, host, _experts([c for _, cs, *_ in kept for c in cs]))
     comps.update(cached_scores([(r, e, c) for *_, r, e, c in kept]))
     metrics = {
         "perf/gen_tokens_per_s": new_tokens / gen_s if gen_s > 0 else 0.0,
@@ -143,7 +143,8 @@ def continuous_batch(ctx, params, version: int, prompts, step: int):
     nproc, me = jax.process_count(), jax.process_index()
     gids = np.repeat(np.array([g.gid * nproc + me for g in groups], np.int32), G)
     host = {k: [g.host[k] for g in groups] for k, _ in HOST_FIELDS}
-    comps, behav, new_tokens = lay_out(ctx, rows, gids, host)
+    records = [engine.sampler.experts_of(s) for _, s in seqs]
+    comps, behav, new_tokens = lay_out(ctx, rows, gids, host, None if records[0] is None else records)
     if engine.scorer is not None:  # dynamic sampling scored every group as it completed
         comps.update(cached_scores([g.scores for g in groups]))
     counts = np.array(
@@ -212,3 +213,8 @@ def make_source(ctx) -> RolloutSource:
     if ctx.cfg.rl.filter_groups != "none":
         return FilteredSource(ctx)
     return StepSource(ctx)
+
+
+def _experts(completions) -> list | None:
+    """The completions' expert records (a MoE model's sampler), or None."""
+    return None if completions[0].experts is None else [c.experts for c in completions]
