@@ -317,3 +317,42 @@ def test_evaluation_with_an_environment_writes_the_turns(tmp_path, monkeypatch):
         for ep in line["episodes"]:
             assert [msg["role"] for msg in ep] == ["assistant", "tool", "assistant"]
             assert ep[1]["content"] == "7"
+
+
+@pytest.mark.slow  # ~1-3 min on 2 cores: SFT, an export, an RL step on tool episodes, an evaluation
+def test_sft_then_rl_runs_the_agentic_preset_end_to_end(tmp_path, monkeypatch):
+    """configs/agentic.yaml as `make run` runs it (train.mode=sft_then_rl), cut to a model and steps a
+    test can afford: SFT in <run_dir>/sft, its export in <run_dir>/sft/model, RL from that export on
+    tool episodes in <run_dir>/rl, and the RL eval file with the episodes' turns."""
+    from rpeg_jax.cli.train import train
+
+    monkeypatch.chdir(ROOT)
+    small = [o for o in TINY if o.startswith("model.")]
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "agentic.yaml"),
+        [
+            *small,
+            "sft.steps=2",
+            "sft.batch_size=4",
+            "train.steps=1",
+            "data.prompts_per_step=2",
+            "rl.group_size=2",
+            "eval.max_prompts=2",
+            "eval.every=1",
+            "eval.before_train=false",
+            "train.progress=false",
+            "train.tensorboard=false",
+            f"train.run_dir={tmp_path}",
+        ],
+    )
+    rc, result = train(cfg)
+    assert rc == 0 and result["steps"] == 1 and result["sft"]["steps"] == 2
+    assert os.path.isfile(os.path.join(tmp_path, "sft", "model", "model.safetensors"))
+    rl = load_config(os.path.join(tmp_path, "rl", "config.yaml"))
+    assert rl.model.path == os.path.join(str(tmp_path), "sft", "model") and rl.train.mode == "rl"
+    with open(os.path.join(tmp_path, "rl", "metrics.jsonl")) as f:
+        m = json.loads(f.readline())
+    assert m["env/turns/mean"] >= 1 and "val-core/eval/reward/mean@1" in m
+    with open(os.path.join(tmp_path, "rl", "eval", "step_1.jsonl")) as f:
+        lines = [json.loads(x) for x in f]
+    assert len(lines) == 2 and all(ep and ep[0]["role"] == "assistant" for x in lines for ep in x["episodes"])
