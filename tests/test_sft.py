@@ -185,6 +185,25 @@ def test_rl_warm_starts_from_an_exported_sft_run(tmp_path):
     assert r["steps"] == 1
 
 
+def test_sigterm_stops_sft_at_a_step_boundary_with_its_checkpoint(tmp_path):
+    import signal
+
+    from rpeg_jax.runtime import sft
+    from rpeg_jax.runtime.checkpoint import Checkpointer
+
+    def term_after_two(step, metrics):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    out = sft.train_sft(load_config(None, sft_overrides(tmp_path)), on_step=term_after_two)
+    assert out["steps"] == 2 and out["interrupted"]
+    ckpt = Checkpointer(os.path.join(tmp_path, "sft", "checkpoints"), async_save=False)
+    try:
+        assert ckpt.all_steps() == [2]
+    finally:
+        ckpt.close()
+
+
 def test_config_errors_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match="sft.path"):
         load_config(None, ["train.mode=sft"])
