@@ -119,6 +119,42 @@ def test_packed_loss_equals_float64_numpy_cross_entropy(tmp_path):
     np.testing.assert_allclose(float(loss), total / count, rtol=2e-5)
 
 
+@pytest.mark.slow  # two compiles of the step: ~70 s on the loaded 2-core machine
+def test_one_device_and_eight_devices_take_the_same_step(tmp_path):
+    """The data-parallel SFT step (rows sharded over 8 devices, parameters replicated) equals the same
+    step on one device, to float32 rounding."""
+    import dataclasses
+
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from rpeg_jax.data.tokenizer import load_tokenizer
+    from rpeg_jax.models import Transformer
+    from rpeg_jax.rl.optimizer import make_optimizer
+    from rpeg_jax.runtime import sft
+
+    assert len(jax.devices()) == 8  # tests/conftest.py
+    cfg = load_config(None, sft_overrides(tmp_path))
+    examples, _ = sft.load_examples(cfg, load_tokenizer(cfg.data))
+    host = sft.pack([examples[i] for i in (0, 1, 0, 1, 0, 1)], 160, 8)  # the two short conversations
+    graphdef, params0 = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(params=1)), nnx.Param)
+    tx = make_optimizer(dataclasses.replace(cfg.optim, lr=1e-3), 4)
+    out = []
+    for devices in (jax.devices()[:1], jax.devices()):
+        mesh = Mesh(np.asarray(devices), ("data",))
+        rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+        params = jax.device_put(jax.tree.map(np.asarray, params0), rep)
+        opt = jax.device_put(tx.init(params), rep)
+        batch = {k: jax.device_put(v, rows) for k, v in host.items()}
+        params, opt, m = sft.make_step(graphdef, tx)(params, opt, batch)
+        out.append((float(m["sft/loss"]), [np.asarray(x) for x in jax.tree.leaves(params)]))
+    (l1, p1), (l8, p8) = out
+    np.testing.assert_allclose(l1, l8, rtol=1e-5)
+    for a, b in zip(p1, p8):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+
+
 def params_of(state):
     return [np.asarray(x) for x in jax.tree.leaves(state["actor"])]
 
