@@ -119,6 +119,42 @@ def test_packed_loss_equals_float64_numpy_cross_entropy(tmp_path):
     np.testing.assert_allclose(float(loss), total / count, rtol=2e-5)
 
 
+@pytest.mark.slow  # two compiles of the step: ~70 s on the loaded 2-core machine
+def test_one_device_and_eight_devices_take_the_same_step(tmp_path):
+    """The data-parallel SFT step (rows sharded over 8 devices, parameters replicated) equals the same
+    step on one device, to float32 rounding."""
+    import dataclasses
+
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from rpeg_jax.data.tokenizer import load_tokenizer
+    from rpeg_jax.models import Transformer
+    from rpeg_jax.rl.optimizer import make_optimizer
+    from rpeg_jax.runtime import sft
+
+    assert len(jax.devices()) == 8  # tests/conftest.py
+    cfg = load_config(None, sft_overrides(tmp_path))
+    examples, _ = sft.load_examples(cfg, load_tokenizer(cfg.data))
+    host = sft.pack([examples[i] for i in (0, 1, 0, 1, 0, 1)], 160, 8)  # the two short conversations
+    graphdef, params0 = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(params=1)), nnx.Param)
+    tx = make_optimizer(dataclasses.replace(cfg.optim, lr=1e-3), 4)
+    out = []
+    for devices in (jax.devices()[:1], jax.devices()):
+        mesh = Mesh(np.asarray(devices), ("data",))
+        rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+        params = jax.device_put(jax.tree.map(np.asarray, params0), rep)
+        opt = jax.device_put(tx.init(params), rep)
+        batch = {k: jax.device_put(v, rows) for k, v in host.items()}
+        params, opt, m = sft.make_step(graphdef, tx)(params, opt, batch)
+        out.append((float(m["sft/loss"]), [np.asarray(x) for x in jax.tree.leaves(params)]))
+    (l1, p1), (l8, p8) = out
+    np.testing.assert_allclose(l1, l8, rtol=1e-5)
+    for a, b in zip(p1, p8):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+
+
 def params_of(state):
     return [np.asarray(x) for x in jax.tree.leaves(state["actor"])]
 
@@ -183,6 +219,25 @@ def test_rl_warm_starts_from_an_exported_sft_run(tmp_path):
     assert cfg.model.path == out and cfg.data.tokenizer == os.path.join(out, "tokenizer.json")
     r = train(cfg, keep_state=True)
     assert r["steps"] == 1
+
+
+def test_sigterm_stops_sft_at_a_step_boundary_with_its_checkpoint(tmp_path):
+    import signal
+
+    from rpeg_jax.runtime import sft
+    from rpeg_jax.runtime.checkpoint import Checkpointer
+
+    def term_after_two(step, metrics):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    out = sft.train_sft(load_config(None, sft_overrides(tmp_path)), on_step=term_after_two)
+    assert out["steps"] == 2 and out["interrupted"]
+    ckpt = Checkpointer(os.path.join(tmp_path, "sft", "checkpoints"), async_save=False)
+    try:
+        assert ckpt.all_steps() == [2]
+    finally:
+        ckpt.close()
 
 
 def test_config_errors_are_one_line(tmp_path):
@@ -317,3 +372,42 @@ def test_evaluation_with_an_environment_writes_the_turns(tmp_path, monkeypatch):
         for ep in line["episodes"]:
             assert [msg["role"] for msg in ep] == ["assistant", "tool", "assistant"]
             assert ep[1]["content"] == "7"
+
+
+@pytest.mark.slow  # ~1-3 min on 2 cores: SFT, an export, an RL step on tool episodes, an evaluation
+def test_sft_then_rl_runs_the_agentic_preset_end_to_end(tmp_path, monkeypatch):
+    """configs/agentic.yaml as `make run` runs it (train.mode=sft_then_rl), cut to a model and steps a
+    test can afford: SFT in <run_dir>/sft, its export in <run_dir>/sft/model, RL from that export on
+    tool episodes in <run_dir>/rl, and the RL eval file with the episodes' turns."""
+    from rpeg_jax.cli.train import train
+
+    monkeypatch.chdir(ROOT)
+    small = [o for o in TINY if o.startswith("model.")]
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "agentic.yaml"),
+        [
+            *small,
+            "sft.steps=2",
+            "sft.batch_size=4",
+            "train.steps=1",
+            "data.prompts_per_step=2",
+            "rl.group_size=2",
+            "eval.max_prompts=2",
+            "eval.every=1",
+            "eval.before_train=false",
+            "train.progress=false",
+            "train.tensorboard=false",
+            f"train.run_dir={tmp_path}",
+        ],
+    )
+    rc, result = train(cfg)
+    assert rc == 0 and result["steps"] == 1 and result["sft"]["steps"] == 2
+    assert os.path.isfile(os.path.join(tmp_path, "sft", "model", "model.safetensors"))
+    rl = load_config(os.path.join(tmp_path, "rl", "config.yaml"))
+    assert rl.model.path == os.path.join(str(tmp_path), "sft", "model") and rl.train.mode == "rl"
+    with open(os.path.join(tmp_path, "rl", "metrics.jsonl")) as f:
+        m = json.loads(f.readline())
+    assert m["env/turns/mean"] >= 1 and "val-core/eval/reward/mean@1" in m
+    with open(os.path.join(tmp_path, "rl", "eval", "step_1.jsonl")) as f:
+        lines = [json.loads(x) for x in f]
+    assert len(lines) == 2 and all(ep and ep[0]["role"] == "assistant" for x in lines for ep in x["episodes"])
