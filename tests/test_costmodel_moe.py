@@ -98,6 +98,7 @@ def test_the_planner_prices_a_mixture_cheaper_than_a_dense_model_of_its_size():
     MLP): the mixture computes ~1/9 of the FLOPs, so its update and scoring forward are priced far
     cheaper, while its memory (all parameters) is alike."""
     over = ["data.prompts_per_step=32", "rl.group_size=8", "rollout.max_new_tokens=2048", "model.dtype=bfloat16"]
+    over += ["train.pack_sequences=false"]  # a mixture trains unpacked (rl/update: routing, aux loss)
     moe = load_config("configs/p1.yaml", over + ["model.preset=qwen3-30b-a3b"])
     wide = dict(num_experts=0, intermediate_size=128 * 768)
     dense = dataclasses.replace(moe, model=dataclasses.replace(moe.model, **wide))

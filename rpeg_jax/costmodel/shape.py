@@ -16,8 +16,8 @@ A mixture of experts (X experts of width Fe in Ls of the L layers, k routed per 
 with its active parameters (router D·X + k experts' 3·D·Fe per token), holds all of them (memory,
 FSDP gathers, optimizer state), saves k experts' activations per token, and a decode step reads
 only the experts its batch touches: X (1 - (1 - k/X)^b) of them per sparse layer for b tokens
-(routing taken as uniform). Expert parallelism is not priced: the runtime has no expert axis yet
-(the experts are sharded as every other weight, models/moe.py).
+(routing taken as uniform). Expert parallelism is not priced (the runtime's `fsdp_expert` preset
+shards the experts' dimension; the planner's presets shard them as every other weight).
 
 Callers: costmodel/stages.py (stage times), candidates.py (memory), planner.py, fit.py,
 microfit.py, calibration/stages.py, tests.
