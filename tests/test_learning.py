@@ -16,7 +16,7 @@ from rpeg_jax.runtime.trainer import train
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-RISE = {"default.yaml": 0.3, "ppo.yaml": 0.3, "lora.yaml": 0.05}
+RISE = {"default.yaml": 0.3, "ppo.yaml": 0.3, "lora.yaml": 0.1}
 
 
 @pytest.mark.slow
