@@ -1,5 +1,7 @@
 """The built-in default run learns: GRPO (configs/default.yaml) and PPO (configs/ppo.yaml) raise
-the mean reward by >= 0.3 from the first to the last tenth of the steps, from random init.
+the mean reward by >= 0.3 from the first to the last tenth of the steps, from random init; GRPO with
+LoRA adapters (configs/lora.yaml) by RISE["lora.yaml"]: on this random base the frozen embedding and
+unembedding cap what the adapters can reach (bench/NOTES.md, 2026-12-05 session 20).
 Slow (each run is several minutes on 2 cores): `make test-all` or `pytest -m slow`."""
 
 import os
@@ -14,8 +16,11 @@ from rpeg_jax.runtime.trainer import train
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+RISE = {"default.yaml": 0.3, "ppo.yaml": 0.3, "lora.yaml": 0.1}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["default.yaml", "ppo.yaml"])
+@pytest.mark.parametrize("preset", ["default.yaml", "ppo.yaml", "lora.yaml"])
 def test_default_runs_learn(tmp_path, preset):
     cfg = load_config(
         os.path.join(ROOT, "configs", preset),
@@ -26,4 +31,4 @@ def test_default_runs_learn(tmp_path, preset):
     assert len(rewards) == cfg.train.steps
     tenth = len(rewards) // 10
     first, last = statistics.mean(rewards[:tenth]), statistics.mean(rewards[-tenth:])
-    assert last >= first + 0.3, f"mean reward {first:.3f} (first tenth) -> {last:.3f} (last tenth)"
+    assert last >= first + RISE[preset], f"mean reward {first:.3f} (first tenth) -> {last:.3f} (last tenth)"
