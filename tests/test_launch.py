@@ -150,10 +150,9 @@ def _illegal_plan(tmp_path, what):
     from rpeg_jax.graph.plan import plan_from_config
 
     path = str(tmp_path / f"{what}.json")
-    if what == "continuous":  # k = 1 with the continuous engine: its setting rollout.admission
-        over, line = ["pipeline.staleness=1", "rollout.admission=continuous"], "rollout.admission='continuous'"
-    else:  # tensor-parallel generation whose tensor group (8 devices) spans both processes (4 each)
-        over, line = ["sharding.mesh={data: -1, tensor: 8}"], f"pipeline.plan={path!r}"
+    # tensor-parallel generation whose tensor group (8 devices) spans both processes (4 each); a plan
+    # with continuous admission runs on several processes now (tests/test_multihost_continuous.py)
+    over, line = ["sharding.mesh={data: -1, tensor: 8}"], f"pipeline.plan={path!r}"
     plan_from_config(load_config(DEFAULT, ["pipeline.plan=manual", *over]), 8).save(path)
     return path, f"config error: {line}: "
 
@@ -174,9 +173,9 @@ def _refusal(path, processes):
 
 
 @pytest.mark.multihost
-@pytest.mark.parametrize("what", ["continuous", "tensor"])
+@pytest.mark.parametrize("what", ["tensor"])
 def test_a_plan_two_processes_cannot_run_is_refused_in_one_line(tmp_path, what):
-    """pipeline.plan=<file> with continuous admission or tensor-parallel generation under
+    """pipeline.plan=<file> with tensor-parallel generation spanning processes under
     `--local-processes 2`: every process stops with the same one-line ConfigError naming the knob
     (exit 2), before anything compiles (JAX logs every compilation with JAX_LOG_COMPILES)."""
     path, line = _illegal_plan(tmp_path, what)
