@@ -383,8 +383,9 @@ def test_packed_updates_are_priced_on_the_consumed_batches():
     # padded one on R columns whatever the lengths.
     from rpeg_jax.config.model import model_preset
     from rpeg_jax.costmodel import stages as S
-    from rpeg_jax.costmodel.candidates import Layouts, Roles, consumed_setting, consumed_side
+    from rpeg_jax.costmodel.candidates import Roles, consumed_setting, consumed_side
     from rpeg_jax.costmodel.shape import ModelShape
+    from rpeg_jax.costmodel.table import Layouts
     from rpeg_jax.graph.algorithms import model_dims
 
     ms = ModelShape.of(model_dims(model_preset("tiny"), "actor"))

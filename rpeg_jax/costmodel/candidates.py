@@ -33,7 +33,7 @@ from rpeg_jax.costmodel import offload as OFF
 from rpeg_jax.costmodel import stages as S
 from rpeg_jax.costmodel.comm import reshard_time
 from rpeg_jax.costmodel.shape import ModelShape
-from rpeg_jax.costmodel.table import Continuous, Table, TrainSide
+from rpeg_jax.costmodel.table import Continuous, Layouts, Table, TrainSide
 
 REMATS = ("none", "dots", "full")
 MICROS = (1, 2, 4, 8, 16, 32, 64)  # gradient-accumulation micro-batches tried
@@ -391,24 +391,6 @@ def consumed_side(st: S.Setting, roles: Roles, n_train: int, lo, k: int, slots) 
             t_fwd[name][sel] = t_f + (fetch[name][sel] if name in fetch else 0.0)
         t_adv[sel] = float(S.elementwise_stage(sc, n_train))
     return TrainSide(t_upd=t_upd, t_fwd=t_fwd, t_adv=t_adv)
-
-
-@dataclass(frozen=True)
-class Layouts:
-    """The layout columns of candidate rows (a Table's first columns; see costmodel/table.py)."""
-
-    n_gen: np.ndarray
-    n_train: np.ndarray
-    t_g: np.ndarray
-    d: np.ndarray
-    f: np.ndarray
-    t: np.ndarray
-    fd: np.ndarray
-    ff: np.ndarray
-    ft: np.ndarray
-    micro: np.ndarray
-    remat: np.ndarray
-    fmicro: np.ndarray
 
 
 def _models(roles: Roles) -> tuple[list[ModelShape], list[tuple[str, ModelShape]]]:

@@ -31,7 +31,7 @@ from rpeg_jax.costmodel.space import (
     generation_tensor_sizes,
     structural_options,
 )
-from rpeg_jax.costmodel.table import Table
+from rpeg_jax.costmodel.table import Layouts, Table
 from rpeg_jax.costmodel.types import Context, Prediction, clock_of
 from rpeg_jax.graph.ir import Graph, GraphError, StageKind
 from rpeg_jax.graph.passes import apply_pipeline
@@ -225,7 +225,7 @@ def predict(
     # plan; utilization_own_work: the FLOPs this plan's own graph runs (lower for a plan that drops passes).
     util = reference_flops(ctx) / (period * peak) if period > 0 else 0.0
     util_own = useful_flops(ctx.st, graph) / (period * peak) if period > 0 else 0.0
-    r = {f.name: int(getattr(tab, f.name)[i]) for f in dataclasses.fields(C.Layouts)}
+    r = {f.name: int(getattr(tab, f.name)[i]) for f in dataclasses.fields(Layouts)}
     sync = not pipe.staleness
     cont = admission_of(graph) == "continuous"
     slots = int(tab.continuous[pipe.staleness].slots[i]) if cont else min(int(tab.slots[i]), int(tab.n_rep[i]))

@@ -166,7 +166,8 @@ class ModelShape:
         matrix gathered right before its use, two of the largest live (one in use, one prefetched);
         "layer", two whole layers; "model", every layer's weights (gathers hoisted out of the scan)."""
         d, q, kv, f = self.D, self.H * self.E, self.K * self.E, self.F
-        largest = max(d * q, d * kv, *(d * w for w in self.mlp_widths if w == f), self.X * d * self.Fe)
+        dense_mlp = d * f if self.L > self.Ls else 0  # a dense layer's MLP matrix; the experts' stacked [X, D, Fe]
+        largest = max(d * q, d * kv, dense_mlp, self.X * d * self.Fe)
         per = {
             "matrix": 2.0 * largest,
             "layer": 2.0 * self.layer_params,

@@ -108,26 +108,17 @@ def generation_tensor_sizes(ctx, ours: bool = True) -> tuple[int, ...]:
 
 def continuous_searched(ctx, ours: bool = True) -> bool:
     """Whether any option may run rollout.admission=continuous: k >= 1 can be planned and, for
-    `ours`, the runtime runs it with the context's processes (one, for now)."""
+    `ours`, the runtime runs it with the context's processes (space.runnable)."""
     k = max(ctx.cfg.costmodel.max_staleness, ctx.cfg.pipeline.staleness)
     legal = runnable(ctx, admission="continuous") or not ours
     return k >= 1 and legal and not ctx.cfg.pipeline.elide_old_forward
-
-
-def continuous_on_processes(n: int) -> str:
-    """Why rollout.admission=continuous cannot run on `n` > 1 processes (one line; also what
-    launch/multihost.py says before it starts any)."""
-    return (
-        f"runs on one process for now (each process's engine state is not checkpointed yet); this run has "
-        f"{n} processes: use rollout.admission=step with several processes"
-    )
 
 
 def admissions(ctx, pipe: PipelineConfig) -> list[str]:
     """rollout.admission modes tried with a structural option, searched like k: the config's
     `continuous` is the user's (kept; options it cannot run with get none); the default `step`
     leaves it to the planner. Continuous needs k >= 1, one generation piece (a step's batch is the
-    first groups to complete) and a runtime that runs it (one process: runnable). Colocated step
+    first groups to complete) and a runtime that runs it (runnable). Colocated step
     admission at k >= 1 is tried only for a k the config sets: it runs generation ahead on the
     devices training uses, so it only adds the proximal forward to the synchronous plan. (A config
     pinning continuous on several processes never gets here: planner.make_context refuses it.)"""

@@ -63,13 +63,13 @@ class Admitted:
 
 
 @dataclass(frozen=True)
-class Table:
-    considered: int
+class Layouts:
+    """The layout columns of candidate rows: groups, generation tensor degree, the training and
+    forward meshes with their micro-batches and remat (a Table's first columns)."""
+
     n_gen: np.ndarray
     n_train: np.ndarray
     t_g: np.ndarray
-    slots: np.ndarray
-    n_rep: np.ndarray
     d: np.ndarray
     f: np.ndarray
     t: np.ndarray
@@ -79,6 +79,13 @@ class Table:
     micro: np.ndarray
     remat: np.ndarray
     fmicro: np.ndarray
+
+
+@dataclass(frozen=True, kw_only=True)
+class Table(Layouts):
+    considered: int
+    slots: np.ndarray
+    n_rep: np.ndarray
     mem_peak: np.ndarray
     mem_resident: np.ndarray
     mem_peak_sync: np.ndarray
