@@ -8,12 +8,14 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_ENABLE_X64", "0")
-# One persistent XLA cache for the whole run (subprocesses inherit it): tests compile the same
-# small programs many times, and compilation dominates their time on 2 cores.
-os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR",
-    os.path.join(os.environ.get("TMPDIR", "/tmp"), f"rpeg_jax_test_xla_cache_{os.getuid()}"),
-)
+# A persistent XLA cache private to this run (tests compile the same small programs many times, and
+# compilation dominates their time on 2 cores). It is never shared with another run or checkout: JAX
+# writes entries in place (no rename), and an entry written by another run's killed or differently
+# configured process once crashed the reader inside deserialize_executable (CI, session 20). The
+# pytest process keeps its own subfolder; subprocesses inherit `children/` (and the local multi-process
+# launcher gives each process topology its own folder below that).
+_XLA_CACHE = tempfile.mkdtemp(prefix="rpeg_jax_test_xla_cache_")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_XLA_CACHE, "children")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # Hermetic: no calibrated hardware profile of the user's (~/.cache/rpeg_jax) is ever read or written;
@@ -23,9 +25,12 @@ os.environ["RPEG_CACHE"] = tempfile.mkdtemp(prefix="rpeg_jax_test_cache_")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+jax.config.update("jax_compilation_cache_dir", os.path.join(_XLA_CACHE, "main"))
+
 
 def pytest_unconfigure(config):
     shutil.rmtree(os.environ["RPEG_CACHE"], ignore_errors=True)
+    shutil.rmtree(_XLA_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

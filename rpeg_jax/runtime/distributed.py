@@ -306,6 +306,11 @@ def spawn_local(
     base = dict(os.environ if env is None else env)
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", base.get("XLA_FLAGS", ""))
     base.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices_per_process}")
+    if base.get("JAX_COMPILATION_CACHE_DIR"):  # one cache folder per process topology: an executable that
+        # process 0 of an N-process CPU client wrote is not guaranteed loadable by another topology's client
+        base["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
+            base["JAX_COMPILATION_CACHE_DIR"], f"local_{num_processes}x{devices_per_process}"
+        )
     procs = [
         subprocess.Popen(
             cmd + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(num_processes), "--process-id", str(i)],
