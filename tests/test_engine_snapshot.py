@@ -91,7 +91,10 @@ def run_steps(roll, model, prompts, steps):
 def through_checkpoint(roll):
     """What a checkpoint keeps of the engine: JSON and host copies of its arrays."""
     state, arrays = roll.snapshot()
-    return json.loads(json.dumps(state)), {k: np.array(v) for k, v in arrays.items()}
+    assert "tokens" not in json.dumps(state["sampler"]["seqs"])  # the sequences' tokens are arrays
+    # padded as a checkpoint of several processes pads them (to the longest process's): garbage past the end
+    pad = lambda x, axis: np.concatenate([x, np.full_like(x.take(range(min(2, x.shape[axis])), axis), 7)], axis)  # noqa: E731
+    return json.loads(json.dumps(state)), {k: pad(np.array(v), 2 if v.ndim == 5 else 0) for k, v in arrays.items()}
 
 
 CASES = [
@@ -157,8 +160,12 @@ def test_a_snapshot_of_another_pool_is_refused(cpu_devices):
     with pytest.raises(ValueError, match="page allocator snapshot"):
         engine(model).restore(state, arrays)
     state, arrays = through_checkpoint(roll)
-    arrays["k_pages"] = arrays["k_pages"][:, :, 1:]  # a page short of what the allocator holds
+    arrays["k_pages"] = arrays["k_pages"][:, :, : len(roll.sampler.used_pages()) - 1]  # a page short
     with pytest.raises(ValueError, match="k_pages"):
+        engine(model).restore(state, arrays)
+    state, arrays = through_checkpoint(roll)
+    arrays["logprobs"] = arrays["logprobs"][: sum(s["generated"] for s in state["sampler"]["seqs"]) - 1]
+    with pytest.raises(ValueError, match="its arrays fewer"):
         engine(model).restore(state, arrays)
 
 

@@ -54,9 +54,9 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None)
     if engine is not None:  # every process's engine; each one's stream resumes by drawing its next data step again
         d = engine.data_step
         data_state = prompts.state_before(d) if d in prompts.before else prompts.state()
-        state, arrays = engine.snapshot()  # arrays: the KV of the pages in use, [L, K, n, S, E]
+        state, arrays = engine.snapshot()  # the KV of the pages in use [L, K, n, S, E]; the sequences' tokens [T]
         engine_state = every_process({"engine": state, "data_iterator": data_state})
-        engine_arrays = {name: with_process_axis(x, axis=2) for name, x in arrays.items()}
+        engine_arrays = {name: with_process_axis(x, axis=2 if x.ndim == 5 else 0) for name, x in arrays.items()}
     elif prompts.cursor_before:  # dynamic sampling: the stream continues at a (data step, index) cursor
         start = prompts.cursor_before[step] if k else prompts.cursor
         data_state = prompts.state_at(start)
@@ -226,8 +226,8 @@ def _load(ckpt: Checkpointer, store: Store, ex: Executor, ctx, step: int, target
             name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=_process_sharding())
             for name, (shape, dtype) in meta["engine_specs"].items()
         }
-        n = _pages_in_use(mine["engine"])  # this process's rows of the page axis (the rest pads)
-        arrays = {name: own_row(x)[:, :, :n] for name, x in ckpt.restore_engine(step, target).items()}
+        arrays = {name: own_row(x) for name, x in ckpt.restore_engine(step, target).items()}  # padded: the
+        # sampler cuts them to what its state says
         prompts.pipeline.set_state(mine["data_iterator"])  # this process's stream (its shard's own position)
         ctx.engine.restore(mine["engine"], arrays)
     store.put_state("data_iterator", step + len(buffered), prompts)
@@ -260,9 +260,9 @@ def _process_sharding():
 
 
 def with_process_axis(x: np.ndarray, axis: int) -> jax.Array:
-    """A process-local array (one process's engine pages) as row p of a global [processes, ...]
-    array, so that every process writes its own row of the checkpoint; `axis` (the page axis) is
-    padded to the longest of the processes' (every row has one shape, at least 1)."""
+    """A process-local array (one process's engine pages or tokens) as row p of a global
+    [processes, ...] array, so that every process writes its own row of the checkpoint; `axis` is
+    padded to the longest of the processes' (every row has one shape, at least 1 long)."""
     x = np.asarray(x)
     n = (
         int(np.max(multihost_utils.process_allgather(np.int32(x.shape[axis]))))
@@ -280,9 +280,3 @@ def with_process_axis(x: np.ndarray, axis: int) -> jax.Array:
 def own_row(x: jax.Array) -> np.ndarray:
     """This process's row of a restored [processes, ...] array (host memory)."""
     return np.asarray(x.addressable_shards[0].data)[0]
-
-
-def _pages_in_use(engine_state: dict) -> int:
-    """Pages in use in a snapshot's allocator (the rows its KV arrays hold)."""
-    shards = engine_state["sampler"]["alloc"]["shards"]
-    return sum(int(np.count_nonzero(np.asarray(a["refcount"]))) for a in shards)

@@ -270,8 +270,9 @@ class Sampler:
 
     # ---- snapshots (checkpoints of an engine with sequences in flight) --------------------------
     def snapshot(self, seqs: Seq[Sequence]) -> tuple[dict, dict]:
-        """The engine's whole state: (host state as JSON, host arrays {"k_pages", "v_pages"}: the
-        KV of the pages in use, [L, K, n, S, E], in the order of `used_pages`).
+        """The engine's whole state: (host state as JSON, host arrays: "k_pages", "v_pages" the KV
+        of the pages in use, [L, K, n, S, E], in the order of `used_pages`; "tokens", "logprobs",
+        "versions" every sequence's generated ones, concatenated in the order of `seqs`).
         `seqs`: every sequence the caller holds that is queued, running, or finished in a group
         still in flight; the state names them by their index in `seqs` (`restore` returns them in
         that order). With the KV pages, the scheduler's queues and slots, the allocator's pages and
@@ -306,7 +307,15 @@ class Sampler:
         idx = np.zeros(pow2ceil(max(len(used), 1)), np.int32)  # bucketed: few compiled gathers
         idx[: len(used)] = used
         pages = jax.device_get(_take_pages(self.pools, jnp.asarray(idx)))
-        return state, {"k_pages": pages[0][:, :, : len(used)], "v_pages": pages[1][:, :, : len(used)]}
+        arrays = {
+            "k_pages": pages[0][:, :, : len(used)],
+            "v_pages": pages[1][:, :, : len(used)],
+            # every sequence's generated tokens, logprobs (float32: exact) and versions, concatenated
+            "tokens": np.array([t for s in seqs for t in s.tokens], np.int32),
+            "logprobs": np.array([x for s in seqs for x in s.logprobs], np.float32),
+            "versions": np.array([v for s in seqs for v in s.versions], np.int32),
+        }
+        return state, arrays
 
     def used_pages(self) -> np.ndarray:
         """Global page ids (shard * pages_per_shard + local id) of the pages in use, shard by shard."""
@@ -315,19 +324,30 @@ class Sampler:
 
     def restore(self, state: dict, arrays: dict) -> list[Sequence]:
         """Continue from `snapshot`'s (state, arrays); returns the sequences in the order given to it.
-        Call it on a fresh Sampler of the same settings (its free pages are zero)."""
+        Call it on a fresh Sampler of the same settings (its free pages are zero). The arrays may be
+        longer than the state says (padded to another process's length: runtime/resume.py)."""
         opts = [
             _Options.build(self, SamplingParams(**_params_from(o["params"])), int(o["seed"])) for o in state["opts"]
         ]
-        seqs = [Sequence.from_state(d, opts) for d in state["seqs"]]
         self.alloc.load(state["alloc"])
         used = self.used_pages()
         want = (*self.pools[0].shape[:2], len(used), *self.pools[0].shape[3:])
+        arrays = {k: np.asarray(v) for k, v in arrays.items()}  # (the page axis may be padded: cut)
         for name in ("k_pages", "v_pages"):
             x = arrays[name]
-            if tuple(x.shape) != want or x.dtype != self.pools[0].dtype:
-                got = f"{tuple(x.shape)} {x.dtype}"
-                raise ValueError(f"Sampler.restore: {name} is {got}, the snapshot's allocator holds {want}")
+            if x.ndim != 5 or x.shape[2] < len(used) or x.shape[:2] + x.shape[3:] != want[:2] + want[3:]:
+                raise ValueError(f"Sampler.restore: {name} is {x.shape}, the snapshot's allocator holds {want}")
+            if x.dtype != self.pools[0].dtype:
+                raise ValueError(f"Sampler.restore: {name} is {x.dtype}, this pool's is {self.pools[0].dtype}")
+            arrays[name] = x[:, :, : len(used)]
+        ends = np.cumsum([0] + [int(d["generated"]) for d in state["seqs"]])
+        if any(arrays[k].ndim != 1 or len(arrays[k]) < ends[-1] for k in ("tokens", "logprobs", "versions")):
+            raise ValueError(f"Sampler.restore: the snapshot's sequences hold {ends[-1]} tokens, its arrays fewer")
+        cut = lambda k, i, cast: [cast(x) for x in arrays[k][ends[i] : ends[i + 1]].tolist()]  # noqa: E731
+        seqs = [
+            Sequence.from_state(d, opts, cut("tokens", i, int), cut("logprobs", i, float), cut("versions", i, int))
+            for i, d in enumerate(state["seqs"])
+        ]
         self.version, self._pending, self._calls = int(state["version"]), None, int(state["calls"])
         self._stats.update(state["stats"])
         self.sched.load(state["sched"], seqs)

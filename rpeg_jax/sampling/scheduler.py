@@ -62,7 +62,8 @@ class Sequence:
         return self.prompt + self.tokens
 
     def state(self, opts: int) -> dict:
-        """JSON of the sequence (`opts`: the index of its request's settings in the snapshot)."""
+        """JSON of the sequence (`opts`: the index of its request's settings in the snapshot); its
+        tokens, logprobs and versions go into the snapshot's arrays (Sampler.snapshot)."""
         return {
             "request": self.request,
             "sample_index": self.sample_index,
@@ -70,9 +71,7 @@ class Sequence:
             "end": self.end,
             "opts": opts,
             "prompt_id": int(self.opts[1]),
-            "tokens": list(self.tokens),
-            "logprobs": list(self.logprobs),  # float32 values as Python floats: exact through JSON
-            "versions": list(self.versions),
+            "generated": len(self.tokens),  # its tokens, logprobs and versions: in the snapshot's arrays
             "slot": self.slot,
             "preemptions": self.preemptions,
             "finish_reason": self.finish_reason,
@@ -81,16 +80,16 @@ class Sequence:
         }
 
     @classmethod
-    def from_state(cls, d: dict, opts: list) -> "Sequence":
+    def from_state(cls, d: dict, opts: list, tokens: list, logprobs: list, versions: list) -> "Sequence":
         return cls(
             request=int(d["request"]),
             sample_index=int(d["sample_index"]),
             prompt=[int(t) for t in d["prompt"]],
             end=int(d["end"]),
             opts=(opts[int(d["opts"])], int(d["prompt_id"])),
-            tokens=[int(t) for t in d["tokens"]],
-            logprobs=[float(x) for x in d["logprobs"]],
-            versions=[int(v) for v in d["versions"]],
+            tokens=tokens,
+            logprobs=logprobs,
+            versions=versions,
             slot=int(d["slot"]),
             preemptions=int(d["preemptions"]),
             finish_reason=d["finish_reason"],
