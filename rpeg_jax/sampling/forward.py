@@ -40,7 +40,18 @@ from rpeg_jax.models.dense import dense, embed_lookup
 from rpeg_jax.models.llama import jnp_dtype, qk_normed, rms_norm
 from rpeg_jax.models.moe import MOE_PARAMS, layer_groups, moe_block
 from rpeg_jax.models.rope import apply_rope, inv_frequencies, rope_tables
-from rpeg_jax.sharding.axes import BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, SEQ, constrain
+from rpeg_jax.sharding.axes import (
+    BATCH,
+    EMBED,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    MLP,
+    SEQ,
+    ExpertLayout,
+    constrain,
+    use_experts,
+)
 
 _MLP_PARAMS = ("w_gate", "w_up", "w_down", *MOE_PARAMS)  # stacked over their own group of layers
 TRANSPOSED_MAX_ROWS = 16  # "auto" uses transposed weights at decode batches up to this many rows
@@ -49,6 +60,7 @@ TRANSPOSED_MAX_ROWS = 16  # "auto" uses transposed weights at decode batches up 
 @dataclasses.dataclass(frozen=True)
 class ModelForward:
     graphdef: Any
+    experts: ExpertLayout | None = None  # a mixture's experts split over mesh axes (models/moe.py)
     static_layers = False  # the model passes a traced layer index to the attention
 
     def prepare(self, params):
@@ -60,7 +72,8 @@ class ModelForward:
     def hidden(self, params, tokens_BxT, positions_BxT, attention, cache):
         """(h, cache, experts [B, T, S, k] of the S sparse layers, or None for a dense model)."""
         model = nnx.merge(self.graphdef, params)
-        h, cache, route = model.hidden_routed(tokens_BxT, positions_BxT, attention=attention, cache=cache)
+        with use_experts(self.experts):
+            h, cache, route = model.hidden_routed(tokens_BxT, positions_BxT, attention=attention, cache=cache)
         return h, cache, (None if route is None else route["experts"])
 
     def logits(self, params, h):
@@ -150,6 +163,7 @@ def _layer(cfg: ModelConfig, p: dict, x_BxTxD, cos, sin, attention, layer, cache
 class SplitForward:
     cfg: ModelConfig
     transposed: bool = False
+    experts: ExpertLayout | None = None  # a mixture's experts split over mesh axes (models/moe.py)
     static_layers = True  # layers are unrolled: the attention gets a Python-int layer
 
     def model_cfg(self, params) -> ModelConfig:
@@ -167,7 +181,8 @@ class SplitForward:
         cos, sin = rope_tables(positions_BxT, inv_frequencies(cfg))
         routed = []
         for i, lp in enumerate(gp["layers"]):
-            x, cache, experts = _layer(cfg, lp, x, cos, sin, attention, i, cache, self.transposed)
+            with use_experts(self.experts):
+                x, cache, experts = _layer(cfg, lp, x, cos, sin, attention, i, cache, self.transposed)
             if experts is not None:
                 routed.append(experts)
         experts = jnp.stack(routed, axis=2) if routed else None
@@ -179,14 +194,15 @@ class SplitForward:
         return dense(h, gp["out"].astype(h.dtype), preferred_element_type=jnp.float32)
 
 
-def choose_forward(kind: str, graphdef, cfg: ModelConfig, rows: int = 1 << 30):
+def choose_forward(kind: str, graphdef, cfg: ModelConfig, rows: int = 1 << 30, experts: ExpertLayout | None = None):
     """kind: "auto" (split on CPU, transposed when `rows` (the decode batch) <= TRANSPOSED_MAX_ROWS;
-    the model's forward elsewhere), "model", "split" or "split_t"."""
+    the model's forward elsewhere), "model", "split" or "split_t". `experts`: where a mixture's
+    experts are split (sampling/sharding.expert_layout), for the expert-parallel block."""
     if kind == "auto":
         if jax.default_backend() != "cpu":
             kind = "model"
         else:
             kind = "split_t" if rows <= TRANSPOSED_MAX_ROWS else "split"
     if kind == "model":
-        return ModelForward(graphdef)
-    return SplitForward(cfg, transposed=kind == "split_t")
+        return ModelForward(graphdef, experts)
+    return SplitForward(cfg, transposed=kind == "split_t", experts=experts)

@@ -104,7 +104,8 @@ class Sampler:
         # (shape checks above run before anything is compiled; placing params moves no data)
         params = self.sharding.place_params(params)
         self._signature = ParamSignature.of(params)
-        self._fwd = choose_forward(cfg.forward, graphdef, mcfg, rows=cfg.max_slots)
+        experts = self.sharding.expert_layout(params)  # a mixture's experts split over mesh axes
+        self._fwd = choose_forward(cfg.forward, graphdef, mcfg, rows=cfg.max_slots, experts=experts)
         self._routed = any(mcfg.sparse_layers)  # MoE: record every token's experts (Completion.experts)
         # What the device functions read: the params themselves (model forward; the caller must not
         # donate them afterwards) or per-layer copies (split forward).

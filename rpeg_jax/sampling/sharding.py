@@ -90,6 +90,30 @@ class SamplerSharding:
 
         return jax.tree.map(one, params)
 
+    def expert_layout(self, params):
+        """Where a mixture's experts are split (`we_gate` [Ls, X, D, F]'s placement: X over the
+        expert axes, F over the mlp axes), for models/moe.py's expert-parallel block; the tokens
+        are replicated over those axes (slots split over `data` only). None without a mesh, a
+        mixture, or experts split over `data` (the engine's own shard_map axis)."""
+        if self.mesh is None:
+            return None
+        from rpeg_jax.sharding.axes import ExpertLayout
+
+        for path, x in jax.tree_util.tree_leaves_with_path(params):
+            if "we_gate" not in jax.tree_util.keystr(path):
+                continue
+            sh = getattr(x, "sharding", None)
+            if not isinstance(sh, NamedSharding):
+                return None
+            spec = tuple(sh.spec) + (None,) * (4 - len(sh.spec))
+            names = lambda e: () if e is None else (e,) if isinstance(e, str) else tuple(e)  # noqa: E731
+            expert = tuple(a for a in names(spec[1]) if self.mesh.shape[a] > 1)
+            if not expert or "data" in expert:
+                return None
+            mlp = tuple(a for a in names(spec[3]) if self.mesh.shape[a] > 1 and a != "data")
+            return ExpertLayout(expert, mlp, (None, None), self.mesh)
+        return None
+
     def _put(self, x, axis: str | None) -> Any:
         if self.mesh is None:
             return x

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 # The logical axes used by rpeg_jax models (parameters and activations).
@@ -71,3 +72,63 @@ def explicit_spec(x) -> tuple | None:
     if spec is None or all(s is None for s in spec):
         return None
     return tuple(spec) + (None,) * (x.ndim - len(spec))
+
+
+def _names(entry) -> tuple[str, ...]:
+    """A PartitionSpec entry (None, 'a' or ('a', 'b')) as a tuple of mesh axis names."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where a mixture's experts and tokens live, for models/moe.py's expert-parallel dispatch.
+
+    `expert`: the mesh axes the experts' dimension is split over (each device holds X / prod of
+    them whole experts); `mlp`: the mesh axes each expert's width F is split over (partial sums,
+    reduced after the down projection); `tokens`: the PartitionSpec entries of the [B, T] token
+    dimensions. `mesh`: a concrete mesh, or None for the context's (inside an enclosing shard_map,
+    e.g. the sampler's over `data`)."""
+
+    expert: tuple[str, ...]
+    mlp: tuple[str, ...] = ()
+    tokens: tuple[Any, Any] = (None, None)
+    mesh: Any = None
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        return _names(self.tokens[0]) + _names(self.tokens[1])
+
+
+_EXPERTS: contextvars.ContextVar[ExpertLayout | None] = contextvars.ContextVar("rpeg_expert_layout", default=None)
+
+
+@contextlib.contextmanager
+def use_experts(layout: ExpertLayout | None):
+    """Within the context, a mixture's experts are dispatched by `layout` (the sampler sets one
+    from its parameters' placement; under `use_resolver` the rules give it: `expert_layout`)."""
+    token = _EXPERTS.set(layout)
+    try:
+        yield
+    finally:
+        _EXPERTS.reset(token)
+
+
+def expert_layout(experts_shape_XxDxF: tuple[int, ...], tokens_shape_BxTxD: tuple[int, ...]) -> ExpertLayout | None:
+    """The layout of a sparse MLP's experts [X, D, F] and tokens [B, T, D]: the one set by
+    `use_experts`, else the one the active rules give the logical axes (EXPERT, EMBED, MLP) and
+    (BATCH, SEQ, EMBED); None when no mesh axis splits the experts (or no rules are active)."""
+    given = _EXPERTS.get()
+    if given is not None:
+        return given if given.expert else None
+    resolver = _ACTIVE.get()
+    if resolver is None:
+        return None
+    w = resolver((EXPERT, EMBED, MLP), tuple(experts_shape_XxDxF))
+    t = resolver((BATCH, SEQ, EMBED), tuple(tokens_shape_BxTxD))
+    if w is None or t is None or not hasattr(w, "spec"):
+        return None
+    spec = tuple(w.spec) + (None,) * (3 - len(w.spec))
+    tspec = tuple(t.spec) + (None,) * (3 - len(t.spec))
+    if not _names(spec[0]):
+        return None
+    return ExpertLayout(_names(spec[0]), _names(spec[2]), (tspec[0], tspec[1]), w.mesh)
