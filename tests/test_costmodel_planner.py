@@ -603,9 +603,8 @@ def test_layout_rules_shard_every_axis_the_planner_prices():
     from rpeg_jax.graph.plan import layout_rules
     from rpeg_jax.sharding import rules as R
 
-    # the config's (JAX-free) copy of the presets a priced plan may lift; fsdp_expert (a mixture's
-    # expert parallelism) is not priced by the cost model, so a plan keeps it as the user named it
-    assert set(BUILTIN_RULES) | {"fsdp_expert"} == set(R._PRESET_DATA)
+    # the presets a priced plan may lift: every built-in one (config/sharding.PRESET_DATA)
+    assert set(BUILTIN_RULES) == set(R._PRESET_DATA) and set(BUILTIN_RULES) <= set(R.PRESETS.names())
 
     cfg = load_config(None, [])
     g = build_graph(cfg)
@@ -623,7 +622,9 @@ def test_layout_rules_shard_every_axis_the_planner_prices():
     assert layout_rules(upd, fixed, m(d=2), priced=True) == "data"
     assert layout_rules(upd, fixed, m(t=2), priced=False) == "data"  # a manual plan: as given
     ep = load_config(None, ["sharding.train_rules=fsdp_expert"])
-    assert layout_rules(upd, ep, m(f=4, t=2), priced=True) == "fsdp_expert"
+    assert layout_rules(upd, ep, m(f=4, t=2), priced=True) == "fsdp_expert_tensor"  # experts over fsdp kept
+    assert layout_rules(upd, ep, m(f=4), priced=True) == "fsdp_expert"
+    assert layout_rules(upd, ep, m(f=4, t=2), priced=False) == "fsdp_expert"  # a manual plan: as given
     own = load_config(None, ["sharding.train_rules=mine", "sharding.rules.mine=[[batch, [data, fsdp]]]"])
     assert layout_rules(upd, own, m(f=2, t=2), priced=True) == "mine"
 

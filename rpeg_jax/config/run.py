@@ -211,7 +211,7 @@ class RunConfig:
 
     def _check_moe(self) -> None:
         """rl.router_aux_loss / rl.routing act on a Qwen3-MoE model's routers, through the update's
-        plain (unpacked) forward, from the single-turn sampler's records."""
+        forward (plain or packed), from the single-turn sampler's records."""
         m, r = self.model, self.rl
         moe = m.num_experts > 0
         if r.router_aux_loss > 0:
@@ -222,9 +222,37 @@ class RunConfig:
             check(moe, "rl.routing", r.routing, why)
             why = "the multi-turn episode driver records no experts yet: routing replay needs env.name=single_turn"
             check(self.env.name == "single_turn", "rl.routing", r.routing, why)
-        if moe:
-            why = "a mixture-of-experts model's updates run unpacked (routing, aux loss): set it to false"
-            check(not self.train.pack_sequences, "train.pack_sequences", True, why)
+        self._check_expert_split()
+
+    def _check_expert_split(self) -> None:
+        """A rule set that splits the experts over mesh axes (sharding.train_rules /
+        generate_rules = fsdp_expert, ...) needs the product of those axes' sizes to divide
+        model.num_experts; checked here for the sizes the config fixes (an axis of -1 is checked
+        when its mesh is resolved, runtime/placement.py)."""
+        from rpeg_jax.config.sharding import expert_axes
+
+        s, x = self.sharding, self.model.num_experts
+        if x <= 0:
+            return
+        gen_key = "sharding.generate_mesh" if s.generate_mesh else "sharding.mesh"
+        for rules_key, rules, mesh_key, mesh in (
+            ("sharding.train_rules", s.train_rules, "sharding.mesh", s.mesh),
+            ("sharding.generate_rules", s.generate_rules, gen_key, s.generate_mesh or s.mesh),
+        ):
+            axes = expert_axes(rules, s) or ()
+            sizes = [mesh.get(a, 1) for a in axes]
+            if not axes or -1 in sizes:
+                continue
+            ways = 1
+            for n in sizes:
+                ways *= n
+            check(
+                x % ways == 0,
+                f"{mesh_key}.{axes[0]}" if len(axes) == 1 else mesh_key,
+                sizes[0] if len(axes) == 1 else dict(mesh),
+                f"{rules_key}={rules} splits the model.num_experts={x} experts over {'x'.join(axes)} = {ways} "
+                f"devices (expert parallelism): must divide {x}",
+            )
 
     def _check_one_step_rewrites(self) -> None:
         """pipeline.proximal_from_update / values_from_critic_update are exact only when the update

@@ -19,7 +19,8 @@ MESH_AXES = ("data", "fsdp", "tensor")  # outermost .. innermost (fastest-changi
 class ShardingConfig:
     mesh: dict[str, int] = field(default_factory=lambda: {"data": -1, "fsdp": 1, "tensor": 1})  # axis -> size, -1 fills
     generate_mesh: dict[str, int] | None = None  # mesh of generation stages; None -> `mesh`
-    train_rules: str = "auto"  # rule preset for training stages (auto|replicated|data|fsdp|tensor|fsdp_tensor|custom)
+    train_rules: str = "auto"  # rule preset for training stages (auto|replicated|data|fsdp|tensor|fsdp_tensor|
+    #   fsdp_expert|fsdp_expert_tensor|custom)
     generate_rules: str = "auto"  # rule preset for generation; auto: see `rules_for_mesh`
     rules: dict[str, Any] = field(default_factory=dict)  # custom presets: name -> [[logical, mesh axes(, policy)], ...]
     overrides: tuple[tuple[str, str], ...] = ()  # (parameter-path regex, tactic or partition), first match wins
@@ -42,9 +43,42 @@ class ShardingConfig:
             check(self.devices_per_node >= 1, key(path, "devices_per_node"), self.devices_per_node, "must be >= 1")
 
 
-# rpeg_jax/sharding/rules.py PRESETS that a priced plan may lift to fit its mesh (fsdp_expert is kept as named)
-BUILTIN_RULES = ("replicated", "data", "fsdp", "tensor", "fsdp_tensor")
+# The built-in rule presets as data ([logical axis, mesh axes(, policy)]; semantics and the table in
+# rpeg_jax/sharding/rules.py, which registers them). Kept here, JAX-free, so that the config checks
+# (an expert split that must divide model.num_experts) and the planner read the same presets.
+_BATCH = [("batch", ("data", "fsdp"))]
+_TENSOR = [("heads", "tensor"), ("kv_heads", "tensor", "replicate"), ("mlp", "tensor"), ("vocab", "tensor")]
+PRESET_DATA: dict[str, list] = {
+    "replicated": [],
+    "data": _BATCH,
+    "fsdp": _BATCH + [("embed", "fsdp")],
+    "tensor": _BATCH + _TENSOR,
+    "fsdp_tensor": _BATCH + _TENSOR + [("embed", "fsdp")],
+    # expert parallelism for a mixture of experts: each fsdp shard holds whole experts (X / fsdp of
+    # them) rather than a slice of every expert, the tokens reach them by an all-to-all
+    # (models/moe.py); the other weights as fsdp (+ tensor)
+    "fsdp_expert": _BATCH + [("expert", "fsdp"), ("embed", "fsdp")],
+    "fsdp_expert_tensor": _BATCH + [("expert", "fsdp")] + _TENSOR + [("embed", "fsdp")],
+}
+# the presets a priced plan may lift to fit its mesh (`rules_for_mesh`): all built-in ones
+BUILTIN_RULES = tuple(PRESET_DATA)
+EXPERT_RULES = ("fsdp_expert", "fsdp_expert_tensor")
 AUTO_BASE = {"train": "fsdp", "generate": "data"}  # what `auto` is on a mesh of data replicas only
+
+
+def expert_axes(rules: str, cfg: ShardingConfig) -> tuple[str, ...] | None:
+    """The mesh axes the rule set named `rules` splits a mixture's `expert` dimension over (its
+    first rule for `expert`; () when it has none), from the built-in presets or the config's own
+    `sharding.rules`; None for a name registered by a plugin (known only at run time)."""
+    data = cfg.rules.get(rules, PRESET_DATA.get(rules))
+    if data is None:
+        return None
+    for item in data:
+        if item[0] == "expert":
+            mesh = item[1]
+            axes = [mesh] if isinstance(mesh, str) else list(mesh or [])
+            return tuple(p for a in axes for p in str(a).split("+") if p)
+    return ()
 
 
 def rules_for_mesh(rules: str, mesh: dict[str, int], role: str, *, priced: bool = False) -> str:
@@ -63,6 +97,8 @@ def rules_for_mesh(rules: str, mesh: dict[str, int], role: str, *, priced: bool 
     if not priced or rules not in BUILTIN_RULES:
         return rules
     d, f, t = (mesh.get(a, 1) > 1 for a in ("data", "fsdp", "tensor"))
+    if rules in EXPERT_RULES:  # expert parallelism over fsdp kept; tensor put to work when there is one
+        return "fsdp_expert_tensor" if t or rules == "fsdp_expert_tensor" else "fsdp_expert"
     if role == "train" and f:
         return "fsdp_tensor" if t or rules == "fsdp_tensor" else "fsdp"
     if t:

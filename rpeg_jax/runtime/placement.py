@@ -77,6 +77,9 @@ class Placement:
                 self.layouts[st.name], self._gen_global[st.name] = _local_generation(sp, cfg, devs)
                 continue
             self.layouts[st.name] = layout_for(sp.mesh, sp.rules, cfg.sharding, devs, role=role)
+            gen_mesh = role == "generate" and cfg.sharding.generate_mesh
+            mesh_key = "sharding.generate_mesh" if gen_mesh else "sharding.mesh"
+            self.layouts[st.name].check_experts(cfg.model.num_experts, mesh_key)
         self.resharder = Resharder()
         self._shardings: dict[tuple[str, str], Any] = {}
         self.offload = Offload.for_run(cfg, jax.local_devices())  # train.offload (runtime/offload.py)

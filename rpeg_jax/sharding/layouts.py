@@ -66,6 +66,28 @@ class StageLayout:
 
         return NamedSharding(self.mesh, self.spec(logical, shape, name))
 
+    def check_experts(self, num_experts: int, key: str) -> None:
+        """A ConfigError naming `key` (the stage's mesh key) when this layout's rules split a
+        mixture's `num_experts` experts over mesh axes whose size does not divide it (expert
+        parallelism; config/run.py checks the meshes the config fixes, this the resolved ones)."""
+        if num_experts <= 0:
+            return
+        sizes = dict(self.mesh.shape)
+        for rule in self.rules.for_axis("expert"):
+            live = tuple(a for a in rule.mesh if sizes.get(a, 1) > 1)
+            ways = 1
+            for a in live:
+                ways *= sizes[a]
+            if num_experts % ways and rule.indivisible == "error":
+                raise ConfigError(
+                    key,
+                    sizes,
+                    f"rules {self.rules.name!r} split the model.num_experts={num_experts} experts over "
+                    f"{'x'.join(live)} = {ways} devices (expert parallelism): must divide {num_experts}",
+                )
+            if num_experts % ways == 0 or rule.indivisible != "next":
+                return
+
     @contextlib.contextmanager
     def activations(self):
         """Within: `axes.constrain` in model code applies this layout's rules; with explicit axis

@@ -28,7 +28,8 @@ Rule presets (`PRESETS`; mesh axes data, fsdp, tensor) are usable for training a
   fsdp_tensor  tensor + `embed` over fsdp
   fsdp_expert  fsdp, with a mixture's `expert` dimension over fsdp (expert parallelism: whole
                experts per device; a mesh axis shards one dimension per array, so their `embed`
-               stays whole)
+               stays whole; the tokens reach their experts by an all-to-all, models/moe.py)
+  fsdp_expert_tensor  fsdp_expert + the tensor rules (each expert's width over tensor too)
 Users add presets with `register_rules(name, data)` (in a plugin module, see tactics.py).
 """
 
@@ -41,6 +42,7 @@ from typing import Any, Iterable, Sequence
 
 from rpeg_jax.config.base import ConfigError
 from rpeg_jax.config.registry import Registry
+from rpeg_jax.config.sharding import PRESET_DATA
 from rpeg_jax.sharding.axes import Axes
 
 POLICIES = ("error", "replicate", "next")
@@ -156,19 +158,8 @@ def resolve(
     return PartitionSpec(*spec)
 
 
-# Batch axes: data-parallel replicas and FSDP shards both split the batch.
-_BATCH = [("batch", ("data", "fsdp"))]
-_TENSOR = [("heads", "tensor"), ("kv_heads", "tensor", "replicate"), ("mlp", "tensor"), ("vocab", "tensor")]
-_PRESET_DATA: dict[str, list] = {
-    "replicated": [],
-    "data": _BATCH,
-    "fsdp": _BATCH + [("embed", "fsdp")],
-    "tensor": _BATCH + _TENSOR,
-    "fsdp_tensor": _BATCH + _TENSOR + [("embed", "fsdp")],
-    # expert parallelism for a mixture of experts: each fsdp shard holds whole experts (X / fsdp of
-    # them) rather than a slice of every expert; the other weights as fsdp
-    "fsdp_expert": _BATCH + [("expert", "fsdp"), ("embed", "fsdp")],
-}
+# The presets' data lives in config/sharding.py (JAX-free: the config checks and the planner read it).
+_PRESET_DATA = PRESET_DATA
 PRESETS = Registry("rule preset", key="sharding.train_rules")  # name -> Rules (config/registry.py)
 for _name, _data in _PRESET_DATA.items():
     PRESETS.register(_name, Rules.from_data(_data, _name), origin=__name__)
