@@ -197,7 +197,6 @@ MOE = [
             MOE + ["rl.routing=replay", "env.name=tools", "env.tools=[calculator]", "data.chat_template=chatml"],
             "rl.routing",
         ),
-        (MOE + ["train.pack_sequences=true"], "train.pack_sequences"),
         (MOE + ["rl.router_aux_loss=-1"], "rl.router_aux_loss"),
     ],
 )
@@ -217,6 +216,7 @@ def test_bad_moe_settings_are_one_line_naming_the_key(overrides, key):
         ("replay", ["rl.routing=replay", "rl.router_aux_loss=0.01"]),
         ("recompute", []),
         ("continuous", ["rl.routing=replay", "rollout.admission=continuous", "pipeline.staleness=1"]),
+        ("packed", ["rl.routing=replay", "train.pack_sequences=true", "rl.router_aux_loss=0.01"]),
     ],
 )
 def test_moe_runs_log_routing(tmp_path, name, extra):
@@ -231,3 +231,36 @@ def test_moe_runs_log_routing(tmp_path, name, extra):
         assert 0.5 < m["moe/routing_agreement"] <= 1.0 + 1e-6 and 0.5 < m["moe/topk_agreement"] <= 1.0 + 1e-6
         if "rl.routing=replay" in extra:
             assert m["moe/routing_agreement"] == pytest.approx(1.0, abs=1e-6)
+        if "train.pack_sequences=true" in extra:  # the update really ran packed rows
+            assert "perf/actor_pack_fill" in m
+
+
+def test_packed_pass_equals_the_plain_pass(moe):
+    """train.pack_sequences on a mixture: the packed forward (runtime/packed_forward.py) gives the
+    plain pass's logprobs at every real response token and the same routing metrics (aux loss,
+    routing and top-k agreement over the same real tokens), under recompute and replay; on the
+    near-tie case of the replay test, so that replay's records visibly reach the packed rows
+    (agreement 1 vs < 0.95 under recompute). The rows really are packed (a row holds two sequences)."""
+    from rpeg_jax.rl import packing
+    from rpeg_jax.runtime.packed_forward import packed_forward_fn
+
+    sampler_model, trainer_model = tied_router(moe, +1.0), tied_router(moe, -1.0)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 64, size=n).tolist() for n in (6, 3, 9, 5)]
+    cfg = SamplerConfig(page_size=4, max_slots=8, chunk_steps=8, max_seq_len=32)
+    params_s = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3)
+    lengths = [[3, 12], [2, 5], [12, 4], [6, 1]]  # varied lengths, so that short sequences share rows
+    c, _, mask = rollout(Sampler(sampler_model, cfg).generate(prompts, params_s, lengths=lengths))
+    plan = {k: v[0] for k, v in packing.forward_plan({k: np.asarray(v) for k, v in c.items()}, 1).items()}
+    assert int(np.max(plan["seg_NxT"])) >= 2  # some packed row holds two sequences
+    graphdef, params = nnx.split(trainer_model, nnx.Param)
+    kw = dict(temperature=1.0, logp=True, entropy=True, values=False, router=True)
+    for routing in ("recompute", "replay"):
+        plain = jax.jit(forward_fn(graphdef, routing=routing, **kw))(params, c)
+        packed = jax.jit(packed_forward_fn(graphdef, routing=routing, **kw))(params, {**c, packing.PLAN_KEY: plan})
+        for name in ("logp", "entropy"):
+            np.testing.assert_allclose(np.asarray(packed[name]) * mask, np.asarray(plain[name]) * mask, atol=2e-5)
+        for name, v in plain["router"].items():
+            np.testing.assert_allclose(float(packed["router"][name]), float(v), rtol=1e-5, err_msg=name)
+        agreement = float(packed["router"]["routing_agreement"])
+        assert agreement == 1.0 if routing == "replay" else agreement < 0.95

@@ -43,7 +43,6 @@ from rpeg_jax.graph.compile import Kernel, KernelRegistry, StageEnv
 from rpeg_jax.graph.ir import StageKind
 from rpeg_jax.models import adapters
 from rpeg_jax.models.logprobs import chunked_logprobs, token_logprobs
-from rpeg_jax.models.moe import load_balancing_loss, routing_agreement
 from rpeg_jax.models.prefix import group_hidden, group_token_logprobs
 from rpeg_jax.rl import (
     batch_metrics,
@@ -59,6 +58,7 @@ from rpeg_jax.rl import (
 from rpeg_jax.rl.layout import merge_rows, split_tree
 from rpeg_jax.runtime.packed_forward import packed_forward_fn
 from rpeg_jax.runtime.rollout import scoring
+from rpeg_jax.runtime.routing import EXPERTS, router_stats
 from rpeg_jax.shapes.packing import prompt_groups_fit
 from rpeg_jax.sharding.axes import explicit_spec
 
@@ -87,28 +87,6 @@ def shared_prompt_groups(c: dict, group_size: int, pieces: int = 1, devices: int
     if r < 2 or tokens.shape[1] <= r or explicit_spec(tokens) is not None:
         return 1
     return group_size
-
-
-EXPERTS = "experts_BxSxLxK"  # the sampler's record of each token's experts (runtime/rollout/layout.py)
-
-
-def router_stats(route: dict, c: dict, k: int) -> dict:
-    """The update forward's routing metrics over the batch's real tokens (segment id > 0), every
-    sparse layer's tokens concatenated as HF does: "aux_loss" (models/moe.load_balancing_loss) and,
-    where the rollout recorded experts, "routing_agreement" (the experts the forward used vs the
-    sampler's, per token and layer: 1 under replay) and "topk_agreement" (the forward's own router
-    top-k vs the sampler's: how far recompute would drift)."""
-    logits = route["logits"]  # [B, S, L, X]
-    X = logits.shape[-1]
-    real = jnp.broadcast_to((c["segment_ids_BxS"] > 0)[:, :, None], logits.shape[:3]).reshape(-1)
-    out = {"aux_loss": load_balancing_loss(logits.reshape(-1, X), k, real)}
-    if EXPERTS in c:
-        rec = c[EXPERTS].reshape(-1, k)
-        valid = real & jnp.all(rec >= 0, axis=-1)
-        own = jax.lax.top_k(logits.reshape(-1, X), k)[1]
-        out["routing_agreement"] = routing_agreement(route["experts"].reshape(-1, k), rec, valid)
-        out["topk_agreement"] = routing_agreement(own, rec, valid)
-    return out
 
 
 def forward_fn(
