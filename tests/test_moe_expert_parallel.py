@@ -97,10 +97,9 @@ def sharded(model, preset, shape, forced=None):
     params_s = jax.device_put(params, layout.params(params))
     tokens_s = jax.device_put(tokens, layout.sharding(("batch", "seq"), tokens.shape))
     with layout.activations():
-        fn = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1)
-        hlo = fn.lower(params_s, graphdef, tokens_s, forced).compile().as_text()
-        out = fn(params_s, graphdef, tokens_s, forced)
-    return out, hlo, params_s
+        compiled = jax.jit(jax.value_and_grad(loss_fn), static_argnums=1).lower(params_s, graphdef, tokens_s, forced)
+        compiled = compiled.compile()
+    return compiled(params_s, tokens_s, forced), compiled.as_text(), params_s
 
 
 def assert_equal(out, ref):
@@ -179,8 +178,8 @@ def test_the_block_alone_equals_the_plain_block_with_gradients(tokens, collectiv
     tok = P(*tokens)
     put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
     args = (put(x, tok), put(w, tok), *(put(a, P("fsdp")) for a in (wg, wu, wd)))
-    fn = jax.jit(jax.value_and_grad(parallel, argnums=(0, 1, 2, 3, 4)))
-    hlo = fn.lower(*args).compile().as_text()
+    fn = jax.jit(jax.value_and_grad(parallel, argnums=(0, 1, 2, 3, 4))).lower(*args).compile()
+    hlo = fn.as_text()
     assert collective in hlo and (collective == "all-to-all") == ("all-to-all" in hlo)
     (v, grads), (rv, rgrads) = fn(*args), jax.value_and_grad(plain, argnums=(0, 1, 2, 3, 4))(x, w, wg, wu, wd)
     np.testing.assert_allclose(float(v), float(rv), rtol=1e-5)
@@ -188,11 +187,12 @@ def test_the_block_alone_equals_the_plain_block_with_gradients(tokens, collectiv
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4, err_msg=name)
 
 
-def test_sampler_with_experts_split_and_pool_sharded_equals_one_device(monkeypatch):
+@pytest.mark.parametrize("forward", ["model", pytest.param("split", marks=pytest.mark.slow)])
+def test_sampler_with_experts_split_and_pool_sharded_equals_one_device(monkeypatch, forward):
     """The paged sampler on tests/fixtures/hf/qwen3_moe_tiny (4 experts, top-2) with its experts
     split over fsdp = 2 (the fsdp_expert preset) and the KV pool over data = 2: greedy tokens,
     logprobs and the recorded experts equal the single-device sampler's, for the model's own
-    forward and the split forward; the expert-parallel block really ran (tokens replicated over
+    forward and (slow) the split forward; the expert-parallel block really ran (tokens replicated over
     the expert axis: each device runs its own experts' pairs, then a psum)."""
     from rpeg_jax.models import load_hf, moe
     from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
@@ -216,20 +216,18 @@ def test_sampler_with_experts_split_and_pool_sharded_equals_one_device(monkeypat
         return out
 
     monkeypatch.setattr(moe, "experts_mlp_parallel", counting)
-    for forward in ("model", "split"):
-        cfg = dataclasses.replace(base, forward=forward, attention="chunk")
-        ref = Sampler(model, cfg).generate(prompts, greedy)
-        assert not ran  # one device: the plain block
-        sampler = Sampler(placed, cfg)
-        assert sampler.stats()["pool_shards"] == 2
-        out = sampler.generate(prompts, greedy)
-        assert ran and all(ran), forward
-        ran.clear()
-        for o, r in zip(out, ref, strict=True):
-            for c, d in zip(o.completions, r.completions, strict=True):
-                assert c.tokens.tolist() == d.tokens.tolist()
-                np.testing.assert_allclose(c.logprobs, d.logprobs, atol=1e-5, rtol=0)
-                np.testing.assert_array_equal(np.sort(c.experts, -1), np.sort(d.experts, -1))
+    cfg = dataclasses.replace(base, forward=forward, attention="chunk")
+    ref = Sampler(model, cfg).generate(prompts, greedy)
+    assert not ran  # one device: the plain block
+    sampler = Sampler(placed, cfg)
+    assert sampler.stats()["pool_shards"] == 2
+    out = sampler.generate(prompts, greedy)
+    assert ran and all(ran)
+    for o, r in zip(out, ref, strict=True):
+        for c, d in zip(o.completions, r.completions, strict=True):
+            assert c.tokens.tolist() == d.tokens.tolist()
+            np.testing.assert_allclose(c.logprobs, d.logprobs, atol=1e-5, rtol=0)
+            np.testing.assert_array_equal(np.sort(c.experts, -1), np.sort(d.experts, -1))
 
 
 MOE_KEYS = ["model.arch=qwen3_moe", "model.num_experts=6", "model.qk_norm=true"]
