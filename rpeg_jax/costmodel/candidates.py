@@ -212,7 +212,9 @@ def _alloc_rows(
     fw_times, fw_m, fw_micros = _best_forward(st, n_train, lay, [m for _, m in fwd_models], fw_only)
     ft = lay[:, 1] * lay[:, 2]  # parameter shards of a layout (fsdp × tensor)
     state = sum(OFF.resident_bytes(roles.offload, m) for m in trained) / ft  # [i]
-    ref_res = (roles.ref.weight_bytes() / ft) if roles.ref else np.zeros(len(lay))  # [j]
+    # the reference's weights in its forward layout; with LoRA the reference is the actor's frozen
+    # base, already resident in the training state (runtime/setup.py: no second copy)
+    ref_res = (roles.ref.weight_bytes() / ft) if roles.ref and not actor.adapters else np.zeros(len(lay))  # [j]
     ref_fetched = ref_res if OFF.offloads_reference(roles.offload) else np.zeros(len(lay))  # on device in its forward
     ref_res = ref_res - ref_fetched
     rollout = actor.weight_bytes() / gl  # [g]
@@ -284,6 +286,8 @@ def _alloc_rows(
     gen_mem_sync = S.generate_memory(st, actor, t_g, np.minimum(slots, n_rep), reps) + others
     peak_up = resident + up_m[I, up_pick]
     peak_fw = resident + copies + fw_m[J, fw_pick]
+    if actor.adapters:  # LoRA: the weight sync merges into a new copy of the base (training layout)
+        peak_up = np.maximum(peak_up, resident + actor.weight_bytes(actor.param_bytes_per) / ft[I])
     peak = np.maximum(np.maximum(peak_up, peak_fw), gen_mem)
     peak_sync = np.maximum(np.maximum(peak_up, peak_fw), gen_mem_sync)
     lo = Layouts(

@@ -68,6 +68,9 @@ class ModelShape:
     k: int = 0  # experts per token
     Fe: int = 0  # an expert's SwiGLU width
     Ls: int = 0  # sparse layers
+    adapters: int = 0  # model.lora: the adapters' parameters, the only ones trained (0: every parameter)
+    merged: int = 0  # model.lora: the base parameters the targeted projections hold (a merge rewrites them)
+    lora_rank: int = 0  # model.lora.rank
 
     @staticmethod
     def of(m: ModelDims) -> ModelShape:
@@ -250,9 +253,17 @@ class ModelShape:
     def weight_bytes(self, dtype_bytes: int | None = None) -> float:
         return float(self.num_params * (dtype_bytes or self.act_bytes_per))
 
+    @property
+    def trained_params(self) -> int:
+        """Parameters with gradients and optimizer state: the LoRA adapters, else all of them."""
+        return self.adapters or self.num_params
+
     def resident_state_bytes(self) -> float:
         """What a trained model keeps between steps: params + Adam m, v in the parameter dtype
-        (optax keeps the moments in it)."""
+        (optax keeps the moments in it). With LoRA (`adapters`): the frozen base in the parameter
+        dtype (runtime/setup.py builds it as the plain model), the adapters and their m, v."""
+        if self.adapters:
+            return (self.num_params + 3.0 * self.adapters) * self.param_bytes_per
         return 3.0 * self.num_params * self.param_bytes_per
 
     def update_state_bytes(self, micro=1):
@@ -270,11 +281,16 @@ class ModelShape:
         full precision (a = p, the CPU runs the calibration measured), our rl/update.py as XLA
         compiles it: the gradients (N·p); the new m and v beside the old ones (its NaN guard selects
         between them, so the update cannot happen in place: UPDATE_COPIES·N·p); a float32
-        accumulator (4·N) with micro-batches > 1."""
+        accumulator (4·N) with micro-batches > 1.
+
+        With LoRA (`adapters`) the frozen base has no gradient, no optimizer state and no guarded
+        copies: the trained-parameter terms count the adapters only (the compute-dtype copy of the
+        weights the passes read stays whole)."""
+        n = self.trained_params
         if self.mixed_precision:
-            return 2.0 * self.num_params * self.act_bytes_per + 0.0 * np.asarray(micro, np.float64)
-        acc = np.where(np.asarray(micro) > 1, 4.0 * self.num_params, 0.0)
-        return (1.0 + UPDATE_COPIES) * self.num_params * self.param_bytes_per + acc
+            return (n + self.num_params) * self.act_bytes_per + 0.0 * np.asarray(micro, np.float64)
+        acc = np.where(np.asarray(micro) > 1, 4.0 * n, 0.0)
+        return (1.0 + UPDATE_COPIES) * n * self.param_bytes_per + acc
 
     def act_bytes_per_token_layer(self, t, remat: str, dense_scores_ctx=0.0, score_arrays: int = 2, e=1):
         """Activation bytes a layer saves for backward per token (Korthikanti-style count for

@@ -256,8 +256,12 @@ def train_stage(
         busy,
         trainer=True,
     )
-    passes = 1.0 + REMAT_EXTRA_FWD[remat] + 2.0 * hw.efficiency.backward_factor
-    flops = epochs * (3.0 + REMAT_EXTRA_FWD[remat]) * fwd
+    # LoRA (ms.adapters): the backward still runs through the frozen weights to the activations
+    # (dx) but forms no weight gradient for them: one forward's work instead of two (the adapters'
+    # own products, rank r, are not counted, as in shapes/flops)
+    bwd = 1.0 if ms.adapters else 2.0
+    passes = 1.0 + REMAT_EXTRA_FWD[remat] + bwd * hw.efficiency.backward_factor
+    flops = epochs * (1.0 + bwd + REMAT_EXTRA_FWD[remat]) * fwd
     core, mm, ewt = epochs * passes * f_core, epochs * passes * f_mm, epochs * passes * f_ew
     # Collectives per micro-batch: FSDP gathers each layer twice (forward, backward) and
     # reduce-scatters its gradient; TP all-reduces 2 activations per layer per direction. Mixed
@@ -265,12 +269,13 @@ def train_stage(
     # (ModelShape.gather_bytes_per / grad_bytes_per).
     layer_p = ms.gathered_layer_params(e) if ms.X else ms.layer_params  # expert parallelism: experts stay put
     gather = ms.L * collective_time(hw, "all_gather", layer_p * ms.gather_bytes_per / t, f, t)
-    scatter = ms.L * collective_time(hw, "reduce_scatter", layer_p * ms.grad_bytes_per / t, f, t)
+    grad_p = ms.adapters / ms.L if ms.adapters else layer_p  # LoRA: the adapters' gradients only
+    scatter = ms.L * collective_time(hw, "reduce_scatter", grad_p * ms.grad_bytes_per / t, f, t)
     n_tp = 4.0 + (2.0 if remat == "full" else 0.0)
     tp = n_tp * ms.L * collective_time(hw, "all_reduce", tok_mb * ms.D * ms.act_bytes_per, t, 1)
     if ms.X:  # the expert-parallel dispatch and combine: on the critical path, like the TP all-reduces
         tp = tp + expert_a2a_time(hw, ms, tok_mb, e, t, backward=True, remat=remat)
-    dp = collective_time(hw, "all_reduce", ms.num_params * ms.grad_bytes_per / (f * t), d, f * t)
+    dp = collective_time(hw, "all_reduce", ms.trained_params * ms.grad_bytes_per / (f * t), d, f * t)
     # Scanned layers gather each layer inside the loop, forward and backward, per micro-batch.
     # Unrolled layers: the whole model is gathered once per optimizer step and held (the gather
     # is loop-invariant, XLA hoists it out of the micro-batch loop; memory: pass_weight_bytes).
@@ -278,7 +283,7 @@ def train_stage(
     fsdp, tp, dp = fsdp * ovh, tp * ovh, dp * ovh  # shared host: every device's copies on the same cores
     overl = epochs * (fsdp + minibatches * dp)
     comm = _exposed(hw, core, overl, epochs * n_mb * tp)
-    opt_bytes = hw.efficiency.update_streams * ms.num_params * ms.param_bytes_per / (f * t)
+    opt_bytes = hw.efficiency.update_streams * ms.trained_params * ms.param_bytes_per / (f * t)
     opt = epochs * minibatches * mem_time(hw, opt_bytes, bw, busy)
     over = epochs * (minibatches * hw.efficiency.dispatch_s + passes * n_mb * ms.L * hw.efficiency.layer_s * ovh)
     total = core + comm + opt + over
@@ -623,7 +628,21 @@ def weight_sync_stage(st: Setting, ms: ModelShape, *, colocated: bool, shards_tr
         move = reshard_time(hw, w, shards_train, t_g, n_train) + cast
     else:
         move = transfer_time(hw, w, n_train, n_gen, t_g)
-    return weight_sync_time(hw, w, move)
+    return weight_sync_time(hw, w, move + lora_merge_time(hw, ms, shards_train))
+
+
+def lora_merge_time(hw: HardwareProfile, ms: ModelShape, shards_train):
+    """model.lora: the sync first merges the adapters into a new copy of the base in the training
+    layout (runtime/setup.merge_adapters: W + s A B, the plain model's parameters): every parameter
+    read and written once in the parameter dtype, per device over its `shards_train` shards, plus
+    the rank-r products 2·r·in·out of the targeted projections (memory-bound: r/4 FLOPs per byte
+    at float32). Then the merged model moves as a full one would (weight_sync_stage). 0 without LoRA."""
+    if not ms.adapters:
+        return 0.0
+    shards = np.asarray(shards_train, np.float64)
+    nbytes = 2.0 * ms.num_params * ms.param_bytes_per / shards
+    flops = 2.0 * ms.lora_rank * ms.merged / shards
+    return np.maximum(nbytes / hw.device.memory_bw, flops / hw.peak(ms.dtype))
 
 
 def elementwise_stage(st: Setting, busy, arrays: int = 6):
