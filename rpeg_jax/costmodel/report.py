@@ -81,7 +81,8 @@ def _layout(p: Prediction) -> str:
 LAYOUT_LEGEND = [
     "  util: the plan's own model FLOPs per second over the devices' peak (predicted); layout: placement,",
     "  device groups (all256 / gen128+train128), generation tp<tensor>x<replicas> with its sampler slots and",
-    "  rollout.admission, the update's and the scoring forwards' meshes d<data>f<fsdp>t<tensor> with their",
+    "  rollout.admission, the update's and the scoring forwards' meshes d<data>f<fsdp>t<tensor> (e<n>: a",
+    "  mixture's experts over fsdp, expert-parallel) with their",
     "  micro-batches mb<n> and rematerialisation (none | dots | full), then the structural knobs: staleness k,",
     "  share (one actor-critic backbone), fuse, elide (sampler logprobs as pi_old), pieces (streamed generation)",
 ]

@@ -23,6 +23,11 @@ all-to-all of the dispatch (`a2a_bytes`: the runtime's dropless buffers, e desti
 of D) and one of the combine, forward and backward; its expert activations run on the e·N·k
 buffer rows (`act_bytes_per_token_layer(e=)`). docs/costmodel.md.
 
+LoRA (model.lora: `adapters` trained parameters beside the frozen base, costmodel/context.with_lora):
+the resident state is the base in the parameter dtype plus the adapters and their Adam moments,
+gradients and optimizer streams count the adapters only (`trained_params`); stages.py prices the
+update's backward without the base's weight gradients and the sync's merge.
+
 Callers: costmodel/stages.py (stage times), candidates.py (memory), planner.py, fit.py,
 microfit.py, calibration/stages.py, tests.
 """
