@@ -143,3 +143,13 @@ def test_the_planner_chooses_expert_parallelism_where_it_pays():
     assert again.step_time_s == pytest.approx(short.step_time_s, rel=1e-9)
     p1 = search(load_config("configs/p1.yaml", ["model.preset=qwen3-30b-a3b", "train.pack_sequences=false"]), 8, GH)
     assert p1.chosen.layout["train"]["experts"] == 1 and p1.chosen.layout["forward"]["experts"] == 1
+
+
+def test_a_dense_model_has_no_expert_degree():
+    """A dense model's candidates are the (d, f, t) rows as before (e = fe = 1) and its plans carry
+    no expert fields or rules: their JSON is what it was before expert parallelism was priced."""
+    cfg = load_config("configs/p1.yaml", ["model.preset=qwen2-1.5b"])
+    res = search(cfg, 8, GH)
+    p = res.chosen
+    assert "experts" not in p.layout["train"] and "experts" not in p.layout["forward"]
+    assert not any(s.rules.startswith("fsdp_expert") for s in p.plan.stages)
