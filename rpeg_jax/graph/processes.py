@@ -14,7 +14,7 @@ that fails is returned: one line naming the key and the value):
     data.prompts_per_step  a multiple of P: each process generates whole groups, its share (the
                            sampler's slots, the engine's groups per step and the prompt offsets are
                            prompts_per_step // P per process); the message names the fix: the next
-                           multiple of P, or the most processes dividing both prompts and devices
+                           multiple of P
     rl.filter_groups       none, or rollout.admission=continuous: under step admission each process
                            would refill its share in its own number of rounds (and only one process's
                            stream cursor would reach the checkpoint); under continuous admission every
@@ -88,11 +88,12 @@ def why_not(cfg: RunConfig, processes: int, num_devices: int, runs: Runs | None 
     procs = f"with {P} processes"
     prompts = cfg.data.prompts_per_step
     if prompts % P:
+        # the fix is the prompt count: fewer processes would need a process to own devices of
+        # several nodes (one per node is the fewest a cluster launches)
         up = -(-prompts // P) * P
-        fewer = max(p for p in range(1, P + 1) if prompts % p == 0 and N % p == 0)
         why = (
-            f"must be a multiple of the {P} processes (each generates whole groups of its share): raise "
-            f"data.prompts_per_step to {up}, or run {fewer} processes (costmodel.processes, rpeg plan --processes)"
+            f"must be a multiple of the {P} processes (each generates whole groups of its share): "
+            f"raise data.prompts_per_step to {up}"
         )
         return Illegal("data.prompts_per_step", prompts, why)
     admission = runs.admission or cfg.rollout.admission
