@@ -101,3 +101,14 @@ def test_the_reference_is_the_base_and_the_sync_merges():
         kw = dict(colocated=True, shards_train=shards, t_g=4, n_train=8, n_gen=8)
         extra = float(S.weight_sync_stage(ctx.st, ms, **kw)) - float(S.weight_sync_stage(ctx.st, plain, **kw))
         assert extra == pytest.approx(merge, rel=1e-9)
+
+
+@pytest.mark.parametrize("targets", [ALL, ("q_proj", "v_proj"), ("down_proj", "k_proj")])
+def test_adapter_count_matches_the_runtime_shapes(targets):
+    """Against the adapters' shapes as the runtime derives them from HF's layouts
+    (models/lora.target_shapes: A [L, r, in], B [L, out, r]) on a GQA model with an odd MLP width."""
+    from rpeg_jax.models.lora import target_shapes
+
+    m = model_preset("tiny", hidden_size=96, num_heads=6, num_kv_heads=2, intermediate_size=200, num_layers=3)
+    want = sum(int(np.prod(a)) + int(np.prod(b)) for a, b in (target_shapes(m, t, 8) for t in targets))
+    assert lora_params(Dims.of(m), 8, targets) == want

@@ -45,6 +45,10 @@ from rpeg_jax.shapes.logits import chunk_elements
 
 UPDATE_COPIES = 2  # new m, v held beside the old ones by rl/update.py's NaN guard (the new params
 #                   fuse into its select); measured with XLA's memory analysis on CPU
+LORA_BASE_COPIES = 1  # a full-precision LoRA update holds one copy of the frozen base beside it (the
+#                   backward to the activations reads W transposed): bench/lora.py's RL update on CPU,
+#                   46M model r16, 545.8 MiB args+temps+outputs measured, 376.5 MiB priced without it,
+#                   551.7 with it (bench/NOTES.md session 21)
 
 
 def default_scanned(num_layers: int) -> bool:
@@ -290,12 +294,15 @@ class ModelShape:
 
         With LoRA (`adapters`) the frozen base has no gradient, no optimizer state and no guarded
         copies: the trained-parameter terms count the adapters only (the compute-dtype copy of the
-        weights the passes read stays whole)."""
+        weights the passes read stays whole). At full precision a LoRA update also holds one copy
+        of the frozen base (LORA_BASE_COPIES: the backward's dx reads it transposed; measured with
+        XLA's memory analysis on CPU, bench/NOTES.md session 21)."""
         n = self.trained_params
         if self.mixed_precision:
             return (n + self.num_params) * self.act_bytes_per + 0.0 * np.asarray(micro, np.float64)
         acc = np.where(np.asarray(micro) > 1, 4.0 * n, 0.0)
-        return (1.0 + UPDATE_COPIES) * n * self.param_bytes_per + acc
+        base = LORA_BASE_COPIES * self.num_params * self.param_bytes_per if self.adapters else 0.0
+        return (1.0 + UPDATE_COPIES) * n * self.param_bytes_per + acc + base
 
     def act_bytes_per_token_layer(self, t, remat: str, dense_scores_ctx=0.0, score_arrays: int = 2, e=1):
         """Activation bytes a layer saves for backward per token (Korthikanti-style count for
