@@ -420,6 +420,8 @@ def test_packed_updates_are_priced_on_the_consumed_batches():
         fd=one,
         ff=one,
         ft=one,
+        e=one,
+        fe=one,
         micro=one,
         remat=np.array([0]),
         fmicro=one,

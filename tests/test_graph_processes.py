@@ -54,6 +54,16 @@ def test_each_rule_is_one_line_naming_the_key_and_value(over, processes, runs, l
     assert isinstance(bad.error(), ConfigError) and isinstance(bad.error(), GraphError)
 
 
+def test_a_prompt_count_processes_cannot_share_names_the_fix():
+    """Issue 31: 32 prompts on 256 GH200's 64 processes: the line says which value would run (the
+    next multiple of P), and it does."""
+    bad = why_not(cfg_of("data.prompts_per_step=32"), 64, 256, Runs())
+    assert _line(bad).endswith("(each generates whole groups of its share): raise data.prompts_per_step to 64")
+    assert why_not(cfg_of("data.prompts_per_step=64"), 64, 256, Runs()) is None
+    assert _line(why_not(cfg_of("data.prompts_per_step=6"), 4, 8, Runs())).endswith("to 8")
+    assert why_not(cfg_of("data.prompts_per_step=8"), 4, 8, Runs()) is None
+
+
 def test_rules_are_judged_in_order_and_unjudged_parts_pass():
     cfg = cfg_of("rl.filter_groups=zero_variance")
     both = Runs(admission="step", placement="split", gen_tensor=2)

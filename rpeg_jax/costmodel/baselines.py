@@ -72,9 +72,9 @@ def baseline(ctx: Context, name: str, cache: dict) -> Prediction | None:
     tab = family_table(ctx, g, "colocated", cache, ours=False)  # their own engines' layouts
     if tab is None:
         return None
-    mask = np.ones(len(tab), bool)
+    mask = (tab.e == 1) & (tab.fe == 1)  # no expert parallelism (verl's FSDP backend; ReaL has none)
     if name == "verl_like":  # FSDP training (no tensor axis), one layout for the forwards and the updates
-        mask = (tab.t == 1) & (tab.d == tab.fd) & (tab.f == tab.ff) & (tab.t == tab.ft)
+        mask &= (tab.t == 1) & (tab.d == tab.fd) & (tab.f == tab.ff) & (tab.t == tab.ft)
     out = None
     if mask.any():
         sub = tab.take(np.nonzero(mask)[0])
@@ -115,6 +115,7 @@ def _sub_forward(ctx: Context, ms: ModelShape, n_sub: int, tab: Table, src_shard
     sub-mesh, and the layout (d, f, t)."""
     st, hw = ctx.st, ctx.hw
     lay = C.layouts(n_sub, st.B, ms, ctx.cfg.costmodel.tensor_sizes)
+    lay = lay[lay[:, 3] == 1]  # no expert parallelism (as the baseline's other calls)
     rows = len(tab)
     if not len(lay):
         return np.full(rows, np.inf), np.full(rows, np.inf), np.zeros((rows, 3), np.int64)
@@ -146,6 +147,8 @@ def real_concurrent(ctx: Context, cache: dict):
     tab = family_table(ctx, g0, "colocated", cache, ours=False)
     if tab is None:
         return None
+    if (tab.e > 1).any() or (tab.fe > 1).any():  # no expert parallelism in ReaL's space
+        tab = tab.take(np.nonzero((tab.e == 1) & (tab.fe == 1))[0])
     tab = tab.take(prune(tab, ctx, g0, KEEP_ROWS))
     roles = roles_of(ctx, g0)
     model_of = {

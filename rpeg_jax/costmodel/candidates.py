@@ -58,7 +58,9 @@ def divisors(n: int) -> list[int]:
 
 
 def layouts(n: int, B: int, ms: ModelShape, tensor_sizes) -> np.ndarray:
-    """(d, f, t) rows with d·f·t = n, t dividing heads and mlp, d·f dividing the batch."""
+    """(d, f, t, e) rows with d·f·t = n, t dividing heads and mlp, d·f dividing the batch; e the
+    expert degree (1, or for a mixture of experts f when it divides the experts:
+    ModelShape.expert_degrees)."""
     rows = []
     for t in tensor_sizes:
         if n % t or ms.H % t or any(w % t for w in ms.mlp_widths):
@@ -66,8 +68,8 @@ def layouts(n: int, B: int, ms: ModelShape, tensor_sizes) -> np.ndarray:
         for f in divisors(n // t):
             d = n // (t * f)
             if B % (d * f) == 0:
-                rows.append((d, f, t))
-    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+                rows.extend((d, f, t, e) for e in ms.expert_degrees(f))
+    return np.array(rows, dtype=np.int64).reshape(-1, 4)
 
 
 def gen_layouts(n: int, B: int, ms: ModelShape, tensor_sizes) -> np.ndarray:
@@ -88,7 +90,7 @@ def quantize_slots(slots: np.ndarray, n_rep: np.ndarray) -> np.ndarray:
 def _best_train(st, roles: Roles, busy, lay: np.ndarray, trained: list[ModelShape], only=None):
     """Per training layout and (micro, remat) option: summed update time and transient bytes.
     `only`: that one (micro, remat) option (a given plan's settings), else every one."""
-    d, f, t = (lay[:, i : i + 1].astype(np.float64) for i in range(3))
+    d, f, t, e = (lay[:, i : i + 1].astype(np.float64) for i in range(4))
     opts = [only] if only is not None else [(m, r) for r in REMATS for m in MICROS]
     micro = np.array([o[0] for o in opts], np.float64)[None, :]
     time = np.zeros((len(lay), len(opts)))
@@ -107,9 +109,10 @@ def _best_train(st, roles: Roles, busy, lay: np.ndarray, trained: list[ModelShap
                 remat=r,
                 epochs=roles.epochs,
                 minibatches=roles.minibatches,
+                **_ep(ms, e),
             )
             mem = S.train_memory(
-                st, ms, d=d, f=f, t=t, micro=micro[:, cols], remat=r, minibatches=roles.minibatches
+                st, ms, d=d, f=f, t=t, micro=micro[:, cols], remat=r, minibatches=roles.minibatches, **_ep(ms, e)
             ) - ms.resident_state_bytes() / (f * t)
             mem = OFF.update_transient(roles.offload, ms, mem, f, t, micro[:, cols], roles.epochs * roles.minibatches)
             time[:, cols] += tt
@@ -120,8 +123,14 @@ def _best_train(st, roles: Roles, busy, lay: np.ndarray, trained: list[ModelShap
     return time, trans, opts
 
 
+def _ep(ms: ModelShape, e) -> dict:
+    """The expert degree argument of a stage price: only for a mixture of experts (a dense model's
+    prices take none, so they stay what they were)."""
+    return {"e": e} if ms.X else {}
+
+
 def _best_forward(st, busy, lay: np.ndarray, models: list[ModelShape], only=None):
-    d, f, t = (lay[:, i : i + 1].astype(np.float64) for i in range(3))
+    d, f, t, e = (lay[:, i : i + 1].astype(np.float64) for i in range(4))
     # rl.forward_micro_batches tried (runtime/kernels.scoring_fn's loop); `only`: that one
     micros = [only] if only is not None else list(MICROS)
     micro = np.array(micros, np.float64)[None, :]
@@ -130,9 +139,9 @@ def _best_forward(st, busy, lay: np.ndarray, models: list[ModelShape], only=None
     times = []
     trans = np.zeros((len(lay), len(micros)))
     for ms in models:
-        tt, _ = S.forward_stage(st, ms, busy=busy, d=d, f=f, t=t, micro=micro)
+        tt, _ = S.forward_stage(st, ms, busy=busy, d=d, f=f, t=t, micro=micro, **_ep(ms, e))
         times.append(np.where(valid, tt, INF))
-        trans = np.maximum(trans, S.forward_memory(st, ms, d=d, f=f, t=t, micro=micro))
+        trans = np.maximum(trans, S.forward_memory(st, ms, d=d, f=f, t=t, micro=micro, **_ep(ms, e)))
     return times, trans, micros
 
 
@@ -203,7 +212,9 @@ def _alloc_rows(
     fw_times, fw_m, fw_micros = _best_forward(st, n_train, lay, [m for _, m in fwd_models], fw_only)
     ft = lay[:, 1] * lay[:, 2]  # parameter shards of a layout (fsdp × tensor)
     state = sum(OFF.resident_bytes(roles.offload, m) for m in trained) / ft  # [i]
-    ref_res = (roles.ref.weight_bytes() / ft) if roles.ref else np.zeros(len(lay))  # [j]
+    # the reference's weights in its forward layout; with LoRA the reference is the actor's frozen
+    # base, already resident in the training state (runtime/setup.py: no second copy)
+    ref_res = (roles.ref.weight_bytes() / ft) if roles.ref and not actor.adapters else np.zeros(len(lay))  # [j]
     ref_fetched = ref_res if OFF.offloads_reference(roles.offload) else np.zeros(len(lay))  # on device in its forward
     ref_res = ref_res - ref_fetched
     rollout = actor.weight_bytes() / gl  # [g]
@@ -275,6 +286,8 @@ def _alloc_rows(
     gen_mem_sync = S.generate_memory(st, actor, t_g, np.minimum(slots, n_rep), reps) + others
     peak_up = resident + up_m[I, up_pick]
     peak_fw = resident + copies + fw_m[J, fw_pick]
+    if actor.adapters:  # LoRA: the weight sync merges into a new copy of the base (training layout)
+        peak_up = np.maximum(peak_up, resident + actor.weight_bytes(actor.param_bytes_per) / ft[I])
     peak = np.maximum(np.maximum(peak_up, peak_fw), gen_mem)
     peak_sync = np.maximum(np.maximum(peak_up, peak_fw), gen_mem_sync)
     lo = Layouts(
@@ -287,6 +300,8 @@ def _alloc_rows(
         fd=lay[J, 0],
         ff=lay[J, 1],
         ft=lay[J, 2],
+        e=lay[I, 3],
+        fe=lay[J, 3],
         micro=np.array([up_opts[k][0] for k in up_pick]),
         remat=np.array([REMATS.index(up_opts[k][1]) for k in up_pick]),
         fmicro=np.array([fw_micros[k] for k in fw_pick]),
@@ -297,7 +312,7 @@ def _alloc_rows(
         name: _train_rows(st, ms, n_train, lo, roles) + moves[name] for name, ms in zip(("actor", "critic"), trained)
     }
     t_fwd = {
-        name: S.forward_stage(st, ms, busy=n_train, d=lo.fd, f=lo.ff, t=lo.ft, micro=lo.fmicro)[0]
+        name: S.forward_stage(st, ms, busy=n_train, d=lo.fd, f=lo.ff, t=lo.ft, micro=lo.fmicro, **_ep(ms, lo.fe))[0]
         + fetch.get(name, 0.0)
         for name, ms in fwd_models
     }
@@ -387,7 +402,9 @@ def consumed_side(st: S.Setting, roles: Roles, n_train: int, lo, k: int, slots) 
         for name, ms in zip(("actor", "critic"), trained):
             t_upd[name][sel] = _train_rows(sc, ms, n_train, sub, roles) + moves[name][sel]
         for name, ms in fwd_models:
-            t_f = S.forward_stage(sc, ms, busy=n_train, d=sub.fd, f=sub.ff, t=sub.ft, micro=sub.fmicro)[0]
+            t_f = S.forward_stage(
+                sc, ms, busy=n_train, d=sub.fd, f=sub.ff, t=sub.ft, micro=sub.fmicro, **_ep(ms, sub.fe)
+            )[0]
             t_fwd[name][sel] = t_f + (fetch[name][sel] if name in fetch else 0.0)
         t_adv[sel] = float(S.elementwise_stage(sc, n_train))
     return TrainSide(t_upd=t_upd, t_fwd=t_fwd, t_adv=t_adv)
@@ -429,5 +446,6 @@ def _train_rows(st, ms, busy, lo, roles: Roles) -> np.ndarray:
                 remat=r,
                 epochs=roles.epochs,
                 minibatches=roles.minibatches,
+                **_ep(ms, lo.e[idx]),
             )[0]
     return out

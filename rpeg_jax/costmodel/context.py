@@ -13,6 +13,8 @@ Callers: costmodel/planner.py, scoring.py, baselines.py, pricing.py, tests. No J
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from rpeg_jax.config.pipeline import PipelineConfig
@@ -29,6 +31,7 @@ from rpeg_jax.graph.ir import Graph, GraphError, Op
 from rpeg_jax.graph.passes import apply_pipeline
 from rpeg_jax.graph.processes import Runs, why_not
 from rpeg_jax.shapes import buckets
+from rpeg_jax.shapes.flops import lora_params, lora_target_params
 
 FORCED_SAMPLES = 4096  # draws standing for rollout.forced_lengths' distribution
 
@@ -131,12 +134,26 @@ def roles_of(ctx: Context, graph: Graph) -> C.Roles:
                 models.setdefault(m.role, ModelShape.of(m))
     rl = ctx.cfg.rl
     return C.Roles(
-        actor=models["actor"],
+        actor=with_lora(models["actor"], ctx.cfg.model.lora),
         critic=models.get("critic"),
         ref=models.get("reference"),
         epochs=rl.ppo_epochs,
         minibatches=rl.minibatches,
         offload=ctx.cfg.train.offload,
+    )
+
+
+def with_lora(ms: ModelShape, lora) -> ModelShape:
+    """The actor's shape with model.lora's adapters (rank 0: itself): only they train
+    (ModelShape.adapters), the targeted projections' base parameters are what a merge rewrites."""
+    if not lora.rank:
+        return ms
+    d = ms.dims
+    return dataclasses.replace(
+        ms,
+        adapters=lora_params(d, lora.rank, lora.targets),
+        merged=lora_target_params(d, lora.targets),
+        lora_rank=lora.rank,
     )
 
 

@@ -70,7 +70,7 @@ def transfer_seconds(nbytes, bw):
 def opt_state_bytes(ms: ModelShape) -> float:
     """Adam m and v of a model, whole (the cost model keeps them in the parameter dtype, as
     ModelShape.resident_state_bytes does)."""
-    return 2.0 * ms.num_params * ms.param_bytes_per
+    return 2.0 * ms.trained_params * ms.param_bytes_per
 
 
 def resident_bytes(offload: str, ms: ModelShape) -> float:
@@ -101,7 +101,7 @@ def update_transient(offload: str, ms: ModelShape, plain, f, t, micro, steps: in
     state = opt_state_bytes(ms) / ft
     if steps != 1:
         return plain + state  # fetched at the start, held to the end
-    n = ms.num_params / ft
+    n = ms.trained_params / ft  # with LoRA the adapters only
     if ms.mixed_precision:  # ModelShape.update_state_bytes: gradients (compute dtype), no guarded copies
         new, acc = 0.0, 0.0
     else:  # the guarded new m, v beside the old ones; the float32 accumulator when micro-batching

@@ -19,7 +19,7 @@ from rpeg_jax.config.run import RunConfig
 from rpeg_jax.costmodel.candidates import REMATS, consumed_side
 from rpeg_jax.costmodel.context import make_context, roles_of
 from rpeg_jax.costmodel.devices import resolve
-from rpeg_jax.costmodel.scoring import GEN_SIDE, TRAIN_SIDE, family_table, option_graphs, periods, predict
+from rpeg_jax.costmodel.scoring import EXPERT_RULES, GEN_SIDE, TRAIN_SIDE, family_table, option_graphs, periods, predict
 from rpeg_jax.costmodel.space import families, structural_options
 from rpeg_jax.costmodel.stages import continuous_stage
 from rpeg_jax.costmodel.table import Table, TrainSide
@@ -97,6 +97,8 @@ def price_layout(
         "fd": fw["data"],
         "ff": fw["fsdp"],
         "ft": fw["tensor"],
+        "e": tr.get("experts", 1),
+        "fe": fw.get("experts", 1),
     }
     if tab is None:
         raise GraphError("plan", f"no candidate of the model matches the layout {want}")
@@ -201,6 +203,8 @@ def _layout_of(plan: Plan, pipe, cfg: RunConfig) -> dict:
         kinds = {p.kind for p in (st.parts or (st,))}
         sp = plan.stage(st.name)
         m = {k: sp.mesh.get(k, 1) for k in ("data", "fsdp", "tensor")}
+        if sp.rules in EXPERT_RULES and cfg.model.num_experts:  # expert parallelism over fsdp
+            m["experts"] = m["fsdp"]
         out["groups"][sp.group] = plan.group(sp.group).size
         if kinds <= GEN_SIDE:
             out["generate"]["tensor"] = m["tensor"]
@@ -209,5 +213,5 @@ def _layout_of(plan: Plan, pipe, cfg: RunConfig) -> dict:
         elif not kinds & TRAIN_SIDE:
             out["forward"].update(m)
     if "data" not in out["forward"]:  # no separate scoring forward: the training mesh
-        out["forward"].update({k: out["train"][k] for k in ("data", "fsdp", "tensor")})
+        out["forward"].update({k: out["train"][k] for k in ("data", "fsdp", "tensor", "experts") if k in out["train"]})
     return out

@@ -67,11 +67,12 @@ def _layout(p: Prediction) -> str:
     groups = "+".join(f"{n}{v}" for n, v in lay["groups"].items())
     g, t, f = lay["generate"], lay["train"], lay["forward"]
     fuse = ",".join(k.get("fuse") or []) or "-"
+    te, fe = (f"e{x['experts']}" if x.get("experts", 1) > 1 else "" for x in (t, f))  # expert parallelism
     return (
         f"{k['placement']:<9} {groups:<14} gen tp{g['tensor']}x{g['replicas']} slots {g['slots']:<4} "
         f"{g.get('admission', 'step'):<10} "
-        f"train d{t['data']}f{t['fsdp']}t{t['tensor']} mb{t['micro_batches']} {t['remat']:<4} "
-        f"fwd d{f['data']}f{f['fsdp']}t{f['tensor']} mb{f.get('micro_batches', 1)}  "
+        f"train d{t['data']}f{t['fsdp']}t{t['tensor']}{te} mb{t['micro_batches']} {t['remat']:<4} "
+        f"fwd d{f['data']}f{f['fsdp']}t{f['tensor']}{fe} mb{f.get('micro_batches', 1)}  "
         f"k={k['staleness']} share={int(bool(k['share_actor_critic']))} "
         f"fuse={fuse} elide={int(bool(k.get('elide_old_forward')))} pieces={k['pieces']}"
     )
@@ -80,7 +81,8 @@ def _layout(p: Prediction) -> str:
 LAYOUT_LEGEND = [
     "  util: the plan's own model FLOPs per second over the devices' peak (predicted); layout: placement,",
     "  device groups (all256 / gen128+train128), generation tp<tensor>x<replicas> with its sampler slots and",
-    "  rollout.admission, the update's and the scoring forwards' meshes d<data>f<fsdp>t<tensor> with their",
+    "  rollout.admission, the update's and the scoring forwards' meshes d<data>f<fsdp>t<tensor> (e<n>: a",
+    "  mixture's experts over fsdp, expert-parallel) with their",
     "  micro-batches mb<n> and rematerialisation (none | dots | full), then the structural knobs: staleness k,",
     "  share (one actor-critic backbone), fuse, elide (sampler logprobs as pi_old), pieces (streamed generation)",
 ]

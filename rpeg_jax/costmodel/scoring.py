@@ -246,6 +246,8 @@ def predict(
         },
         "forward": {"data": r["fd"], "fsdp": r["ff"], "tensor": r["ft"], "micro_batches": r["fmicro"]},
     }
+    if roles_of(ctx, graph).actor.X:  # a mixture of experts: the expert degrees (1: none)
+        layout["train"]["experts"], layout["forward"]["experts"] = r["e"], r["fe"]
     mem = float(
         tab.continuous[pipe.staleness].mem_peak[i] if cont else tab.mem_peak_sync[i] if sync else tab.mem_peak[i]
     )
@@ -276,6 +278,8 @@ def _mesh(part: dict) -> dict[str, int]:
     return {"data": part["data"], "fsdp": part["fsdp"], "tensor": part["tensor"]}
 
 
+# rule presets of an expert-parallel stage (config/sharding.py): without / with a tensor axis
+EXPERT_RULES = ("fsdp_expert", "fsdp_expert_tensor")
 TRAIN_SIDE = {StageKind.ACTOR_UPDATE, StageKind.CRITIC_UPDATE, StageKind.ADVANTAGE, StageKind.WEIGHT_SYNC}
 GEN_SIDE = {StageKind.GENERATE, StageKind.REWARD}
 
@@ -300,6 +304,8 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
         part = calls.get(s.name, part)
         mesh = _mesh(part)
         rules = layout_rules(s, ctx.cfg, mesh, priced=True)
+        if part.get("experts", 1) > 1:  # the experts over fsdp (the runtime's expert-parallel dispatch)
+            rules = EXPERT_RULES[mesh["tensor"] > 1]
         entries.append(StagePlan(s.name, s.placement, mesh, rules, s.pieces))
     predicted = {
         "step_time_s": pred.step_time_s,

@@ -230,8 +230,10 @@ def train_stage(
     epochs: int = 1,
     minibatches: int = 1,
     heads: int = 1,
+    e=1,
 ):
-    """(seconds, parts dict) of forward + backward + optimizer over the batch on one layout."""
+    """(seconds, parts dict) of forward + backward + optimizer over the batch on one layout.
+    `e`: the expert degree (a mixture's experts over the fsdp axis, `expert_a2a_time`)."""
     hw = st.hw
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
     seqs = st.B / (d * f)  # sequences per device per epoch
@@ -248,24 +250,32 @@ def train_stage(
         fwd,
         n_mb * ms.weight_bytes() / t,
         elementwise_bytes(st, ms, t, seqs * seq_tok),
-        ms.mm_size(tok_mb, t),
+        ms.mm_size(tok_mb, t, e),
         rate,
         bw,
         busy,
         trainer=True,
     )
-    passes = 1.0 + REMAT_EXTRA_FWD[remat] + 2.0 * hw.efficiency.backward_factor
-    flops = epochs * (3.0 + REMAT_EXTRA_FWD[remat]) * fwd
+    # LoRA (ms.adapters): the backward still runs through the frozen weights to the activations
+    # (dx) but forms no weight gradient for them: one forward's work instead of two (the adapters'
+    # own products, rank r, are not counted, as in shapes/flops)
+    bwd = 1.0 if ms.adapters else 2.0
+    passes = 1.0 + REMAT_EXTRA_FWD[remat] + bwd * hw.efficiency.backward_factor
+    flops = epochs * (1.0 + bwd + REMAT_EXTRA_FWD[remat]) * fwd
     core, mm, ewt = epochs * passes * f_core, epochs * passes * f_mm, epochs * passes * f_ew
     # Collectives per micro-batch: FSDP gathers each layer twice (forward, backward) and
     # reduce-scatters its gradient; TP all-reduces 2 activations per layer per direction. Mixed
     # precision gathers the weights and reduces the gradients in the compute dtype
     # (ModelShape.gather_bytes_per / grad_bytes_per).
-    gather = ms.L * collective_time(hw, "all_gather", ms.layer_params * ms.gather_bytes_per / t, f, t)
-    scatter = ms.L * collective_time(hw, "reduce_scatter", ms.layer_params * ms.grad_bytes_per / t, f, t)
+    layer_p = ms.gathered_layer_params(e) if ms.X else ms.layer_params  # expert parallelism: experts stay put
+    gather = ms.L * collective_time(hw, "all_gather", layer_p * ms.gather_bytes_per / t, f, t)
+    grad_p = ms.adapters / ms.L if ms.adapters else layer_p  # LoRA: the adapters' gradients only
+    scatter = ms.L * collective_time(hw, "reduce_scatter", grad_p * ms.grad_bytes_per / t, f, t)
     n_tp = 4.0 + (2.0 if remat == "full" else 0.0)
     tp = n_tp * ms.L * collective_time(hw, "all_reduce", tok_mb * ms.D * ms.act_bytes_per, t, 1)
-    dp = collective_time(hw, "all_reduce", ms.num_params * ms.grad_bytes_per / (f * t), d, f * t)
+    if ms.X:  # the expert-parallel dispatch and combine: on the critical path, like the TP all-reduces
+        tp = tp + expert_a2a_time(hw, ms, tok_mb, e, t, backward=True, remat=remat)
+    dp = collective_time(hw, "all_reduce", ms.trained_params * ms.grad_bytes_per / (f * t), d, f * t)
     # Scanned layers gather each layer inside the loop, forward and backward, per micro-batch.
     # Unrolled layers: the whole model is gathered once per optimizer step and held (the gather
     # is loop-invariant, XLA hoists it out of the micro-batch loop; memory: pass_weight_bytes).
@@ -273,7 +283,7 @@ def train_stage(
     fsdp, tp, dp = fsdp * ovh, tp * ovh, dp * ovh  # shared host: every device's copies on the same cores
     overl = epochs * (fsdp + minibatches * dp)
     comm = _exposed(hw, core, overl, epochs * n_mb * tp)
-    opt_bytes = hw.efficiency.update_streams * ms.num_params * ms.param_bytes_per / (f * t)
+    opt_bytes = hw.efficiency.update_streams * ms.trained_params * ms.param_bytes_per / (f * t)
     opt = epochs * minibatches * mem_time(hw, opt_bytes, bw, busy)
     over = epochs * (minibatches * hw.efficiency.dispatch_s + passes * n_mb * ms.L * hw.efficiency.layer_s * ovh)
     total = core + comm + opt + over
@@ -290,7 +300,21 @@ def train_stage(
     }
 
 
-def train_memory(st: Setting, ms: ModelShape, *, d, f, t, micro, remat: str, minibatches: int = 1):
+def expert_a2a_time(hw: HardwareProfile, ms: ModelShape, tokens, e, t, backward: bool, remat: str = "none"):
+    """Seconds of a pass's expert-parallel all-to-alls over `tokens` tokens per device (a
+    micro-batch) with expert degree `e` (the fsdp axis, stride t: tensor is innermost), per sparse
+    layer (models/moe.py _dispatched_experts): forward, the dispatch (rows of D + an expert id) and
+    the combine; backward (`backward`), their transposes (two all-to-alls of rows of D); full remat,
+    the forward's two again. 0 for e <= 1."""
+    dispatch = collective_time(hw, "all_to_all", ms.a2a_bytes(tokens, e, ids=True), e, t)
+    combine = collective_time(hw, "all_to_all", ms.a2a_bytes(tokens, e), e, t)
+    fwd = dispatch + combine
+    n_fwd = (2.0 if remat == "full" else 1.0) if backward else 1.0
+    total = n_fwd * fwd + (2.0 * combine if backward else 0.0)
+    return np.where(np.asarray(e) > 1, ms.Ls * total, 0.0)
+
+
+def train_memory(st: Setting, ms: ModelShape, *, d, f, t, micro, remat: str, minibatches: int = 1, e=1):
     """Peak bytes per device of a training stage: resident state + update buffers + activations."""
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
     seqs_mb = st.B / (d * f) / (minibatches * micro)
@@ -298,19 +322,20 @@ def train_memory(st: Setting, ms: ModelShape, *, d, f, t, micro, remat: str, min
     tok_mb = seqs_mb * seq_tok
     dense_ctx = st.P + st.R_train if st.dense_scores else 0.0
     eff = st.hw.efficiency
-    act = ms.L * tok_mb * ms.act_bytes_per_token_layer(t, remat, dense_ctx)
+    act = ms.L * tok_mb * ms.act_bytes_per_token_layer(t, remat, dense_ctx, e=e)
     if remat != "none":  # one layer's full working set while it is recomputed
-        act = act + tok_mb * ms.act_bytes_per_token_layer(t, "none", dense_ctx)
+        act = act + tok_mb * ms.act_bytes_per_token_layer(t, "none", dense_ctx, e=e)
     weights = ms.pass_weight_bytes(
-        f, t, eff.fsdp_gather, eff.weight_copies, train=True, looped=(micro > 1) | (remat != "none")
+        f, t, eff.fsdp_gather, eff.weight_copies, train=True, looped=(micro > 1) | (remat != "none"), e=e
     )
     logits = ms.logits_bytes(seqs_mb * scored, t)
     state = (ms.resident_state_bytes() + ms.update_state_bytes(micro)) / (f * t)
     return state + eff.act_memory_factor * (act + logits) + weights
 
 
-def forward_stage(st: Setting, ms: ModelShape, *, busy, d, f, t, micro, heads: int = 1):
-    """(seconds, parts) of one forward over the batch (logprobs and/or values)."""
+def forward_stage(st: Setting, ms: ModelShape, *, busy, d, f, t, micro, heads: int = 1, e=1):
+    """(seconds, parts) of one forward over the batch (logprobs and/or values); `e` the expert
+    degree (train_stage)."""
     hw = st.hw
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
     seqs = st.B / (d * f)
@@ -320,11 +345,13 @@ def forward_stage(st: Setting, ms: ModelShape, *, busy, d, f, t, micro, heads: i
     rate, bw, ovh = rates(hw, ms.dtype, busy)
     ew = elementwise_bytes(st, ms, t, seqs * seq_tok)
     core, mm, ewt = layer_core(
-        hw, flops, micro * ms.weight_bytes() / t, ew, ms.mm_size(tok_mb, t), rate, bw, busy, trainer=True
+        hw, flops, micro * ms.weight_bytes() / t, ew, ms.mm_size(tok_mb, t, e), rate, bw, busy, trainer=True
     )
-    layer_p = ms.layer_params * ms.gather_bytes_per / t
+    layer_p = (ms.gathered_layer_params(e) if ms.X else ms.layer_params) * ms.gather_bytes_per / t
     fsdp = (micro if ms.scanned else 1) * ms.L * collective_time(hw, "all_gather", layer_p, f, t)
     tp = micro * 2.0 * ms.L * collective_time(hw, "all_reduce", tok_mb * ms.D * ms.act_bytes_per, t, 1)
+    if ms.X:
+        tp = tp + micro * expert_a2a_time(hw, ms, tok_mb, e, t, backward=False)
     comm = _exposed(hw, core, fsdp * ovh, tp * ovh)
     over = hw.efficiency.dispatch_s + micro * ms.L * hw.efficiency.layer_s * ovh
     return core + comm + over, {
@@ -337,7 +364,7 @@ def forward_stage(st: Setting, ms: ModelShape, *, busy, d, f, t, micro, heads: i
     }
 
 
-def forward_memory(st: Setting, ms: ModelShape, *, d, f, t, micro):
+def forward_memory(st: Setting, ms: ModelShape, *, d, f, t, micro, e=1):
     """Transient bytes per device of a forward (weights are counted by the caller)."""
     d, f, t, micro = (np.asarray(x, np.float64) for x in (d, f, t, micro))
     seqs_mb = st.B / (d * f) / micro
@@ -345,8 +372,8 @@ def forward_memory(st: Setting, ms: ModelShape, *, d, f, t, micro):
     tok_mb = seqs_mb * seq_tok
     dense_ctx = st.P + st.R_train if st.dense_scores else 0.0
     eff = st.hw.efficiency
-    live = tok_mb * ms.act_bytes_per_token_layer(t, "none", dense_ctx, score_arrays=1)  # one layer's
-    weights = ms.pass_weight_bytes(f, t, eff.fsdp_gather, eff.weight_copies, train=False)
+    live = tok_mb * ms.act_bytes_per_token_layer(t, "none", dense_ctx, score_arrays=1, e=e)  # one layer's
+    weights = ms.pass_weight_bytes(f, t, eff.fsdp_gather, eff.weight_copies, train=False, e=e)
     return eff.fwd_act_memory_factor * (live + ms.logits_bytes(seqs_mb * scored, t)) + weights
 
 
@@ -601,7 +628,21 @@ def weight_sync_stage(st: Setting, ms: ModelShape, *, colocated: bool, shards_tr
         move = reshard_time(hw, w, shards_train, t_g, n_train) + cast
     else:
         move = transfer_time(hw, w, n_train, n_gen, t_g)
-    return weight_sync_time(hw, w, move)
+    return weight_sync_time(hw, w, move + lora_merge_time(hw, ms, shards_train))
+
+
+def lora_merge_time(hw: HardwareProfile, ms: ModelShape, shards_train):
+    """model.lora: the sync first merges the adapters into a new copy of the base in the training
+    layout (runtime/setup.merge_adapters: W + s A B, the plain model's parameters): every parameter
+    read and written once in the parameter dtype, per device over its `shards_train` shards, plus
+    the rank-r products 2·r·in·out of the targeted projections (memory-bound: r/4 FLOPs per byte
+    at float32). Then the merged model moves as a full one would (weight_sync_stage). 0 without LoRA."""
+    if not ms.adapters:
+        return 0.0
+    shards = np.asarray(shards_train, np.float64)
+    nbytes = 2.0 * ms.num_params * ms.param_bytes_per / shards
+    flops = 2.0 * ms.lora_rank * ms.merged / shards
+    return np.maximum(nbytes / hw.device.memory_bw, flops / hw.peak(ms.dtype))
 
 
 def elementwise_stage(st: Setting, busy, arrays: int = 6):

@@ -10,6 +10,8 @@ Columns (one value per row; seconds unless named mem_*, bytes per device):
   generate  t_g (tensor degree), slots (per replica, step admission), n_rep (sequences per replica)
   train     d, f, t (data x fsdp x tensor), micro (gradient micro-batches), remat (index in REMATS)
   forward   fd, ff, ft (the scoring forwards' layout), fmicro (their micro-batches)
+  experts   e, fe: the expert degree of the training / forward layout (1, or f: a mixture of
+            experts' experts over the fsdp axis, the runtime's `fsdp_expert` rules)
   memory    mem_peak (pipelined), mem_peak_sync (one batch in flight), mem_resident, mem_gen,
             mem_update, mem_forward
   seconds   t_gen, gen_q (when q/8 of the batch has finished, q = 1..7: [rows, 7]), t_gen_pieces
@@ -76,6 +78,8 @@ class Layouts:
     fd: np.ndarray
     ff: np.ndarray
     ft: np.ndarray
+    e: np.ndarray  # expert degree of the training layout (1: none; a mixture's experts over fsdp)
+    fe: np.ndarray  # of the forward layout
     micro: np.ndarray
     remat: np.ndarray
     fmicro: np.ndarray
@@ -130,7 +134,7 @@ class Table(Layouts):
         return dataclasses.replace(out, considered=sum(p.considered for p in parts))
 
 
-LAYOUT_COLUMNS = ("n_gen", "n_train", "t_g", "d", "f", "t", "fd", "ff", "ft")
+LAYOUT_COLUMNS = ("n_gen", "n_train", "t_g", "d", "f", "t", "fd", "ff", "ft", "e", "fe")
 
 
 def _map(x, fn):

@@ -11,7 +11,10 @@ arrays for the training stages (runtime/placement.py). The rules, judged in this
 that fails is returned: one line naming the key and the value):
 
     costmodel.processes    P >= 1 divides the devices (each process owns N / P of them, in order)
-    data.prompts_per_step  a multiple of P: each process generates whole groups, its share
+    data.prompts_per_step  a multiple of P: each process generates whole groups, its share (the
+                           sampler's slots, the engine's groups per step and the prompt offsets are
+                           prompts_per_step // P per process); the message names the fix: the next
+                           multiple of P
     rl.filter_groups       none, or rollout.admission=continuous: under step admission each process
                            would refill its share in its own number of rounds (and only one process's
                            stream cursor would reach the checkpoint); under continuous admission every
@@ -85,7 +88,13 @@ def why_not(cfg: RunConfig, processes: int, num_devices: int, runs: Runs | None 
     procs = f"with {P} processes"
     prompts = cfg.data.prompts_per_step
     if prompts % P:
-        why = f"must be a multiple of the {P} processes (each generates whole groups of its share)"
+        # the fix is the prompt count: fewer processes would need a process to own devices of
+        # several nodes (one per node is the fewest a cluster launches)
+        up = -(-prompts // P) * P
+        why = (
+            f"must be a multiple of the {P} processes (each generates whole groups of its share): "
+            f"raise data.prompts_per_step to {up}"
+        )
         return Illegal("data.prompts_per_step", prompts, why)
     admission = runs.admission or cfg.rollout.admission
     if cfg.rl.filter_groups != "none" and admission != "continuous":

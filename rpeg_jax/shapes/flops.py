@@ -91,6 +91,34 @@ class Dims:
         )
 
 
+def lora_projection_dims(d: Dims) -> dict[str, tuple[int, int]]:
+    """(in, out) of each projection LoRA may target (config/model.LORA_TARGETS, PEFT's names), per
+    layer: an adapter on it is A [r, in] and B [out, r] (models/lora.target_shapes)."""
+    q, kv = d.H * d.E, d.K * d.E
+    return {
+        "q_proj": (d.D, q),
+        "k_proj": (d.D, kv),
+        "v_proj": (d.D, kv),
+        "o_proj": (q, d.D),
+        "gate_proj": (d.D, d.F),
+        "up_proj": (d.D, d.F),
+        "down_proj": (d.F, d.D),
+    }
+
+
+def lora_params(d: Dims, rank: int, targets) -> int:
+    """Adapter parameters of model.lora (rank r on `targets`) over every layer: L · r · (in + out)
+    per target. 0 with rank 0."""
+    dims = lora_projection_dims(d)
+    return int(d.L * rank * sum(sum(dims[t]) for t in targets)) if rank else 0
+
+
+def lora_target_params(d: Dims, targets) -> int:
+    """Base parameters of the projections `targets` over every layer (what a merge rewrites)."""
+    dims = lora_projection_dims(d)
+    return int(d.L * sum(i * o for i, o in (dims[t] for t in targets)))
+
+
 def moe_of(m) -> tuple[int, int, int, int]:
     """(X experts, k per token, Fe expert width, Ls sparse layers) of a model config
     (ModelConfig) or graph dims (ModelDims); zeros for a dense model."""
