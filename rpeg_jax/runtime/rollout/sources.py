@@ -145,11 +145,15 @@ def continuous_batch(ctx, params, version: int, prompts, step: int):
     if engine.runner is not None:  # episodes: rows of every token after the prompt, observations masked
         eps = [e for g in groups for e in g.eps]
         seqs = []
-        rows = [(e.session.prompt_ids, e.session.response_ids(), e.logprobs, e.versions) for e in eps]
+        # (an episode cut by the budget may end with an observation past rollout.max_new_tokens: every
+        # token there is an observation, masked, attended by no trained token, so the rows stop at the cap)
+        cap = ctx.cfg.rollout.max_new_tokens
+        rows = [(e.session.prompt_ids, e.session.response_ids()[:cap], e.logprobs[:cap], e.versions[:cap]) for e in eps]
         comps, behav, _ = lay_out(ctx, rows, gids, host)
         mask = np.zeros(comps["host_mask"].shape, np.float32)
         for b, e in enumerate(eps):
-            m = e.session.response_mask()
+            m = e.session.response_mask()[:cap]
+            assert sum(m) == sum(e.session.response_mask()), "sampled tokens past the episode's budget"
             mask[b, : len(m)] = m
         comps["response_mask_BxR"] = ctx.placement.put_batch(mask)
         comps["host_mask"] = mask
