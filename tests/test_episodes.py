@@ -1,8 +1,11 @@
 """Multi-turn episodes on the streaming sampler (sampling/episodes.py, issue 32 item 4): the sampler's
-logprobs of every sampled token of a 3-turn episode (observation tokens prefilled between turns) equal the
-trainer's token_logprobs over the whole sequence; observation tokens are masked 0 and never sampled; the
-token budget truncates. The environment is a stand-in whose turn ends return fixed observation ids after
-a host delay (the engine keeps stepping the other episodes meanwhile)."""
+logprobs of every sampled token of a 3-turn episode (observation tokens appended to the paused sequence's
+KV between turns) equal the trainer's token_logprobs over the whole sequence; only the first prompt and
+each turn's last token + observation are prefilled (never the sequence again); observation tokens are
+masked 0 and never sampled; with too few pages a resumed turn falls back to a full prefill and the
+logprobs still equal the trainer's; the token budget truncates; every slot and page is released. The
+environment is a stand-in whose turn ends return fixed observation ids after a host delay (the engine
+keeps stepping the other episodes meanwhile)."""
 
 import os
 import time
@@ -104,6 +107,31 @@ def test_multi_turn_logprobs_equal_the_trainers_and_observations_are_masked(llam
     # the group's samples differ (fresh random streams per turn)
     assert len({tuple(r.response_ids) for r in res}) > 1
     assert 0.0 < drv.last_stats["occupancy"] <= 1.0
+    # prefilled: each record's prompt but its last token once (the group shares it), then per resume the
+    # turn's last token and the observation but its last token (5): the observation went into the KV
+    assert drv.last_stats["prefill_tokens"] == (6 - 1) + (9 - 1) + 6 * 2 * 5
+    sampler = drv.sampler
+    assert not sampler.sched.paused and sampler.sched.idle() and sampler.alloc.num_used == 0
+
+
+def test_resumed_turns_without_pages_fall_back_to_a_full_prefill(llama):
+    """A pool of 24 pages (one 64-token sequence takes 16): resumed turns whose pages do not fit are
+    prefilled again from their start (and groups are preempted); the logprobs still equal the trainer's."""
+    cfg = SamplerConfig(
+        page_size=4, max_slots=8, chunk_steps=8, max_seq_len=64, min_prefill_len=32, min_table_width=16, num_pages=24
+    )
+    prompts = prompts_of([6, 9], seed=1)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True, seed=2)
+    drv = EpisodeDriver(Sampler(llama, cfg), FakeRunner(), params, max_total_tokens=40)
+    res = drv.run([{"prompt": p} for p in prompts], group=3)
+    full = drv.sampler.stats()
+    assert drv.last_stats["prefill_tokens"] > (6 - 1) + (9 - 1) + 6 * 2 * 5, "some turn was prefilled again"
+    for r in res:
+        m = np.asarray(r.mask)
+        assert m.tolist() == [1] * 6 + [0] * 5 + [1] * 6 + [0] * 5 + [1] * 6
+        ref = trainer_logprobs(llama, r.prompt_ids, r.response_ids, 1.0)
+        np.testing.assert_allclose(r.logprobs[m == 1], ref[m == 1], atol=2e-5)
+    assert full["pages_peak"] <= 23 and drv.sampler.alloc.num_used == 0 and not drv.sampler.sched.paused
 
 
 def test_token_budget_truncates_the_episode(llama):

@@ -98,12 +98,12 @@ class RunConfig:
                 self.env.name,
                 "tool calls and results are rendered by the chat template; data.chat_template=none gives none",
             )
-        if self.env.name != "single_turn":  # runtime/rollout/episodes.py: step admission only, for now
+        if self.env.name != "single_turn":  # runtime/rollout/episodes.py, continuous.py
             check(
-                self.rollout.admission == "step" and r.filter_groups == "none",
+                r.filter_groups == "none",
                 "env.name",
                 self.env.name,
-                "multi-turn episodes run under rollout.admission=step without rl.filter_groups (for now)",
+                "multi-turn episodes run without rl.filter_groups (for now)",
             )
         if self.train.mode != "rl":
             check(

@@ -107,6 +107,28 @@ class EnvRunner:
     def start(self, record: dict[str, Any]) -> Session:
         return Session(self.env.start(record), self.codec)
 
+    def check_prompt_lengths(self, records: Sequence[dict[str, Any]], max_prompt_len: int, where: str) -> None:
+        """ConfigError naming data.max_prompt_len when an episode's first prompt (the record's messages
+        rendered with the episode's tool schemas, which the data pipeline's check did not see) is
+        longer: the sampler's sequences are data.max_prompt_len + rollout.max_new_tokens long. Called at
+        start-up, before anything compiles, on every training (and eval) record."""
+        longest, worst = 0, None
+        for r in records:
+            ep = self.env.start(r)
+            try:
+                n = len(self.codec.prompt_ids(ep))
+            finally:
+                ep.close()
+            if n > longest:
+                longest, worst = n, r
+        if longest > max_prompt_len:
+            raise ConfigError(
+                "data.max_prompt_len",
+                max_prompt_len,
+                f"episode prompts render the tool schemas: record {worst.get('id')!r} of {where} is "
+                f"{longest} tokens (the longest of {len(records)}); set data.max_prompt_len >= {longest}",
+            )
+
     def end_turn(self, session: Session, turn_ids: Sequence[int], end: TurnEnd) -> Outcome:
         """Session.end_turn, with a failing environment ending only its episode (module doc)."""
         with self._lock:

@@ -135,6 +135,14 @@ class Evaluator:
         self.cfg, self.tokenizer, self.chief = cfg, tokenizer, chief
         self.reward_name, self.reward_fn = reward
         self.records = load_eval_records(cfg, tokenizer)
+        if cfg.env.name != "single_turn":  # episode prompts render the tool schemas: check them too
+            from rpeg_jax.env.runner import EnvRunner
+
+            runner = EnvRunner.build(cfg, tokenizer)
+            try:
+                runner.check_prompt_lengths(self.records, cfg.data.max_prompt_len, cfg.eval.path)
+            finally:
+                runner.close()
         self.sampler_config = dataclasses.replace(sampler_config(cfg), release_slots=False)
         slots = self.sampler_config.max_slots
         if cfg.eval.n > slots:  # a prompt's samples are admitted together

@@ -183,6 +183,12 @@ def sampler_config(cfg: RunConfig) -> SamplerConfig:
 def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Store]:
     check_plan(cfg, plan, graph, jax.process_count())  # what several processes cannot run: one line, first
     pipeline = build_pipeline(cfg, shard_index=jax.process_index(), shard_count=jax.process_count())
+    runner = None
+    if cfg.env.name != "single_turn":  # episodes: their prompts render the tool schemas (checked here)
+        from rpeg_jax.env.runner import EnvRunner
+
+        runner = EnvRunner.build(cfg, pipeline.tokenizer)
+        runner.check_prompt_lengths(pipeline.records, cfg.data.max_prompt_len, cfg.data.path or cfg.data.task)
     placement = Placement(cfg, graph, plan)
     offload = placement.offload
     models = build_models(cfg, graph, placement)
@@ -219,6 +225,8 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
             lengths=forced_lengths(r.forced_lengths, cfg.train.seed, G) if r.forced_lengths else None,
             # this process's share of the bound (each process fills its own share of the batch)
             max_filtered=cfg.rl.filter_max_rounds * (cfg.data.prompts_per_step // jax.process_count()),
+            runner=runner,  # episodes (env.name other than single_turn), else None
+            max_total_tokens=r.max_new_tokens,
         )
     ctx = RuntimeContext(
         cfg=cfg,
@@ -242,7 +250,7 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
     )
     if engine is not None and cfg.rl.filter_groups != "none":
         engine.scorer = functools.partial(group_scores, ctx)
-    ctx.rollout = make_source(ctx)  # where each step's batch comes from, chosen once
+    ctx.rollout = make_source(ctx, runner)  # where each step's batch comes from, chosen once
     store = Store(keep_versions=graph.staleness + 2)  # generation reads t - k while training writes t + 1
     store.put_state("actor", 0, actor)
     store.put_state("actor_opt", 0, offload.park_now("actor_opt", placement.init_opt_state(optimizers["actor"], actor)))

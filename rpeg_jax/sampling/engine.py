@@ -92,26 +92,40 @@ def _per_shard(fn, mesh, in_specs, out_specs):
 
 @functools.partial(jax.jit, static_argnames=("fwd", "mesh", "heads_sharded", "routed"), donate_argnames=("pools",))
 def prefill(
-    fwd, params, pools, tokens_BxT, lengths_B, table_BxW, *, mesh=None, heads_sharded: bool = False, routed=False
+    fwd,
+    params,
+    pools,
+    tokens_BxT,
+    lengths_B,
+    table_BxW,
+    starts_B,
+    *,
+    mesh=None,
+    heads_sharded: bool = False,
+    routed=False,
 ):
-    """Run the model over right-padded `tokens_BxT` (the first lengths_B of each row are real) and
-    write their K/V into the rows' pages. Padding rows use length 0. Returns the pools, and with
-    `routed` (a MoE model) (pools, experts [B, T, S, k]). With `mesh` (a sharded pool) the rows come
-    in D blocks, block d for shard d, with local page ids.
+    """Run the model over right-padded `tokens_BxT` (the first lengths_B of each row are real) at
+    positions starts_B.. and write their K/V into the rows' pages (a row with start s > 0 appends to
+    a sequence whose cache holds positions < s: a resumed episode's observation, attending to its
+    cached KV). Padding rows use length 0. Returns the pools, and with `routed` (a MoE model) (pools,
+    experts [B, T, S, k]). With `mesh` (a sharded pool) the rows come in D blocks, block d for shard
+    d, with local page ids.
     `heads_sharded`: the pools' kv heads are split over a mesh axis (paged_attention.gather_pages)."""
     body = functools.partial(_prefill, fwd, heads_sharded=heads_sharded, routed=routed)
     out_specs = (_POOL, _ROWS) if routed else _POOL
-    return _per_shard(body, mesh, (P(), _POOL, _ROWS, _ROWS, _ROWS), out_specs)(
-        params, pools, tokens_BxT, lengths_B, table_BxW
+    return _per_shard(body, mesh, (P(), _POOL, _ROWS, _ROWS, _ROWS, _ROWS), out_specs)(
+        params, pools, tokens_BxT, lengths_B, table_BxW, starts_B
     )
 
 
-def _prefill(fwd, params, pools, tokens_BxT, lengths_B, table_BxW, *, heads_sharded: bool, routed: bool):
+def _prefill(fwd, params, pools, tokens_BxT, lengths_B, table_BxW, starts_B, *, heads_sharded: bool, routed: bool):
     b, t = tokens_BxT.shape
     num_pages, page_size = pools[0].shape[2], pools[0].shape[3]
-    pos_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    page, off = write_targets(table_BxW, pos_BxT, pos_BxT < lengths_B[:, None], num_pages, page_size)
-    attention = PagedAttention(page, off, table_BxW, pos_BxT, lengths_B, batched_heads=heads_sharded)
+    idx_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    pos_BxT = starts_B[:, None] + idx_BxT
+    page, off = write_targets(table_BxW, pos_BxT, idx_BxT < lengths_B[:, None], num_pages, page_size)
+    kv_len_B = jnp.where(lengths_B > 0, starts_B + lengths_B, 0)
+    attention = PagedAttention(page, off, table_BxW, pos_BxT, kv_len_B, batched_heads=heads_sharded)
     _, pools, experts = fwd.hidden(params, tokens_BxT, pos_BxT, attention, pools)
     return (pools, experts.astype(EXPERT_DTYPE)) if routed else pools
 

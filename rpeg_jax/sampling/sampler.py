@@ -179,9 +179,12 @@ class Sampler:
         *,
         prompt_ids: Seq[int] | None = None,
         lengths: Seq[Seq[int]] | None = None,
+        keep: bool = False,
     ) -> list[Sequence]:
         """Queue prompts (streaming use: then call `step()` until the sequences finish; `abort`
-        takes queued or running sequences back out)."""
+        takes queued or running sequences back out). `keep`: a sequence that finishes is paused, its
+        slot and KV held, for `resume` (append tokens, e.g. an episode's observation, and sample on)
+        or `release`."""
         params = params or SamplingParams()
         params.validate()
         prompts = [list(map(int, p)) for p in prompts]
@@ -205,12 +208,53 @@ class Sampler:
         all_seqs = []
         for i, p in enumerate(prompts):
             seqs = [
-                Sequence(request=i, sample_index=j, prompt=p, end=len(p) + int(news[i][j]), opts=(opts, prompt_ids[i]))
+                Sequence(
+                    request=i,
+                    sample_index=j,
+                    prompt=p,
+                    end=len(p) + int(news[i][j]),
+                    opts=(opts, prompt_ids[i]),
+                    keep=keep,
+                )
                 for j in range(params.n)
             ]
             self.sched.submit(seqs)
             all_seqs += seqs
         return all_seqs
+
+    def resume(
+        self, seq: Sequence, append: Seq[int], params: SamplingParams | None = None, *, prompt_id: int
+    ) -> Sequence:
+        """Continue a paused sequence (submitted with keep, finished): `append` (e.g. an episode's
+        observation ids) goes after its tokens and a new sequence samples on from there with `params`
+        (n = 1; the random stream of `prompt_id`, sample 0). Its KV stays in its slot: only its last
+        token and `append` are prefilled (at the next step, before waiting groups are admitted), not
+        the sequence again; it is paused again when it finishes (keep). Returns the new sequence,
+        whose prompt is seq's prompt + tokens + append."""
+        params = params or SamplingParams()
+        params.validate()
+        if params.n != 1:
+            raise ValueError(f"resume: sampling_params.n={params.n}: a resumed sequence is one sample")
+        prompt = seq.known() + [int(t) for t in append]
+        seed = params.seed if params.seed is not None else self.cfg.seed + self._calls
+        self._calls += 1
+        opts = _Options.build(self, params, seed)
+        self._check_prompt(0, prompt, params)
+        new = Sequence(
+            request=seq.request,
+            sample_index=0,
+            prompt=prompt,
+            end=len(prompt) + params.max_new_tokens,
+            opts=(opts, int(prompt_id)),
+            keep=seq.keep,
+            experts=seq.experts,
+        )
+        self.sched.resume(seq, new)
+        return new
+
+    def release(self, seq: Sequence) -> None:
+        """A paused sequence's slot and KV pages go back (it will not be resumed)."""
+        self.sched.release(seq)
 
     def step(self) -> list[Sequence]:
         """Admit, prefill, run one decode chunk, retire finished sequences; returns them."""
@@ -287,6 +331,7 @@ class Sampler:
             raise RuntimeError("Sampler.snapshot: a weight swap is pending (on_weight_update=finish)")
         index = {id(s): i for i, s in enumerate(seqs)}
         held = [s for g in (*self.sched.waiting, *self.sched.running) for s in g.seqs]
+        held += [*self.sched.paused, *(s for s, _ in self.sched.resuming)]
         missing = [s for s in held if id(s) not in index]
         if missing:
             raise RuntimeError(f"Sampler.snapshot: {len(missing)} sequences in the engine are not in `seqs`")
@@ -369,26 +414,29 @@ class Sampler:
 
     def _prefill(self, plan) -> None:
         d, mesh = self.alloc.num_shards, self.sharding.shard_mesh
-        if plan.rows:
+        todo = [(slot, t, 0) for slot, t in plan.rows] + list(plan.appends)  # appends: after cached KV
+        if todo:
             # D blocks of r_b rows, block i = shard i's rows (the row axis is split over `data`).
-            per = [[(slot, t) for slot, t in plan.rows if self.alloc.shard(slot) == i] for i in range(d)]
+            per = [[(slot, t, a) for slot, t, a in todo if self.alloc.shard(slot) == i] for i in range(d)]
             r_b = pow2ceil(max(max(len(p) for p in per), -(-self.cfg.min_prefill_rows // d)))
-            longest = max(len(t) for _, t in plan.rows)
+            longest = max(len(t) for _, t, _ in todo)
             t_b = pow2ceil(max(self.cfg.min_prefill_len, longest))
-            w_b = pow2ceil(-(-t_b // self.cfg.page_size))
+            reach = max(a + len(t) for _, t, a in todo)  # the table covers every row's last position
+            w_b = min(pow2ceil(-(-max(t_b, reach) // self.cfg.page_size)), pow2ceil(self.max_width))
             tokens = np.zeros((d * r_b, t_b), np.int32)
             lengths = np.zeros((d * r_b,), np.int32)
+            starts = np.zeros((d * r_b,), np.int32)
             table = np.zeros((d * r_b, w_b), np.int32)
             for i, rows in enumerate(per):
-                for r, (slot, toks) in enumerate(rows, start=i * r_b):
-                    tokens[r, : len(toks)], lengths[r] = toks, len(toks)
+                for r, (slot, toks, a) in enumerate(rows, start=i * r_b):
+                    tokens[r, : len(toks)], lengths[r], starts[r] = toks, len(toks), a
                     table[r] = self.alloc.table([slot], w_b)[0]
             out = self._device(
                 engine.prefill,
                 self._fwd,
                 self._weights,
                 self.pools,
-                *self.sharding.put_rows(tokens, lengths, table),
+                *self.sharding.put_rows(tokens, lengths, table, starts),
                 mesh=mesh,
                 heads_sharded=self.sharding.heads_sharded,
                 routed=self._routed,
@@ -456,12 +504,15 @@ class Sampler:
 
     def _record_prefill(self, plan, per, r_b: int, experts) -> None:
         """Store the prefilled positions' experts on their sequences (a fresh group's prompt, run once
-        in its first slot, is every member's)."""
+        in its first slot, is every member's; an append goes after the positions before its start)."""
         by_slot = {s.slot: (g, s) for g in plan.groups for s in g.seqs}
         for i, rows in enumerate(per):
-            for r, (slot, toks) in enumerate(rows, start=i * r_b):
+            for r, (slot, toks, a) in enumerate(rows, start=i * r_b):
                 g, s = by_slot[slot]
                 rec = experts[r, : len(toks)]
+                if a:
+                    s.experts = np.concatenate([s.experts[:a], rec])
+                    continue
                 for t in g.seqs if g.fresh else [s]:
                     t.experts = rec.copy()
 

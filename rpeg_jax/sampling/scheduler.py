@@ -53,6 +53,8 @@ class Sequence:
     preemptions: int = 0
     finish_reason: str | None = None
     experts: Any = None  # MoE models: int16 [positions processed, S, k], each cached position's experts
+    keep: bool = False  # pause instead of finishing: the slot and its KV stay (an episode's turn end:
+    #                     Scheduler.resume appends the observation to it, Scheduler.release frees it)
 
     @property
     def pos(self) -> int:
@@ -75,6 +77,7 @@ class Sequence:
             "slot": self.slot,
             "preemptions": self.preemptions,
             "finish_reason": self.finish_reason,
+            "keep": self.keep,
             # a MoE model's expert record (int16 [positions, S, k]) as its shape and flat values
             "experts": None if self.experts is None else [list(self.experts.shape), self.experts.ravel().tolist()],
         }
@@ -93,6 +96,7 @@ class Sequence:
             slot=int(d["slot"]),
             preemptions=int(d["preemptions"]),
             finish_reason=d["finish_reason"],
+            keep=bool(d.get("keep", False)),
             experts=None
             if d.get("experts") is None
             else np.asarray(d["experts"][1], np.int16).reshape(d["experts"][0]),
@@ -117,6 +121,8 @@ class AdmitPlan:
     rows: list[tuple[int, list[int]]]  # (slot, tokens to prefill at positions 0..)
     copies: list[tuple[int, int, int]]  # (shard, src_page, dst_page), local page ids
     groups: list[Group]
+    appends: list[tuple[int, list[int], int]] = dataclasses.field(default_factory=list)  # (slot, tokens,
+    #   start): a resumed sequence's tokens to prefill at positions start.. after its cached KV
 
 
 class Scheduler:
@@ -128,6 +134,8 @@ class Scheduler:
         self.free_slots = [list(alloc.shard_slots(d)) for d in range(alloc.num_shards)]
         self._order = 0
         self.num_preemptions = 0
+        self.paused: list[Sequence] = []  # finished with keep: slot and pages held until resume/release
+        self.resuming: collections.deque[tuple[Sequence, int]] = collections.deque()  # (sequence, start)
 
     # ---- snapshots ----------------------------------------------------------------------------
     def state(self, index: dict[int, int]) -> dict:
@@ -136,6 +144,8 @@ class Scheduler:
         return {
             "waiting": [group(g) for g in self.waiting],
             "running": [group(g) for g in self.running],
+            "paused": [index[id(s)] for s in self.paused],
+            "resuming": [[index[id(s)], start] for s, start in self.resuming],
             "free_slots": [list(f) for f in self.free_slots],
             "order": self._order,
             "preemptions": self.num_preemptions,
@@ -145,6 +155,8 @@ class Scheduler:
         group = lambda d: Group([seqs[int(i)] for i in d["seqs"]], int(d["order"]), int(d["shard"]))  # noqa: E731
         self.waiting = collections.deque(group(d) for d in state["waiting"])
         self.running = [group(d) for d in state["running"]]
+        self.paused = [seqs[int(i)] for i in state.get("paused", [])]
+        self.resuming = collections.deque((seqs[int(i)], int(start)) for i, start in state.get("resuming", []))
         self.free_slots = [[int(x) for x in f] for f in state["free_slots"]]
         self._order, self.num_preemptions = int(state["order"]), int(state["preemptions"])
 
@@ -153,7 +165,12 @@ class Scheduler:
         return [s for g in self.running if shard is None or g.shard == shard for s in g.seqs if s.slot >= 0]
 
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.resuming
+
+    def _held(self, shard: int) -> bool:
+        """Whether paused or resuming sequences hold slots (and pages) in `shard`."""
+        held = [*self.paused, *(s for s, _ in self.resuming)]
+        return any(s.slot >= 0 and self.alloc.shard(s.slot) == shard for s in held)
 
     def _pf(self, n: int) -> int:
         return self.alloc.pages_for(n)
@@ -184,10 +201,26 @@ class Scheduler:
             self.waiting.extend(groups)
 
     def admit(self, k: int) -> AdmitPlan:
-        """Place waiting groups (FIFO) while slots and pages allow; allocates prefill/fork pages."""
+        """Place resumed sequences (in their own slots), then waiting groups (FIFO) while slots and pages
+        allow; allocates prefill/fork pages."""
         plan = AdmitPlan([], [], [])
         shards = range(self.alloc.num_shards)
         budget = [self.alloc.num_free(d) - self._running_need(k, d) for d in shards]
+        while self.resuming:
+            s, start = self.resuming.popleft()
+            d = self.alloc.shard(s.slot)
+            if self.alloc.need(s.slot, s.pos) > budget[d]:  # its appended tokens' pages do not fit:
+                self._release(s)  # its KV goes, it waits as a new request (prefilled from position 0)
+                self.submit([s], front=True)
+                continue
+            budget[d] -= self.alloc.need(s.slot, min(s.pos + k, s.end - 1))
+            self.alloc.grow(s.slot, s.pos)
+            if s.pos > start:  # (nothing appended: the cache is complete, the last token decodes next)
+                plan.appends.append((s.slot, s.prompt[start : s.pos], start))
+            g = Group([s], self._order, d)
+            self._order += 1
+            self.running.append(g)
+            plan.groups.append(g)
         while self.waiting:
             g = self.waiting[0]
             need = self._group_need(g, k)
@@ -204,6 +237,8 @@ class Scheduler:
                     break
                 d = max(idle, key=lambda e: (budget[e], -e))  # alone in its shard: admit anyway
                 if self._group_need(g, 1) > budget[d]:  # even one step does not fit: split the group
+                    if self._held(d):  # paused sequences hold pages: they resume (or release them) first
+                        break
                     if len(g.seqs) == 1:
                         raise RuntimeError("page pool too small for one sequence (checked at construction)")
                     half = len(g.seqs) // 2
@@ -276,9 +311,53 @@ class Scheduler:
         return victims
 
     def finish(self, s: Sequence, reason: str) -> None:
+        """A sequence is done: its slot and pages are freed, or with `keep` (not aborted) it is paused:
+        out of its group, slot and pages held for `resume` or `release`."""
         s.finish_reason = reason
-        self._release(s)
+        if s.keep and reason != "abort":
+            for g in self.running:
+                if s in g.seqs:
+                    g.seqs.remove(s)
+            self.paused.append(s)
+        else:
+            self._release(s)
         self.running = [g for g in self.running if any(x.slot >= 0 for x in g.seqs)]
+
+    def resume(self, old: Sequence, new: Sequence) -> None:
+        """`new` continues paused `old` in its slot: new.prompt is old.known() plus appended tokens
+        (e.g. an episode's observation). The slot's cache holds positions < old.pos; positions
+        old.pos .. new.pos - 1 (old's last token and the appended ones but the last) are prefilled at
+        the next admission, ahead of the waiting groups (or, when their pages do not fit then, the
+        slot is freed and `new` waits as a new request, prefilled from its start)."""
+        if old not in self.paused:
+            raise ValueError("resume: the sequence is not paused (submitted with keep, finished, not released)")
+        if new.prompt[: len(old.prompt) + len(old.tokens)] != old.known() or new.pos < old.pos:
+            raise ValueError("resume: the new sequence's prompt must extend the paused one's tokens")
+        self.paused.remove(old)
+        if old.slot < 0:  # its KV was dropped (drop_paused_kv): a new request, prefilled from its start
+            self.submit([new], front=True)
+            return
+        new.slot, old.slot = old.slot, -1
+        self.resuming.append((new, old.pos))
+
+    def drop_paused_kv(self) -> None:
+        """Free the slots and pages of paused and resuming sequences (the weights changed under their
+        KV: on_weight_update=recompute); a paused one resumes as a new request, a resuming one waits
+        as one now."""
+        for s in self.paused:
+            if s.slot >= 0:
+                self._release(s)
+        while self.resuming:
+            s, _ = self.resuming.pop()
+            self._release(s)
+            self.submit([s], front=True)
+
+    def release(self, s: Sequence) -> None:
+        """A paused sequence's slot and pages go back (its episode is over)."""
+        if s in self.paused:
+            self.paused.remove(s)
+            if s.slot >= 0:  # (drop_paused_kv may have freed it already)
+                self._release(s)
 
     def abort(self, seqs: list[Sequence]) -> None:
         """Remove sequences: running ones free their slot and pages, queued ones leave the queue."""
@@ -291,6 +370,7 @@ class Scheduler:
         for g in list(self.waiting):
             g.seqs = [s for s in g.seqs if id(s) not in gone]
         self.waiting = collections.deque(g for g in self.waiting if g.seqs)
+        self.resuming = collections.deque((s, start) for s, start in self.resuming if id(s) not in gone)
 
     def preempt_all(self) -> list[Sequence]:
         """Requeue every running sequence (weights changed under them: recompute policy)."""
@@ -303,6 +383,7 @@ class Scheduler:
             self.submit(live, front=True)
             out += live
         self.running = []
+        self.drop_paused_kv()
         return out
 
     def _release(self, s: Sequence) -> None:

@@ -24,9 +24,9 @@ from rpeg_jax.sampling.episodes import EpisodeDriver
 
 
 class EpisodeSource:
-    def __init__(self, ctx):
+    def __init__(self, ctx, runner: EnvRunner | None = None):
         self.ctx = ctx
-        self.runner = EnvRunner.build(ctx.cfg, ctx.tokenizer)
+        self.runner = runner or EnvRunner.build(ctx.cfg, ctx.tokenizer)
 
     def batch(self, params, version, prompts, step, piece, pieces):
         ctx, cfg, sampler = self.ctx, self.ctx.cfg, self.ctx.sampler

@@ -137,14 +137,37 @@ def continuous_batch(ctx, params, version: int, prompts, step: int):
     groups, st = engine.next_batch(step, version, params, prompts)
     gen_s = time.perf_counter() - t0
     G = ctx.cfg.rl.group_size
-    seqs = [(g.prompt, s) for g in groups for s in sorted(g.seqs, key=lambda s: s.sample_index)]
-    rows = [(p, s.tokens, s.logprobs, s.versions) for p, s in seqs]
     # group ids unique over processes (each process's engine numbers its own groups): gid * P + process
     nproc, me = jax.process_count(), jax.process_index()
     gids = np.repeat(np.array([g.gid * nproc + me for g in groups], np.int32), G)
     host = {k: [g.host[k] for g in groups] for k, _ in HOST_FIELDS}
-    records = [engine.sampler.experts_of(s) for _, s in seqs]
-    comps, behav, new_tokens = lay_out(ctx, rows, gids, host, None if records[0] is None else records)
+    env_metrics = {}
+    if engine.runner is not None:  # episodes: rows of every token after the prompt, observations masked
+        eps = [e for g in groups for e in g.eps]
+        seqs = []
+        # (an episode cut by the budget may end with an observation past rollout.max_new_tokens: every
+        # token there is an observation, masked, attended by no trained token, so the rows stop at the cap)
+        cap = ctx.cfg.rollout.max_new_tokens
+        rows = [(e.session.prompt_ids, e.session.response_ids()[:cap], e.logprobs[:cap], e.versions[:cap]) for e in eps]
+        comps, behav, _ = lay_out(ctx, rows, gids, host)
+        mask = np.zeros(comps["host_mask"].shape, np.float32)
+        for b, e in enumerate(eps):
+            m = e.session.response_mask()[:cap]
+            assert sum(m) == sum(e.session.response_mask()), "sampled tokens past the episode's budget"
+            mask[b, : len(m)] = m
+        comps["response_mask_BxR"] = ctx.placement.put_batch(mask)
+        comps["host_mask"] = mask
+        new_tokens = int(mask.sum())
+        rewards = np.array([e.session.total_reward for e in eps], np.float32)
+        errors = sum(int(e.session.stats.errors.get("env_exception", 0)) for e in eps)
+        cut = np.array([e.truncated or bool(e.session.stats.truncated) for e in eps])
+        comps.update(cached_scores([(rewards, errors, cut)]))
+        env_metrics = engine.runner.metrics([e.session.stats for e in eps])
+    else:
+        seqs = [(g.prompt, s) for g in groups for s in sorted(g.seqs, key=lambda s: s.sample_index)]
+        rows = [(p, s.tokens, s.logprobs, s.versions) for p, s in seqs]
+        records = [engine.sampler.experts_of(s) for _, s in seqs]
+        comps, behav, new_tokens = lay_out(ctx, rows, gids, host, None if records[0] is None else records)
     if engine.scorer is not None:  # dynamic sampling scored every group as it completed
         comps.update(cached_scores([g.scores for g in groups]))
     counts = np.array(
@@ -174,6 +197,7 @@ def continuous_batch(ctx, params, version: int, prompts, step: int):
     }
     if engine.scorer is not None:
         metrics["rollout/filtered_groups"] = float(counts[4])
+    metrics.update(env_metrics)
     return comps, behav, metrics
 
 
@@ -201,15 +225,15 @@ class ContinuousSource:
         return continuous_batch(self.ctx, params, version, prompts, step)
 
 
-def make_source(ctx) -> RolloutSource:
+def make_source(ctx, runner=None) -> RolloutSource:
     """The run's rollout source (module docstring), from its context: the continuous engine when it
     has one, dynamic sampling under step admission, else plain step admission."""
-    if ctx.cfg.env.name != "single_turn":
-        from rpeg_jax.runtime.rollout.episodes import EpisodeSource  # step admission (config/run.py checks)
-
-        return EpisodeSource(ctx)
-    if ctx.engine is not None:
+    if ctx.engine is not None:  # (episodes too: the engine has the runner)
         return ContinuousSource(ctx)
+    if ctx.cfg.env.name != "single_turn":
+        from rpeg_jax.runtime.rollout.episodes import EpisodeSource  # step admission
+
+        return EpisodeSource(ctx, runner)
     if ctx.cfg.rl.filter_groups != "none":
         return FilteredSource(ctx)
     return StepSource(ctx)
