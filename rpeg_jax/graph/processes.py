@@ -71,6 +71,7 @@ class Runs:
     admission: str | None = None  # rollout.admission: step | continuous
     group_sizes: tuple[int, ...] | None = None  # devices of each group a stage runs on
     gen_tensor: int | None = None  # the generation mesh's tensor axis
+    pieces: int | None = None  # pipeline.pieces: generation streamed to training in that many pieces
     layout: tuple[str, Any] = ("pipeline.plan", "auto")  # (key, value) that set the groups and meshes
 
 
@@ -83,30 +84,48 @@ def why_not(cfg: RunConfig, processes: int, num_devices: int, runs: Runs | None 
     if P == 1:
         return None
     procs = f"with {P} processes"
+    split = runs.placement == "split"
     prompts = cfg.data.prompts_per_step
-    if prompts % P:
+    if prompts % P and not split:
         why = f"must be a multiple of the {P} processes (each generates whole groups of its share)"
         return Illegal("data.prompts_per_step", prompts, why)
     admission = runs.admission or cfg.rollout.admission
-    if cfg.rl.filter_groups != "none" and admission != "continuous":
-        return Illegal(
-            "rl.filter_groups",
-            cfg.rl.filter_groups,
+    if cfg.rl.filter_groups != "none" and (admission != "continuous" or split):
+        why = (
             f"{procs} dynamic sampling runs under rollout.admission=continuous only (under step admission each "
-            f"process would refill its share in its own number of rounds); use none, or continuous admission",
+            f"process would refill its share in its own number of rounds); use none, or continuous admission"
         )
-    if runs.placement is not None and runs.placement != "colocated":
-        return Illegal(
-            "pipeline.placement",
-            runs.placement,
-            f"{procs} every process generates its share on its own devices and trains on all of them: use colocated",
-        )
+        if split and admission == "continuous":
+            why = f"{procs} and pipeline.placement=split dynamic sampling is not run yet; use none, or colocated"
+        return Illegal("rl.filter_groups", cfg.rl.filter_groups, why)
+    if split:
+        pieces = runs.pieces or cfg.pipeline.pieces
+        bad = split_unsupported(cfg) + ([("pipeline.pieces", pieces, "use 1")] if pieces > 1 else [])
+        for key, value, fix in bad:
+            return Illegal(key, value, f"{procs} and pipeline.placement=split this is not run yet; {fix}")
+    elif runs.placement is not None and runs.placement != "colocated":
+        return Illegal("pipeline.placement", runs.placement, f"{procs}: colocated or split")
     key, value = runs.layout
-    small = [n for n in runs.group_sizes or () if n != N]
-    if small:
-        why = f"a stage runs on a group of {small[0]} devices; {procs} every stage runs on all {N}"
-        return Illegal(key, value, why)
     local = N // P
+    sizes = list(runs.group_sizes or ())
+    if split and sizes:
+        part = [n for n in sizes if n % local]
+        if part or sum(sizes) != N:
+            why = (
+                f"split groups of {sizes} devices: {procs} ({local} devices each) generation takes whole processes "
+                f"and training the others, every process in one group"
+            )
+            return Illegal(key, value, why)
+        gen_procs = sizes[0] // local
+        if prompts % gen_procs:
+            why = (
+                f"must be a multiple of the {gen_procs} generating processes (each generates whole groups of its share)"
+            )
+            return Illegal("data.prompts_per_step", prompts, why)
+    small = [n for n in sizes if n != N] if not split else []
+    if small:
+        why = f"a stage runs on a group of {small[0]} devices; {procs} every stage of a colocated plan runs on all {N}"
+        return Illegal(key, value, why)
     if runs.gen_tensor is not None and local % runs.gen_tensor:
         hint = ": sharding.generate_mesh={data: -1, tensor: T}" if key.startswith("sharding.") else ""
         why = (
@@ -117,6 +136,20 @@ def why_not(cfg: RunConfig, processes: int, num_devices: int, runs: Runs | None 
     return None
 
 
+def split_unsupported(cfg: RunConfig) -> list[tuple[str, Any, str]]:
+    """(key, value, what to do) of each setting a split placement across processes does not run."""
+    out = []
+    if cfg.model.lora.rank:
+        out.append(("model.lora.rank", cfg.model.lora.rank, "use 0, or colocated"))
+    if cfg.train.pack_sequences:
+        out.append(("train.pack_sequences", True, "use false, or colocated"))
+    if cfg.eval.path is not None:
+        out.append(("eval.path", cfg.eval.path, "evaluate with `rpeg eval` on a checkpoint, or run colocated"))
+    if cfg.env.name != "single_turn":
+        out.append(("env.name", cfg.env.name, "use single_turn, or colocated"))
+    return out
+
+
 def runs_of(cfg: RunConfig, plan: Plan, graph: Graph) -> Runs:
     """What `plan` asks of the runtime, `cfg` being the config it implies (graph/plan.config_for_plan)."""
     gen = graph.find(StageKind.GENERATE)
@@ -124,11 +157,15 @@ def runs_of(cfg: RunConfig, plan: Plan, graph: Graph) -> Runs:
     if plan.source == "manual":  # generation's mesh: sharding.generate_mesh, else sharding.mesh
         sh = cfg.sharding
         layout = ("sharding.generate_mesh", sh.generate_mesh) if sh.generate_mesh else ("sharding.mesh", sh.mesh)
+    used = {s.group for s in plan.stages}
+    first = plan.stage(gen.name).group if gen is not None else None  # generation's group first
+    groups = sorted((g for g in plan.groups if g.name in used), key=lambda g: g.name != first)
     return Runs(
         placement=cfg.pipeline.placement,
         admission=cfg.rollout.admission,
-        group_sizes=tuple(plan.group(s.group).size for s in plan.stages),
+        group_sizes=tuple(g.size for g in groups),
         gen_tensor=plan.stage(gen.name).mesh.get("tensor", 1) if gen is not None else None,
+        pieces=cfg.pipeline.pieces,
         layout=layout,
     )
 
