@@ -5,21 +5,27 @@ a plan it does not allow before anything is built or compiled (runtime/setup.py 
     bad = why_not(cfg, processes, num_devices, Runs(admission="continuous"))   # Illegal | None
     check_plan(cfg, plan, graph, processes)    # raises NotRunnable (a ConfigError) for an illegal plan
 
-With P > 1 processes (one per node, as SLURM launches them) every process generates its own share
-of a step's prompts on its own devices, data-parallel, and the rollouts are assembled into global
-arrays for the training stages (runtime/placement.py). The rules, judged in this order (the first
-that fails is returned: one line naming the key and the value):
+With P > 1 processes (one per node, as SLURM launches them), colocated, every process generates its
+own share of a step's prompts on its own devices, data-parallel, and the rollouts are assembled into
+global arrays for the training stages (runtime/placement.py); split, the first processes generate
+(each its share) and the others train, the rollouts and the weights handed across by collectives
+(runtime/split.py). The rules, judged in this order (the first that fails is returned: one line
+naming the key and the value):
 
     costmodel.processes    P >= 1 divides the devices (each process owns N / P of them, in order)
-    data.prompts_per_step  a multiple of P: each process generates whole groups, its share
-    rl.filter_groups       none, or rollout.admission=continuous: under step admission each process
-                           would refill its share in its own number of rounds (and only one process's
-                           stream cursor would reach the checkpoint); under continuous admission every
-                           process's engine runs on its own data shard, decides from seeds, data order
-                           and decode-chunk counts only, and checkpoints its whole state
-    pipeline.placement     colocated: a split's generation group leaves processes without generation
-                           devices, and its training group leaves some without rollouts to put
-    the plan's groups      every stage on all N devices (no sub-mesh on some processes only)
+    data.prompts_per_step  colocated: a multiple of P: each process generates whole groups, its share
+    rl.filter_groups       none, or rollout.admission=continuous (colocated): under step admission each
+                           process would refill its share in its own number of rounds (and only one
+                           process's stream cursor would reach the checkpoint); under continuous
+                           admission every process's engine runs on its own data shard, decides from
+                           seeds, data order and decode-chunk counts only, and checkpoints its whole state
+    split: what it does not run yet: rl.filter_groups, pipeline.pieces > 1 (a step's rollouts are handed
+                           over whole), model.lora.rank, eval.path, env.name other than single_turn
+    pipeline.placement     colocated or split
+    the plan's groups      colocated: every stage on all N devices (no sub-mesh on some processes only);
+                           split: whole processes, generation's group on the first ones, every process
+                           in one group (named by pipeline.split_sizes for a manual plan), and
+                           data.prompts_per_step a multiple of the generating processes
     generation tensor      divides N / P: a tensor group lies inside one process (tensor-parallel
                            decode on its local devices, replicas data-parallel within and across
                            processes); a group spanning processes is not run
@@ -69,7 +75,7 @@ class Runs:
 
     placement: str | None = None  # pipeline.placement: colocated | split
     admission: str | None = None  # rollout.admission: step | continuous
-    group_sizes: tuple[int, ...] | None = None  # devices of each group a stage runs on
+    group_sizes: tuple[int, ...] | None = None  # devices of each group a stage runs on, generation's first
     gen_tensor: int | None = None  # the generation mesh's tensor axis
     pieces: int | None = None  # pipeline.pieces: generation streamed to training in that many pieces
     layout: tuple[str, Any] = ("pipeline.plan", "auto")  # (key, value) that set the groups and meshes
@@ -109,13 +115,16 @@ def why_not(cfg: RunConfig, processes: int, num_devices: int, runs: Runs | None 
     local = N // P
     sizes = list(runs.group_sizes or ())
     if split and sizes:
+        gkey, gvalue = (key, value) if not key.startswith("sharding.") else ("pipeline.split_sizes", None)
+        if gvalue is None:  # a manual plan's groups: pipeline.split_sizes
+            gvalue = list(cfg.pipeline.split_sizes)
         part = [n for n in sizes if n % local]
         if part or sum(sizes) != N:
             why = (
                 f"split groups of {sizes} devices: {procs} ({local} devices each) generation takes whole processes "
                 f"and training the others, every process in one group"
             )
-            return Illegal(key, value, why)
+            return Illegal(gkey, gvalue, why)
         gen_procs = sizes[0] // local
         if prompts % gen_procs:
             why = (
