@@ -193,7 +193,13 @@ def _load(ckpt: Checkpointer, store: Store, ex: Executor, ctx, step: int, target
         )
         for name, (shape, dtype) in meta_only.get("buffer_specs", {}).items()
     }
-    train, meta, buffer = ckpt.restore(step, target, buffer_target or None)
+    pl = ctx.placement  # split placement across processes: read in the spread layout (Placement.saved)
+    spread = {
+        n: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=pl.saved_sharding(x)), t)
+        for n, t in target.items()
+    }
+    train, meta, buffer = ckpt.restore(step, spread, buffer_target or None)
+    train = {name: pl.restored(value, target[name]) for name, value in train.items()}
     for name, value in train.items():
         store.put_state(name, meta["versions"][name], value)
     version, actor = store.latest("actor")
@@ -218,7 +224,7 @@ def _load(ckpt: Checkpointer, store: Store, ex: Executor, ctx, step: int, target
         store.put_data("behav_logp", s, buffer[f"{s}/behav_logp/"])
     if filt is not None:
         prompts.cursor = tuple(int(x) for x in filt["cursor"])
-    if ctx.engine is not None:
+    if ctx.engine is not None or ex.graph.admission == "continuous":  # a split's training process: no engine
         entries = meta.get("engine")
         if not isinstance(entries, list) or len(entries) != jax.process_count():
             held = (
@@ -241,7 +247,8 @@ def _load(ckpt: Checkpointer, store: Store, ex: Executor, ctx, step: int, target
         arrays = {name: own_row(x) for name, x in ckpt.restore_engine(step, target).items()}  # padded: the
         # sampler cuts them to what its state says
         prompts.pipeline.set_state(mine["data_iterator"])  # this process's stream (its shard's own position)
-        ctx.engine.restore(mine["engine"], arrays)
+        if ctx.engine is not None:
+            ctx.engine.restore(mine["engine"], arrays)
     store.put_state("data_iterator", step + len(buffered), prompts)
     if "admitted" in meta and "rollout_buffer" in store.state:
         buf = store.latest("rollout_buffer")[1]
