@@ -1,7 +1,8 @@
 """A test plugin (`plugins=[interrupt_plugin]`) that sends a real signal from inside a training
 process, for runs started as subprocesses (several local processes among them, where no test code
-runs in the children): with RPEG_TEST_SIGNAL=<step>:<SIGNAME> in the environment, process 0 sends
-itself the signal at the start of the actor update of step <step> (0-based), once. Without the
+runs in the children): with RPEG_TEST_SIGNAL=<step>:<SIGNAME> in the environment, process 0 (or
+RPEG_TEST_SIGNAL_PROCESS, one that runs the actor update) sends itself the signal at the start of the
+actor update of step <step> (0-based), once. Without the
 variable it changes nothing (the same command resumes the run)."""
 
 import os
@@ -25,7 +26,7 @@ if spec:
     def call(self, inputs):
         if _where["step"] == _step and "actor_update" in self.name and not _where["fired"]:
             _where["fired"] = True
-            if jax.process_index() == 0:
+            if jax.process_index() == int(os.environ.get("RPEG_TEST_SIGNAL_PROCESS", "0")):
                 os.kill(os.getpid(), getattr(signal, _name))
         return _call(self, inputs)
 

@@ -42,7 +42,37 @@ def test_one_process_runs_everything():
             "config error: rl.filter_groups='zero_variance': with 2 processes dynamic sampling runs under "
             "rollout.admission=continuous only",
         ),
-        ([], 2, Runs(placement="split"), "config error: pipeline.placement='split': with 2 processes every process"),
+        (
+            [],
+            2,
+            Runs(placement="split", group_sizes=(2, 6)),
+            "config error: pipeline.plan='auto': split groups of [2, 6] devices: with 2 processes (4 devices each)",
+        ),
+        (
+            [],
+            2,
+            Runs(placement="split", group_sizes=(4, 2)),
+            "config error: pipeline.plan='auto': split groups of [4, 2]",
+        ),
+        (
+            ["data.prompts_per_step=6"],
+            8,
+            Runs(placement="split", group_sizes=(4, 4)),
+            "config error: data.prompts_per_step=6: must be a multiple of the 4 generating processes",
+        ),
+        (
+            ["model.lora.rank=4"],
+            2,
+            Runs(placement="split"),
+            "config error: model.lora.rank=4: with 2 processes and pipeline.placement=split this is not run yet",
+        ),
+        ([], 2, Runs(placement="split", pieces=2), "config error: pipeline.pieces=2: with 2 processes and pipeline"),
+        (
+            [],
+            2,
+            Runs(placement="pipelined"),
+            "config error: pipeline.placement='pipelined': with 2 processes: colocated",
+        ),
         ([], 2, Runs(group_sizes=(8, 4)), "config error: pipeline.plan='auto': a stage runs on a group of 4 devices"),
         ([], 2, Runs(gen_tensor=8), "config error: pipeline.plan='auto': generation has tensor=8; with 2 processes"),
         ([], 2, Runs(gen_tensor=8, layout=("sharding.mesh", {"tensor": 8})), "config error: sharding.mesh={'tensor'"),
@@ -70,11 +100,17 @@ def test_rules_are_judged_in_order_and_unjudged_parts_pass():
     assert why_not(cfg, 2, 8, both).key == "rl.filter_groups"  # before pipeline.placement
     assert why_not(cfg, 2, 8, Runs(placement="split")).key == "rl.filter_groups"  # the config's admission: step
     # continuous admission (the plan's or the config's) runs on several processes, with dynamic sampling too
-    assert why_not(cfg, 2, 8, Runs(admission="continuous", placement="split")).key == "pipeline.placement"
+    # (colocated; a split across processes does not run dynamic sampling yet)
+    assert why_not(cfg, 2, 8, Runs(admission="continuous", placement="split")).key == "rl.filter_groups"
+    assert why_not(cfg, 2, 8, Runs(admission="continuous", placement="colocated")) is None
     cont = cfg_of("rl.filter_groups=zero_variance", "rollout.admission=continuous", "pipeline.staleness=1")
     assert why_not(cont, 2, 8) is None
     assert why_not(cfg_of(), 2, 8, Runs(admission="continuous", group_sizes=(8,), gen_tensor=2)) is None
-    assert why_not(cfg_of(), 2, 8, Runs(placement="split", gen_tensor=2)).key == "pipeline.placement"
+    # a split in whole processes: generation on the first, training on the others
+    assert why_not(cfg_of(), 2, 8, Runs(placement="split", group_sizes=(4, 4), gen_tensor=2)) is None
+    assert why_not(cfg_of(), 4, 8, Runs(placement="split", group_sizes=(2, 6), gen_tensor=2)) is None
+    assert why_not(cfg_of(), 4, 8, Runs(placement="split", group_sizes=(2, 6), gen_tensor=4)).key == "pipeline.plan"
+    assert why_not(cfg_of(), 4, 8, Runs(placement="split", group_sizes=(2, 4))).key == "pipeline.plan"  # idle process
     assert (
         why_not(cfg_of(), 2, 8, Runs(admission="step", placement="colocated", group_sizes=(8,), gen_tensor=1)) is None
     )
@@ -102,8 +138,13 @@ def test_check_plan_reads_the_plan_and_names_its_source(tmp_path):
         check_plan(cfg, plan, graph_for_plan(cfg, plan), 4)  # 2 devices per process: a group spans two
     split = cfg_of("pipeline.placement=split", "pipeline.split_sizes=[4,4]", "pipeline.staleness=1")
     plan = plan_from_config(split, 8)
-    with pytest.raises(NotRunnable, match=r"^config error: pipeline.placement='split': "):
-        check_plan(split, plan, graph_for_plan(split, plan), 2)
+    check_plan(split, plan, graph_for_plan(split, plan), 2)  # one process generates, the other trains
+    check_plan(split, plan, graph_for_plan(split, plan), 4)
+    uneven = cfg_of("pipeline.placement=split", "pipeline.split_sizes=[2,6]", "pipeline.staleness=1")
+    plan = plan_from_config(uneven, 8)
+    check_plan(uneven, plan, graph_for_plan(uneven, plan), 4)
+    with pytest.raises(NotRunnable, match=r"^config error: pipeline.split_sizes=\[2, 6\]: split groups of \[2, 6\]"):
+        check_plan(uneven, plan, graph_for_plan(uneven, plan), 2)
     # A plan file whose stages sit on a sub-group: named by pipeline.plan=<the file>.
     cfg = cfg_of()
     plan = plan_from_config(cfg, 8)

@@ -119,7 +119,8 @@ QUIET = ["train.progress=false", "train.tensorboard=false", "train.checkpoint_ev
 def test_the_plan_for_four_processes_runs_on_four_local_processes(tmp_path):
     """`rpeg plan --processes 4` for a 4-process CPU cluster (2 devices each) chooses the plan that a
     run on `--local-processes 4` (pipeline.plan=auto, planned for jax.process_count()) makes and
-    runs: plan.json equal."""
+    runs: plan.json equal. (Since split placement runs across processes the default config's plan
+    is a split: generation tensor-parallel on processes 0-1, training FSDP on processes 2-3.)"""
     planned = tmp_path / "planned.json"
     args = ["--config", DEFAULT, "--hardware", "cpu", "--gpus", "8", "--processes", "4", "--quiet"]
     env = dict(os.environ, PYTHONPATH=ROOT)

@@ -322,8 +322,12 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
     # Config values the run takes from the plan (graph/plan.config_for_plan). The sampler's max_slots
     # is per process over its replicas (slots per replica x replicas); the admission mode is the
     # one the plan was priced with (searched like k, space.admissions). A max_slots the config sets
-    # is the run's: kept, and the slots the prediction assumed recorded beside it.
-    slots = lay["generate"]["slots"] * lay["generate"]["replicas"] // ctx.processes
+    # is the run's: kept, and the slots the prediction assumed recorded beside it. A split across
+    # processes generates on the processes owning its generation group (runtime/split.py).
+    gen_procs = ctx.processes
+    if "gen" in lay["groups"] and ctx.processes > 1:
+        gen_procs = max(1, lay["groups"]["gen"] * ctx.processes // ctx.N)
+    slots = lay["generate"]["slots"] * lay["generate"]["replicas"] // gen_procs
     pinned = ctx.cfg.rollout.max_slots
     if pinned is not None and pinned != slots:
         predicted["slots_priced"] = slots

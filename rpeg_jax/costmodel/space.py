@@ -67,9 +67,11 @@ def structural_options(ctx, placement: str, share: bool, equal_algorithm: bool =
         elides, ks = [True], [0]
     if equal_algorithm:
         share = False
-    # Pieces split each process's prompts evenly (runtime/rollout/sources.generate_piece).
+    # Pieces split each process's prompts evenly (runtime/rollout/sources.generate_piece); a split
+    # across processes hands a step's rollouts over whole (runnable: pipeline.pieces)
     prompts = ctx.base.sizes["N"] // ctx.processes
     pieces = [1] if placement == "colocated" else [m for m in (1, *PIECES) if prompts % m == 0]
+    pieces = [m for m in pieces if runnable(ctx, placement=placement, pieces=m)]
     prox, vals = one_step_rewrites(cfg, share)
     out = []
     for k, el, fz, m in itertools.product(ks, elides, fuses, pieces):
@@ -166,8 +168,9 @@ def families(ctx, equal_algorithm: bool = False) -> list[tuple[str, bool]]:
 
 def allocations(ctx, placement: str, ours: bool = True) -> list[tuple[int, int]]:
     """(generation devices, training devices) of each device-group option; `ours`: only those the
-    runtime runs with the context's processes (runnable; with several, colocated on all N devices:
-    each process generates its share on its own devices), else every option (the baselines).
+    runtime runs with the context's processes (runnable; with several, colocated on all N devices,
+    each process generating its share on its own devices, or a split of whole processes: generation
+    on the first ones, training on the others, runtime/split.py), else every option (the baselines).
 
     Accelerators: colocated uses all N; a split partitions N (whole nodes when there are several).
     Shared host (forced CPU devices slicing one machine's cores): every device added to a group

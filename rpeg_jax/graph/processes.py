@@ -5,24 +5,28 @@ a plan it does not allow before anything is built or compiled (runtime/setup.py 
     bad = why_not(cfg, processes, num_devices, Runs(admission="continuous"))   # Illegal | None
     check_plan(cfg, plan, graph, processes)    # raises NotRunnable (a ConfigError) for an illegal plan
 
-With P > 1 processes (one per node, as SLURM launches them) every process generates its own share
-of a step's prompts on its own devices, data-parallel, and the rollouts are assembled into global
-arrays for the training stages (runtime/placement.py). The rules, judged in this order (the first
-that fails is returned: one line naming the key and the value):
+With P > 1 processes (one per node, as SLURM launches them), colocated, every process generates its
+own share of a step's prompts on its own devices, data-parallel, and the rollouts are assembled into
+global arrays for the training stages (runtime/placement.py); split, the first processes generate
+(each its share) and the others train, the rollouts and the weights handed across by collectives
+(runtime/split.py). The rules, judged in this order (the first that fails is returned: one line
+naming the key and the value):
 
     costmodel.processes    P >= 1 divides the devices (each process owns N / P of them, in order)
-    data.prompts_per_step  a multiple of P: each process generates whole groups, its share (the
-                           sampler's slots, the engine's groups per step and the prompt offsets are
-                           prompts_per_step // P per process); the message names the fix: the next
-                           multiple of P
-    rl.filter_groups       none, or rollout.admission=continuous: under step admission each process
-                           would refill its share in its own number of rounds (and only one process's
-                           stream cursor would reach the checkpoint); under continuous admission every
-                           process's engine runs on its own data shard, decides from seeds, data order
-                           and decode-chunk counts only, and checkpoints its whole state
-    pipeline.placement     colocated: a split's generation group leaves processes without generation
-                           devices, and its training group leaves some without rollouts to put
-    the plan's groups      every stage on all N devices (no sub-mesh on some processes only)
+    data.prompts_per_step  colocated: a multiple of P: each process generates whole groups, its share
+                           (the message names the fix: the next multiple of P)
+    rl.filter_groups       none, or rollout.admission=continuous (colocated): under step admission each
+                           process would refill its share in its own number of rounds (and only one
+                           process's stream cursor would reach the checkpoint); under continuous
+                           admission every process's engine runs on its own data shard, decides from
+                           seeds, data order and decode-chunk counts only, and checkpoints its whole state
+    split: what it does not run yet: rl.filter_groups, pipeline.pieces > 1 (a step's rollouts are handed
+                           over whole), model.lora.rank, eval.path, env.name other than single_turn
+    pipeline.placement     colocated or split
+    the plan's groups      colocated: every stage on all N devices (no sub-mesh on some processes only);
+                           split: whole processes, generation's group on the first ones, every process
+                           in one group (named by pipeline.split_sizes for a manual plan), and
+                           data.prompts_per_step a multiple of the generating processes
     generation tensor      divides N / P: a tensor group lies inside one process (tensor-parallel
                            decode on its local devices, replicas data-parallel within and across
                            processes); a group spanning processes is not run
@@ -72,8 +76,9 @@ class Runs:
 
     placement: str | None = None  # pipeline.placement: colocated | split
     admission: str | None = None  # rollout.admission: step | continuous
-    group_sizes: tuple[int, ...] | None = None  # devices of each group a stage runs on
+    group_sizes: tuple[int, ...] | None = None  # devices of each group a stage runs on, generation's first
     gen_tensor: int | None = None  # the generation mesh's tensor axis
+    pieces: int | None = None  # pipeline.pieces: generation streamed to training in that many pieces
     layout: tuple[str, Any] = ("pipeline.plan", "auto")  # (key, value) that set the groups and meshes
 
 
@@ -86,8 +91,9 @@ def why_not(cfg: RunConfig, processes: int, num_devices: int, runs: Runs | None 
     if P == 1:
         return None
     procs = f"with {P} processes"
+    split = runs.placement == "split"
     prompts = cfg.data.prompts_per_step
-    if prompts % P:
+    if prompts % P and not split:
         # the fix is the prompt count: fewer processes would need a process to own devices of
         # several nodes (one per node is the fewest a cluster launches)
         up = -(-prompts // P) * P
@@ -97,25 +103,45 @@ def why_not(cfg: RunConfig, processes: int, num_devices: int, runs: Runs | None 
         )
         return Illegal("data.prompts_per_step", prompts, why)
     admission = runs.admission or cfg.rollout.admission
-    if cfg.rl.filter_groups != "none" and admission != "continuous":
-        return Illegal(
-            "rl.filter_groups",
-            cfg.rl.filter_groups,
+    if cfg.rl.filter_groups != "none" and (admission != "continuous" or split):
+        why = (
             f"{procs} dynamic sampling runs under rollout.admission=continuous only (under step admission each "
-            f"process would refill its share in its own number of rounds); use none, or continuous admission",
+            f"process would refill its share in its own number of rounds); use none, or continuous admission"
         )
-    if runs.placement is not None and runs.placement != "colocated":
-        return Illegal(
-            "pipeline.placement",
-            runs.placement,
-            f"{procs} every process generates its share on its own devices and trains on all of them: use colocated",
-        )
+        if split and admission == "continuous":
+            why = f"{procs} and pipeline.placement=split dynamic sampling is not run yet; use none, or colocated"
+        return Illegal("rl.filter_groups", cfg.rl.filter_groups, why)
+    if split:
+        pieces = runs.pieces or cfg.pipeline.pieces
+        bad = split_unsupported(cfg) + ([("pipeline.pieces", pieces, "use 1")] if pieces > 1 else [])
+        for key, value, fix in bad:
+            return Illegal(key, value, f"{procs} and pipeline.placement=split this is not run yet; {fix}")
+    elif runs.placement is not None and runs.placement != "colocated":
+        return Illegal("pipeline.placement", runs.placement, f"{procs}: colocated or split")
     key, value = runs.layout
-    small = [n for n in runs.group_sizes or () if n != N]
-    if small:
-        why = f"a stage runs on a group of {small[0]} devices; {procs} every stage runs on all {N}"
-        return Illegal(key, value, why)
     local = N // P
+    sizes = list(runs.group_sizes or ())
+    if split and sizes:
+        gkey, gvalue = (key, value) if not key.startswith("sharding.") else ("pipeline.split_sizes", None)
+        if gvalue is None:  # a manual plan's groups: pipeline.split_sizes
+            gvalue = list(cfg.pipeline.split_sizes)
+        part = [n for n in sizes if n % local]
+        if part or sum(sizes) != N:
+            why = (
+                f"split groups of {sizes} devices: {procs} ({local} devices each) generation takes whole processes "
+                f"and training the others, every process in one group"
+            )
+            return Illegal(gkey, gvalue, why)
+        gen_procs = sizes[0] // local
+        if prompts % gen_procs:
+            why = (
+                f"must be a multiple of the {gen_procs} generating processes (each generates whole groups of its share)"
+            )
+            return Illegal("data.prompts_per_step", prompts, why)
+    small = [n for n in sizes if n != N] if not split else []
+    if small:
+        why = f"a stage runs on a group of {small[0]} devices; {procs} every stage of a colocated plan runs on all {N}"
+        return Illegal(key, value, why)
     if runs.gen_tensor is not None and local % runs.gen_tensor:
         hint = ": sharding.generate_mesh={data: -1, tensor: T}" if key.startswith("sharding.") else ""
         why = (
@@ -126,6 +152,20 @@ def why_not(cfg: RunConfig, processes: int, num_devices: int, runs: Runs | None 
     return None
 
 
+def split_unsupported(cfg: RunConfig) -> list[tuple[str, Any, str]]:
+    """(key, value, what to do) of each setting a split placement across processes does not run."""
+    out = []
+    if cfg.model.lora.rank:
+        out.append(("model.lora.rank", cfg.model.lora.rank, "use 0, or colocated"))
+    if cfg.train.pack_sequences:
+        out.append(("train.pack_sequences", True, "use false, or colocated"))
+    if cfg.eval.path is not None:
+        out.append(("eval.path", cfg.eval.path, "evaluate with `rpeg eval` on a checkpoint, or run colocated"))
+    if cfg.env.name != "single_turn":
+        out.append(("env.name", cfg.env.name, "use single_turn, or colocated"))
+    return out
+
+
 def runs_of(cfg: RunConfig, plan: Plan, graph: Graph) -> Runs:
     """What `plan` asks of the runtime, `cfg` being the config it implies (graph/plan.config_for_plan)."""
     gen = graph.find(StageKind.GENERATE)
@@ -133,11 +173,15 @@ def runs_of(cfg: RunConfig, plan: Plan, graph: Graph) -> Runs:
     if plan.source == "manual":  # generation's mesh: sharding.generate_mesh, else sharding.mesh
         sh = cfg.sharding
         layout = ("sharding.generate_mesh", sh.generate_mesh) if sh.generate_mesh else ("sharding.mesh", sh.mesh)
+    used = {s.group for s in plan.stages}
+    first = plan.stage(gen.name).group if gen is not None else None  # generation's group first
+    groups = sorted((g for g in plan.groups if g.name in used), key=lambda g: g.name != first)
     return Runs(
         placement=cfg.pipeline.placement,
         admission=cfg.rollout.admission,
-        group_sizes=tuple(plan.group(s.group).size for s in plan.stages),
+        group_sizes=tuple(g.size for g in groups),
         gen_tensor=plan.stage(gen.name).mesh.get("tensor", 1) if gen is not None else None,
+        pieces=cfg.pipeline.pieces,
         layout=layout,
     )
 

@@ -161,7 +161,9 @@ def assert_finite(tree: Any, what: str) -> None:
     # state across processes hung at the ~38th leaf). Arrays in host memory (train.offload) are
     # checked where they are, shard by shard with numpy (no device copy), and agreed on by one
     # all-gather across processes.
-    on_device = [i for i, (_, x) in enumerate(floats) if not is_host(x)]
+    # a process holding no shard of a leaf (split placement across processes: the training state on a
+    # generating process) leaves it to the processes that do
+    on_device = [i for i, (_, x) in enumerate(floats) if not is_host(x) and _held(x)]
     ok = [True] * len(floats)
     for i, good in zip(on_device, jax.device_get(_all_finite([floats[i][1] for i in on_device])) if on_device else ()):
         ok[i] = bool(good)
@@ -175,6 +177,10 @@ def assert_finite(tree: Any, what: str) -> None:
     for (path, _), good in zip(floats, ok):
         if not bool(good):
             raise NonFiniteError(f"{what}: non-finite values in {jax.tree_util.keystr(path)}; not checkpointed")
+
+
+def _held(x) -> bool:
+    return not isinstance(x, jax.Array) or bool(x.addressable_shards)
 
 
 def _host_finite(x) -> bool:

@@ -103,6 +103,20 @@ class Store:
 
 
 @dataclass
+class Roles:
+    """Which stages this process runs when a split placement puts generation and training on
+    disjoint sets of processes (runtime/split.py; None otherwise): the stages of its `local` groups,
+    and the weight sync, which every process joins (a collective from the training group's devices
+    to the generation group's); another group's stage is skipped here, its state outputs carried
+    forward unchanged (this process holds none of their data). `handoff(step)`: step `step`'s rollout
+    data from the generation group to the training group, a collective every process calls."""
+
+    local: frozenset
+    gen_group: str
+    handoff: Any  # (step) -> None
+
+
+@dataclass
 class Task:
     stage: CompiledStage
     step: int
@@ -114,8 +128,8 @@ class Task:
 
 
 class Executor:
-    def __init__(self, program: Program, store: Store, *, tracer=None, sync: bool = True):
-        self.program, self.store, self.tracer, self.sync = program, store, tracer, sync
+    def __init__(self, program: Program, store: Store, *, tracer=None, sync: bool = True, roles: Roles | None = None):
+        self.program, self.store, self.tracer, self.sync, self.roles = program, store, tracer, sync, roles
         g = program.graph
         self.graph = g
         self.order = {cs.name: i for i, cs in enumerate(program.stages)}
@@ -160,7 +174,9 @@ class Executor:
         for task in tasks:
             by_group[task.stage.plan.group].append(task)
         t0 = time.perf_counter()
-        if len(by_group) == 1:
+        if self.roles is not None:
+            self._run_split(t, tasks)
+        elif len(by_group) == 1:
             self._run_group(next(iter(by_group)), self._sorted(next(iter(by_group.values()))), threaded=False)
         else:
             threads = [
@@ -177,6 +193,39 @@ class Executor:
                 raise self._errors[0]
         self.metrics[t]["timing_s/step"] = self.stage_seconds[t]["step"] = time.perf_counter() - t0
         return self.metrics
+
+    def _run_split(self, t: int, tasks: list[Task]) -> None:
+        """A slot of a split placement across processes, in one thread and in one order on every
+        process, so that the two collectives meet: the generation group's tasks of steps <= t,
+        handoff(t), the training group's tasks (but the weight sync), the generation group's tasks
+        that run ahead (on the generating processes they overlap the training processes' update),
+        then the weight sync. The order is fixed, so what runs is a function of the steps alone."""
+        roles = self.roles
+        gen = lambda x: x.stage.plan.group == roles.gen_group  # noqa: E731
+        sync = lambda x: x.stage.stage.kind == StageKind.WEIGHT_SYNC  # noqa: E731
+        order = (
+            self._sorted([x for x in tasks if gen(x) and x.step <= t])
+            + [None]
+            + self._sorted([x for x in tasks if not gen(x) and not sync(x)])
+            + self._sorted([x for x in tasks if gen(x) and x.step > t])
+            + self._sorted([x for x in tasks if sync(x) and not gen(x)])
+        )
+        for task in order:
+            if task is None:
+                roles.handoff(t)
+            elif task.stage.plan.group in roles.local or sync(task):
+                self._run_task(task, threaded=False)
+            else:
+                self._skip_task(task)
+
+    def _skip_task(self, task: Task) -> None:
+        """Another processes' stage (Roles): its state outputs are this process's latest, carried
+        forward (placeholders: the arrays hold no data here); its data outputs are not made here."""
+        for port in task.stage.writes:
+            if port.state:
+                self.store.put_state(port.node, task.step + 1, self.store.latest(port.node)[1])
+        self.done.add(task.key)
+        self.events[task.key].set()
 
     def _sorted(self, tasks: list[Task]) -> list[Task]:
         """Earlier steps first, then pieces in order (streaming), single-piece stages after the

@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -44,20 +45,23 @@ def _ops(stage) -> set[Op]:
 def _local_generation(sp, cfg: RunConfig, devs: list) -> tuple[StageLayout, StageLayout]:
     """Generation's layout on this process's devices of the group, a (data, tensor) mesh with the
     plan's tensor axis, and its global twin: the same rules over every process's devices of the group,
-    data = processes x local rows, so that device d holds the same tensor shard in both."""
+    data = processes x local rows, so that device d holds the same tensor shard in both. A process
+    without devices in the group (a training process of a split placement) gets the twin twice."""
     tensor = sp.mesh.get("tensor", 1)
     devs = sorted(devs, key=lambda d: (d.process_index, d.id))
     mine = [d for d in devs if d.process_index == jax.process_index()]
-    spec = {"data": len(mine) // tensor, "tensor": tensor} if tensor > 1 else {"data": len(mine)}
-    local = layout_for(spec, sp.rules, cfg.sharding, mine, role="generate")
-    twin = layout_for(dict(spec, data=len(devs) // tensor), sp.rules, cfg.sharding, devs, role="generate")
+    per = len(devs) // len({d.process_index for d in devs})  # every process of the group owns as many
+    spec = {"data": per // tensor, "tensor": tensor} if tensor > 1 else {"data": per}
 
     def regrid(layout, ds):  # the canonical axes (size-1 ones included), devices in (process, id) order
         m = layout.mesh
         grid = np.array(ds, dtype=object).reshape(tuple(m.shape.values()))  # data before tensor: process-major
         return dataclasses.replace(layout, mesh=Mesh(grid, m.axis_names, axis_types=m.axis_types))
 
-    return regrid(local, mine), regrid(twin, devs)
+    twin = regrid(layout_for(dict(spec, data=len(devs) // tensor), sp.rules, cfg.sharding, devs, role="generate"), devs)
+    if not mine:
+        return twin, twin
+    return regrid(layout_for(spec, sp.rules, cfg.sharding, mine, role="generate"), mine), twin
 
 
 class Placement:
@@ -82,6 +86,23 @@ class Placement:
             self.layouts[st.name].check_experts(cfg.model.num_experts, mesh_key)
         self.resharder = Resharder()
         self._shardings: dict[tuple[str, str], Any] = {}
+        # which processes own each group's devices; with a split placement across processes
+        # (runtime/split.py) generation and training run on disjoint sets of processes
+        me = jax.process_index()
+        owners = {g.name: sorted({devices[i].process_index for i in g.devices}) for g in plan.groups}
+        gen = graph.find(StageKind.GENERATE)
+        train = graph.find(StageKind.ACTOR_UPDATE)
+        self.gen_group = plan.stage(gen.name).group if gen is not None else None
+        self.train_group = plan.stage(train.name).group if train is not None else self.gen_group
+        self.gen_procs = owners[self.gen_group] if self.gen_group else list(range(jax.process_count()))
+        self.train_procs = owners[self.train_group] if self.train_group else self.gen_procs
+        self.split = self.multi and not set(self.gen_procs) & set(self.train_procs)
+        self.local_groups = frozenset(name for name, procs in owners.items() if me in procs)
+        self.generates_here = me in self.gen_procs
+        self.trains_here = me in self.train_procs
+        # this process's place among the generating processes (its share of every step's prompts)
+        self.gen_count = len(self.gen_procs)
+        self.gen_rank = self.gen_procs.index(me) if self.generates_here else 0
         self.offload = Offload.for_run(cfg, jax.local_devices())  # train.offload (runtime/offload.py)
 
     # ---- layouts of the graph's roles ----------------------------------------------------------
@@ -140,11 +161,18 @@ class Placement:
     def batch_sharding(self, layout: StageLayout, shape) -> NamedSharding:
         return layout.sharding(("batch",) + (None,) * (len(shape) - 1), shape)
 
+    @property
+    def rollout_layout(self) -> StageLayout:
+        """Where the rollout batch is assembled: the training layout, or with a split placement across
+        processes the generation group's global layout (handed to training by runtime/split.py)."""
+        return self._gen_global[self.graph.find(StageKind.GENERATE).name] if self.split else self.train
+
     def put_batch(self, local: np.ndarray) -> jax.Array:
-        """This process's rows -> a global array sharded over `data` of the training layout."""
+        """This process's rows -> a global array sharded over `data` of the rollout layout (every
+        generating process holds the same number of rows)."""
         local = np.asarray(local)
-        shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
-        sharding = self.batch_sharding(self.train, shape)
+        shape = (local.shape[0] * self.gen_count,) + local.shape[1:]
+        sharding = self.batch_sharding(self.rollout_layout, shape)
         if not self.multi:
             return jax.device_put(local, sharding)
         return jax.make_array_from_process_local_data(sharding, local, shape)
@@ -185,6 +213,8 @@ class Placement:
             devs = [d for d in sh.mesh.devices.flat]
             return jax.make_array_from_single_device_arrays(x.shape, sh, [bufs[d] for d in devs])
 
+        if not self.generates_here:  # a training process: it holds none of the sampler's weights
+            return spread
         arrays, treedef = jax.tree.flatten(spread)
         return jax.tree.unflatten(treedef, [localise(x, sh) for x, sh in zip(arrays, jax.tree.leaves(local))])
 
@@ -200,3 +230,58 @@ class Placement:
                 seen.add(start)
                 rows.append(np.asarray(s.data))
         return np.concatenate(rows)
+
+    def saved(self, tree) -> Any:
+        """The layout a checkpoint writes `tree` (training state) in: itself, or with a split placement
+        across processes spread over every device (orbax writes from each process the shards it holds,
+        and a generating process holds none of the training layout's): the first dimension that the
+        device count divides is sharded over all of them (else replicated), moved by the Resharder's
+        collective. `Placement.restored` takes it back."""
+        if not self.split:
+            return tree
+        return self.resharder(tree, jax.tree.map(self._everywhere, tree))
+
+    def restored(self, tree, like) -> Any:
+        """A tree read in the `saved` layout, back in the layout of `like` (the run's own state)."""
+        if not self.split:
+            return tree
+        return self.resharder(tree, jax.tree.map(lambda x: x.sharding, like))
+
+    def saved_sharding(self, x) -> NamedSharding:
+        return self._everywhere(x) if self.split else x.sharding
+
+    def _everywhere(self, x) -> NamedSharding:
+        devices = jax.devices()
+        n = len(devices)
+        dims = [i for i, s in enumerate(x.shape) if s % n == 0]
+        spec = P(*[("all" if i == dims[0] else None) for i in range(len(x.shape))]) if dims else P()
+        return NamedSharding(Mesh(np.array(devices, dtype=object), ("all",)), spec)
+
+    def gen_allgather(self, x) -> np.ndarray:
+        """[each generating process's `x`] (stacked), called by the generating processes only: a
+        program over one device of each of them (with a colocated plan every process generates, and
+        this is multihost_utils.process_allgather)."""
+        x = np.asarray(x)
+        if not self.multi:
+            return x[None]
+        if not self.split:
+            return np.asarray(multihost_utils.process_allgather(x))
+        devices = jax.devices()
+        firsts = [min((d for d in devices if d.process_index == p), key=lambda d: d.id) for p in self.gen_procs]
+        mesh = Mesh(np.array(firsts, dtype=object), ("p",))
+        mine = next(d for d in firsts if d.process_index == jax.process_index())
+        rows = jax.make_array_from_single_device_arrays(
+            (len(firsts), *x.shape), NamedSharding(mesh, P("p")), [jax.device_put(x[None], mine)]
+        )
+        out = _gathered(NamedSharding(mesh, P()))(rows)
+        return np.asarray(out.addressable_shards[0].data)
+
+
+_GATHERS: dict[Any, Any] = {}
+
+
+def _gathered(replicated: NamedSharding):
+    """The identity program replicating its input over `replicated`'s mesh (an all-gather), cached."""
+    if replicated not in _GATHERS:
+        _GATHERS[replicated] = jax.jit(lambda a: a, out_shardings=replicated)
+    return _GATHERS[replicated]

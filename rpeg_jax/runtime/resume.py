@@ -37,7 +37,7 @@ TRAIN_STATES = ("actor", "actor_opt", "critic", "critic_opt")
 BUFFERED = ("completions", "behav_logp")
 
 
-def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None) -> None:
+def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None, placement=None) -> None:
     """Checkpoint the run after `step` completed steps (call only between steps: every state is
     then at version `step`, and with generation k steps ahead the rollouts of steps step..step+k-1
     are buffered). Under continuous admission the `engine`'s whole state is saved without
@@ -48,15 +48,27 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None)
     versions = {n: store.latest(n)[0] for n in TRAIN_STATES if n in store.state}
     if any(v != step for v in versions.values()):
         raise RuntimeError(f"checkpoint of step {step} would hold state versions {versions}: not a step boundary")
+    if placement is not None:  # split placement across processes: spread over every device (Placement.saved)
+        train = placement.saved(train)
     prompts = store.latest("data_iterator")[1]
     buffered = list(range(step, step + k))
     engine_state, engine_arrays = None, None
-    if engine is not None:  # every process's engine; each one's stream resumes by drawing its next data step again
-        d = engine.data_step
-        data_state = prompts.state_before(d) if d in prompts.before else prompts.state()
-        state, arrays = engine.snapshot()  # the KV of the pages in use [L, K, n, S, E]; the sequences' tokens [T]
-        engine_state = every_process({"engine": state, "data_iterator": data_state})
-        engine_arrays = {name: with_process_axis(x, axis=2 if x.ndim == 5 else 0) for name, x in arrays.items()}
+    if engine is not None or ex.graph.admission == "continuous":
+        # every process's engine; each one's stream resumes by drawing its next data step again. A
+        # training process of a split placement (runtime/split.py) runs none: its rows are empty
+        state, arrays, data_state = None, {}, prompts.state()
+        if engine is not None:
+            d = engine.data_step
+            data_state = prompts.state_before(d) if d in prompts.before else prompts.state()
+            state, arrays = engine.snapshot()  # the KV of the pages in use [L, K, n, S, E]; the sequences' tokens [T]
+        specs = {name: [list(x.shape), str(x.dtype)] for name, x in arrays.items()}
+        entries = every_process({"engine": state, "data_iterator": data_state, "specs": specs})
+        for name, (shape, dtype) in next((e["specs"] for e in entries if e["specs"]), {}).items():
+            if name not in arrays:
+                axis = 2 if len(shape) == 5 else 0
+                arrays[name] = np.zeros([0 if i == axis else n for i, n in enumerate(shape)], jax.numpy.dtype(dtype))
+        engine_state = [{"engine": e["engine"], "data_iterator": e["data_iterator"]} for e in entries]
+        engine_arrays = {name: with_process_axis(x, axis=2 if x.ndim == 5 else 0) for name, x in sorted(arrays.items())}
     elif prompts.cursor_before:  # dynamic sampling: the stream continues at a (data step, index) cursor
         start = prompts.cursor_before[step] if k else prompts.cursor
         data_state = prompts.state_at(start)
@@ -181,7 +193,13 @@ def _load(ckpt: Checkpointer, store: Store, ex: Executor, ctx, step: int, target
         )
         for name, (shape, dtype) in meta_only.get("buffer_specs", {}).items()
     }
-    train, meta, buffer = ckpt.restore(step, target, buffer_target or None)
+    pl = ctx.placement  # split placement across processes: read in the spread layout (Placement.saved)
+    spread = {
+        n: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=pl.saved_sharding(x)), t)
+        for n, t in target.items()
+    }
+    train, meta, buffer = ckpt.restore(step, spread, buffer_target or None)
+    train = {name: pl.restored(value, target[name]) for name, value in train.items()}
     for name, value in train.items():
         store.put_state(name, meta["versions"][name], value)
     version, actor = store.latest("actor")
@@ -206,7 +224,7 @@ def _load(ckpt: Checkpointer, store: Store, ex: Executor, ctx, step: int, target
         store.put_data("behav_logp", s, buffer[f"{s}/behav_logp/"])
     if filt is not None:
         prompts.cursor = tuple(int(x) for x in filt["cursor"])
-    if ctx.engine is not None:
+    if ctx.engine is not None or ex.graph.admission == "continuous":  # a split's training process: no engine
         entries = meta.get("engine")
         if not isinstance(entries, list) or len(entries) != jax.process_count():
             held = (
@@ -229,7 +247,8 @@ def _load(ckpt: Checkpointer, store: Store, ex: Executor, ctx, step: int, target
         arrays = {name: own_row(x) for name, x in ckpt.restore_engine(step, target).items()}  # padded: the
         # sampler cuts them to what its state says
         prompts.pipeline.set_state(mine["data_iterator"])  # this process's stream (its shard's own position)
-        ctx.engine.restore(mine["engine"], arrays)
+        if ctx.engine is not None:
+            ctx.engine.restore(mine["engine"], arrays)
     store.put_state("data_iterator", step + len(buffered), prompts)
     if "admitted" in meta and "rollout_buffer" in store.state:
         buf = store.latest("rollout_buffer")[1]

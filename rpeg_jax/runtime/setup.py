@@ -169,11 +169,11 @@ def build_adapters(cfg: RunConfig, placement: Placement) -> tuple[Any, Any]:
     return graphdef, jax.jit(init, out_shardings=shardings)()
 
 
-def sampler_config(cfg: RunConfig) -> SamplerConfig:
+def sampler_config(cfg: RunConfig, processes: int | None = None) -> SamplerConfig:
     """The sampler's engine settings: the rollout section, this process's share of a step's batch as
     slots, and the model's end ids (eos_id + eos_ids, from generation_config.json with model.path).
     The evaluation sampler (runtime/evaluation.py) has the same, so the two share compiled programs."""
-    batch = cfg.data.prompts_per_step * cfg.rl.group_size // jax.process_count()
+    batch = cfg.data.prompts_per_step * cfg.rl.group_size // (processes or jax.process_count())
     max_seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     return SamplerConfig.from_rollout(
         cfg.rollout, max_slots=batch, max_seq_len=max_seq, seed=cfg.train.seed, eos_token_ids=cfg.model.end_ids
@@ -182,14 +182,18 @@ def sampler_config(cfg: RunConfig) -> SamplerConfig:
 
 def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Store]:
     check_plan(cfg, plan, graph, jax.process_count())  # what several processes cannot run: one line, first
-    pipeline = build_pipeline(cfg, shard_index=jax.process_index(), shard_count=jax.process_count())
+    placement = Placement(cfg, graph, plan)
+    # the generating processes share the prompt stream (all of them, unless a split placement puts
+    # generation on some processes only: runtime/split.py)
+    gen_rank, gen_count = placement.gen_rank, placement.gen_count
+    share = cfg.data.prompts_per_step // gen_count  # this process's groups of a step
+    pipeline = build_pipeline(cfg, shard_index=gen_rank, shard_count=gen_count)
     runner = None
     if cfg.env.name != "single_turn":  # episodes: their prompts render the tool schemas (checked here)
         from rpeg_jax.env.runner import EnvRunner
 
         runner = EnvRunner.build(cfg, pipeline.tokenizer)
         runner.check_prompt_lengths(pipeline.records, cfg.data.max_prompt_len, cfg.data.path or cfg.data.task)
-    placement = Placement(cfg, graph, plan)
     offload = placement.offload
     models = build_models(cfg, graph, placement)
     split = {name: nnx.split(m, nnx.Param) for name, m in models.items()}
@@ -204,27 +208,32 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
     optimizers = {"actor": make_optimizer(cfg.optim, total)}
     if "critic" in models:
         optimizers["critic"] = make_optimizer(cfg.critic_optim or cfg.optim, total)
-    scfg = sampler_config(cfg)
+    scfg = sampler_config(cfg, gen_count)
     rollout_params = placement.to_rollout(actor if base is None else merge_adapters(cfg, placement, base, actor))
-    sampler = Sampler(
-        nnx.merge(graphdefs["policy"], rollout_params), scfg, tokenizer=pipeline.tokenizer, mesh=placement.generate.mesh
-    )
+    sampler = None  # a training process of a split placement samples nothing
+    if placement.generates_here:
+        sampler = Sampler(
+            nnx.merge(graphdefs["policy"], rollout_params),
+            scfg,
+            tokenizer=pipeline.tokenizer,
+            mesh=placement.generate.mesh,
+        )
     reward_name, reward_fn = resolve_reward(cfg.data)
     engine = None
-    if graph.admission == "continuous":
+    if graph.admission == "continuous" and sampler is not None:
         r, G = cfg.rollout, cfg.rl.group_size
         engine = ContinuousRollouts(
             sampler,
-            groups_per_step=cfg.data.prompts_per_step // jax.process_count(),
+            groups_per_step=share,
             group_size=G,
             staleness=graph.staleness,
             stale_groups=r.stale_groups,
             sampling=SamplingParams.from_rollout(r, n=G, seed=0),
             seed=cfg.train.seed,
-            prompt_offset=jax.process_index() * (cfg.data.prompts_per_step // jax.process_count()),
+            prompt_offset=gen_rank * share,
             lengths=forced_lengths(r.forced_lengths, cfg.train.seed, G) if r.forced_lengths else None,
             # this process's share of the bound (each process fills its own share of the batch)
-            max_filtered=cfg.rl.filter_max_rounds * (cfg.data.prompts_per_step // jax.process_count()),
+            max_filtered=cfg.rl.filter_max_rounds * share,
             runner=runner,  # episodes (env.name other than single_turn), else None
             max_total_tokens=r.max_new_tokens,
         )
@@ -241,7 +250,7 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
         fixed_shapes=cfg.pipeline.pieces > 1,
         placement=placement,
         offload=offload,
-        prompt_offset=jax.process_index() * (cfg.data.prompts_per_step // jax.process_count()),
+        prompt_offset=gen_rank * share,
         data_skipped=dict(pipeline.skipped),
         engine=engine,
         admission=graph.admission,
@@ -250,7 +259,7 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
     )
     if engine is not None and cfg.rl.filter_groups != "none":
         engine.scorer = functools.partial(group_scores, ctx)
-    ctx.rollout = make_source(ctx, runner)  # where each step's batch comes from, chosen once
+    ctx.rollout = make_source(ctx, runner) if sampler is not None else None  # where each step's batch comes from
     store = Store(keep_versions=graph.staleness + 2)  # generation reads t - k while training writes t + 1
     store.put_state("actor", 0, actor)
     store.put_state("actor_opt", 0, offload.park_now("actor_opt", placement.init_opt_state(optimizers["actor"], actor)))

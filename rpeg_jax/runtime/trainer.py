@@ -46,6 +46,7 @@ from rpeg_jax.graph.compile import compile_graph
 from rpeg_jax.graph.ir import Graph, GraphError
 from rpeg_jax.graph.plan import Plan, config_for_plan, graph_for_plan, plan_for_config
 from rpeg_jax.runtime import resume
+from rpeg_jax.runtime import split as split_run
 from rpeg_jax.runtime.checkpoint import CheckpointCorrupt, Checkpointer, DiskFull, NonFiniteError
 from rpeg_jax.runtime.evaluation import Evaluator
 from rpeg_jax.runtime.executor import Executor, Store
@@ -194,7 +195,7 @@ def train(
             os.path.join(cfg.train.run_dir, "checkpoints"), keep=cfg.train.keep_checkpoints, cleanup_tmp=True
         )
         tracer = Tracer()
-        executor = Executor(program, store, tracer=tracer)
+        executor = Executor(program, store, tracer=tracer, roles=split_run.roles(ctx.placement, program, store))
         try:  # the checkpointer is closed (its saves in flight committed) on every way out
             start = resume.restore(ckpt, store, executor, ctx) if cfg.train.resume == "auto" else 0
             if chief:  # only once the resume checks passed: a refused resume leaves the run's files as they were
@@ -203,7 +204,7 @@ def train(
                 cfg, ctx, executor, store, plan, ckpt, stop, start, chief, on_step, evaluator, tuple(hooks)
             )
             if last > start and last != saved:
-                resume.save(ckpt, store, executor, last, ctx.engine)
+                resume.save(ckpt, store, executor, last, ctx.engine, ctx.placement)
         finally:
             ckpt.close()
         if chief:
@@ -259,7 +260,7 @@ def _loop(
 
     def checkpoint(info: StepInfo) -> None:
         if not info.last:  # the last step's checkpoint is train()'s, after the loop
-            resume.save(ckpt, store, executor, info.step, ctx.engine)
+            resume.save(ckpt, store, executor, info.step, ctx.engine, ctx.placement)
             saved_box[0] = info.step
 
     def evaluate(info: StepInfo) -> dict:
@@ -415,7 +416,9 @@ def _step_metrics(cfg, ctx: RuntimeContext, ex: Executor, store: Store, plan: Pl
     m["actor/version"] = float(store.latest("actor")[0])
     for reason, count in ctx.data_skipped.items():  # bad JSONL lines skipped at start-up
         m[f"data/skipped_{reason}"] = float(count)
-    return {k: (float(np.asarray(v)) if np.ndim(v) == 0 else v) for k, v in m.items()}
+    out = {k: (float(np.asarray(v)) if np.ndim(v) == 0 else v) for k, v in m.items()}
+    # split placement across processes: generation's metrics are the generating processes', training's the others'
+    return split_run.merged_metrics(ctx.placement, out) if ctx.placement.split else out
 
 
 # ---- outputs -----------------------------------------------------------------------------------

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from rpeg_jax.runtime.rollout.prompts import StepPrompts
 from rpeg_jax.shapes.buckets import length_bucket
@@ -37,8 +35,8 @@ def lay_out(ctx, rows, gids: np.ndarray, host: dict[str, list], experts=None) ->
     lps = [np.asarray(lp, np.float32) for _, _, lp, _ in rows]
     vers = [np.asarray(v, np.int32) for _, _, _, v in rows]
     longest = np.array([max(len(r[0]) for r in rows), max(len(t) for t in toks)])
-    if jax.process_count() > 1:  # every process must lay its rows out with the same P and R
-        longest = multihost_utils.process_allgather(longest).max(axis=0)
+    if ctx.placement.gen_count > 1:  # every generating process must lay its rows out with the same P and R
+        longest = ctx.placement.gen_allgather(longest).max(axis=0)
     P = length_bucket(int(longest[0]), cfg.data.max_prompt_len if fixed else None)
     # under continuous admission each batch's longest response varies from step to step (whichever
     # groups completed first), so R is the cap: one compiled shape for the training stages

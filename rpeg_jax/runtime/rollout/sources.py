@@ -18,9 +18,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from rpeg_jax.runtime.rollout.continuous import FilterExhausted, forced_lengths, occupancy, rollout_seed
 from rpeg_jax.runtime.rollout.layout import HOST_FIELDS, lay_out
@@ -76,7 +74,7 @@ def filtered_piece(ctx, params, version: int, prompts: StepPrompts, step: int, p
     FilterExhausted. The rewards ride along in host_rewards (the reward stage does not score again).
     Returns (completions, behav_logp, metrics)."""
     cfg, sampler = ctx.cfg, ctx.sampler
-    n = cfg.data.prompts_per_step // jax.process_count()  # this process's groups per step
+    n = cfg.data.prompts_per_step // ctx.placement.gen_count  # this process's groups per step
     lo, hi = piece * n // pieces, (piece + 1) * n // pieces
     if sampler.version != version:
         sampler.update_weights(params, version)
@@ -137,8 +135,8 @@ def continuous_batch(ctx, params, version: int, prompts, step: int):
     groups, st = engine.next_batch(step, version, params, prompts)
     gen_s = time.perf_counter() - t0
     G = ctx.cfg.rl.group_size
-    # group ids unique over processes (each process's engine numbers its own groups): gid * P + process
-    nproc, me = jax.process_count(), jax.process_index()
+    # group ids unique over the generating processes (each one's engine numbers its own groups): gid * P + rank
+    nproc, me = ctx.placement.gen_count, ctx.placement.gen_rank
     gids = np.repeat(np.array([g.gid * nproc + me for g in groups], np.int32), G)
     host = {k: [g.host[k] for g in groups] for k, _ in HOST_FIELDS}
     env_metrics = {}
@@ -183,7 +181,7 @@ def continuous_batch(ctx, params, version: int, prompts, step: int):
         np.float64,
     )
     if nproc > 1:  # the run's counts: every process's engine (sums; decode steps: the longest; occupancy: mean)
-        every = np.asarray(multihost_utils.process_allgather(counts)).reshape(nproc, -1)
+        every = np.asarray(ctx.placement.gen_allgather(counts)).reshape(nproc, -1)
         counts = np.concatenate([every[:, :5].sum(axis=0), every[:, 5:6].max(axis=0), every[:, 6:].mean(axis=0)])
     metrics = {
         "perf/gen_tokens_per_s": new_tokens / gen_s if gen_s > 0 else 0.0,
