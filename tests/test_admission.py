@@ -125,7 +125,7 @@ def test_continuous_admission_lays_batches_out_at_the_response_cap(admission):
     extra = ["pipeline.staleness=1"] if admission == "continuous" else []
     cfg = load_config(None, ["rl.group_size=2", "rollout.max_new_tokens=40", f"rollout.admission={admission}"] + extra)
     ctx = SimpleNamespace(
-        cfg=cfg, admission=admission, fixed_shapes=False, placement=SimpleNamespace(put_batch=lambda x: x)
+        cfg=cfg, admission=admission, fixed_shapes=False, placement=SimpleNamespace(put_batch=lambda x: x, gen_count=1)
     )
     rows = [([1, 5, 6], [7] * n, [0.0] * n, [0] * n) for n in (3, 11)]
     host = {"prompt": ["p"], "answer": ["a"], "record": [{}]}
