@@ -80,3 +80,52 @@ def test_split_on_four_processes_equals_colocated_on_two(tmp_path):
     assert want.keys() == got.keys() and want
     for k in want:
         np.testing.assert_array_equal(want[k], got[k], err_msg=k)
+
+
+def launch_signalled(run_dir, overrides, signal_at=None, process=2):
+    """launch() on 4 processes with interrupt_plugin: `signal_at` = "<step>:<SIGNAME>" sent by
+    process `process` (a training process: only they run the actor update) to itself."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+    env.pop("RPEG_TEST_SIGNAL", None)
+    if signal_at:
+        env.update(RPEG_TEST_SIGNAL=signal_at, RPEG_TEST_SIGNAL_PROCESS=str(process))
+    cmd = [sys.executable, LAUNCH, "--local-processes", "4", "--local-devices", "2", *overrides]
+    return subprocess.run(cmd + [f"train.run_dir={run_dir}"], capture_output=True, text=True, timeout=900, env=env)
+
+
+@pytest.mark.multihost
+@pytest.mark.slow  # five 4-process runs
+def test_split_resumes_exactly_after_kill_9_and_ctrl_c(tmp_path):
+    """Split 2+2 processes, continuous k = 1, checkpoints every 2 steps: kill -9 of a training
+    process in the middle of step 4 (the launcher ends the job; the resume starts from step 2's
+    checkpoint, with sequences in flight on the generating processes), and SIGINT in the middle of
+    step 3 (the processes agree to stop after it and write a checkpoint the uninterrupted run never
+    took); each time the same command finishes the run, and every metric and the final parameters
+    equal the uninterrupted run's."""
+    common = TINY + COMMON + SPLIT + ["train.checkpoint_every=2", "plugins=[interrupt_plugin]"]
+    straight = launch_signalled(tmp_path / "straight", common)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    a = records(tmp_path / "straight")
+    assert sorted(a) == [1, 2, 3, 4, 5, 6]
+    want = params(tmp_path / "straight", 6)
+    for name, signal_at, left in (("killed", "3:SIGKILL", [1, 2]), ("stopped", "2:SIGINT", [1, 2, 3])):
+        first = launch_signalled(tmp_path / name, common, signal_at=signal_at, process=2 if name == "killed" else 3)
+        if name == "killed":
+            assert first.returncode != 0 and "process 2 of 4 failed" in first.stderr, first.stderr[-3000:]
+        else:
+            said = "stopped by SIGINT (on process 3) after step 3"
+            assert first.returncode == 0 and said in first.stderr, first.stderr[-3000:]
+        assert sorted(s for s in records(tmp_path / name) if s in left) == left, name
+        resumed = launch_signalled(tmp_path / name, common)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "resumed from step" in resumed.stderr, resumed.stderr[-3000:]
+        b = records(tmp_path / name)
+        assert sorted(b) == sorted(a), name
+        assert a[left[-1]]["rollout/in_flight"] > 0  # sequences were in flight at the resumed checkpoint
+        for s in a:
+            keys = [k for k in a[s] if not k.startswith(SKIP)]
+            assert {k: a[s][k] for k in keys} == {k: b[s].get(k) for k in keys}, (name, s)
+        got = params(tmp_path / name, 6)
+        assert want.keys() == got.keys() and want
+        for k in want:
+            np.testing.assert_array_equal(want[k], got[k], err_msg=f"{name} {k}")

@@ -373,10 +373,13 @@ class StopSignals:
 
     def agreed(self) -> bool:
         requested = self.signal_name is not None
-        if jax.process_count() > 1:
-            requested = bool(np.max(multihost_utils.process_allgather(np.int32(requested))))
-            if requested and self.signal_name is None:
-                self.signal_name = "a peer's signal"
+        if jax.process_count() > 1:  # every process learns which signal stopped the job, and where
+            mine = signal.Signals[self.signal_name].value if requested else 0
+            codes = np.asarray(multihost_utils.process_allgather(np.int32(mine))).reshape(-1)
+            hit = np.flatnonzero(codes)
+            requested = hit.size > 0
+            if requested and hit[0] != jax.process_index():
+                self.signal_name = f"{signal.Signals(int(codes[hit[0]])).name} (on process {int(hit[0])})"
         return requested
 
 

@@ -204,11 +204,11 @@ class _Transfer:
             return jax.make_array_from_single_device_arrays(self.shape, self.dst, [], dtype=self.dtype)
         xa, have = None, {}
         if any(d in self.a_set for d in local):
-            xa = jax.device_put(x.reshape(1) if self.scalar else x, self.t_src)
+            xa = jax.block_until_ready(jax.device_put(x.reshape(1) if self.scalar else x, self.t_src))
             have = {s.device: s.data for s in xa.addressable_shards}
         blocks = [have[d] if d in self.a_set else jnp.zeros(self.block, self.dtype, device=d) for d in local]
         z = jax.make_array_from_single_device_arrays(self.union_shape, self.union, blocks)
-        out = self.fn(z)
+        out = jax.block_until_ready(self.fn(z))
         mine = [s.data for s in out.addressable_shards if s.device in self.b_set]
         if not mine:  # this process owns no destination device
             return jax.make_array_from_single_device_arrays(self.shape, self.dst, [], dtype=self.dtype)
@@ -296,7 +296,17 @@ class Resharder:
             moved = jax.device_put([leaves[i] for i in batch], [dsts[i] for i in batch])
             for i, y in zip(batch, moved):
                 out[i] = y
+        # With several processes, one collective program at a time: each transfer runs up to three
+        # programs over different subsets of the processes (the source's reorder, the union's
+        # exchange, the destination's reorder), and with several of them in flight the processes of
+        # a split placement deadlocked in the checkpoint's move to every device (1 run in 3 under
+        # load: each process idle inside a different leaf's program)
+        multi = jax.process_count() > 1
+        if batch and multi and any(p.method == "collective" for p in plan.leaves):
+            jax.block_until_ready([out[i] for i in batch])
         for i, p in enumerate(plan.leaves):
             if p.method == "collective":
                 out[i] = p.transfer(leaves[i])
+                if multi:
+                    jax.block_until_ready(out[i])
         return jax.tree.unflatten(treedef, out)
