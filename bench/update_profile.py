@@ -1,0 +1,196 @@
+"""Where the RS update's time goes (issue 34 item 6): one actor update of RS's shape, profiled.
+
+    python bench/update_profile.py [--preset smollm2-135m] [--batch 32] [--seq 80] [--response 48]
+                                   [--dtype float32] [--remat dots] [--reps 3] [--keep DIR]
+
+The update is bench/train_mfu.py's (the runtime's actor update: GRPO surrogate, one AdamW step,
+params and optimizer state donated). After a warm-up call and --reps timed calls, two more calls
+run under jax.profiler with a Perfetto trace; this script reads the trace's complete events of
+XLA's op threads and sums their durations by class:
+
+  dot     matrix products (XLA `dot`/`convolution` ops and the fusions that contain them: names
+          with "dot", "convolution", "gemm", "matmul" or YNNPACK's "ynn")
+  reduce  reductions (softmax sums, norms, the loss's token means)
+  copy    copies, transposes, broadcasts, concatenates, slices, dynamic-update-slices
+  elem    other fusions (elementwise: the optimizer, activations, residuals, masks)
+  other   everything else
+
+and compares against what the machine allows:
+  matmul rate    measured here (float32 1024^3 products, best of 5, as bench/ceiling.py)
+  memory rate    measured here (a 256 MB array summed and copied, best of 5)
+  ceiling        model FLOPs (train_mfu.model_flops: 3 forwards, causal attention once) / matmul rate
+                 + the optimizer's bytes (params, grads, m, v read; params, m, v written: 7 x 4 B
+                 per parameter) / memory rate.
+The dot class's achieved rate is model FLOPs (with the remat mode's extra forward) / dot time.
+Op durations overlap when XLA runs ops on several threads; the class shares are of summed op time,
+the wall time is the timed calls'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import train_mfu as T  # noqa: E402
+
+from rpeg_jax.config import load_config  # noqa: E402
+from rpeg_jax.costmodel.shape import ModelShape  # noqa: E402
+from rpeg_jax.graph.algorithms import model_dims  # noqa: E402
+
+DOT = ("dot", "convolution", "gemm", "matmul", "ynn")
+COPY = ("copy", "transpose", "broadcast", "concatenate", "slice", "dynamic-update-slice", "pad", "gather", "scatter")
+
+
+def classify(name: str) -> str:
+    n = name.lower()
+    if any(k in n for k in DOT):
+        return "dot"
+    if "reduce" in n:
+        return "reduce"
+    if any(k in n for k in COPY):
+        return "copy"
+    if "fusion" in n or "add" in n or "multiply" in n:
+        return "elem"
+    return "other"
+
+
+def op_events(trace_dir: str) -> list[tuple[str, float]]:
+    """(name, seconds) of the trace's complete events on XLA's op threads (not Python/runtime)."""
+    paths = glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True)
+    if not paths:
+        raise SystemExit(f"no perfetto trace under {trace_dir}")
+    with gzip.open(paths[0], "rt") as fh:
+        tr = json.load(fh)
+    events = tr["traceEvents"] if isinstance(tr, dict) else tr
+    threads = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e["tid"])] = e["args"]["name"]
+    out = []
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        tname = threads.get((e.get("pid"), e.get("tid")), "")
+        if "python" in tname.lower() or "pjrt" in tname.lower() and "xla" not in tname.lower():
+            continue
+        name = e.get("name", "")
+        if name.startswith(("PjitFunction", "ThunkExecutor", "Execute", "$")) or "::" in name:
+            continue
+        out.append((name, e["dur"] * 1e-6))
+    return out
+
+
+def measured_rates() -> tuple[float, float]:
+    a = jnp.ones((1024, 1024), jnp.float32)
+    mm = jax.jit(lambda x: x @ x)
+    mm(a).block_until_ready()
+    best = min(_time(lambda: mm(a).block_until_ready()) for _ in range(5))
+    rate = 2 * 1024**3 / best
+    big = jnp.ones((64 * 1024 * 1024,), jnp.float32)  # 256 MB
+    cp = jax.jit(lambda x: x * 1.0001)
+    cp(big).block_until_ready()
+    bw = 2 * big.nbytes / min(_time(lambda: cp(big).block_until_ready()) for _ in range(5))
+    return rate, bw
+
+
+def _time(f) -> float:
+    t = time.perf_counter()
+    f()
+    return time.perf_counter() - t
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="smollm2-135m")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=80)
+    ap.add_argument("--response", type=int, default=48)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--remat", default="dots", choices=("none", "dots", "full"))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--keep", default=None, help="keep the trace in this folder")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    cfg = load_config(None, T.overrides(args.preset, "xla", args.remat, 1, args.dtype))
+    b, s, r = args.batch, args.seq, args.response
+    ms = ModelShape.of(model_dims(cfg.model, "actor"))
+    flops = T.model_flops(ms, b, s, r)
+    fwd1 = flops / 3.0
+    executed = flops + (fwd1 if args.remat == "full" else 0.0)
+    n_params = cfg.model.num_params()
+    f, params, opt = T.build(cfg)
+    batch = T.make_batch(b, s, r, cfg.model.vocab_size)
+    key = jax.random.key(0)
+
+    def call():
+        nonlocal params, opt
+        params, opt, _ = f(params, opt, batch, key)
+        jax.block_until_ready(params)
+
+    t0 = time.perf_counter()
+    call()
+    compile_s = time.perf_counter() - t0
+    times = [_time(call) for _ in range(args.reps)]
+    wall = statistics.median(times)
+    d = args.keep or tempfile.mkdtemp(prefix="rpeg_update_profile_")
+    jax.profiler.start_trace(d, create_perfetto_trace=True)
+    call()
+    call()
+    jax.profiler.stop_trace()
+    ev = op_events(d)
+    by = defaultdict(float)
+    top = defaultdict(float)
+    for name, sec in ev:
+        by[classify(name)] += sec / 2
+        top[name] += sec / 2
+    total = sum(by.values())
+    rate, bw = measured_rates()
+    opt_bytes = 7 * 4 * n_params
+    ceiling = flops / rate + opt_bytes / bw
+    rec = {
+        "preset": args.preset,
+        "batch": b,
+        "seq": s,
+        "response": r,
+        "dtype": args.dtype,
+        "remat": args.remat,
+        "params": int(n_params),
+        "compile_s": round(compile_s, 2),
+        "wall_s": round(wall, 3),
+        "steps_s": [round(t, 3) for t in times],
+        "model_flops": flops,
+        "executed_flops": executed,
+        "op_seconds": {k: round(v, 3) for k, v in sorted(by.items(), key=lambda kv: -kv[1])},
+        "op_seconds_total": round(total, 3),
+        "dot_rate_gflops": round(executed / by["dot"] / 1e9, 1) if by["dot"] else None,
+        "matmul_rate_gflops": round(rate / 1e9, 1),
+        "memory_rate_gbs": round(bw / 1e9, 1),
+        "optimizer_bytes": opt_bytes,
+        "ceiling_s": round(ceiling, 3),
+        "fraction_of_ceiling": round(ceiling / wall, 3),
+        "top_ops": [(n, round(v, 3)) for n, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]],
+        "load": round(os.getloadavg()[0], 1),
+    }
+    print(json.dumps(rec, indent=1))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump([rec], fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    raise SystemExit(main())
