@@ -282,3 +282,35 @@ def test_watchdog_quiet_while_peers_beat_and_names_lost_coordinator():
     assert exits == [] and w.lost == []
     kv.fail = True  # the coordination service (process 0) is gone
     assert w.await_verdict(5) == [0] and exits == [dist.EXIT_PEER_LOST]
+
+
+def test_local_processes_die_with_a_killed_launcher(tmp_path):
+    """The launcher of local processes SIGKILLed (a test's timeout, the OOM killer): its children
+    go with it (PR_SET_PDEATHSIG) instead of spinning on in their collectives."""
+    pids = tmp_path / "pids"  # each child writes a file named by its pid
+    child = f"import os, time; open(os.path.join({str(pids)!r}, str(os.getpid())), 'w').close(); time.sleep(120)"
+    launcher = (
+        "from rpeg_jax.runtime import distributed as d; import sys;"
+        f"d.spawn_local([sys.executable, '-c', {child!r}], 2, 1, grace_s=5.0)"
+    )
+    pids.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", launcher], cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while len(os.listdir(pids)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    children = [int(n) for n in os.listdir(pids)]
+    assert len(children) == 2, children
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(")")[-1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in children), children

@@ -287,6 +287,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In a local child, before exec: SIGKILL when the launcher dies, whatever kills it (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing). Without it a launcher killed by SIGKILL (a test's timeout,
+    an OOM kill) left its processes behind, deadlocked ones spinning in gloo for hours."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+
+
 def _signal_name(rc: int) -> str:
     import signal
 
@@ -315,6 +326,7 @@ def spawn_local(
         subprocess.Popen(
             cmd + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(num_processes), "--process-id", str(i)],
             env=base,
+            preexec_fn=_die_with_parent,
         )
         for i in range(num_processes)
     ]
