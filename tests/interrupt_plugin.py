@@ -2,11 +2,13 @@
 process, for runs started as subprocesses (several local processes among them, where no test code
 runs in the children): with RPEG_TEST_SIGNAL=<step>:<SIGNAME> in the environment, process 0 (or
 RPEG_TEST_SIGNAL_PROCESS, one that runs the actor update) sends itself the signal at the start of the
-actor update of step <step> (0-based), once. Without the
+actor update of step <step> (0-based), once. RPEG_TEST_SIGNAL_STAMP names a file
+that gets the time it was sent. Without the
 variable it changes nothing (the same command resumes the run)."""
 
 import os
 import signal
+import time
 
 spec = os.environ.get("RPEG_TEST_SIGNAL")
 if spec:
@@ -27,6 +29,9 @@ if spec:
         if _where["step"] == _step and "actor_update" in self.name and not _where["fired"]:
             _where["fired"] = True
             if jax.process_index() == int(os.environ.get("RPEG_TEST_SIGNAL_PROCESS", "0")):
+                if os.environ.get("RPEG_TEST_SIGNAL_STAMP"):  # when it was sent, for tests of fault bounds
+                    with open(os.environ["RPEG_TEST_SIGNAL_STAMP"], "w") as f:
+                        f.write(repr(time.time()))
                 os.kill(os.getpid(), getattr(signal, _name))
         return _call(self, inputs)
 

@@ -4,7 +4,7 @@ process's groups, sequences, scheduler and page allocator in the meta item, its 
 row of a [processes, ...] array). SIGINT in the middle of a step (process 0's actor update; the
 processes agree on the step to stop after), then the same command: the metrics of every step and
 the final parameters are those of the run nobody interrupted; also with dynamic sampling
-(rl.filter_groups=zero_variance)."""
+(rl.filter_groups=zero_variance) on 2 processes x 4 devices."""
 
 import json
 import os
@@ -36,17 +36,17 @@ FILTER = [
 ]
 
 
-def launch(run_dir, overrides, signal_at=None):
+def launch(run_dir, overrides, signal_at=None, devices=2):
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join([ROOT, HERE]),
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
     )
     env.pop("RPEG_TEST_SIGNAL", None)
     if signal_at:
         env["RPEG_TEST_SIGNAL"] = signal_at
-    cmd = [sys.executable, LAUNCH, "--local-processes", "2", "--local-devices", "2", *overrides]
+    cmd = [sys.executable, LAUNCH, "--local-processes", "2", "--local-devices", str(devices), *overrides]
     return subprocess.run(cmd + [f"train.run_dir={run_dir}"], capture_output=True, text=True, timeout=900, env=env)
 
 
@@ -76,16 +76,16 @@ def records(run_dir):
 
 @pytest.mark.multihost
 @pytest.mark.slow  # three 2-process runs: ~4 min of CPU on 2 cores
-@pytest.mark.parametrize("extra", [[], FILTER], ids=["plain", "filter"])
-def test_ctrl_c_on_two_processes_resumes_exactly(tmp_path, extra):
+@pytest.mark.parametrize("extra,devices", [([], 2), (FILTER, 4)], ids=["plain-2x2", "filter-2x4"])
+def test_ctrl_c_on_two_processes_resumes_exactly(tmp_path, extra, devices):
     common = TINY + CONTINUOUS + extra
-    straight = launch(tmp_path / "straight", common)
+    straight = launch(tmp_path / "straight", common, devices=devices)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    stopped = launch(tmp_path / "stopped", common, signal_at="2:SIGINT")
+    stopped = launch(tmp_path / "stopped", common, signal_at="2:SIGINT", devices=devices)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     assert "stopped by SIGINT after step 3:" in stopped.stderr, stopped.stderr[-3000:]
     assert sorted(records(tmp_path / "stopped")) == [1, 2, 3]
-    resumed = launch(tmp_path / "stopped", common)
+    resumed = launch(tmp_path / "stopped", common, devices=devices)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = records(tmp_path / "straight"), records(tmp_path / "stopped")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5]

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -89,6 +90,7 @@ def launch_signalled(run_dir, overrides, signal_at=None, process=2):
     env.pop("RPEG_TEST_SIGNAL", None)
     if signal_at:
         env.update(RPEG_TEST_SIGNAL=signal_at, RPEG_TEST_SIGNAL_PROCESS=str(process))
+        env["RPEG_TEST_SIGNAL_STAMP"] = str(run_dir) + ".signalled"
     cmd = [sys.executable, LAUNCH, "--local-processes", "4", "--local-devices", "2", *overrides]
     return subprocess.run(cmd + [f"train.run_dir={run_dir}"], capture_output=True, text=True, timeout=900, env=env)
 
@@ -101,7 +103,7 @@ def test_split_resumes_exactly_after_kill_9_and_ctrl_c(tmp_path):
     checkpoint, with sequences in flight on the generating processes), and SIGINT in the middle of
     step 3 (the processes agree to stop after it and write a checkpoint the uninterrupted run never
     took); each time the same command finishes the run, and every metric and the final parameters
-    equal the uninterrupted run's."""
+    equal the uninterrupted run's. The killed job ends within 60 s of the kill."""
     common = TINY + COMMON + SPLIT + ["train.checkpoint_every=2", "plugins=[interrupt_plugin]"]
     straight = launch_signalled(tmp_path / "straight", common)
     assert straight.returncode == 0, straight.stderr[-3000:]
@@ -110,8 +112,10 @@ def test_split_resumes_exactly_after_kill_9_and_ctrl_c(tmp_path):
     want = params(tmp_path / "straight", 6)
     for name, signal_at, left in (("killed", "3:SIGKILL", [1, 2]), ("stopped", "2:SIGINT", [1, 2, 3])):
         first = launch_signalled(tmp_path / name, common, signal_at=signal_at, process=2 if name == "killed" else 3)
-        if name == "killed":
+        if name == "killed":  # the job ends within 60 s of a lost process, naming it (item 6)
             assert first.returncode != 0 and "process 2 of 4 failed" in first.stderr, first.stderr[-3000:]
+            with open(str(tmp_path / name) + ".signalled") as f:
+                assert time.time() - float(f.read()) < 60
         else:
             said = "stopped by SIGINT (on process 3) after step 3"
             assert first.returncode == 0 and said in first.stderr, first.stderr[-3000:]
