@@ -155,8 +155,6 @@ def why_not(cfg: RunConfig, processes: int, num_devices: int, runs: Runs | None 
 def split_unsupported(cfg: RunConfig) -> list[tuple[str, Any, str]]:
     """(key, value, what to do) of each setting a split placement across processes does not run."""
     out = []
-    if cfg.model.lora.rank:
-        out.append(("model.lora.rank", cfg.model.lora.rank, "use 0, or colocated"))
     if cfg.train.pack_sequences:
         out.append(("train.pack_sequences", True, "use false, or colocated"))
     if cfg.eval.path is not None:
