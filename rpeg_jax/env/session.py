@@ -94,12 +94,17 @@ class TurnCodec:
     def prompt_ids(self, episode: Episode) -> list[int]:
         """The first prefill: the record's own prompt_tokens when the episode shows no tools (the data
         pipeline rendered them), else its messages rendered with the tool schemas."""
+        text = self.prompt_text(episode)
+        return list(episode.record["prompt_tokens"]) if text is None else self.tokenizer.encode(text)
+
+    def prompt_text(self, episode: Episode) -> str | None:
+        """The first prefill's text when this codec renders it (an episode with tools), else None (the
+        record's own prompt, as the data pipeline rendered it)."""
         if episode.tools is None and "prompt_tokens" in episode.record:
-            return list(episode.record["prompt_tokens"])
+            return None
         if self.template is None:
             raise SessionError("an episode with tools needs a chat template (data.chat_template)")
-        text = self.template.render(episode.messages, add_generation_prompt=True, tools=episode.tools)
-        return self.tokenizer.encode(text)
+        return self.template.render(episode.messages, add_generation_prompt=True, tools=episode.tools)
 
     def observation_ids(self, episode: Episode, n_observations: int, turn_ids: Sequence[int]) -> list[int]:
         """The tokens after the turn: the template's rendering of the episode's last n_observations
@@ -126,6 +131,7 @@ class Session:
 
     def __init__(self, episode: Episode, codec: TurnCodec):
         self.episode, self.codec = episode, codec
+        self.prompt_text = codec.prompt_text(episode)  # None: the record's own (pipeline-rendered) prompt
         self.prompt_ids = codec.prompt_ids(episode)
         self.pieces: list[tuple[bool, list[int]]] = []  # (sampled?, ids) after the prompt, in order
 

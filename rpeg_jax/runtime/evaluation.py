@@ -19,7 +19,8 @@ data_source, prompt_text (the prompt as rendered for the model, a chat template 
 completions (decoded text, cut where the sampler stopped), answer, scores.
 With an environment (env.name other than single_turn) every sample is an episode, run as training
 runs them (sampling/episodes.EpisodeDriver, rollout.max_new_tokens its token budget): its score is
-the episode's reward, its completion every token after the prompt decoded (the turns and the
+the episode's reward, its prompt_text the episode's first prefill (with tools, the template's
+rendering with their schemas), its completion every token after the prompt decoded (the turns and the
 observations between them), and the line also has `episodes`: for each sample the messages it
 added after the prompt (the assistant's turns with their calls, the tool results), and
 `val-aux/env/...` the environment's metrics (turns, tool calls, tool errors, truncated).
@@ -225,7 +226,7 @@ class Evaluator:
                 line = {
                     "id": r["id"],
                     "data_source": r["data_source"],
-                    "prompt_text": r["prompt"],
+                    "prompt_text": mine[0].session.prompt_text or r["prompt"],  # with an episode's tools rendered in
                     "completions": [self.tokenizer.decode(e.response_ids) for e in mine],
                     "episodes": added,
                     "answer": r["answer"],
