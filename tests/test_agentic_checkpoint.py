@@ -77,7 +77,7 @@ def test_a_qwen2_checkpoint_runs_python_tool_episodes(tmp_path):
         "eval.before_train=true",
         "pipeline.plan=manual",
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3000)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     metrics = [json.loads(line) for line in open(run_dir / "rl" / "metrics.jsonl")]
     assert [m["step"] for m in metrics if "reward/mean" in m] == [1, 2]
