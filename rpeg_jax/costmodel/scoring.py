@@ -35,7 +35,7 @@ from rpeg_jax.costmodel.table import Layouts, Table
 from rpeg_jax.costmodel.types import Context, Prediction, clock_of
 from rpeg_jax.graph.ir import Graph, GraphError, StageKind
 from rpeg_jax.graph.passes import apply_pipeline
-from rpeg_jax.graph.plan import DeviceGroup, Plan, StagePlan, knobs_of, layout_rules
+from rpeg_jax.graph.plan import DeviceGroup, Plan, StagePlan, decode_ahead_setting, knobs_of, layout_rules
 
 KEEP_ROWS = 256  # rows per family and proxy kept for schedule simulation
 
@@ -45,12 +45,20 @@ def admission_of(graph: Graph) -> str:
     return graph.admission
 
 
+def engine_staleness(graph: Graph) -> int:
+    """The k whose engine simulation (Table.continuous[k]) prices this graph's continuous generation.
+    Decoding ahead (Graph.decode_ahead) the engine makes step t's batch with version t - 1 weights, so a
+    group straddles one step boundary fewer than at k: its decisions are the engine's at k - 1 (every
+    token one version older; lengths.admission's staleness + 1)."""
+    return graph.staleness - int(graph.decode_ahead)
+
+
 def stage_seconds(kind: StageKind, tab: Table, graph: Graph) -> np.ndarray:
     """Seconds of one stage kind for every row of `tab` under `graph`. Under continuous admission
     generation is the engine's simulated steady state and the training side runs on its (shorter)
     batches (Table.continuous[k], costmodel/candidates.py)."""
     shared = bool(graph.attrs.get("shared"))
-    side = tab.admitted(graph.staleness if admission_of(graph) == "continuous" else None)
+    side = tab.admitted(engine_staleness(graph) if admission_of(graph) == "continuous" else None)
     fwd, upd = side.train.t_fwd, side.train.t_upd
     if kind == StageKind.GENERATE:
         return side.t_gen
@@ -126,7 +134,7 @@ def option_graphs(ctx: Context, opts: list[PipelineConfig]) -> list[tuple[Pipeli
     for o in opts:
         for adm in admissions(ctx, o):
             try:
-                out.append((o, apply_pipeline(ctx.base, o, adm)))
+                out.append((o, apply_pipeline(ctx.base, o, adm, ctx.cfg.rollout.decode_ahead)))
             except GraphError:  # an illegal combination for this algorithm (e.g. nothing to fuse)
                 continue
     return out
@@ -228,7 +236,7 @@ def predict(
     r = {f.name: int(getattr(tab, f.name)[i]) for f in dataclasses.fields(Layouts)}
     sync = not pipe.staleness
     cont = admission_of(graph) == "continuous"
-    slots = int(tab.continuous[pipe.staleness].slots[i]) if cont else min(int(tab.slots[i]), int(tab.n_rep[i]))
+    slots = int(tab.continuous[engine_staleness(graph)].slots[i]) if cont else min(int(tab.slots[i]), int(tab.n_rep[i]))
     layout = {
         "groups": {"gen": r["n_gen"], "train": r["n_train"]} if pipe.placement == "split" else {"all": r["n_train"]},
         "generate": {
@@ -236,6 +244,7 @@ def predict(
             "replicas": r["n_gen"] // r["t_g"],
             "slots": slots,
             "admission": admission_of(graph),
+            "decode_ahead": graph.decode_ahead,
         },
         "train": {
             "data": r["d"],
@@ -249,7 +258,11 @@ def predict(
     if roles_of(ctx, graph).actor.X:  # a mixture of experts: the expert degrees (1: none)
         layout["train"]["experts"], layout["forward"]["experts"] = r["e"], r["fe"]
     mem = float(
-        tab.continuous[pipe.staleness].mem_peak[i] if cont else tab.mem_peak_sync[i] if sync else tab.mem_peak[i]
+        tab.continuous[engine_staleness(graph)].mem_peak[i]
+        if cont
+        else tab.mem_peak_sync[i]
+        if sync
+        else tab.mem_peak[i]
     )
     if concurrent is not None:
         layout["concurrent"] = concurrent[3]
@@ -337,6 +350,7 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
         "model.remat": lay["train"]["remat"],
         "rollout.max_slots": slots if pinned is None else pinned,
         "rollout.admission": admission_of(graph),
+        **decode_ahead_setting(graph),
         "train.offload": ctx.cfg.train.offload,
     }
     return Plan(
