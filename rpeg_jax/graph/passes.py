@@ -442,7 +442,7 @@ def place(g: Graph, placement: str) -> Graph:
     if placement not in ("colocated", "split"):
         raise GraphError("pipeline.placement", f"{placement!r} is not colocated | split")
     if g.decode_ahead and placement != "split":
-        raise GraphError("generate", f"decode_ahead overlaps disjoint device groups: needs placement split ({placement})")
+        raise GraphError("generate", f"decode_ahead overlaps disjoint groups: needs placement split ({placement})")
     gen_side = {K.GENERATE, K.REWARD}
     gen_state = {StateKind.ROLLOUT_WEIGHTS, StateKind.ROLLOUT_BUFFER, StateKind.DATA_ITERATOR}
     for node in list(g.nodes.values()):
