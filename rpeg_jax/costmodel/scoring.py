@@ -45,6 +45,12 @@ def admission_of(graph: Graph) -> str:
     return graph.admission
 
 
+def shared_resource(ctx: Context) -> bool:
+    """Whether every device group runs on the same cores (a shared-host profile, the schedule then
+    serialises them): not when each of several processes has cores of its own (process_hosts)."""
+    return ctx.hw.shared_host and not (ctx.hw.process_hosts and ctx.processes > 1)
+
+
 def engine_staleness(graph: Graph) -> int:
     """The k whose engine simulation (Table.continuous[k]) prices this graph's continuous generation.
     Decoding ahead (Graph.decode_ahead) the engine makes step t's batch with version t - 1 weights, so a
@@ -171,7 +177,7 @@ def periods(ctx: Context, graph: Graph, tab: Table):
     """(steady-state period, first-step latency) of every row under `graph`; rows whose meshes do
     not divide the batch dimensions they shard are infinite."""
     dur, pieces = durations(ctx, graph, tab)
-    period, latency, _, _ = simulate(unroll(graph, shared_resource=ctx.hw.shared_host), dur, pieces)
+    period, latency, _, _ = simulate(unroll(graph, shared_resource=shared_resource(ctx)), dur, pieces)
     bad = ~divisible(ctx, graph, tab)
     return np.where(bad, np.inf, period), np.where(bad, np.inf, latency)
 
@@ -224,7 +230,7 @@ def predict(
     nested = None
     if concurrent is not None:
         dur, nested = concurrent[0], concurrent[1]
-    prog = unroll(graph, shared_resource=ctx.hw.shared_host, nested=nested)
+    prog = unroll(graph, shared_resource=shared_resource(ctx), nested=nested)
     period, latency, starts, ends = simulate(prog, dur, pieces, record=True)
     period, latency = float(period[0]), float(latency[0])
     # A shared host's devices are slices of one machine whose peak the profile holds.

@@ -154,6 +154,8 @@ def rates(hw: HardwareProfile, dtype: str, busy):
     host loses throughput to their contention (threads time-sliced over the cores, caches
     thrashed): total rate × (host_cores / busy)^contention (fitted; 0 = none)."""
     busy = np.asarray(busy, np.float64)
+    if hw.shared_host and hw.process_hosts and hw.local_devices:  # a group of whole processes: each its own cores
+        busy = np.minimum(busy, float(hw.local_devices))
     if hw.shared_host:
         share = np.maximum(busy, 1.0)
         loss = np.maximum(busy / hw.host_cores, 1.0) ** hw.efficiency.contention
