@@ -209,8 +209,9 @@ class Executor:
         """A slot of a split placement across processes, in one thread and in one order on every
         process, so that the two collectives meet: the generation group's tasks of steps <= t,
         handoff(t), the training group's tasks (but the weight sync), the generation group's tasks
-        that run ahead (on the generating processes they overlap the training processes' update),
-        then the weight sync. The order is fixed, so what runs is a function of the steps alone."""
+        that run ahead (step admission at k >= 1, or continuous admission decoding ahead,
+        rollout.decode_ahead: on the generating processes they overlap the training processes'
+        update), then the weight sync. The order is fixed, so what runs is a function of the steps alone."""
         roles = self.roles
         gen = lambda x: x.stage.plan.group == roles.gen_group  # noqa: E731
         sync = lambda x: x.stage.stage.kind == StageKind.WEIGHT_SYNC  # noqa: E731
