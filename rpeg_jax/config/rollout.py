@@ -135,7 +135,8 @@ class RolloutConfig(SamplingSettings, EngineSettings):
     decode_ahead: bool | None = None  # continuous admission under split placement: the engine decodes the next
     #   step's groups (with the weights it has) while training runs this step's update, so the two overlap
     #   (generation one step ahead; graph/passes.decode_ahead). null: on exactly when pipeline.placement=split
-    #   and admission=continuous; false: off (the groups take turns); true elsewhere is refused
+    #   and admission=continuous (pipeline.plan=auto: the planner prices both ways and chooses); false: off (the
+    #   groups take turns); true elsewhere is refused
     stale_groups: Literal["requeue", "drop"] = "requeue"  # continuous: a group whose oldest token would be
     #   older than the bound k when consumed is generated again from its prompt, or dropped
     forced_lengths: tuple[float, float, int, int] | None = None  # benchmarks (R2): each response stops at

@@ -137,12 +137,18 @@ def option_graphs(ctx: Context, opts: list[PipelineConfig]) -> list[tuple[Pipeli
     """(option, the config's graph after that option's passes) for every legal structural option and
     every admission mode it may run with (space.admissions; the graph says which: admission_of)."""
     out = []
+    given = ctx.cfg.rollout.decode_ahead
     for o in opts:
         for adm in admissions(ctx, o):
-            try:
-                out.append((o, apply_pipeline(ctx.base, o, adm, ctx.cfg.rollout.decode_ahead)))
-            except GraphError:  # an illegal combination for this algorithm (e.g. nothing to fuse)
-                continue
+            # rollout.decode_ahead left null: a split plan under continuous admission is priced both
+            # decoding ahead and taking turns (on one shared host the overlap buys nothing and every token
+            # is a version older), and the plan records the choice (graph/plan.decode_ahead_setting)
+            both = given is None and o.placement == "split" and adm == "continuous"
+            for ahead in (True, False) if both else (given,):
+                try:
+                    out.append((o, apply_pipeline(ctx.base, o, adm, ahead)))
+                except GraphError:  # an illegal combination for this algorithm (e.g. nothing to fuse)
+                    continue
     return out
 
 
