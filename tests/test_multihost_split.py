@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import SKIP, TINY
+from helpers import ATOL, SKIP, TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -141,3 +141,25 @@ def test_split_resumes_exactly_after_kill_9_and_ctrl_c(tmp_path):
         assert want.keys() == got.keys() and want
         for k in want:
             np.testing.assert_array_equal(want[k], got[k], err_msg=f"{name} {k}")
+
+
+@pytest.mark.multihost
+@pytest.mark.slow  # two 2-process runs
+def test_packed_updates_on_one_training_process_match_padded(tmp_path):
+    """Split 1 + 1 processes (bench R2-MP's split variant) with packed updates (train.pack_sequences):
+    decoding ahead, the batches of steps 1 and 2 are both made with the initial weights, so the two
+    runs train on the same rollouts; the packed update's losses equal the padded one's to float32
+    rounding (graph/processes.py allows packing with one training process only)."""
+    common = TINY + COMMON + ["pipeline.placement=split", "pipeline.split_sizes=[2,2]", "train.steps=2"]
+    runs = {}
+    for name, pack in (("padded", "false"), ("packed", "true")):
+        out = launch(tmp_path / name, 2, common + [f"train.pack_sequences={pack}"])
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[name] = records(tmp_path / name)
+    a, b = runs["padded"], runs["packed"]
+    assert sorted(a) == sorted(b) == [1, 2] and "perf/actor_pack_fill" in b[1]
+    for s in (1, 2):
+        assert a[s]["rollout/weights_version"] == b[s]["rollout/weights_version"] == 0
+        assert a[s]["reward/mean"] == b[s]["reward/mean"]  # the same rollouts
+        for k in ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/ppo_kl"):
+            assert b[s][k] == pytest.approx(a[s][k], rel=1e-4, abs=ATOL), (s, k)
