@@ -103,6 +103,39 @@ def test_the_reference_is_the_base_and_the_sync_merges():
         assert extra == pytest.approx(merge, rel=1e-9)
 
 
+def test_split_sync_moves_the_adapters_and_the_generation_group_keeps_a_base():
+    """On disjoint devices (runtime/setup.AdapterSync) a sync moves the adapters (float32) to the
+    generation group and merges there over its t_g shards; the generation devices hold the base
+    beside the sampler's copy. Priced by hand from comm.transfer_time and lora_merge_time."""
+    from rpeg_jax.costmodel.comm import transfer_time
+
+    cfg = load_config("configs/p1.yaml", P1)
+    ctx = CX.make_context(cfg, 16, GH, 4)
+    ms = lora_shape()
+    N = ModelShape.of(model_dims(Q7, "actor")).num_params
+    a = 4.0 * ADAPTERS
+    for t_g in (1, 2, 4):
+        got = float(S.weight_sync_stage(ctx.st, ms, colocated=False, shards_train=8, t_g=t_g, n_train=8, n_gen=8))
+        merge = 2.0 * N * 4.0 / t_g / GH.device.memory_bw
+        move = float(transfer_time(GH, a, 8, 8, t_g))
+        assert got == pytest.approx(float(S.weight_sync_time(GH, a, move + merge)), rel=1e-9)
+        whole = float(S.weight_sync_stage(ctx.st, ms, colocated=True, shards_train=8, t_g=t_g, n_train=8, n_gen=8))
+        assert got < whole  # the 40M adapters move, not the 7.6B merged model
+    roles = C.Roles(actor=ms, critic=None, ref=ModelShape.of(model_dims(Q7, "reference")))
+    full = dataclasses.replace(roles, actor=dataclasses.replace(ms, adapters=0, merged=0, lora_rank=0))
+    tab = C.build(ctx.st, roles, allocs=[(8, 8)], placement="split", tensor_sizes=(1, 2, 4))
+    tf = C.build(ctx.st, full, allocs=[(8, 8)], placement="split", tensor_sizes=(1, 2, 4))
+    assert tab is not None and tf is not None
+    checked = 0
+    for tg in (1, 2, 4):  # the same generation slots: the base sits beside them
+        mine, theirs = tab.mem_gen[tab.t_g == tg], tf.mem_gen[tf.t_g == tg]
+        assert len(mine) and len(theirs)
+        if tab.slots[tab.t_g == tg].max() == tf.slots[tf.t_g == tg].max():
+            np.testing.assert_allclose(mine.max() - theirs.max(), 4.0 * N / tg, rtol=1e-9)
+            checked += 1
+    assert checked
+
+
 @pytest.mark.parametrize("targets", [ALL, ("q_proj", "v_proj"), ("down_proj", "k_proj")])
 def test_adapter_count_matches_the_runtime_shapes(targets):
     """Against the adapters' shapes as the runtime derives them from HF's layouts

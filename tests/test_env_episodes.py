@@ -201,6 +201,41 @@ def test_a_tool_episode_is_the_templates_rendering_of_its_conversation(qwen_tok)
     runner.close()
 
 
+def test_a_tool_episode_equals_transformers_rendering_token_by_token(qwen_tok):
+    """The independent reference: transformers' own apply_chat_template(..., tools=[calculator]) of
+    the same conversation (tests/fixtures/make_tools_fixture.py -> chat/expected_tools.json): the
+    prompt, every token of the episode (two calls in two turns, the tool's outputs, the answer) and
+    the loss mask, which is 1 exactly on each assistant message's tokens in transformers'
+    rendering (its header and the <|im_end|> after a call are the environment's; the final
+    <|im_end|> is the model's eos)."""
+    with open(os.path.join(os.path.dirname(__file__), "fixtures", "chat", "expected_tools.json")) as f:
+        ref = json.load(f)
+    runner = EnvRunner.build(qwen_cfg("env.tools=[calculator]"), qwen_tok)
+    conv = ref["conversation"]
+    s = runner.start(record(conv[0]["content"], "43"))
+    assert s.episode.tools == ref["tools"]  # the schema the fixture rendered is the calculator's own
+    assert s.prompt_ids == ref["prefix_gen"][0]
+    turns = [m["content"] for m in conv if m["role"] == "assistant"]
+    for i, text in enumerate(turns):
+        last = i == len(turns) - 1
+        out = runner.submit(s, qwen_tok.encode(text) + [qwen_tok.eos_id] * last, "stop" if last else "call").result()
+        assert out.done == last
+    assert out.reward == 1.0 and s.stats.tool_calls == 2 and s.stats.turns == 3
+    seq, whole = s.prompt_ids + s.response_ids(), ref["prefix"][-1]
+    assert seq == whole[: len(seq)] and qwen_tok.decode(whole[len(seq) :]) == "\n"  # all but the final newline
+    want = [0] * len(whole)
+    for k, m in enumerate(conv):
+        if m["role"] == "assistant":
+            start, end = len(ref["prefix_gen"][k - 1]), len(ref["prefix"][k]) - 2  # before "<|im_end|>\n"
+            tail = ref["prefix"][k][end:]
+            assert tail[0] == qwen_tok.eos_id and qwen_tok.decode(tail[1:]) == "\n"  # <|im_end|>, newline
+            want[start : end + (k == len(conv) - 1)] = [1] * (end - start + (k == len(conv) - 1))
+    got = [0] * len(s.prompt_ids) + list(s.response_mask())
+    assert got == want[: len(seq)]
+    assert sum(got) == sum(len(qwen_tok.encode(t)) for t in turns) + 1
+    runner.close()
+
+
 def test_a_turn_ended_by_eos_makes_every_call_and_eos_is_not_repeated(qwen_tok):
     runner = EnvRunner.build(qwen_cfg("env.stop_at_call=false"), qwen_tok)
     assert runner.stop_strings == () and runner.stop_token_ids == ()

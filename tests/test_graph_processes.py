@@ -61,10 +61,10 @@ def test_one_process_runs_everything():
             "config error: data.prompts_per_step=6: must be a multiple of the 4 generating processes",
         ),
         (
-            ["model.lora.rank=4"],
+            ["train.pack_sequences=true"],
             2,
             Runs(placement="split"),
-            "config error: model.lora.rank=4: with 2 processes and pipeline.placement=split this is not run yet",
+            "config error: train.pack_sequences=True: with 2 processes and pipeline.placement=split this is not run",
         ),
         ([], 2, Runs(placement="split", pieces=2), "config error: pipeline.pieces=2: with 2 processes and pipeline"),
         (  # packed updates across several training processes (one runs: below)

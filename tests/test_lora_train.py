@@ -150,6 +150,41 @@ def test_lora_run_trains_only_the_adapters_and_the_reference_is_the_base(tmp_pat
     np.testing.assert_allclose(np.asarray(plain_logits), np.asarray(lora_logits), atol=2e-5)
 
 
+def test_split_placement_syncs_only_the_adapters(tmp_path):
+    """Generation on other devices than training: the generation group keeps its own copy of the
+    base, moved once, and each weight sync moves the adapters only and merges them there. The
+    sampler's weights equal the colocated path's (merge in the training layout, then move the whole
+    model), and no whole-model move happens after the first sync."""
+    from rpeg_jax.graph.plan import graph_for_plan
+    from rpeg_jax.runtime.setup import build, merge_adapters
+    from rpeg_jax.runtime.trainer import choose_plan
+
+    over = LORA + ["pipeline.placement=split", "pipeline.split_sizes=[4,4]", f"train.run_dir={tmp_path / 'a'}"]
+    cfg, plan = choose_plan(load_config(None, over))
+    ctx, store = build(cfg, graph_for_plan(cfg, plan), plan)
+    assert ctx.placement.disjoint and ctx.adapter_sync is not None
+    actor = store.latest("actor")[1]
+    rng = np.random.default_rng(0)  # trained-looking adapters (B = 0 at init would hide a wrong merge)
+    trained = jax.tree.map(
+        lambda x: jax.device_put(jnp.asarray(rng.normal(0, 0.05, x.shape), x.dtype), x.sharding), actor
+    )
+    keys_before = set(k for _, k in ctx.placement._shardings)
+    synced = ctx.rollout_params(trained)
+    assert set(k for _, k in ctx.placement._shardings) == keys_before  # only the cached adapter/base moves
+    assert "rollout" not in keys_before and {"rollout_base", "rollout_adapters"} <= keys_before
+    gen_devices = set(ctx.placement.generate.mesh.devices.flat)
+    assert all(set(x.sharding.device_set) <= gen_devices for x in jax.tree.leaves(synced))
+    want = ctx.placement.to_rollout(merge_adapters(cfg, ctx.placement, ctx.lora_base, trained))  # the old path
+    for x, y in zip(jax.tree.leaves(synced), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+    base = jax.tree.leaves(ctx.lora_base)
+    assert any(
+        float(jnp.max(jnp.abs(np.asarray(x) - np.asarray(b)))) > 1e-4 for x, b in zip(jax.tree.leaves(synced), base)
+    )
+    r = run(tmp_path, "split", over[:-1], steps=2)  # and a run trains with it
+    assert len(r.metrics) == 2 and all(np.isfinite(m["actor/loss"]) for m in r.metrics)
+
+
 @pytest.mark.slow  # ~25 s on the loaded 2-core machine
 def test_resume_of_a_lora_run_is_exact(tmp_path):
     from rpeg_jax.runtime.trainer import train

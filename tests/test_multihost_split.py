@@ -87,6 +87,31 @@ def test_split_on_four_processes_equals_colocated_on_two(tmp_path):
         np.testing.assert_array_equal(want[k], got[k], err_msg=k)
 
 
+@pytest.mark.multihost
+@pytest.mark.slow  # a 2-process and a 4-process run
+def test_lora_split_on_four_processes_moves_adapters_and_equals_colocated(tmp_path):
+    """model.lora with split placement across processes: the generating processes keep the base and
+    each sync moves the adapters only (runtime/setup.AdapterSync), merged there; the run equals the
+    colocated one on 2 processes, where the merge runs in the training layout and the merged model
+    moves (metrics to float32 rounding: the merge runs on other meshes)."""
+    lora = ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2"]
+    coloc = launch(tmp_path / "coloc", 2, TINY + COMMON + lora)
+    assert coloc.returncode == 0, coloc.stderr[-3000:]
+    split = launch(tmp_path / "split", 4, TINY + COMMON + SPLIT + lora)
+    assert split.returncode == 0, split.stderr[-3000:]
+    a, b = records(tmp_path / "coloc"), records(tmp_path / "split")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+    assert max(b[s]["staleness/max"] for s in b) == 1
+    for s in a:
+        for k in ("actor/pg_loss", "reward/mean", "actor/grad_norm"):
+            assert b[s][k] == pytest.approx(a[s][k], rel=1e-4, abs=1e-6), (s, k)
+    want, got = params(tmp_path / "coloc", 6), params(tmp_path / "split", 6)
+    assert want.keys() == got.keys() and all("lora_" in k for k in want)
+    assert any(np.abs(want[k]).max() > 0 for k in want if "lora_b" in k)  # the adapters trained
+    for k in want:
+        np.testing.assert_allclose(want[k], got[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
 def launch_signalled(run_dir, overrides, signal_at=None, process=2):
     """launch() on 4 processes with interrupt_plugin: `signal_at` = "<step>:<SIGNAME>" sent by
     process `process` (a training process: only they run the actor update) to itself."""

@@ -244,6 +244,10 @@ def _alloc_rows(
     reps = n_gen // t_g
     n_rep = -(-st.B // reps)
     free = budget - (resident - rollout[G]) if coloc else np.full(len(G), budget)
+    gen_base = 0.0
+    if actor.adapters and not coloc:  # LoRA on disjoint devices: the base beside the sampler's copy
+        gen_base = actor.weight_bytes(actor.param_bytes_per) / t_g
+        free = free - gen_base
     # A step-admission generate call holds one batch (n_rep sequences per replica); continuous
     # admission may keep more in flight (stages.continuous_slots picks how many, up to this).
     cap = np.ceil(n_rep * (max(S.SLOT_FACTORS) if continuous else 1.0))
@@ -255,6 +259,7 @@ def _alloc_rows(
         return considered, None
     I, J, G, t_g, slots, n_rep, reps = I[ok], J[ok], G[ok], t_g[ok], slots[ok], n_rep[ok], reps[ok]
     slots_max = slots_max[ok]
+    gen_base = gen_base[ok] if np.ndim(gen_base) else gen_base
     resident, copies, same = resident[ok], copies[ok], same[ok]
     fw_pick, up_pick = fw_pick[ok], up_pick[ok]
     # (k = 0 too for a split placement: decoding ahead, the engine at k decides as at k - 1, scoring.engine_staleness)
@@ -283,6 +288,8 @@ def _alloc_rows(
                     + eff.host_step_s / m
                 )
     others = resident - rollout[G] if coloc else 0.0
+    if actor.adapters and not coloc:  # LoRA on disjoint devices: the generation group keeps a base (AdapterSync)
+        others = gen_base
     gen_mem = S.generate_memory(st, actor, t_g, slots, reps) + others
     gen_mem_sync = S.generate_memory(st, actor, t_g, np.minimum(slots, n_rep), reps) + others
     peak_up = resident + up_m[I, up_pick]

@@ -626,6 +626,11 @@ def weight_sync_stage(st: Setting, ms: ModelShape, *, colocated: bool, shards_tr
     devices to the generation group's `n_gen` (comm.transfer_time). See weight_sync_time."""
     hw = st.hw
     w = ms.weight_bytes()  # the rollout's copy, in the compute dtype
+    if ms.adapters and not colocated:
+        # model.lora on disjoint devices (runtime/setup.AdapterSync): the generation group keeps the
+        # base (moved once, not per step); a sync moves the adapters and merges them there
+        a = float(ms.adapters * ms.param_bytes_per)
+        return weight_sync_time(hw, a, transfer_time(hw, a, n_train, n_gen, t_g) + lora_merge_time(hw, ms, t_g))
     if colocated:
         cast = ms.num_params * (ms.param_bytes_per + ms.act_bytes_per) / shards_train / hw.device.memory_bw
         move = reshard_time(hw, w, shards_train, t_g, n_train) + cast
@@ -639,7 +644,8 @@ def lora_merge_time(hw: HardwareProfile, ms: ModelShape, shards_train):
     layout (runtime/setup.merge_adapters: W + s A B, the plain model's parameters): every parameter
     read and written once in the parameter dtype, per device over its `shards_train` shards, plus
     the rank-r products 2·r·in·out of the targeted projections (memory-bound: r/4 FLOPs per byte
-    at float32). Then the merged model moves as a full one would (weight_sync_stage). 0 without LoRA."""
+    at float32). Then the merged model moves as a full one would (weight_sync_stage); on disjoint
+    devices the same merge runs on the generation group's shards instead. 0 without LoRA."""
     if not ms.adapters:
         return 0.0
     shards = np.asarray(shards_train, np.float64)

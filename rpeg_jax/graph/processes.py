@@ -21,7 +21,7 @@ naming the key and the value):
                            admission every process's engine runs on its own data shard, decides from
                            seeds, data order and decode-chunk counts only, and checkpoints its whole state
     split: what it does not run yet: rl.filter_groups, pipeline.pieces > 1 (a step's rollouts are handed
-                           over whole), model.lora.rank, eval.path, env.name other than single_turn,
+                           over whole), eval.path, env.name other than single_turn,
                            train.pack_sequences with more than one training process
     pipeline.placement     colocated or split
     the plan's groups      colocated: every stage on all N devices (no sub-mesh on some processes only);
@@ -162,8 +162,6 @@ def split_unsupported(cfg: RunConfig, train_procs: int | None = None) -> list[tu
     several the plan's gather would be a collective of every process, which the generating ones do
     not call."""
     out = []
-    if cfg.model.lora.rank:
-        out.append(("model.lora.rank", cfg.model.lora.rank, "use 0, or colocated"))
     if cfg.train.pack_sequences and train_procs != 1:
         out.append(("train.pack_sequences", True, "use false, one training process, or colocated"))
     if cfg.eval.path is not None:

@@ -576,11 +576,12 @@ def reward(env: StageEnv) -> Kernel:
 
 def weight_sync(env: StageEnv) -> Kernel:
     """Training layout -> generation layout (an explicit, cached resharding program); with model.lora
-    the adapters are merged into a copy of the base first (W + s A B: the sampler runs a plain model)."""
+    the adapters are merged into a copy of the base first (W + s A B: the sampler runs a plain model),
+    or on disjoint devices only the adapters move and merge there (runtime/setup.AdapterSync)."""
     ctx = env.context
 
     def fn(i):
-        return {"rollout_weights": ctx.placement.to_rollout(ctx.policy_params(i["actor"]))}
+        return {"rollout_weights": ctx.rollout_params(i["actor"])}
 
     return Kernel(fn, jittable=False)
 

@@ -97,6 +97,10 @@ class Placement:
         self.gen_procs = owners[self.gen_group] if self.gen_group else list(range(jax.process_count()))
         self.train_procs = owners[self.train_group] if self.train_group else self.gen_procs
         self.split = self.multi and not set(self.gen_procs) & set(self.train_procs)
+        # generation and training on disjoint devices (split placement, on one process or several)
+        self.disjoint = bool(self.gen_group and self.train_group and self.gen_group != self.train_group) and set(
+            plan.group(self.gen_group).devices
+        ).isdisjoint(plan.group(self.train_group).devices)
         self.local_groups = frozenset(name for name, procs in owners.items() if me in procs)
         self.generates_here = me in self.gen_procs
         self.trains_here = me in self.train_procs
@@ -198,15 +202,16 @@ class Placement:
         layout = self.layouts.get(cs.name)
         return tree if layout is None else self.resharder(tree, self.shardings(layout, key, tree))
 
-    def to_rollout(self, params) -> Any:
-        """Training layout -> the sampler's (generation) layout."""
+    def to_rollout(self, params, key: str = "rollout") -> Any:
+        """Training layout -> the sampler's (generation) layout. `key` names the tree's kind (its
+        shardings are cached under it): the model, or with model.lora the base or the adapters."""
         layout = self.generate
         if not self.multi:
-            return self.resharder(params, self.shardings(layout, "rollout", params))
+            return self.resharder(params, self.shardings(layout, key, params))
         holder = self.graph.find(StageKind.GENERATE)
         twin = self._gen_global[holder.name]
-        spread = self.resharder(params, self.shardings(twin, "rollout_global", params))  # tensor shards, per device
-        local = self.shardings(layout, "rollout", params)
+        spread = self.resharder(params, self.shardings(twin, key + "_global", params))  # tensor shards, per device
+        local = self.shardings(layout, key, params)
 
         def localise(x, sh):  # the same per-device buffers, as an array on this process's own mesh
             bufs = {s.device: s.data for s in x.addressable_shards}

@@ -260,7 +260,7 @@ def _load(ckpt: Checkpointer, store: Store, ex: Executor, ctx, step: int, target
     for name, value in train.items():
         store.put_state(name, meta["versions"][name], value)
     version, actor = store.latest("actor")
-    store.put_state("rollout_weights", version, ctx.placement.to_rollout(ctx.policy_params(actor)))
+    store.put_state("rollout_weights", version, ctx.rollout_params(actor))
     buffered = list(meta["buffer_steps"])
     prompts = store.latest("data_iterator")[1]
     prompts.pipeline.set_state(meta["data_iterator"])

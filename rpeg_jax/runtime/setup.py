@@ -70,6 +70,7 @@ class RuntimeContext:
     compiler_options: dict[str, str] = field(default_factory=dict)  # stage programs' XLA options (xla_flags)
     lora_base: Any = None  # model.lora: the actor's frozen base params (training layout); the "actor"
     #   state then holds only the adapters (models/adapters.py), and stages reading it get the base too
+    adapter_sync: AdapterSync | None = None  # model.lora on disjoint devices: syncs move the adapters only
 
     # ---- model.lora ----------------------------------------------------------------------------------
     def policy_params(self, actor):
@@ -78,6 +79,13 @@ class RuntimeContext:
         if self.lora_base is None:
             return actor
         return merge_adapters(self.cfg, self.placement, self.lora_base, actor)
+
+    def rollout_params(self, actor):
+        """The sampler's weights from the actor state (the weight sync): training layout ->
+        generation layout; with model.lora on disjoint devices only the adapters move (AdapterSync)."""
+        if self.adapter_sync is not None:
+            return self.adapter_sync(actor)
+        return self.placement.to_rollout(self.policy_params(actor))
 
     # ---- graph.compile.StageRuntime ----------------------------------------------------------------
     def place_inputs(self, cs, inputs):
@@ -154,6 +162,32 @@ def merge_adapters(cfg: RunConfig, placement: Placement, base, adapter_params):
         return _merge_program(cfg.model)(base, adapter_params)
 
 
+class AdapterSync:
+    """model.lora with generation on other devices than training (split placement): the generation
+    group keeps its own copy of the frozen base, moved there once, and each weight sync moves only
+    the adapters (2·r·(in + out) per targeted projection, ~4% of a 46M model at rank 16), merged
+    there into the sampler's copy (W + s A B, the same program as merge_adapters). Colocated, the
+    merge runs in the training layout and the merged model is resharded (no second base is kept)."""
+
+    def __init__(self, cfg: RunConfig, placement: Placement, base):
+        self.cfg, self.placement, self.base = cfg, placement, base
+        self.rollout_base = None  # the base in the generation layout (after the first sync)
+        self._merge = None
+
+    def __call__(self, adapter_params):
+        pl = self.placement
+        if self.rollout_base is None:  # once: every process takes part in the move (a collective)
+            self.rollout_base = pl.to_rollout(self.base, key="rollout_base")
+        moved = pl.to_rollout(adapter_params, key="rollout_adapters")
+        if not pl.generates_here:  # a training process holds none of the sampler's weights
+            return moved
+        if self._merge is None:
+            out = jax.tree.map(lambda x: x.sharding, self.rollout_base)
+            self._merge = jax.jit(functools.partial(adapters.merged_weights, self.cfg.model), out_shardings=out)
+        with pl.generate.activations():
+            return self._merge(self.rollout_base, moved)
+
+
 def build_adapters(cfg: RunConfig, placement: Placement) -> tuple[Any, Any]:
     """model.lora: (the LoRA model's graphdef, its adapters' initial params in the actor's training
     layout). The adapters are those of `Transformer(cfg.model)` from train.seed (drawn after the base
@@ -209,7 +243,11 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
     if "critic" in models:
         optimizers["critic"] = make_optimizer(cfg.critic_optim or cfg.optim, total)
     scfg = sampler_config(cfg, gen_count)
-    rollout_params = placement.to_rollout(actor if base is None else merge_adapters(cfg, placement, base, actor))
+    adapter_sync = AdapterSync(cfg, placement, base) if base is not None and placement.disjoint else None
+    if adapter_sync is not None:
+        rollout_params = adapter_sync(actor)
+    else:
+        rollout_params = placement.to_rollout(actor if base is None else merge_adapters(cfg, placement, base, actor))
     sampler = None  # a training process of a split placement samples nothing
     if placement.generates_here:
         sampler = Sampler(
@@ -256,6 +294,7 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
         admission=graph.admission,
         compiler_options=xla_flags.train_compiler_options(),
         lora_base=base,
+        adapter_sync=adapter_sync,
     )
     if engine is not None and cfg.rl.filter_groups != "none":
         engine.scorer = functools.partial(group_scores, ctx)
