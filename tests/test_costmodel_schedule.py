@@ -88,3 +88,21 @@ def test_vectorised_over_candidates_matches_scalar():
     gen = d["generate"]
     train = sum(v for k, v in d.items() if k not in ("generate", "reward"))
     assert np.all(vec >= np.maximum(gen, train) - 1e-9)
+
+
+def test_decoding_ahead_overlaps_continuous_generation_with_the_update():
+    """Continuous admission on a split placement: taking turns, a step costs generation + update + sync;
+    decoding ahead (rollout.decode_ahead) generate(t+1) runs beside update(t), so about max(the
+    generation group's work, the training group's) per step; on a shared host (one resource) nothing."""
+    pipe = PipelineConfig(placement="split", split_sizes=(4, 4), staleness=1)
+    turns = apply_pipeline(build_graph(CFG), pipe, "continuous", False)
+    ahead = apply_pipeline(build_graph(CFG), pipe, "continuous", True)
+    for gen, train in ((4.0, 1.0), (1.0, 3.0), (2.0, 2.0)):
+        d = durs(turns, gen=gen, train=train)
+        d["weight_sync"] = np.array([0.5])
+        p_turns, _, _, _ = simulate(unroll(turns), d)
+        p_ahead, _, _, _ = simulate(unroll(ahead), d)
+        assert p_turns[0] == pytest.approx(gen + train + 0.5)
+        assert p_ahead[0] == pytest.approx(max(gen, train + 0.5))  # the sync runs on the training group
+        shared, _, _, _ = simulate(unroll(ahead, shared_resource=True), d)
+        assert shared[0] == pytest.approx(gen + train + 0.5)

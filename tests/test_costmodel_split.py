@@ -7,6 +7,7 @@ floored onto the 4-steps-per-octave grid by a formula written here."""
 import math
 
 import numpy as np
+import pytest
 
 from rpeg_jax.config import load_config
 from rpeg_jax.config.pipeline import PipelineConfig
@@ -63,3 +64,47 @@ def test_split_generation_kv_capacity_ignores_the_training_groups_state():
         checked += int(want < n_rep)  # a KV-limited layout: where the bug showed
         assert np.all(tab.mem_gen[rows] <= budget)
     assert checked, "no generation layout was KV-limited: the test would not see the bug"
+
+
+def test_decoding_ahead_on_processes_with_their_own_cores_prices_the_overlap():
+    """A shared-host profile (the CPU) serialises every group: one machine's cores. With
+    process_hosts (each process pinned to cores of its own, bench R2-MP) a process's devices share
+    its cores only (a device of a 1-device process gets the whole host's rates, not half), and a split
+    across 2 processes decoding ahead costs about max(generation, training) per step, not the sum."""
+    import dataclasses
+
+    cpu = load_hardware("cpu", calibrated=False)
+    own = dataclasses.replace(cpu, process_hosts=True, local_devices=1)
+    assert S.rates(own, "float32", 2)[0] == 2 * S.rates(cpu, "float32", 2)[0]
+    cfg = load_config(
+        None,
+        [
+            "model.preset=tiny",
+            "data.prompts_per_step=16",
+            "rl.group_size=8",
+            "rollout.max_new_tokens=64",
+            "pipeline.staleness=1",
+            "rollout.admission=continuous",
+        ],
+    )
+    pipe = PipelineConfig(staleness=1, placement="split", split_sizes=(1, 1))
+    ctx_one = CX.make_context(cfg, 2, cpu, processes=2)
+    ctx_own = CX.make_context(cfg, 2, dataclasses.replace(cpu, process_hosts=True), processes=2)
+    assert ctx_own.hw.local_devices == 1 and SC.shared_resource(ctx_one) and not SC.shared_resource(ctx_own)
+    out = {}
+    for name, ctx in (("one", ctx_one), ("own", ctx_own)):
+        for ahead in (False, True):
+            g = apply_pipeline(ctx.base, pipe, "continuous", ahead)
+            tab = SC.family_table(ctx, g, "split", {}, [(1, 1)], ours=False)
+            dur, _ = SC.durations(ctx, g, tab)
+            period, _ = SC.periods(ctx, g, tab)
+            i = int(np.argmin(period))
+            gen = float(dur["generate"][i])
+            train = sum(float(v[i]) for k, v in dur.items() if k not in ("generate", "reward"))
+            out[name, ahead] = (float(period[i]), gen, train)
+    p, gen, train = out["own", True]
+    assert p == pytest.approx(max(gen, train), rel=0.05)  # overlapped on their own cores
+    p_turns, gen_t, train_t = out["own", False]
+    assert p_turns == pytest.approx(gen_t + train_t, rel=0.05)  # taking turns: the sum
+    p_one, gen_1, train_1 = out["one", True]
+    assert p_one == pytest.approx(gen_1 + train_1, rel=0.05)  # one machine's shared cores: the sum

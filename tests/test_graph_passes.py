@@ -301,3 +301,32 @@ def test_fusing_a_fused_stage_keeps_what_it_computes():
     (st,) = [s for s in again.stages() if s.parts and len(s.parts) == 3]
     assert st.options.values_from_update and st.effective_options.values_from_update
     assert "values" in st.options.internal
+
+
+def test_decode_ahead_runs_continuous_generation_one_step_ahead_on_split_placement():
+    from rpeg_jax.config.pipeline import PipelineConfig
+    from rpeg_jax.graph.passes import decode_ahead
+
+    split = PipelineConfig(staleness=2, placement="split", split_sizes=(1, 1))
+    turns = apply_pipeline(graph(), split, "continuous", False)
+    ahead = apply_pipeline(graph(), split, "continuous", None)  # null: on for split + continuous
+    assert (turns.decode_ahead, turns.generation_ahead, turns.admission) == (False, 0, "continuous")
+    assert (ahead.decode_ahead, ahead.generation_ahead, ahead.admission) == (True, 1, "continuous")
+    assert ahead.has("rollout_buffer") and not turns.has("rollout_buffer")
+    assert ahead.staleness == 2 and "decode_ahead" in ahead.attrs["passes"]
+    # step admission at k = 1 also runs one ahead, but it is not continuous
+    step1 = apply_pipeline(graph(), PipelineConfig(staleness=1, placement="split", split_sizes=(1, 1)), "step", None)
+    assert (step1.decode_ahead, step1.generation_ahead, step1.admission) == (False, 1, "step")
+    assert same_structure(decode_ahead(ahead), ahead)  # idempotent
+    coloc = PipelineConfig(staleness=1, placement="colocated")
+    assert not apply_pipeline(graph(), coloc, "continuous", None).decode_ahead  # null: off when colocated
+    with pytest.raises(GraphError, match="placement split"):
+        apply_pipeline(graph(), coloc, "continuous", True)
+    with pytest.raises(GraphError, match="continuous"):
+        apply_pipeline(graph(), PipelineConfig(staleness=1, placement="split", split_sizes=(1, 1)), "step", True)
+    with pytest.raises(GraphError, match="k >= 1"):
+        decode_ahead(graph())
+    # the graph's JSON round trip keeps the flag (export/load is lossless)
+    from rpeg_jax.graph.export import graph_from_dict, graph_to_dict
+
+    assert graph_from_dict(graph_to_dict(ahead)).decode_ahead

@@ -67,6 +67,12 @@ def test_one_process_runs_everything():
             "config error: train.pack_sequences=True: with 2 processes and pipeline.placement=split this is not run",
         ),
         ([], 2, Runs(placement="split", pieces=2), "config error: pipeline.pieces=2: with 2 processes and pipeline"),
+        (  # packed updates across several training processes (one runs: below)
+            ["train.pack_sequences=true"],
+            4,
+            Runs(placement="split", group_sizes=(4, 4)),
+            "config error: train.pack_sequences=True: with 4 processes and pipeline.placement=split this is not run",
+        ),
         (
             [],
             2,
@@ -201,3 +207,12 @@ def test_costmodel_processes_is_validated():
     with pytest.raises(ConfigError, match=r"costmodel.processes=3: must divide num_devices=8"):
         load_config(None, ["costmodel.processes=3", "costmodel.num_devices=8"])
     assert load_config(None, ["costmodel.processes=2", "costmodel.num_devices=8"]).costmodel.processes == 2
+
+
+def test_packed_updates_run_split_with_one_training_process():
+    """bench R2-MP's split variant: 1 generating + 1 training process, packed updates."""
+    cfg = cfg_of("train.pack_sequences=true")
+    assert why_not(cfg, 2, 8, Runs(placement="split", group_sizes=(4, 4))) is None
+    cfg = cfg_of("train.pack_sequences=true", "data.prompts_per_step=6")
+    assert why_not(cfg, 4, 8, Runs(placement="split", group_sizes=(6, 2))) is None
+    assert why_not(cfg, 4, 8, Runs(placement="split", group_sizes=(2, 6))).key == "train.pack_sequences"

@@ -1,10 +1,14 @@
 """Split placement across processes (issue 31 item 3): 4 local processes x 2 CPU devices (gloo),
 generation on processes 0-1 (devices 0-3), training on processes 2-3 (devices 4-7), continuous
-admission with staleness k = 1. The reference is the colocated run on 2 processes x 2 devices: its
+admission with staleness k = 1. Taking turns (rollout.decode_ahead=false), the reference is the
+colocated run on 2 processes x 2 devices: its
 processes generate exactly what the split run's generating processes do (the same prompt shards,
 engines and seeds on the same 2-device meshes) and train on a mesh of the same shape, so every
 metric and the final parameters must be equal; the split run moves the trained weights to the
-generating processes and the rollouts to the training processes (runtime/split.py) instead."""
+generating processes and the rollouts to the training processes (runtime/split.py) instead.
+Decoding ahead (the default for split placement: the generating processes decode step t+1's groups
+while the training processes run step t's update) is checked by the resume test: the bound per
+token, and kill -9 / SIGINT then the same command equal to the uninterrupted run."""
 
 import json
 import os
@@ -14,7 +18,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import SKIP, TINY
+from helpers import ATOL, SKIP, TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -66,7 +70,7 @@ def records(run_dir):
 def test_split_on_four_processes_equals_colocated_on_two(tmp_path):
     coloc = launch(tmp_path / "coloc", 2, TINY + COMMON)
     assert coloc.returncode == 0, coloc.stderr[-3000:]
-    split = launch(tmp_path / "split", 4, TINY + COMMON + SPLIT)
+    split = launch(tmp_path / "split", 4, TINY + COMMON + SPLIT + ["rollout.decode_ahead=false"])
     assert split.returncode == 0, split.stderr[-3000:]
     a, b = records(tmp_path / "coloc"), records(tmp_path / "split")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
@@ -93,7 +97,7 @@ def test_lora_split_on_four_processes_moves_adapters_and_equals_colocated(tmp_pa
     lora = ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2"]
     coloc = launch(tmp_path / "coloc", 2, TINY + COMMON + lora)
     assert coloc.returncode == 0, coloc.stderr[-3000:]
-    split = launch(tmp_path / "split", 4, TINY + COMMON + SPLIT + lora)
+    split = launch(tmp_path / "split", 4, TINY + COMMON + SPLIT + lora + ["rollout.decode_ahead=false"])
     assert split.returncode == 0, split.stderr[-3000:]
     a, b = records(tmp_path / "coloc"), records(tmp_path / "split")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
@@ -123,9 +127,10 @@ def launch_signalled(run_dir, overrides, signal_at=None, process=2):
 @pytest.mark.multihost
 @pytest.mark.slow  # five 4-process runs
 def test_split_resumes_exactly_after_kill_9_and_ctrl_c(tmp_path):
-    """Split 2+2 processes, continuous k = 1, checkpoints every 2 steps: kill -9 of a training
+    """Split 2+2 processes, continuous k = 1 decoding ahead, checkpoints every 2 steps: kill -9 of a training
     process in the middle of step 4 (the launcher ends the job; the resume starts from step 2's
-    checkpoint, with sequences in flight on the generating processes), and SIGINT in the middle of
+    checkpoint, with sequences in flight on the generating processes and step 3's batch made ahead
+    there), and SIGINT in the middle of
     step 3 (the processes agree to stop after it and write a checkpoint the uninterrupted run never
     took); each time the same command finishes the run, and every metric and the final parameters
     equal the uninterrupted run's. The killed job ends within 60 s of the kill."""
@@ -134,6 +139,9 @@ def test_split_resumes_exactly_after_kill_9_and_ctrl_c(tmp_path):
     assert straight.returncode == 0, straight.stderr[-3000:]
     a = records(tmp_path / "straight")
     assert sorted(a) == [1, 2, 3, 4, 5, 6]
+    for s in a:  # decoding ahead (the default here): generation overlapped the update, within the bound
+        assert a[s]["staleness/max"] <= 1 and a[s]["timing_s/decode_ahead"] > 0, (s, a[s])
+        assert a[s]["rollout/weights_version"] == max(0, s - 2) and a[s]["timing_s/update_weights"] > 0, s
     want = params(tmp_path / "straight", 6)
     for name, signal_at, left in (("killed", "3:SIGKILL", [1, 2]), ("stopped", "2:SIGINT", [1, 2, 3])):
         first = launch_signalled(tmp_path / name, common, signal_at=signal_at, process=2 if name == "killed" else 3)
@@ -158,3 +166,25 @@ def test_split_resumes_exactly_after_kill_9_and_ctrl_c(tmp_path):
         assert want.keys() == got.keys() and want
         for k in want:
             np.testing.assert_array_equal(want[k], got[k], err_msg=f"{name} {k}")
+
+
+@pytest.mark.multihost
+@pytest.mark.slow  # two 2-process runs
+def test_packed_updates_on_one_training_process_match_padded(tmp_path):
+    """Split 1 + 1 processes (bench R2-MP's split variant) with packed updates (train.pack_sequences):
+    decoding ahead, the batches of steps 1 and 2 are both made with the initial weights, so the two
+    runs train on the same rollouts; the packed update's losses equal the padded one's to float32
+    rounding (graph/processes.py allows packing with one training process only)."""
+    common = TINY + COMMON + ["pipeline.placement=split", "pipeline.split_sizes=[2,2]", "train.steps=2"]
+    runs = {}
+    for name, pack in (("padded", "false"), ("packed", "true")):
+        out = launch(tmp_path / name, 2, common + [f"train.pack_sequences={pack}"])
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[name] = records(tmp_path / name)
+    a, b = runs["padded"], runs["packed"]
+    assert sorted(a) == sorted(b) == [1, 2] and "perf/actor_pack_fill" in b[1]
+    for s in (1, 2):
+        assert a[s]["rollout/weights_version"] == b[s]["rollout/weights_version"] == 0
+        assert a[s]["reward/mean"] == b[s]["reward/mean"]  # the same rollouts
+        for k in ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/ppo_kl"):
+            assert b[s][k] == pytest.approx(a[s][k], rel=1e-4, abs=ATOL), (s, k)

@@ -44,7 +44,7 @@ def _show(args) -> int:
     cfg = load_config(args.config, args.overrides)
     graph = build_graph(cfg)
     if not args.before:
-        graph = apply_pipeline(graph, cfg.pipeline)
+        graph = apply_pipeline(graph, cfg.pipeline, cfg.rollout.admission, cfg.rollout.decode_ahead)
     print(FORMATS[args.format](graph), end="")
     if args.devices is not None and args.format == "text":
         print(plan_from_config(cfg, args.devices, graph if not args.before else None).describe())

@@ -132,6 +132,11 @@ class RolloutConfig(SamplingSettings, EngineSettings):
     admission: Literal["step", "continuous"] = "step"  # step: each RL step samples its prompts to the end;
     #   continuous (pipeline.staleness k >= 1): one engine across steps keeps max_slots sequences in flight,
     #   a step's batch is the first groups to complete (runtime/rollout/continuous.py)
+    decode_ahead: bool | None = None  # continuous admission under split placement: the engine decodes the next
+    #   step's groups (with the weights it has) while training runs this step's update, so the two overlap
+    #   (generation one step ahead; graph/passes.decode_ahead). null: on exactly when pipeline.placement=split
+    #   and admission=continuous (pipeline.plan=auto: the planner prices both ways and chooses); false: off (the
+    #   groups take turns); true elsewhere is refused
     stale_groups: Literal["requeue", "drop"] = "requeue"  # continuous: a group whose oldest token would be
     #   older than the bound k when consumed is generated again from its prompt, or dropped
     forced_lengths: tuple[float, float, int, int] | None = None  # benchmarks (R2): each response stops at
@@ -156,6 +161,19 @@ class RolloutConfig(SamplingSettings, EngineSettings):
                 key(path, "forced_lengths"),
                 list(self.forced_lengths),
                 f"must be (median > 0, sigma >= 0, 1 <= min <= max <= max_new_tokens={self.max_new_tokens})",
+            )
+        check(
+            self.decode_ahead in (None, True, False),
+            key(path, "decode_ahead"),
+            self.decode_ahead,
+            "must be null (on for split placement with continuous admission), true or false",
+        )
+        if self.decode_ahead:
+            check(
+                self.admission == "continuous",
+                key(path, "decode_ahead"),
+                self.decode_ahead,
+                f"decodes ahead of training under admission=continuous only (admission={self.admission})",
             )
         if self.admission == "continuous":
             check(

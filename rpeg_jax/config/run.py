@@ -140,6 +140,14 @@ class RunConfig:
                 f"a step's batch is the first groups to complete; pipeline.pieces={p.pieces} "
                 f"(streamed pieces) needs admission=step",
             )
+        if self.rollout.decode_ahead and self.pipeline.plan != "auto":  # (auto: the planner offers split plans only)
+            check(
+                p.placement == "split",
+                "rollout.decode_ahead",
+                True,
+                f"overlaps generation with the update on disjoint device groups: needs pipeline.placement=split "
+                f"(placement={p.placement})",
+            )
         for sid in self.rollout.stop_token_ids:
             check(
                 0 <= sid < m.vocab_size,

@@ -262,7 +262,8 @@ def _alloc_rows(
     gen_base = gen_base[ok] if np.ndim(gen_base) else gen_base
     resident, copies, same = resident[ok], copies[ok], same[ok]
     fw_pick, up_pick = fw_pick[ok], up_pick[ok]
-    ks = tuple(range(1, max_k + 1)) if continuous else ()
+    # (k = 0 too for a split placement: decoding ahead, the engine at k decides as at k - 1, scoring.engine_staleness)
+    ks = tuple(range(0 if not coloc else 1, max_k + 1)) if continuous else ()
     gen_t, _, finished_at, _ = S.generate_stage(st, actor, n_gen=n_gen, t=t_g, slots=slots)
     gen_async, slots_c = S.continuous_stage(
         st, actor, n_gen=n_gen, t=t_g, slots=slots_max, ks=ks, recompute=st.recompute_kv

@@ -93,6 +93,8 @@ def make_context(cfg: RunConfig, num_devices: int, hw: HardwareProfile, processe
     bad = why_not(cfg, processes, num_devices, Runs(admission=cfg.rollout.admission))
     if bad is not None:
         raise bad.error()
+    if hw.shared_host and hw.process_hosts:  # each process on its own cores: its devices share those
+        hw = dataclasses.replace(hw, local_devices=max(1, num_devices // max(1, processes)))
     c = cfg.costmodel
     flash = attention_is_flash(cfg.model.attention, hw.kind)
     base = build_graph(cfg)

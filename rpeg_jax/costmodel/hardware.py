@@ -270,6 +270,12 @@ class HardwareProfile:
     kind: Literal["gpu", "cpu", "tpu"] = "gpu"
     shared_host: bool = False  # devices are slices of one host sharing its cores and bandwidth
     host_cores: int = 1  # cores of that host (shared_host only)
+    # shared_host only: each JAX process runs on cores of its own, `host_cores` of them (local processes
+    # pinned with taskset, as bench R2-MP runs; a node per process), so a process's devices share its
+    # cores only and device groups of different processes run side by side (false: every process shares
+    # the one host's cores)
+    process_hosts: bool = False
+    local_devices: int = 0  # with process_hosts: devices per process (set by costmodel.context for the run)
     device: DeviceSpec
     node: NodeSpec
     network: NetworkSpec

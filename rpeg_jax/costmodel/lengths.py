@@ -255,6 +255,7 @@ def admission(
     source=None,
     requeue: bool = True,
     trace: bool = False,
+    lag: int = 0,
 ) -> Admission:
     """Event simulation of the sampler's slots over RL steps (runtime/rollout/continuous.ContinuousRollouts
     over sampling/sampler.Sampler.step), one decode chunk per event, deciding with the engine's own
@@ -283,7 +284,8 @@ def admission(
     `warmup` steps (default k + 2: a group lives at most k + 1 steps in the engine) run before the
     `steps` measured (P1's decode steps move < 2% from 8 to 16 measured steps). `trace`: the result
     carries, per step, (the consumed groups as (stream index, attempt), re-queued, dropped, decode
-    steps)."""
+    steps). `lag`: the engine decodes step t's batch with the weights of version max(0, t - lag) (1:
+    decoding ahead, rollout.decode_ahead; 0: the newest)."""
     if slots < group or groups < 1 or group < 1:
         raise ValueError(f"admission: slots={slots} must hold a group of {group}; groups={groups} >= 1")
     stream = LengthStream(dist, group, seed)
@@ -356,7 +358,7 @@ def admission(
                 g = waiting.pop(0)
                 idx, free = free[:group], free[group:]
                 rem[idx], pos[idx], owner[idx] = lengths[g], 0, g
-                left[g], oldest[g] = group, t
+                left[g], oldest[g] = group, max(0, t - lag)
                 nfree -= group
                 st[7] += 1
             busy = rem > 0

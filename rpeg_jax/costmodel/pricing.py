@@ -19,7 +19,16 @@ from rpeg_jax.config.run import RunConfig
 from rpeg_jax.costmodel.candidates import REMATS, consumed_side
 from rpeg_jax.costmodel.context import make_context, roles_of
 from rpeg_jax.costmodel.devices import resolve
-from rpeg_jax.costmodel.scoring import EXPERT_RULES, GEN_SIDE, TRAIN_SIDE, family_table, option_graphs, periods, predict
+from rpeg_jax.costmodel.scoring import (
+    EXPERT_RULES,
+    GEN_SIDE,
+    TRAIN_SIDE,
+    engine_staleness,
+    family_table,
+    option_graphs,
+    periods,
+    predict,
+)
 from rpeg_jax.costmodel.space import families, structural_options
 from rpeg_jax.costmodel.stages import continuous_stage
 from rpeg_jax.costmodel.table import Table, TrainSide
@@ -80,7 +89,7 @@ def price_layout(
     if pipe.staleness > cfg.costmodel.max_staleness:  # the tables price k up to max_staleness
         cfg = dataclasses.replace(cfg, costmodel=dataclasses.replace(cfg.costmodel, max_staleness=pipe.staleness))
     ctx = make_context(cfg, n, hw, procs)
-    g = apply_pipeline(ctx.base, pipe, admission)
+    g = apply_pipeline(ctx.base, pipe, admission, layout["generate"].get("decode_ahead", cfg.rollout.decode_ahead))
     gr, tr, fw = layout["groups"], layout["train"], layout["forward"]
     ng, nt = gr.get("gen", gr.get("all")), gr.get("train", gr.get("all"))
     fixed = None  # a layout with its settings (a plan's, or a manual config's) is priced with them
@@ -119,7 +128,7 @@ def price_layout(
 def _continuous_at(ctx, g, sub: Table, slots: int) -> Table:
     """Rows with the continuous engine priced at exactly `slots` slots per replica (a run's
     rollout.max_slots) instead of the best count the table chose."""
-    k, st, eff = g.staleness, ctx.st, ctx.hw.efficiency
+    k, st, eff = engine_staleness(g), ctx.st, ctx.hw.efficiency
     roles = roles_of(ctx, g)
     actor = roles.actor
     old = sub.continuous[k]
@@ -192,7 +201,10 @@ def _layout_of(plan: Plan, pipe, cfg: RunConfig) -> dict:
     s = plan.settings
     out = {
         "groups": {},
-        "generate": {"admission": s.get("rollout.admission", cfg.rollout.admission)},
+        "generate": {
+            "admission": s.get("rollout.admission", cfg.rollout.admission),
+            "decode_ahead": s.get("rollout.decode_ahead", cfg.rollout.decode_ahead),
+        },
         "train": {
             "micro_batches": s.get("rl.micro_batches", cfg.rl.micro_batches),
             "remat": s.get("model.remat", cfg.model.remat),

@@ -161,7 +161,8 @@ def admission_summary(ctx: Context, p: Prediction) -> Admission | None:
     g = p.layout["generate"]
     if g.get("admission") != "continuous":
         return None
-    return S.continuous_admission(ctx.st, g["replicas"], g["slots"], p.knobs["staleness"])
+    lag = int(bool(g.get("decode_ahead")))  # decoding ahead: every token one version older
+    return S.continuous_admission(ctx.st, g["replicas"], g["slots"], p.knobs["staleness"], lag)
 
 
 def weight_sync_note(ctx: Context, c: Prediction, seconds: float) -> str:

@@ -35,7 +35,7 @@ from rpeg_jax.costmodel.table import Layouts, Table
 from rpeg_jax.costmodel.types import Context, Prediction, clock_of
 from rpeg_jax.graph.ir import Graph, GraphError, StageKind
 from rpeg_jax.graph.passes import apply_pipeline
-from rpeg_jax.graph.plan import DeviceGroup, Plan, StagePlan, knobs_of, layout_rules
+from rpeg_jax.graph.plan import DeviceGroup, Plan, StagePlan, decode_ahead_setting, knobs_of, layout_rules
 
 KEEP_ROWS = 256  # rows per family and proxy kept for schedule simulation
 
@@ -45,12 +45,26 @@ def admission_of(graph: Graph) -> str:
     return graph.admission
 
 
+def shared_resource(ctx: Context) -> bool:
+    """Whether every device group runs on the same cores (a shared-host profile, the schedule then
+    serialises them): not when each of several processes has cores of its own (process_hosts)."""
+    return ctx.hw.shared_host and not (ctx.hw.process_hosts and ctx.processes > 1)
+
+
+def engine_staleness(graph: Graph) -> int:
+    """The k whose engine simulation (Table.continuous[k]) prices this graph's continuous generation.
+    Decoding ahead (Graph.decode_ahead) the engine makes step t's batch with version t - 1 weights, so a
+    group straddles one step boundary fewer than at k: its decisions are the engine's at k - 1 (every
+    token one version older; lengths.admission's staleness + 1)."""
+    return graph.staleness - int(graph.decode_ahead)
+
+
 def stage_seconds(kind: StageKind, tab: Table, graph: Graph) -> np.ndarray:
     """Seconds of one stage kind for every row of `tab` under `graph`. Under continuous admission
     generation is the engine's simulated steady state and the training side runs on its (shorter)
     batches (Table.continuous[k], costmodel/candidates.py)."""
     shared = bool(graph.attrs.get("shared"))
-    side = tab.admitted(graph.staleness if admission_of(graph) == "continuous" else None)
+    side = tab.admitted(engine_staleness(graph) if admission_of(graph) == "continuous" else None)
     fwd, upd = side.train.t_fwd, side.train.t_upd
     if kind == StageKind.GENERATE:
         return side.t_gen
@@ -123,12 +137,18 @@ def option_graphs(ctx: Context, opts: list[PipelineConfig]) -> list[tuple[Pipeli
     """(option, the config's graph after that option's passes) for every legal structural option and
     every admission mode it may run with (space.admissions; the graph says which: admission_of)."""
     out = []
+    given = ctx.cfg.rollout.decode_ahead
     for o in opts:
         for adm in admissions(ctx, o):
-            try:
-                out.append((o, apply_pipeline(ctx.base, o, adm)))
-            except GraphError:  # an illegal combination for this algorithm (e.g. nothing to fuse)
-                continue
+            # rollout.decode_ahead left null: a split plan under continuous admission is priced both
+            # decoding ahead and taking turns (on one shared host the overlap buys nothing and every token
+            # is a version older), and the plan records the choice (graph/plan.decode_ahead_setting)
+            both = given is None and o.placement == "split" and adm == "continuous"
+            for ahead in (True, False) if both else (given,):
+                try:
+                    out.append((o, apply_pipeline(ctx.base, o, adm, ahead)))
+                except GraphError:  # an illegal combination for this algorithm (e.g. nothing to fuse)
+                    continue
     return out
 
 
@@ -163,7 +183,7 @@ def periods(ctx: Context, graph: Graph, tab: Table):
     """(steady-state period, first-step latency) of every row under `graph`; rows whose meshes do
     not divide the batch dimensions they shard are infinite."""
     dur, pieces = durations(ctx, graph, tab)
-    period, latency, _, _ = simulate(unroll(graph, shared_resource=ctx.hw.shared_host), dur, pieces)
+    period, latency, _, _ = simulate(unroll(graph, shared_resource=shared_resource(ctx)), dur, pieces)
     bad = ~divisible(ctx, graph, tab)
     return np.where(bad, np.inf, period), np.where(bad, np.inf, latency)
 
@@ -216,7 +236,7 @@ def predict(
     nested = None
     if concurrent is not None:
         dur, nested = concurrent[0], concurrent[1]
-    prog = unroll(graph, shared_resource=ctx.hw.shared_host, nested=nested)
+    prog = unroll(graph, shared_resource=shared_resource(ctx), nested=nested)
     period, latency, starts, ends = simulate(prog, dur, pieces, record=True)
     period, latency = float(period[0]), float(latency[0])
     # A shared host's devices are slices of one machine whose peak the profile holds.
@@ -228,7 +248,7 @@ def predict(
     r = {f.name: int(getattr(tab, f.name)[i]) for f in dataclasses.fields(Layouts)}
     sync = not pipe.staleness
     cont = admission_of(graph) == "continuous"
-    slots = int(tab.continuous[pipe.staleness].slots[i]) if cont else min(int(tab.slots[i]), int(tab.n_rep[i]))
+    slots = int(tab.continuous[engine_staleness(graph)].slots[i]) if cont else min(int(tab.slots[i]), int(tab.n_rep[i]))
     layout = {
         "groups": {"gen": r["n_gen"], "train": r["n_train"]} if pipe.placement == "split" else {"all": r["n_train"]},
         "generate": {
@@ -236,6 +256,7 @@ def predict(
             "replicas": r["n_gen"] // r["t_g"],
             "slots": slots,
             "admission": admission_of(graph),
+            "decode_ahead": graph.decode_ahead,
         },
         "train": {
             "data": r["d"],
@@ -249,7 +270,11 @@ def predict(
     if roles_of(ctx, graph).actor.X:  # a mixture of experts: the expert degrees (1: none)
         layout["train"]["experts"], layout["forward"]["experts"] = r["e"], r["fe"]
     mem = float(
-        tab.continuous[pipe.staleness].mem_peak[i] if cont else tab.mem_peak_sync[i] if sync else tab.mem_peak[i]
+        tab.continuous[engine_staleness(graph)].mem_peak[i]
+        if cont
+        else tab.mem_peak_sync[i]
+        if sync
+        else tab.mem_peak[i]
     )
     if concurrent is not None:
         layout["concurrent"] = concurrent[3]
@@ -337,6 +362,7 @@ def to_plan(ctx: Context, graph: Graph, pipe: PipelineConfig, pred: Prediction) 
         "model.remat": lay["train"]["remat"],
         "rollout.max_slots": slots if pinned is None else pinned,
         "rollout.admission": admission_of(graph),
+        **decode_ahead_setting(graph),
         "train.offload": ctx.cfg.train.offload,
     }
     return Plan(

@@ -154,6 +154,8 @@ def rates(hw: HardwareProfile, dtype: str, busy):
     host loses throughput to their contention (threads time-sliced over the cores, caches
     thrashed): total rate × (host_cores / busy)^contention (fitted; 0 = none)."""
     busy = np.asarray(busy, np.float64)
+    if hw.shared_host and hw.process_hosts and hw.local_devices:  # a group of whole processes: each its own cores
+        busy = np.minimum(busy, float(hw.local_devices))
     if hw.shared_host:
         share = np.maximum(busy, 1.0)
         loss = np.maximum(busy / hw.host_cores, 1.0) ** hw.efficiency.contention
@@ -541,7 +543,7 @@ def continuous_slots(per_replica: int, cap: int) -> list[int]:
     return [c for c in opts if c >= 1] or [max(cap, 1)]
 
 
-def continuous_admission(st: Setting, reps: int, slots: int, k: int) -> Admission:
+def continuous_admission(st: Setting, reps: int, slots: int, k: int, lag: int = 0) -> Admission:
     """The engine's steady state under continuous admission for `reps` replicas of `slots` slots:
     simulated as one pool of reps x slots slots (a group is admitted into one replica's shard, so
     its unit is at most one replica's slots: the sampler splits a larger group)."""
@@ -559,6 +561,7 @@ def continuous_admission(st: Setting, reps: int, slots: int, k: int) -> Admissio
         # SamplerConfig's default, which the run config does not change): with a tail in flight a
         # continuous engine's chunks read every slot's table to the bucket above the longest sequence
         table=(int(st.page_size), int(st.P), MIN_TABLE_WIDTH, float(st.table_growth)),
+        lag=int(lag),  # 1: decoding ahead (rollout.decode_ahead), every token one version older
     )
 
 

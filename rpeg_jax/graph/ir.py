@@ -332,11 +332,19 @@ class Graph:
         return -min(offs) if offs else 0
 
     @property
+    def decode_ahead(self) -> bool:
+        """Continuous admission whose engine decodes the next step's groups while training runs this
+        step's update (graph/passes.decode_ahead; rollout.decode_ahead): generation one step ahead
+        (generate at t reads rollout_weights at t - 1) under split placement."""
+        return bool(self.attrs.get("decode_ahead"))
+
+    @property
     def admission(self) -> str:
         """rollout.admission this graph runs: "continuous" where generation keeps the staleness bound
         k >= 1 without running ahead (graph/passes.bounded_async(k, ahead=0): one engine across
-        steps, runtime/rollout/continuous.py), else "step". Every reader takes it from here, as k."""
-        return "continuous" if self.staleness and not self.generation_ahead else "step"
+        steps, runtime/rollout/continuous.py) or one step ahead with `decode_ahead`, else "step".
+        Every reader takes it from here, as k."""
+        return "continuous" if self.staleness and (not self.generation_ahead or self.decode_ahead) else "step"
 
     def stages(self) -> list[Stage]:
         return [self.nodes[n] for n in self.topo_order()]
@@ -545,3 +553,6 @@ def _check_staleness(g: Graph) -> None:
         raise GraphError("generate", f"runs {ahead} steps ahead, outside [0, staleness k={k}]")
     if g.has("rollout_buffer") != (ahead > 0):
         raise GraphError("rollout_buffer", f"generation {ahead} steps ahead needs a rollout buffer exactly when >= 1")
+    if g.decode_ahead:
+        if k < 1 or ahead != 1:
+            raise GraphError("generate", f"decode_ahead runs generation 1 step ahead at k >= 1 (runs {ahead}, k={k})")

@@ -6,7 +6,7 @@ when the rewrite is illegal. `apply_pipeline` applies what `cfg.pipeline` asks f
 one order that keeps every combination legal:
 
     elide_old_forward | proximal_from_update -> share_actor_critic -> values_from_critic_update
-        -> bounded_async(k) -> fuse(...) -> stream_pieces -> place
+        -> bounded_async(k) -> decode_ahead -> fuse(...) -> stream_pieces -> place
 
 The two one-step rewrites (proximal_from_update, values_from_critic_update) are legal only when
 the update they lean on takes ONE optimizer step per batch (workload epochs x minibatches = 1):
@@ -441,6 +441,8 @@ def place(g: Graph, placement: str) -> Graph:
     weight_sync runs on 'train' and reshards into 'gen'."""
     if placement not in ("colocated", "split"):
         raise GraphError("pipeline.placement", f"{placement!r} is not colocated | split")
+    if g.decode_ahead and placement != "split":
+        raise GraphError("generate", f"decode_ahead overlaps disjoint groups: needs placement split ({placement})")
     gen_side = {K.GENERATE, K.REWARD}
     gen_state = {StateKind.ROLLOUT_WEIGHTS, StateKind.ROLLOUT_BUFFER, StateKind.DATA_ITERATOR}
     for node in list(g.nodes.values()):
@@ -471,9 +473,42 @@ def fuse_named(g: Graph, fusion: str) -> Graph:
     raise GraphError("pipeline.fuse", f"unknown fusion {fusion!r} (forwards | advantage)")
 
 
-def apply_pipeline(g: Graph, pipeline, admission: str = "step") -> Graph:
+@graph_pass
+def decode_ahead(g: Graph) -> Graph:
+    """Continuous admission that decodes ahead (rollout.decode_ahead): after step t's batch is
+    handed to training, the engine decodes step t+1's groups with the weights it has (version t)
+    while training runs step t's update, so generation and training overlap on their disjoint
+    groups (split placement; runtime/rollout/continuous.py). Generation then runs one step ahead
+    (generate at t reads rollout_weights at t - 1, the batch made ahead waits in the rollout buffer);
+    the weights the sync publishes are installed before the engine's next decode chunk, and the bound
+    k holds per token as under continuous admission (a token of version t - 1 enters a batch of step
+    t' only while t' - (t - 1) <= k). Needs staleness k >= 1 and continuous admission (generation
+    not ahead); `place` must then put it on a split placement (validate_graph checks)."""
+    gen = _plain(g, K.GENERATE, "decode_ahead")
+    k = g.staleness
+    if gen is None or k < 1:
+        raise GraphError("generate", f"decode_ahead needs continuous admission at staleness k >= 1 (k={k})")
+    if g.decode_ahead:
+        return g
+    if g.generation_ahead != 0:
+        raise GraphError(gen.name, f"decode_ahead needs continuous admission (generation {g.generation_ahead} ahead)")
+    g = bounded_async.__wrapped__(g, k, 1)
+    g.attrs["decode_ahead"] = True
+    return g
+
+
+def resolve_decode_ahead(value: bool | None, placement: str, admission: str) -> bool:
+    """rollout.decode_ahead as it runs: null is on exactly when placement is split and admission continuous."""
+    if value is None:
+        return placement == "split" and admission == "continuous"
+    return bool(value)
+
+
+def apply_pipeline(g: Graph, pipeline, admission: str = "step", decode_ahead_value: bool | None = False) -> Graph:
     """Apply the passes a PipelineConfig asks for, in the legal order (see module docstring).
-    `admission` (rollout.admission): continuous generation does not run ahead of training."""
+    `admission` (rollout.admission): continuous generation does not run ahead of training, unless
+    `decode_ahead_value` (rollout.decode_ahead; None: on for split placement, resolve_decode_ahead)
+    runs it one step ahead, overlapping the update (decode_ahead)."""
     if pipeline.elide_old_forward:
         g = elide_old_forward(g)
     if pipeline.proximal_from_update:
@@ -484,6 +519,10 @@ def apply_pipeline(g: Graph, pipeline, admission: str = "step") -> Graph:
         g = values_from_critic_update(g)
     if pipeline.staleness:
         g = bounded_async(g, pipeline.staleness, 0 if admission == "continuous" else None)
+    if resolve_decode_ahead(decode_ahead_value, pipeline.placement, admission):
+        if admission != "continuous":
+            raise GraphError("generate", f"decode_ahead needs rollout.admission=continuous (it is {admission})")
+        g = decode_ahead(g)
     for fusion in pipeline.fuse:
         g = fuse_named(g, fusion)
     if pipeline.pieces > 1:

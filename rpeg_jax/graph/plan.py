@@ -50,6 +50,7 @@ PLAN_SETTINGS = (
     "model.remat",
     "rollout.max_slots",
     "rollout.admission",
+    "rollout.decode_ahead",
     "train.offload",
 )
 PLAN_VERSION = 1
@@ -337,13 +338,19 @@ def config_for_plan(cfg: RunConfig, plan: Plan) -> tuple[RunConfig, dict[str, tu
     return out, changed
 
 
+def decode_ahead_setting(graph: Graph) -> dict:
+    """The plan's rollout.decode_ahead (resolved, structural: a checkpoint holds a batch made ahead) under
+    continuous admission; nothing otherwise (the key has no effect there)."""
+    return {"rollout.decode_ahead": graph.decode_ahead} if graph.admission == "continuous" else {}
+
+
 def graph_for_plan(cfg: RunConfig, plan: Plan | None = None) -> Graph:
     """The config's graph after the passes the plan's knobs (or the config's) ask for."""
     from rpeg_jax.graph.algorithms import build_graph
     from rpeg_jax.graph.passes import apply_pipeline
 
     pipeline = plan.pipeline_config(cfg.pipeline) if plan is not None else cfg.pipeline
-    return apply_pipeline(build_graph(cfg), pipeline, cfg.rollout.admission)
+    return apply_pipeline(build_graph(cfg), pipeline, cfg.rollout.admission, cfg.rollout.decode_ahead)
 
 
 def plan_from_config(cfg: RunConfig, num_devices: int, graph: Graph | None = None) -> Plan:
@@ -367,7 +374,7 @@ def plan_from_config(cfg: RunConfig, num_devices: int, graph: Graph | None = Non
         groups=tuple(groups.values()),
         stages=tuple(stages),
         knobs=knobs_of(cfg.pipeline),
-        settings={"rollout.admission": cfg.rollout.admission},
+        settings={"rollout.admission": cfg.rollout.admission, **decode_ahead_setting(graph)},
         source="manual",
     ).check(graph)
 

@@ -21,7 +21,8 @@ naming the key and the value):
                            admission every process's engine runs on its own data shard, decides from
                            seeds, data order and decode-chunk counts only, and checkpoints its whole state
     split: what it does not run yet: rl.filter_groups, pipeline.pieces > 1 (a step's rollouts are handed
-                           over whole), model.lora.rank, eval.path, env.name other than single_turn
+                           over whole), eval.path, env.name other than single_turn,
+                           train.pack_sequences with more than one training process
     pipeline.placement     colocated or split
     the plan's groups      colocated: every stage on all N devices (no sub-mesh on some processes only);
                            split: whole processes, generation's group on the first ones, every process
@@ -113,7 +114,9 @@ def why_not(cfg: RunConfig, processes: int, num_devices: int, runs: Runs | None 
         return Illegal("rl.filter_groups", cfg.rl.filter_groups, why)
     if split:
         pieces = runs.pieces or cfg.pipeline.pieces
-        bad = split_unsupported(cfg) + ([("pipeline.pieces", pieces, "use 1")] if pieces > 1 else [])
+        sizes = list(runs.group_sizes or ())
+        train_procs = sum(sizes[1:]) // max(1, N // P) if len(sizes) > 1 else None
+        bad = split_unsupported(cfg, train_procs) + ([("pipeline.pieces", pieces, "use 1")] if pieces > 1 else [])
         for key, value, fix in bad:
             return Illegal(key, value, f"{procs} and pipeline.placement=split this is not run yet; {fix}")
     elif runs.placement is not None and runs.placement != "colocated":
@@ -152,11 +155,15 @@ def why_not(cfg: RunConfig, processes: int, num_devices: int, runs: Runs | None 
     return None
 
 
-def split_unsupported(cfg: RunConfig) -> list[tuple[str, Any, str]]:
-    """(key, value, what to do) of each setting a split placement across processes does not run."""
+def split_unsupported(cfg: RunConfig, train_procs: int | None = None) -> list[tuple[str, Any, str]]:
+    """(key, value, what to do) of each setting a split placement across processes does not run.
+    `train_procs`: the training group's processes (None: not known). Packed updates run with one
+    training process (the packing plan reads the batch's segment ids on it, no collective); over
+    several the plan's gather would be a collective of every process, which the generating ones do
+    not call."""
     out = []
-    if cfg.train.pack_sequences:
-        out.append(("train.pack_sequences", True, "use false, or colocated"))
+    if cfg.train.pack_sequences and train_procs != 1:
+        out.append(("train.pack_sequences", True, "use false, one training process, or colocated"))
     if cfg.eval.path is not None:
         out.append(("eval.path", cfg.eval.path, "evaluate with `rpeg eval` on a checkpoint, or run colocated"))
     if cfg.env.name != "single_turn":

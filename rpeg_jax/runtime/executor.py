@@ -149,6 +149,7 @@ class Executor:
         self.next_ahead_step: dict[str, int] = {n: 0 for n, k in self.ahead.items() if k > 0}
         self._errors: list[BaseException] = []
         self.start = 0  # steps before this were run by an earlier process (restored from a checkpoint)
+        self._slot = 0  # the slot run_slot runs
 
     def _ahead(self, cs: CompiledStage) -> int:
         """How many steps ahead a stage may run: k for generation reading weights at t-k."""
@@ -174,14 +175,24 @@ class Executor:
         for task in tasks:
             by_group[task.stage.plan.group].append(task)
         t0 = time.perf_counter()
+        self._slot = t
         if self.roles is not None:
             self._run_split(t, tasks)
         elif len(by_group) == 1:
             self._run_group(next(iter(by_group)), self._sorted(next(iter(by_group.values()))), threaded=False)
         else:
+            # each group's tasks of this slot's step before those that run ahead: the other groups wait
+            # for the former (generation's reward of step t before generate(t+1), which overlaps the update)
             threads = [
                 threading.Thread(
-                    target=self._run_group, args=(gname, self._sorted(ts), True), name=f"rpeg-{gname}", daemon=True
+                    target=self._run_group,
+                    args=(
+                        gname,
+                        self._sorted([x for x in ts if x.step <= t]) + self._sorted([x for x in ts if x.step > t]),
+                        True,
+                    ),
+                    name=f"rpeg-{gname}",
+                    daemon=True,
                 )
                 for gname, ts in by_group.items()
             ]
@@ -198,8 +209,9 @@ class Executor:
         """A slot of a split placement across processes, in one thread and in one order on every
         process, so that the two collectives meet: the generation group's tasks of steps <= t,
         handoff(t), the training group's tasks (but the weight sync), the generation group's tasks
-        that run ahead (on the generating processes they overlap the training processes' update),
-        then the weight sync. The order is fixed, so what runs is a function of the steps alone."""
+        that run ahead (step admission at k >= 1, or continuous admission decoding ahead,
+        rollout.decode_ahead: on the generating processes they overlap the training processes'
+        update), then the weight sync. The order is fixed, so what runs is a function of the steps alone."""
         roles = self.roles
         gen = lambda x: x.stage.plan.group == roles.gen_group  # noqa: E731
         sync = lambda x: x.stage.stage.kind == StageKind.WEIGHT_SYNC  # noqa: E731
@@ -319,6 +331,10 @@ class Executor:
         m[f"timing_s/{name}"] = m.get(f"timing_s/{name}", 0.0) + (end - start)
         sec = self.stage_seconds[t]
         sec[cs.name] = sec.get(cs.name, 0.0) + (end - start)
+        if self.graph.decode_ahead and t > self._slot and self.ahead[cs.name]:
+            # continuous admission decoding ahead: generation of step t run during slot t-1's update
+            here = self.metrics[self._slot]
+            here["timing_s/decode_ahead"] = here.get("timing_s/decode_ahead", 0.0) + (end - start)
         if metrics:
             for k, v in metrics.items():
                 m[k] = v

@@ -30,7 +30,7 @@ from jax.experimental import multihost_utils
 from rpeg_jax.config.base import ConfigError
 from rpeg_jax.runtime.checkpoint import CheckpointCorrupt, Checkpointer, _json_scalar
 from rpeg_jax.runtime.executor import Executor, Store
-from rpeg_jax.runtime.rollout.layout import host_fields, stream_host_fields
+from rpeg_jax.runtime.rollout.layout import host_fields, saved_host_fields, stream_host_fields
 
 log = logging.getLogger("rpeg_jax")
 TRAIN_STATES = ("actor", "actor_opt", "critic", "critic_opt")
@@ -62,12 +62,22 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None,
             data_state = prompts.state_before(d) if d in prompts.before else prompts.state()
             state, arrays = engine.snapshot()  # the KV of the pages in use [L, K, n, S, E]; the sequences' tokens [T]
         specs = {name: [list(x.shape), str(x.dtype)] for name, x in arrays.items()}
-        entries = every_process({"engine": state, "data_iterator": data_state, "specs": specs})
+        # decoding ahead (rollout.decode_ahead): the host columns of the batches made ahead (their groups
+        # come from anywhere in this process's stream, so a resume cannot draw them again)
+        held = (
+            {str(s): _host_of(store.get_data("completions", s), engine.group_size) for s in buffered}
+            if engine is not None
+            else {}
+        )
+        entries = every_process({"engine": state, "data_iterator": data_state, "specs": specs, "buffered_host": held})
         for name, (shape, dtype) in next((e["specs"] for e in entries if e["specs"]), {}).items():
             if name not in arrays:
                 axis = 2 if len(shape) == 5 else 0
                 arrays[name] = np.zeros([0 if i == axis else n for i, n in enumerate(shape)], jax.numpy.dtype(dtype))
-        engine_state = [{"engine": e["engine"], "data_iterator": e["data_iterator"]} for e in entries]
+        engine_state = [
+            {"engine": e["engine"], "data_iterator": e["data_iterator"], "buffered_host": e.get("buffered_host", {})}
+            for e in entries
+        ]
         engine_arrays = {name: with_process_axis(x, axis=2 if x.ndim == 5 else 0) for name, x in sorted(arrays.items())}
     elif prompts.cursor_before:  # dynamic sampling: the stream continues at a (data step, index) cursor
         start = prompts.cursor_before[step] if k else prompts.cursor
@@ -91,16 +101,48 @@ def save(ckpt: Checkpointer, store: Store, ex: Executor, step: int, engine=None,
         meta["filter"] = {"cursor": list(prompts.cursor), "steps": steps}
     if "rollout_buffer" in store.state:
         meta["admitted"] = {str(s): v for s, v in store.latest("rollout_buffer")[1].admitted.items()}
-    buffer = {}
-    for s in meta["buffer_steps"]:
-        for node in BUFFERED:
-            value = store.get_data(node, s)
-            for key, arr in value.items() if isinstance(value, dict) else [("", value)]:
-                if not key.startswith("host_"):
-                    name = f"{s}/{node}/{key}"
-                    buffer[name] = arr
-                    meta["buffer_specs"][name] = [list(arr.shape), str(arr.dtype)]
+    buffer = _buffered_arrays(store, placement, meta["buffer_steps"])
+    meta["buffer_specs"] = {name: [list(arr.shape), str(arr.dtype)] for name, arr in buffer.items()}
     ckpt.save(step, train, meta, buffer=buffer, engine=engine_arrays)
+
+
+def _buffered_arrays(store: Store, placement, steps: list[int]) -> dict:
+    """The device arrays of the rollouts buffered for `steps` ({step/node/key: array}). With a split
+    placement across processes they live on the generating processes' devices only (in the rollout
+    layout): every process gets their specs, the training processes stand in arrays holding no shard,
+    and all move them spread over every device (Placement.saved), as orbax writes each process's shards."""
+    split = placement is not None and placement.split
+    local = {}
+    if not split or placement.generates_here:
+        for s in steps:
+            for node in BUFFERED:
+                value = store.get_data(node, s)
+                for key, arr in value.items() if isinstance(value, dict) else [("", value)]:
+                    if not key.startswith("host_"):
+                        local[f"{s}/{node}/{key}"] = arr
+    if not split:
+        return local
+    specs = {name: [list(x.shape), str(x.dtype)] for name, x in local.items()}
+    spec = every_process({"specs": specs})[placement.gen_procs[0]]["specs"]
+    tree = {}
+    for name in sorted(spec):
+        shape, dtype = tuple(spec[name][0]), np.dtype(spec[name][1])
+        src = placement.batch_sharding(placement.rollout_layout, shape)
+        tree[name] = local.get(name, None)
+        if tree[name] is None:
+            tree[name] = jax.make_array_from_single_device_arrays(shape, src, [], dtype=dtype)
+    return placement.saved(tree)
+
+
+def _host_of(comps: dict, G: int) -> dict:
+    """A buffered batch's host columns, one entry per group (its G rows share them) for the prompt,
+    answer and record, per row for the scores dynamic sampling cached (JSON)."""
+    out = {k: list(comps[f"host_{k}"][::G]) for k in ("prompt", "answer", "record")}
+    for k in ("rewards", "reward_errors", "truncated"):
+        if f"host_{k}" in comps:
+            x = np.asarray(comps[f"host_{k}"])
+            out[k] = [x.tolist(), str(x.dtype)]
+    return out
 
 
 def restore(ckpt: Checkpointer, store: Store, ex: Executor, ctx) -> int:
@@ -187,18 +229,33 @@ def _shape(s) -> str:
 
 def _load(ckpt: Checkpointer, store: Store, ex: Executor, ctx, step: int, target: dict, meta_only: dict) -> None:
     layout = ctx.placement.train
+    pl = ctx.placement  # split placement across processes: read in the spread layout (Placement.saved)
     buffer_target = {
         name: jax.ShapeDtypeStruct(
-            tuple(shape), np.dtype(dtype), sharding=ctx.placement.batch_sharding(layout, tuple(shape))
+            tuple(shape),
+            np.dtype(dtype),
+            sharding=pl.saved_sharding(jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype)))
+            if pl.split
+            else pl.batch_sharding(layout, tuple(shape)),
         )
         for name, (shape, dtype) in meta_only.get("buffer_specs", {}).items()
     }
-    pl = ctx.placement  # split placement across processes: read in the spread layout (Placement.saved)
     spread = {
         n: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=pl.saved_sharding(x)), t)
         for n, t in target.items()
     }
     train, meta, buffer = ckpt.restore(step, spread, buffer_target or None)
+    if pl.split and buffer:  # back from the spread layout to where the generating processes made them
+        buffer = pl.resharder(
+            buffer, {n: pl.batch_sharding(pl.rollout_layout, tuple(x.shape)) for n, x in buffer.items()}
+        )
+    continuous = ctx.engine is not None or ex.graph.admission == "continuous"
+    entries = meta.get("engine")
+    mine = (
+        entries[jax.process_index()]
+        if continuous and isinstance(entries, list) and len(entries) == jax.process_count()
+        else {}
+    )
     train = {name: pl.restored(value, target[name]) for name, value in train.items()}
     for name, value in train.items():
         store.put_state(name, meta["versions"][name], value)
@@ -209,10 +266,14 @@ def _load(ckpt: Checkpointer, store: Store, ex: Executor, ctx, step: int, target
     prompts.pipeline.set_state(meta["data_iterator"])
     filt = meta.get("filter")
     for s in buffered:  # draw the buffered steps' prompts again (host fields)
+        if pl.split and not pl.generates_here:  # a training process: handoff(s) brings the batch
+            continue
         arrays = {k.split("/", 2)[2]: v for k, v in buffer.items() if k.startswith(f"{s}/completions/")}
         comps = dict(arrays)
         rows = ctx.placement.host_rows(arrays["tokens_BxS"]), ctx.placement.host_rows(arrays["response_mask_BxR"])
-        if filt is not None:  # dynamic sampling: the groups the step kept, wherever in the stream
+        if continuous:  # decoding ahead: the groups' host columns as saved (buffered_host)
+            comps.update(saved_host_fields(ctx, mine.get("buffered_host", {})[str(s)], *rows))
+        elif filt is not None:  # dynamic sampling: the groups the step kept, wherever in the stream
             before, sources, filtered = filt["steps"][str(s)]
             sources = [(int(d), int(i)) for d, i in sources]
             comps.update(stream_host_fields(ctx, prompts, sources, *rows))
@@ -224,8 +285,7 @@ def _load(ckpt: Checkpointer, store: Store, ex: Executor, ctx, step: int, target
         store.put_data("behav_logp", s, buffer[f"{s}/behav_logp/"])
     if filt is not None:
         prompts.cursor = tuple(int(x) for x in filt["cursor"])
-    if ctx.engine is not None or ex.graph.admission == "continuous":  # a split's training process: no engine
-        entries = meta.get("engine")
+    if continuous:  # a split's training process: no engine
         if not isinstance(entries, list) or len(entries) != jax.process_count():
             held = (
                 f"the engines of {len(entries)} processes"
@@ -239,7 +299,6 @@ def _load(ckpt: Checkpointer, store: Store, ex: Executor, ctx, step: int, target
                 "continuous",
                 f"checkpoint {step} holds {held}; this run has {jax.process_count()} processes",
             )
-        mine = entries[jax.process_index()]
         target = {
             name: jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype), sharding=_process_sharding())
             for name, (shape, dtype) in meta["engine_specs"].items()

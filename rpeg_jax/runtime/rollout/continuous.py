@@ -25,7 +25,12 @@ the decode batch drains while the longest responses finish (the tail). Here the 
 
 Generation does not run ahead of training here (the graph's generate stage reads the newest
 weights, graph/passes.bounded_async(k, ahead=0)): what the asynchrony buys is that sequences run
-on across weight updates, so the engine stays full instead of draining every step.
+on across weight updates, so the engine stays full instead of draining every step. Under split
+placement it decodes ahead by default (rollout.decode_ahead, graph/passes.decode_ahead): step t's
+batch is made by `next_batch(t, t - 1)` while training runs step t-1's update on its own devices
+(the runtime calls it one slot early), so every token is one version older and the bound is tested
+against the step that consumes it, as always; the ahead phase ends when that batch is complete, not
+when the update ends, so nothing depends on timing.
 
 - Episodes (env.name other than single_turn, `runner`: env/runner.EnvRunner): a group is G episodes of
   one record. A turn that ends pauses its sequence (slot and KV held: Sampler.submit(keep=True)) and goes

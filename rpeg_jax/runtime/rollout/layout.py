@@ -100,3 +100,14 @@ def _objects(values, index) -> np.ndarray:
     for j, i in enumerate(index):
         out[j] = values[i]
     return out
+
+
+def saved_host_fields(ctx, saved: dict, tokens: np.ndarray, mask: np.ndarray) -> dict:
+    """Host-side fields of a batch from what a checkpoint saved of them (runtime/resume._host_of: per
+    group prompt, answer and record; per row the scores dynamic sampling cached), G rows each."""
+    out = _host_columns(ctx.cfg.rl.group_size, {k: saved[k] for k, _ in HOST_FIELDS}, tokens, mask)
+    for k in ("rewards", "reward_errors", "truncated"):
+        if k in saved:
+            values, dtype = saved[k]
+            out[f"host_{k}"] = np.asarray(values, np.dtype(dtype))
+    return out
