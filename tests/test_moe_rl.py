@@ -83,7 +83,7 @@ def _actor_batch(case, adv):
     return {**c, "advantages_BxR": jnp.full((b, r), adv, jnp.float32), "old_logp_BxR": jnp.zeros((b, r), jnp.float32)}
 
 
-@pytest.mark.parametrize("micro", [1, 3])
+@pytest.mark.parametrize("micro", [1, pytest.param(3, marks=pytest.mark.slow)])  # [1]: transformers' value too
 def test_router_aux_loss_enters_the_actor_loss(moe, aux_case, micro):
     """actor/loss(c) - actor/loss(0) = c · moe/aux_loss; with zero advantages only the aux term has a
     gradient: c = 0 leaves every weight as it was, c > 0 moves the routers but not the LM head."""

@@ -110,7 +110,7 @@ def _assert_same(outs, ref):
             np.testing.assert_array_equal(np.sort(c.experts, -1), np.sort(d.experts, -1))
 
 
-@pytest.mark.parametrize("num_pages", [None, 36])
+@pytest.mark.parametrize("num_pages", [pytest.param(None, marks=pytest.mark.slow), 36])  # 36: the same pool, preempting
 def test_sharded_pool_equals_single_device(moe, prompts, num_pages):
     """data=4 (pool split over data, groups of n=2 forked inside a shard) against one device, sampled
     and greedy; num_pages=36 (9 per shard: one maximal 8-page sequence fits, a group of two ~6-page
