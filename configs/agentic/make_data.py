@@ -17,8 +17,9 @@
   transcripts guessed the first digit from the operands instead (bench/NOTES.md, session 23).
 - train.jsonl: RL prompts "a*b" of two 3-digit numbers, answer a*b (2048 records).
 - eval.jsonl: 32 held-out prompts of the same kind (none in train.jsonl).
-- sft.jsonl: SFT transcripts (2048; 512 were memorised, answers and all): the user's "a*b", the assistant's calculator call, the tool's result,
-  the assistant's answer: the same conversation an RL episode of the tools environment renders.
+- sft.jsonl: SFT transcripts (2048; 512 were memorised, answers and all): the user's "a*b", the
+  assistant's calculator call, the tool's result, the assistant's answer: the same conversation an RL
+  episode of the tools environment renders.
 
 Model T cannot multiply 3-digit numbers; with the calculator it only has to copy digits.
 """
