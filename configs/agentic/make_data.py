@@ -15,7 +15,10 @@
   for learning: the answer's first digit copies the token after the one <tool_response>; with the
   result right after "tool\n" the model had to tell that newline from every other one, and SFT on 512
   transcripts guessed the first digit from the operands instead (bench/NOTES.md, session 23).
-- train.jsonl: RL prompts "a*b" of two 3-digit numbers, answer a*b (2048 records).
+- train.jsonl: RL prompts "a*b" of two 3-digit numbers whose product has 6 digits, answer a*b (2048
+  records). Only 6-digit products: model T copies the tool's result at a fixed distance, learned from
+  the common length; a 5-digit result (17% of all products) was then never copied right, a ceiling
+  no RL signal reaches (bench/NOTES.md, session 23).
 - eval.jsonl: 32 held-out prompts of the same kind (none in train.jsonl).
 - sft.jsonl: SFT transcripts (2048; 512 were memorised, answers and all): the user's "a*b", the
   assistant's calculator call, the tool's result, the assistant's answer: the same conversation an RL
@@ -130,7 +133,7 @@ def pairs(rng: random.Random, n: int, seen: set) -> list[tuple[int, int]]:
     out = []
     while len(out) < n:
         p = (rng.randint(100, 999), rng.randint(100, 999))
-        if p not in seen:
+        if p not in seen and p[0] * p[1] >= 100000:  # 6-digit products: one copy distance (module doc)
             seen.add(p)
             out.append(p)
     return out
