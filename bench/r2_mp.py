@@ -47,29 +47,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from workloads import R1, WORKLOADS  # noqa: E402 (imports no JAX)
 
-R2 = [  # bench/rl_step.py's R1 + R2 (model T, task add, 16 x 8, the long tail, packed updates)
-    "data.task=add",
-    "data.min_digits=2",
-    "data.max_digits=2",
-    "data.prompts_per_step=16",
-    "rl.group_size=8",
-    "rollout.temperature=1.0",
-    "optim.lr=1e-4",
-    "optim.warmup_steps=0",
-    "model.preset=tiny",
-    "pipeline.plan=manual",
-    "train.checkpoint_every=0",
-    "train.progress=false",
-    "train.tensorboard=false",
-    "train.resume=never",
-    "rl.algorithm=grpo",
-    "rl.kl_coef=0.0",
-    "rollout.max_new_tokens=256",
-    "rollout.forced_lengths=[24,1.0,4,256]",
-    "train.pack_sequences=true",
-    "rollout.table_width_growth=1.25",
-]
+R2 = R1 + WORKLOADS["R2"]  # bench/workloads.py: model T, task add, 16 x 8, the long tail, packed updates
 SYNC = ["pipeline.elide_old_forward=true", "pipeline.fuse=[forwards,advantage]"]
 K1 = [
     "pipeline.staleness=1",
