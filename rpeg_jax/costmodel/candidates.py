@@ -287,9 +287,8 @@ def _alloc_rows(
                     + stm.B * eff.host_seq_s
                     + eff.host_step_s / m
                 )
-    others = resident - rollout[G] if coloc else 0.0
-    if actor.adapters and not coloc:  # LoRA on disjoint devices: the generation group keeps a base (AdapterSync)
-        others = gen_base
+    # colocated: the training state beside the sampler; split: LoRA's base on the generation devices (or 0)
+    others = resident - rollout[G] if coloc else gen_base
     gen_mem = S.generate_memory(st, actor, t_g, slots, reps) + others
     gen_mem_sync = S.generate_memory(st, actor, t_g, np.minimum(slots, n_rep), reps) + others
     peak_up = resident + up_m[I, up_pick]
