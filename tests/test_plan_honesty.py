@@ -28,6 +28,12 @@ def test_rpeg_plan_on_an_uncalibrated_cpu_says_so_and_stays_under_100_percent(tm
     utils = [float(u) for u in re.findall(r" ([\d.]+)%  (?:colocated|split)", out)]
     assert len(utils) >= 3 and all(0 < u <= 100 for u in utils) and ">100%" not in out
     assert "util: the plan's own model FLOPs" in out and "d<data>f<fsdp>t<tensor>" in out  # the legend
+    # a 135M model on the placeholder peak: the table and the plan's summary line say ">1?", no number above 1
+    assert rpeg(["plan", "--config", os.path.join(ROOT, "configs", "default.yaml"), "model.preset=smollm2-135m"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("predicted: "))
+    assert "utilization=>1? (above the peak: calibrate the profile)" in line, line
+    assert all(float(u) <= 1.0 for u in re.findall(r"utilization(?:_own_work)?=([\d.]+)", line)), line
 
 
 def test_a_jsonl_run_is_priced_at_its_datas_longest_prompt(tmp_path):

@@ -222,7 +222,7 @@ class Plan:
             mesh = " ".join(f"{a}={v}" for a, v in s.mesh.items())
             lines.append(f"  {s.stage:<32} {s.group:<8} {mesh:<26} {s.rules:<10} {s.pieces}")
         if self.predicted:
-            lines.append("predicted: " + ", ".join(f"{k}={_short(v)}" for k, v in self.predicted.items()))
+            lines.append("predicted: " + ", ".join(f"{k}={_predicted(k, v)}" for k, v in self.predicted.items()))
         return "\n".join(lines)
 
 
@@ -235,6 +235,14 @@ def _prod(xs) -> int:
 
 def _short(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _predicted(key: str, v: Any) -> str:
+    """A predicted value for the summary line; a utilization above 1 (only a modelling error: an
+    uncalibrated profile's placeholder peak) is shown as such, as the plan table does."""
+    if key.startswith("utilization") and isinstance(v, float) and v > 1.0:
+        return ">1? (above the peak: calibrate the profile)"
+    return _short(v)
 
 
 def _ranges(devs: tuple[int, ...]) -> str:
