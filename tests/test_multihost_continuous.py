@@ -99,3 +99,25 @@ def test_ctrl_c_on_two_processes_resumes_exactly(tmp_path, extra, devices):
     assert want.keys() == got.keys() and want
     for k in want:
         np.testing.assert_array_equal(want[k], got[k], err_msg=k)
+
+
+@pytest.mark.multihost
+@pytest.mark.slow  # one 2-process run to its first step
+def test_filter_exhausted_on_one_process_ends_every_process_with_one_line(tmp_path):
+    """Dynamic sampling runs out on process 1's shard only (its rewards are all equal): both processes
+    end the run with the same FilterExhausted line naming process 1, not process 0 waiting on a
+    collective its peer never reaches until the launcher calls process 1 lost."""
+    overrides = [
+        *TINY,
+        *CONTINUOUS,
+        "plugins=[process_one_equal_reward]",
+        "data.reward=process_one_equal_reward",
+        "rl.filter_groups=zero_variance",
+        "rl.filter_max_rounds=1",
+    ]
+    run = launch(tmp_path / "run", overrides)
+    assert run.returncode == 1, run.stderr[-3000:]
+    line = "FilterExhausted: step 1: on process 1: rl.filter_groups: more than "
+    for p in (0, 1):
+        assert f"rpeg: process {p}: {line}" in run.stderr, run.stderr[-3000:]
+    assert "lost" not in run.stderr.lower(), run.stderr[-3000:]

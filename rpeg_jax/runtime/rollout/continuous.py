@@ -73,6 +73,14 @@ class FilterExhausted(RuntimeError):
     """Dynamic sampling (rl.filter_groups) could not fill a step's batch within rl.filter_max_rounds."""
 
 
+def filter_exhausted_why(max_filtered: int) -> str:
+    """Why continuous admission's dynamic sampling gave up: the line every process ends with."""
+    return (
+        f"rl.filter_groups: more than {max_filtered} groups (rl.filter_max_rounds x this process's share of "
+        f"data.prompts_per_step) had equal rewards in one step; raise rl.filter_max_rounds (0 = unbounded)"
+    )
+
+
 @dataclass(eq=False)
 class Group:
     """One prompt's G sequences in the engine, and where the prompt came from in the data stream."""
@@ -310,10 +318,7 @@ class ContinuousRollouts:
             return False
         stats.filtered += 1
         if self.max_filtered and stats.filtered > self.max_filtered:
-            raise FilterExhausted(
-                f"rl.filter_groups: more than {self.max_filtered} groups (rl.filter_max_rounds x "
-                f"data.prompts_per_step) had equal rewards in one step; raise rl.filter_max_rounds (0 = unbounded)"
-            )
+            raise FilterExhausted(filter_exhausted_why(self.max_filtered))
         return True
 
     def _top_up(self, prompts) -> None:

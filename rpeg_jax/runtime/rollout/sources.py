@@ -20,7 +20,13 @@ from typing import Protocol
 
 import numpy as np
 
-from rpeg_jax.runtime.rollout.continuous import FilterExhausted, forced_lengths, occupancy, rollout_seed
+from rpeg_jax.runtime.rollout.continuous import (
+    FilterExhausted,
+    filter_exhausted_why,
+    forced_lengths,
+    occupancy,
+    rollout_seed,
+)
 from rpeg_jax.runtime.rollout.layout import HOST_FIELDS, lay_out
 from rpeg_jax.runtime.rollout.prompts import StepPrompts
 from rpeg_jax.runtime.rollout.scoring import cached_scores, score_group
@@ -88,7 +94,7 @@ def filtered_piece(ctx, params, version: int, prompts: StepPrompts, step: int, p
     while len(kept) < hi - lo:
         if max_rounds and rounds == max_rounds:
             raise FilterExhausted(
-                f"step {step}: rl.filter_groups={cfg.rl.filter_groups} kept {len(kept)} of {hi - lo} groups after "
+                f"step {step + 1}: rl.filter_groups={cfg.rl.filter_groups} kept {len(kept)} of {hi - lo} groups after "
                 f"rl.filter_max_rounds={max_rounds} generation rounds ({filtered} groups had equal rewards); raise "
                 f"rl.filter_max_rounds (0 = unbounded) or use prompts the policy neither always solves nor always fails"
             )
@@ -131,12 +137,28 @@ def continuous_batch(ctx, params, version: int, prompts, step: int):
     """Step `step`'s batch from the engine that outlives the step (runtime/rollout/continuous.py): the first
     groups to complete that meet the staleness bound; returns (completions, behav_logp, metrics)."""
     engine = ctx.engine
+    nproc, me = ctx.placement.gen_count, ctx.placement.gen_rank
     t0 = time.perf_counter()
-    groups, st = engine.next_batch(step, version, params, prompts)
+    try:
+        groups, st = engine.next_batch(step, version, params, prompts)
+        exhausted = None
+    except FilterExhausted as e:
+        exhausted = e
+    if engine.scorer is not None and nproc > 1:
+        # dynamic sampling ran out on one process's shard: every generating process learns it and ends
+        # the run with the same line (one flag per process; the engines take no collective while decoding)
+        flags = np.asarray(ctx.placement.gen_allgather(np.int32(exhausted is not None))).reshape(-1)
+        if flags.any():
+            who = [ctx.placement.gen_procs[i] for i in np.flatnonzero(flags)]
+            raise FilterExhausted(
+                f"step {step + 1}: on process{'es' if len(who) > 1 else ''} {', '.join(map(str, who))}: "
+                f"{filter_exhausted_why(engine.max_filtered)}"
+            )
+    if exhausted is not None:
+        raise exhausted
     gen_s = time.perf_counter() - t0
     G = ctx.cfg.rl.group_size
     # group ids unique over the generating processes (each one's engine numbers its own groups): gid * P + rank
-    nproc, me = ctx.placement.gen_count, ctx.placement.gen_rank
     gids = np.repeat(np.array([g.gid * nproc + me for g in groups], np.int32), G)
     host = {k: [g.host[k] for g in groups] for k, _ in HOST_FIELDS}
     env_metrics = {}
