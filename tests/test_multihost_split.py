@@ -125,12 +125,13 @@ def launch_signalled(run_dir, overrides, signal_at=None, process=2):
 
 
 @pytest.mark.multihost
-@pytest.mark.slow  # five 4-process runs
+@pytest.mark.slow  # seven 4-process runs
 def test_split_resumes_exactly_after_kill_9_and_ctrl_c(tmp_path):
     """Split 2+2 processes, continuous k = 1 decoding ahead, checkpoints every 2 steps: kill -9 of a training
     process in the middle of step 4 (the launcher ends the job; the resume starts from step 2's
     checkpoint, with sequences in flight on the generating processes and step 3's batch made ahead
-    there), and SIGINT in the middle of
+    there), kill -9 of it at the boundary of steps 4 and 5 (step 4's checkpoint written or in flight:
+    the resume starts from the newest committed one), and SIGINT in the middle of
     step 3 (the processes agree to stop after it and write a checkpoint the uninterrupted run never
     took); each time the same command finishes the run, and every metric and the final parameters
     equal the uninterrupted run's. The killed job ends within 60 s of the kill."""
@@ -143,9 +144,14 @@ def test_split_resumes_exactly_after_kill_9_and_ctrl_c(tmp_path):
         assert a[s]["staleness/max"] <= 1 and a[s]["timing_s/decode_ahead"] > 0, (s, a[s])
         assert a[s]["rollout/weights_version"] == max(0, s - 2) and a[s]["timing_s/update_weights"] > 0, s
     want = params(tmp_path / "straight", 6)
-    for name, signal_at, left in (("killed", "3:SIGKILL", [1, 2]), ("stopped", "2:SIGINT", [1, 2, 3])):
-        first = launch_signalled(tmp_path / name, common, signal_at=signal_at, process=2 if name == "killed" else 3)
-        if name == "killed":  # the job ends within 60 s of a lost process, naming it (item 6)
+    cases = (
+        ("killed", "3:SIGKILL", [1, 2]),
+        ("killed-between", "4:SIGKILL:boundary", [1, 2, 3]),
+        ("stopped", "2:SIGINT", [1, 2, 3]),
+    )
+    for name, signal_at, left in cases:
+        first = launch_signalled(tmp_path / name, common, signal_at=signal_at, process=3 if name == "stopped" else 2)
+        if name.startswith("killed"):  # the job ends within 60 s of a lost process, naming it (item 6)
             assert first.returncode != 0 and "process 2 of 4 failed" in first.stderr, first.stderr[-3000:]
             with open(str(tmp_path / name) + ".signalled") as f:
                 assert time.time() - float(f.read()) < 60
