@@ -20,11 +20,11 @@ target is >= 80% of it (ceiling_s / its seconds per step). Also from the overlap
 (its work differs: at k = 1 every token is one version older, so more groups are re-queued):
 max(gen, train side) + the rest.
 
-Predictions: costmodel.pricing.predict_run for the same config on 2 devices and 2 processes, with this
-machine's calibrated CPU profile (`rpeg calibrate --no-real-stages` runs first when none is cached)
-turned into one core per process: peak FLOP/s and memory bandwidth / host_cores, host_cores 1,
-process_hosts true (a process's devices share its own cores; groups of different processes run side
-by side).
+Predictions: costmodel.pricing.predict_run for the same config on 2 devices and 2 processes, with a
+CPU profile of one core as a process uses it: `rpeg calibrate --devices 1` pinned to core 0 while the
+same calibration runs on the other core (cached as ~/.cache/rpeg_jax/hardware/cpu-core.yaml; ~4 min
+the first time), host_cores 1, process_hosts true (a process's devices share its own cores; groups
+of different processes run side by side).
 
 Method: the variants run one after another (each its own 2-process job: a variant's processes hold
 the machine's 2 cores); seconds per step = the median of timing_s/step over the steps after
@@ -150,24 +150,37 @@ def summarise(variant: str, recs: dict, warmup: int) -> dict:
 
 
 def one_core_profile(out_dir: str, profile: str | None) -> str:
-    """This machine's calibrated CPU profile as one core per process (module docstring)."""
+    """A CPU profile of one core as a process of the run uses it (module docstring): `profile` made
+    one core per process, else the cached `cpu-core` calibration, else a new one (written there).
+
+    A new one is `rpeg calibrate --profile cpu --devices 1` pinned to core 0 while the same
+    calibration runs pinned on every other core: each process of the run has a core of its own while
+    the others are busy. (Dividing the 8-device fit's rates by host_cores, as this script first did,
+    priced every variant 34-53% high: one pinned core runs the R2 stages ~1.3x faster than half of
+    the shared 8-device host; bench/NOTES.md, session 24.)"""
     import yaml
 
     from rpeg_jax.costmodel.hardware import calibrated_path
 
-    path = profile or calibrated_path("cpu")
+    path = profile or calibrated_path("cpu-core")
     if profile is None and not os.path.exists(path):
-        print(f"no calibrated cpu profile at {path}: running `rpeg calibrate --profile cpu --no-real-stages`")
-        subprocess.run(
-            [sys.executable, "-m", "rpeg_jax.cli", "calibrate", "--profile", "cpu", "--no-real-stages"],
-            cwd=ROOT,
-            check=True,
-        )
+        cores = sorted(os.sched_getaffinity(0))
+        print(f"no one-core profile at {path}: `rpeg calibrate --devices 1` on each of cores {cores} (~4 min)")
+        cmd = [sys.executable, "-m", "rpeg_jax.cli", "calibrate", "--profile", "cpu", "--devices", "1"]
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        outs = [path] + [os.path.join(out_dir, f"cpu-core{c}.yaml") for c in cores[1:]]
+        procs = [
+            subprocess.Popen(["taskset", "-c", str(c), *cmd, "--out", o], cwd=ROOT, stdout=subprocess.DEVNULL)
+            for c, o in zip(cores, outs)
+        ]
+        if any(p.wait() for p in procs):
+            raise SystemExit("rpeg calibrate failed (see its output above)")
     with open(path) as f:
         hw = yaml.safe_load(f)
     n = int(hw.get("host_cores", 1))
-    for k in ("peak_flops", "peak_flops_fp32", "memory_bw"):
-        hw["device"][k] = float(hw["device"][k]) / n
+    if profile is not None and not hw.get("process_hosts"):  # a whole-host fit given by hand: its rates / cores
+        for k in ("peak_flops", "peak_flops_fp32", "memory_bw"):
+            hw["device"][k] = float(hw["device"][k]) / n
     hw.update(host_cores=1, process_hosts=True, name=f"{hw['name']}-core")
     out = os.path.join(out_dir, "cpu_core.yaml")
     with open(out, "w") as f:
@@ -189,7 +202,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--json", default=None)
-    ap.add_argument("--hardware", default=None, help="a CPU profile YAML (default: the cached calibrated one)")
+    ap.add_argument(
+        "--hardware", default=None, help="a CPU profile YAML (default: the cached one-core fit, made when missing)"
+    )
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per variant")
     args = ap.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
