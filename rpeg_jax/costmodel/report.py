@@ -244,8 +244,8 @@ def explain(ctx: Context, res: SearchResult) -> list[str]:
         P, G, n = ctx.processes, ctx.cfg.rl.group_size, ctx.cfg.data.prompts_per_step
         s = sharers(n, G, P) or 1  # (a prompt count no colocated plan runs is refused before the search)
         share = (
-            f"{s} processes per prompt, each sampling {G // s} of its {G} (step admission: continuous admission "
-            f"keeps whole groups per process)"
+            f"{s} processes per prompt, each sampling {G // s} of its {G} samples, under step admission, as "
+            f"continuous admission keeps whole groups per process"
             if s > 1 and c.knobs.get("placement", "colocated") == "colocated"
             else "whole groups"
         )
