@@ -409,8 +409,9 @@ def test_a_cluster_is_planned_as_one_process_per_node():
 
 def test_rpeg_plan_prices_p1_as_the_processes_that_launch_on_it(tmp_path, capsys):
     """`rpeg plan --config configs/p1.yaml --hardware gh200 --gpus N` plans N / 4 processes: the header
-    and the JSON say so, the chosen plan is one the runtime runs with them, and at 256 GPUs (64
-    processes for 32 prompts) it is refused in one line."""
+    and the JSON say so, the chosen plan is one the runtime runs with them, also at 256 GPUs (64
+    processes for 32 prompts: 2 processes per prompt, 8 of its 16 samples each, under step admission),
+    where a config pinning continuous admission is refused in one line naming the prompt count."""
     from rpeg_jax.cli import main
 
     out, saved = tmp_path / "p1.json", tmp_path / "plan.json"
@@ -420,9 +421,19 @@ def test_rpeg_plan_prices_p1_as_the_processes_that_launch_on_it(tmp_path, capsys
     d = json.loads(out.read_text())
     assert d["processes"] == 16 == d["chosen"]["plan"]["predicted"]["processes"]
     assert _refused(load_config("configs/p1.yaml", []), Plan.load(str(saved)), 16) is None
-    assert main([*args, "--gpus", "256", "--quiet"]) == 2
+    assert main([*args, "--gpus", "256", "--json", str(out), "--save-plan", str(saved)]) == 0
+    assert capsys.readouterr().out.startswith("rpeg plan: 256 x gh200 in 64 processes (4 devices each); ")
+    d = json.loads(out.read_text())
+    assert d["processes"] == 64 == d["chosen"]["plan"]["predicted"]["processes"]
+    plan = Plan.load(str(saved))
+    assert _refused(load_config("configs/p1.yaml", []), plan, 64) is None
+    assert plan.settings["rollout.admission"] == "step"  # sub-groups: continuous needs whole groups
+    assert plan.settings["rollout.max_slots"] == 32 * 16 // 64  # each process: 8 samples of one prompt
+    cont = ["rollout.admission=continuous", "pipeline.staleness=1"]
+    assert main([*args, "--gpus", "256", "--quiet", *cont]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("config error: data.prompts_per_step=32: must be a multiple of the 64 processes (each ")
+    assert err.startswith("config error: data.prompts_per_step=32: 64 processes share its 32 groups, 2 per prompt ")
+    assert "rollout.admission=continuous" in err and "raise data.prompts_per_step to 64" in err
     assert err.count("\n") == 1
 
 

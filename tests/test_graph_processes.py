@@ -10,7 +10,7 @@ import pytest
 from rpeg_jax.config import ConfigError, load_config
 from rpeg_jax.graph.ir import GraphError
 from rpeg_jax.graph.plan import DeviceGroup, config_for_plan, graph_for_plan, plan_for_config, plan_from_config
-from rpeg_jax.graph.processes import NotRunnable, Runs, check_plan, why_not
+from rpeg_jax.graph.processes import NotRunnable, Runs, check_plan, share_of, sharers, why_not
 
 SIZES = ["data.prompts_per_step=4", "rl.group_size=2"]
 
@@ -91,13 +91,66 @@ def test_each_rule_is_one_line_naming_the_key_and_value(over, processes, runs, l
 
 
 def test_a_prompt_count_processes_cannot_share_names_the_fix():
-    """Issue 31: 32 prompts on 256 GH200's 64 processes: the line says which value would run (the
-    next multiple of P), and it does."""
-    bad = why_not(cfg_of("data.prompts_per_step=32"), 64, 256, Runs())
+    """48 prompts on 64 processes: neither whole groups nor whole sub-groups; the line says which
+    value would run (the next multiple of P), and it does."""
+    bad = why_not(cfg_of("data.prompts_per_step=48"), 64, 256, Runs())
     assert _line(bad).endswith("(each generates whole groups of its share): raise data.prompts_per_step to 64")
     assert why_not(cfg_of("data.prompts_per_step=64"), 64, 256, Runs()) is None
     assert _line(why_not(cfg_of("data.prompts_per_step=6"), 4, 8, Runs())).endswith("to 8")
     assert why_not(cfg_of("data.prompts_per_step=8"), 4, 8, Runs()) is None
+
+
+def _one_process_order(prompts, group):
+    return [(p, j) for p in range(prompts) for j in range(group)]
+
+
+@pytest.mark.parametrize("prompts, group, processes", [(32, 16, 64), (8, 4, 4), (1, 4, 2), (2, 4, 8), (3, 6, 6)])
+def test_processes_share_groups_as_the_one_process_batch_in_its_order(prompts, group, processes):
+    """share_of: every process generates prompts x G / P sequences, and the processes' shares, laid
+    end to end in rank order (as the rollout's global arrays are), are the one-process batch, prompt by
+    prompt, each sample once (the reference: the one-process enumeration)."""
+    assert sharers(prompts, group, processes) == max(1, processes // prompts)
+    rows = []
+    for rank in range(processes):
+        sh = share_of(prompts, group, processes, rank)
+        assert sh.prompts * sh.samples == prompts * group // processes
+        assert 0 <= sh.shard < sh.shards and prompts % sh.shards == 0 and sh.first_prompt == sh.shard * sh.prompts
+        rows += [(p, j) for p in range(sh.first_prompt, sh.first_prompt + sh.prompts)
+                 for j in range(sh.first_sample, sh.first_sample + sh.samples)]  # fmt: skip
+    assert rows == _one_process_order(prompts, group)
+
+
+def test_sub_groups_run_under_step_admission_only_and_the_rest_names_prompts_per_step():
+    """Issue 31: P1's 32 prompts x 16 on 256 GH200's 64 processes run as 2 processes per prompt,
+    8 samples each (colocated, step admission); what needs whole groups on a process is refused in
+    one line naming data.prompts_per_step and the fix."""
+    p1 = ["data.prompts_per_step=32", "rl.group_size=16"]
+    assert sharers(32, 16, 64) == 2 and sharers(32, 15, 64) is None and sharers(48, 16, 64) is None
+    assert sharers(64, 16, 64) == 1 and sharers(6, 4, 4) is None and sharers(2, 3, 4) is None
+    assert why_not(cfg_of(*p1), 64, 256, Runs()) is None
+    assert why_not(cfg_of(*p1), 64, 256, Runs(admission="step", placement="colocated", gen_tensor=4)) is None
+    share = "config error: data.prompts_per_step=32: 64 processes share its 32 groups, 2 per prompt (each generates 8 "
+    cases = [
+        (cfg_of(*p1), Runs(admission="continuous"), "rollout.admission=continuous", ", or use rollout.admission=step"),
+        (
+            cfg_of(*p1, "rl.filter_groups=zero_variance", "rollout.admission=continuous", "pipeline.staleness=1"),
+            Runs(),
+            "rollout.admission=continuous",
+            "",
+        ),
+        (cfg_of(*p1, "rl.filter_groups=zero_variance"), Runs(), "rl.filter_groups=zero_variance", ""),
+        (cfg_of(*p1), Runs(pieces=2), "pipeline.pieces=2", ""),
+    ]
+    for cfg, runs, what, other in cases:
+        line = _line(why_not(cfg, 64, 256, runs))
+        assert line.startswith(share) and what in line and "\n" not in line, line
+        assert f"{what} does not run (" in line and line.endswith(f"): raise data.prompts_per_step to 64{other}"), line
+    line = _line(why_not(cfg_of("data.prompts_per_step=32", "rl.group_size=15"), 64, 256, Runs()))
+    assert line.startswith("config error: data.prompts_per_step=32: must be a multiple of the 64 processes")
+    assert "share each group over 2 processes" in line and "rl.group_size=15" in line and line.endswith("to 64")
+    # a split's generating processes still take whole groups (runtime/split.py hands them over whole)
+    bad = why_not(cfg_of(*p1), 64, 256, Runs(placement="split", group_sizes=(192, 64)))
+    assert _line(bad).startswith("config error: data.prompts_per_step=32: must be a multiple of the 48 generating")
 
 
 def test_rules_are_judged_in_order_and_unjudged_parts_pass():

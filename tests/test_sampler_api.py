@@ -293,6 +293,32 @@ def test_per_sequence_lengths_cap_each_completion_and_bad_ones_are_named(llama):
         sampler.submit(prompts_of([5, 6]), params, lengths=[[3], [3, 3]])
 
 
+def test_a_sample_offset_generates_those_samples_of_the_whole_group(llama):
+    """Processes sharing a GRPO group (graph/processes.share_of) each generate n of its G samples with
+    sample_offset: the tokens (and logprobs) are those samples' in one generate of the whole group,
+    prompt by prompt, with each sample's forced length; offset 0 gives the group's first samples instead."""
+    sampler = Sampler(llama, BASE)
+    prompts, ids = prompts_of([5, 6]), [7, 3]
+    full = SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=11, ignore_eos=True)
+    caps = [[10, 4, 9, 6], [3, 10, 8, 10]]
+    whole = sampler.generate(prompts, full, prompt_ids=ids, lengths=caps)
+    half = dataclasses.replace(full, n=2)
+    for first in (0, 2):
+        part = sampler.generate(
+            prompts, half, prompt_ids=ids, lengths=[c[first : first + 2] for c in caps], sample_offset=first
+        )
+        for o, w in zip(part, whole):
+            assert [c.sample_index for c in o.completions] == [first, first + 1]
+            for c, want in zip(o.completions, w.completions[first : first + 2]):
+                assert c.tokens.tolist() == want.tokens.tolist()
+                np.testing.assert_allclose(c.logprobs, want.logprobs, rtol=1e-6, atol=1e-6)
+    firsts = [c.tokens.tolist() for o in whole for c in o.completions[:2]]
+    seconds = [c.tokens.tolist() for o in whole for c in o.completions[2:]]
+    assert firsts != seconds  # the offset matters: the two halves are different samples
+    with pytest.raises(ValueError, match=r"sample_offset=-1"):
+        sampler.submit(prompts, half, sample_offset=-1)
+
+
 def test_release_slots_ends_a_chunk_for_a_waiting_group_and_keeps_the_tokens(llama):
     """release_slots (continuous admission): a chunk ends once the first waiting group's worth of
     slots has freed (after min_chunk_steps), so the group is admitted mid-chunk; the sampled tokens

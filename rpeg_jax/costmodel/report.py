@@ -28,6 +28,7 @@ from rpeg_jax.costmodel.hardware import GB
 from rpeg_jax.costmodel.lengths import Admission
 from rpeg_jax.costmodel.shape import ModelShape
 from rpeg_jax.costmodel.types import Context, Prediction, SearchResult, clock_of
+from rpeg_jax.graph.processes import sharers
 
 BASELINES = ("verl_like", "real_like")  # null in the JSON when no plan of that family fits
 
@@ -240,11 +241,18 @@ def explain(ctx: Context, res: SearchResult) -> list[str]:
             "logprobs serve as pi_old and the old_forward pass is skipped"
         )
     if ctx.processes > 1:
+        P, G, n = ctx.processes, ctx.cfg.rl.group_size, ctx.cfg.data.prompts_per_step
+        s = sharers(n, G, P) or 1  # (a prompt count no colocated plan runs is refused before the search)
+        share = (
+            f"{s} processes per prompt, each sampling {G // s} of its {G} samples, under step admission, as "
+            f"continuous admission keeps whole groups per process"
+            if s > 1 and c.knobs.get("placement", "colocated") == "colocated"
+            else "whole groups"
+        )
         out.append(
-            f"{ctx.processes} processes: only plans the runtime runs with them are searched (graph/processes.py): "
-            f"each process generates its share on its own devices (tensor groups inside it, replicas across "
-            f"processes) with step admission, so the "
-            f"plan stays colocated on all {ctx.N} devices; the baselines keep their own engines' layouts"
+            f"{P} processes: only plans the runtime runs with them are searched (graph/processes.py): "
+            f"each generating process samples its share of the prompts on its own devices ({share}; tensor "
+            f"groups inside a process, replicas across processes); the baselines keep their own engines' layouts"
         )
     for name, b in res.baselines.items():
         out.append(

@@ -172,7 +172,7 @@ def family_table(
             placement=placement,
             tensor_sizes=c.tensor_sizes,
             max_staleness=max(c.max_staleness, ctx.cfg.pipeline.staleness),  # the config's own bound is priced too
-            continuous=continuous_searched(ctx, ours),
+            continuous=continuous_searched(ctx, ours, placement),
             gen_tensor_sizes=gen_t,
             settings=settings,
         )

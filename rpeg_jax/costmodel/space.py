@@ -108,11 +108,18 @@ def generation_tensor_sizes(ctx, ours: bool = True) -> tuple[int, ...]:
     return tuple(t for t in sizes if runnable(ctx, gen_tensor=t)) if ours else sizes
 
 
-def continuous_searched(ctx, ours: bool = True) -> bool:
-    """Whether any option may run rollout.admission=continuous: k >= 1 can be planned and, for
-    `ours`, the runtime runs it with the context's processes (space.runnable)."""
+def continuous_searched(ctx, ours: bool = True, placement: str | None = None) -> bool:
+    """Whether any option (of `placement`, None: colocated) may run rollout.admission=continuous: k >= 1
+    can be planned and, for `ours`, the runtime runs it with the context's processes (space.runnable;
+    e.g. not colocated where processes share each prompt's group, graph/processes.sharers, while a
+    split's generating processes may still hold whole groups)."""
     k = max(ctx.cfg.costmodel.max_staleness, ctx.cfg.pipeline.staleness)
-    legal = runnable(ctx, admission="continuous") or not ours
+    if placement == "split":  # judged with its device groups (e.g. packed updates: one training process)
+        allocs = allocations(ctx, placement)
+        legal = any(runnable(ctx, admission="continuous", placement=placement, group_sizes=a) for a in allocs)
+    else:
+        legal = runnable(ctx, admission="continuous", placement=placement)
+    legal = legal or not ours
     return k >= 1 and legal and not ctx.cfg.pipeline.elide_old_forward
 
 
@@ -127,7 +134,7 @@ def admissions(ctx, pipe: PipelineConfig) -> list[str]:
     cfg = ctx.cfg
     if not pipe.staleness:
         return ["step"]
-    cont = ["continuous"] if pipe.pieces == 1 and continuous_searched(ctx) else []
+    cont = ["continuous"] if pipe.pieces == 1 and continuous_searched(ctx, placement=pipe.placement) else []
     if cfg.rollout.admission == "continuous":
         return cont
     step = ["step"] if pipe.placement == "split" or cfg.pipeline.staleness else []

@@ -317,7 +317,9 @@ def build_pipeline(
     cfg: RunConfig, *, shard_index: int, shard_count: int, split: str = "train", tokenizer: Tokenizer | None = None
 ) -> PromptPipeline:
     """The prompt pipeline a run config asks for, validated (tokenizer vs model, prompt lengths,
-    bad records) before anything is compiled. The runtime passes jax.process_index()/process_count()."""
+    bad records) before anything is compiled. The runtime passes each generating process's data shard
+    (graph/processes.share_of: its rank among the generating processes, or with more processes than
+    prompts the prompt its group of processes shares)."""
     tok = tokenizer or load_tokenizer(cfg.data)
     _check_tokenizer(cfg, tok)
     records, skipped = load_records(cfg.data, tok, split, model_path=cfg.model.path)

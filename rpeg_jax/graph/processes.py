@@ -13,8 +13,21 @@ global arrays for the training stages (runtime/placement.py); split, the first p
 naming the key and the value):
 
     costmodel.processes    P >= 1 divides the devices (each process owns N / P of them, in order)
-    data.prompts_per_step  colocated: a multiple of P: each process generates whole groups, its share
-                           (the message names the fix: the next multiple of P)
+    data.prompts_per_step  colocated: a multiple of P: each process generates whole groups, its share;
+                           or, under step admission, a divisor of P with rl.group_size a multiple of
+                           s = P / prompts_per_step: each prompt's group is shared by s consecutive
+                           processes, process k generating samples [(k % s) G/s, (k % s + 1) G/s) of
+                           prompt k // s (`share_of`; sub-groups, as verl gives a data-parallel rank
+                           part of a group). Either way every process generates prompts x G / P
+                           sequences and the global batch is the one-process batch, in its order
+                           (prompt-major: a group's G rows consecutive, as the training stages' prompt
+                           sharing and group-wise shuffles read them; GRPO's advantages group rows
+                           by group id over the global batch, so a group spanning processes is
+                           normalised over all its members). Sub-groups need every piece of the step
+                           generated whole on each process: continuous admission, rl.filter_groups,
+                           pipeline.pieces > 1 and episodes (env.name) keep whole groups (refused
+                           naming data.prompts_per_step; the message names the fix: the next multiple
+                           of P)
     rl.filter_groups       none, or rollout.admission=continuous (colocated): under step admission each
                            process would refill its share in its own number of rounds (and only one
                            process's stream cursor would reach the checkpoint); under continuous
@@ -94,16 +107,11 @@ def why_not(cfg: RunConfig, processes: int, num_devices: int, runs: Runs | None 
     procs = f"with {P} processes"
     split = runs.placement == "split"
     prompts = cfg.data.prompts_per_step
-    if prompts % P and not split:
-        # the fix is the prompt count: fewer processes would need a process to own devices of
-        # several nodes (one per node is the fewest a cluster launches)
-        up = -(-prompts // P) * P
-        why = (
-            f"must be a multiple of the {P} processes (each generates whole groups of its share): "
-            f"raise data.prompts_per_step to {up}"
-        )
-        return Illegal("data.prompts_per_step", prompts, why)
     admission = runs.admission or cfg.rollout.admission
+    if prompts % P and not split:
+        bad = _sub_groups(cfg, P, admission, runs.pieces or cfg.pipeline.pieces)
+        if bad is not None:
+            return bad
     if cfg.rl.filter_groups != "none" and (admission != "continuous" or split):
         why = (
             f"{procs} dynamic sampling runs under rollout.admission=continuous only (under step admission each "
@@ -152,6 +160,88 @@ def why_not(cfg: RunConfig, processes: int, num_devices: int, runs: Runs | None 
             f"(replicas across processes): tensor must divide its {local} devices"
         )
         return Illegal(key, value, f"{why}{hint}")
+    return None
+
+
+def sharers(prompts: int, group: int, processes: int) -> int | None:
+    """How many processes generate each prompt's group under step admission, colocated (module
+    docstring): 1 when `prompts` is a multiple of `processes` (whole groups); s = processes / prompts
+    when that is a whole number dividing `group` (each process generates group / s samples of one
+    prompt); None when the processes cannot share the prompts evenly either way."""
+    if prompts < 1 or processes < 1:
+        return None
+    if prompts % processes == 0:
+        return 1
+    s = processes // prompts
+    return s if processes % prompts == 0 and group % s == 0 else None
+
+
+@dataclass(frozen=True)
+class Share:
+    """What generating process `rank` of `processes` generates of each step under step admission:
+    prompts [first_prompt, first_prompt + prompts) of the step's batch, samples [first_sample,
+    first_sample + samples) of each (the sampler's sample indices: the one-process run's streams).
+    Its prompts come from data shard `shard` of `shards` (data/pipeline.py)."""
+
+    first_prompt: int
+    prompts: int
+    first_sample: int
+    samples: int
+    shard: int
+    shards: int
+
+
+def share_of(prompts: int, group: int, processes: int, rank: int) -> Share:
+    """Process `rank`'s Share (ValueError where `sharers` is None: why_not refuses that first)."""
+    s = sharers(prompts, group, processes)
+    if s is None or not 0 <= rank < processes:
+        raise ValueError(f"{processes} processes cannot share {prompts} prompts x {group} samples (rank {rank})")
+    shards = processes // s
+    per = prompts // shards
+    return Share(
+        first_prompt=(rank // s) * per,
+        prompts=per,
+        first_sample=(rank % s) * (group // s),
+        samples=group // s,
+        shard=rank // s,
+        shards=shards,
+    )
+
+
+def _sub_groups(cfg: RunConfig, P: int, admission: str, pieces: int) -> Illegal | None:
+    """The prompt-count rule (colocated, data.prompts_per_step not a multiple of P): None when the
+    processes share each prompt's group (sub-groups) and nothing in the run needs whole groups per
+    process; else the refusal, naming the fix (the next multiple of P: fewer processes would need a
+    process to own devices of several nodes, and one per node is the fewest a cluster launches)."""
+    prompts, G = cfg.data.prompts_per_step, cfg.rl.group_size
+    up = -(-prompts // P) * P
+    fix = f"raise data.prompts_per_step to {up}"
+    s = sharers(prompts, G, P)
+    if s is None:
+        why = f"must be a multiple of the {P} processes (each generates whole groups of its share)"
+        if P % prompts == 0:  # sub-groups, but the group does not split evenly
+            s = P // prompts
+            why += (
+                f" or share each group over {s} processes (each generating rl.group_size / {s} samples), "
+                f"which rl.group_size={G} does not allow"
+            )
+        return Illegal("data.prompts_per_step", prompts, f"{why}: {fix}")
+    # (what needs whole groups on a process, why, the other fix); dynamic sampling has none but the
+    # prompt count (it needs continuous admission on several processes)
+    step = ", or use rollout.admission=step" if cfg.rl.filter_groups == "none" else ""
+    needs = [
+        (admission == "continuous", "rollout.admission=continuous", "each engine completes whole groups", step),
+        (cfg.rl.filter_groups != "none", f"rl.filter_groups={cfg.rl.filter_groups}", "it scores whole groups", ""),
+        (cfg.env.name != "single_turn", f"env.name={cfg.env.name}", "a group's episodes run on one process", ""),
+        (pieces > 1, f"pipeline.pieces={pieces}", "a process's prompts are split into pieces", ""),
+    ]
+    for hit, what, reason, other in needs:
+        if hit:
+            why = (
+                f"{P} processes share its {prompts} groups, {s} per prompt (each generates {G // s} of its {G} "
+                f"samples), which {what} does not run ({reason}): {fix}{other}"
+            )
+            return Illegal("data.prompts_per_step", prompts, why)
     return None
 
 

@@ -27,7 +27,7 @@ from rpeg_jax.data.pipeline import build_pipeline
 from rpeg_jax.data.rewards import resolve_reward
 from rpeg_jax.graph.ir import Graph, StateKind
 from rpeg_jax.graph.plan import Plan
-from rpeg_jax.graph.processes import check_plan
+from rpeg_jax.graph.processes import check_plan, share_of
 from rpeg_jax.models import Transformer, adapters, load_hf
 from rpeg_jax.models.attention import resolve_attention
 from rpeg_jax.models.hf import WeightsFileError
@@ -63,6 +63,11 @@ class RuntimeContext:
     placement: Placement
     offload: Offload  # train.offload: what lives in host memory between steps (runtime/offload.py)
     prompt_offset: int = 0  # this process's first prompt index within a step's batch
+    # each of its prompts' samples this process generates, [sample_offset, sample_offset + samples)
+    # (samples 0: all rl.group_size of them): part of each group when processes share the groups
+    # (graph/processes.share_of)
+    sample_offset: int = 0
+    samples: int = 0
     data_skipped: dict[str, int] = field(default_factory=dict)  # bad JSONL lines skipped at start-up, by reason
     engine: ContinuousRollouts | None = None  # rollout.admission=continuous: the engine across steps
     admission: str = "step"  # rollout.admission as the graph runs it (Graph.admission, like k)
@@ -205,7 +210,8 @@ def build_adapters(cfg: RunConfig, placement: Placement) -> tuple[Any, Any]:
 
 def sampler_config(cfg: RunConfig, processes: int | None = None) -> SamplerConfig:
     """The sampler's engine settings: the rollout section, this process's share of a step's batch as
-    slots, and the model's end ids (eos_id + eos_ids, from generation_config.json with model.path).
+    slots (prompts x G / P sequences, whole groups or a part of one: graph/processes.share_of), and
+    the model's end ids (eos_id + eos_ids, from generation_config.json with model.path).
     The evaluation sampler (runtime/evaluation.py) has the same, so the two share compiled programs."""
     batch = cfg.data.prompts_per_step * cfg.rl.group_size // (processes or jax.process_count())
     max_seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
@@ -218,10 +224,12 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
     check_plan(cfg, plan, graph, jax.process_count())  # what several processes cannot run: one line, first
     placement = Placement(cfg, graph, plan)
     # the generating processes share the prompt stream (all of them, unless a split placement puts
-    # generation on some processes only: runtime/split.py)
+    # generation on some processes only: runtime/split.py): whole groups of a data shard each, or,
+    # with more processes than prompts, part of one prompt's group each (graph/processes.share_of)
     gen_rank, gen_count = placement.gen_rank, placement.gen_count
-    share = cfg.data.prompts_per_step // gen_count  # this process's groups of a step
-    pipeline = build_pipeline(cfg, shard_index=gen_rank, shard_count=gen_count)
+    mine = share_of(cfg.data.prompts_per_step, cfg.rl.group_size, gen_count, gen_rank)
+    share = mine.prompts  # this process's prompts of a step
+    pipeline = build_pipeline(cfg, shard_index=mine.shard, shard_count=mine.shards)
     runner = None
     if cfg.env.name != "single_turn":  # episodes: their prompts render the tool schemas (checked here)
         from rpeg_jax.env.runner import EnvRunner
@@ -268,7 +276,7 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
             stale_groups=r.stale_groups,
             sampling=SamplingParams.from_rollout(r, n=G, seed=0),
             seed=cfg.train.seed,
-            prompt_offset=gen_rank * share,
+            prompt_offset=mine.first_prompt,
             lengths=forced_lengths(r.forced_lengths, cfg.train.seed, G) if r.forced_lengths else None,
             # this process's share of the bound (each process fills its own share of the batch)
             max_filtered=cfg.rl.filter_max_rounds * share,
@@ -288,7 +296,9 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
         fixed_shapes=cfg.pipeline.pieces > 1,
         placement=placement,
         offload=offload,
-        prompt_offset=gen_rank * share,
+        prompt_offset=mine.first_prompt,
+        sample_offset=mine.first_sample,
+        samples=mine.samples,
         data_skipped=dict(pipeline.skipped),
         engine=engine,
         admission=graph.admission,

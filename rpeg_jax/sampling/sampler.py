@@ -158,12 +158,16 @@ class Sampler:
         *,
         prompt_ids: Seq[int] | None = None,
         lengths: Seq[Seq[int]] | None = None,
+        sample_offset: int = 0,
     ) -> list[RequestOutput]:
         """Sample params.n completions of every prompt; returns one RequestOutput per prompt.
         `prompt_ids` (default 0..len-1) name each prompt's random stream together with params.seed;
-        `lengths[i][j]` (optional) caps completion j of prompt i below params.max_new_tokens."""
+        `lengths[i][j]` (optional) caps completion j of prompt i below params.max_new_tokens.
+        `sample_offset`: the completions are samples sample_offset .. sample_offset + n - 1 of each
+        prompt (a sample's stream is (seed, prompt id, sample index)), so a process generating part
+        of a group gets the tokens those samples have in a generate of the whole group."""
         t0 = time.perf_counter()
-        seqs = self.submit(prompts, params, prompt_ids=prompt_ids, lengths=lengths)
+        seqs = self.submit(prompts, params, prompt_ids=prompt_ids, lengths=lengths, sample_offset=sample_offset)
         while any(s.finish_reason is None for s in seqs):
             self.step()
         dt = time.perf_counter() - t0
@@ -180,13 +184,16 @@ class Sampler:
         prompt_ids: Seq[int] | None = None,
         lengths: Seq[Seq[int]] | None = None,
         keep: bool = False,
+        sample_offset: int = 0,
     ) -> list[Sequence]:
         """Queue prompts (streaming use: then call `step()` until the sequences finish; `abort`
         takes queued or running sequences back out). `keep`: a sequence that finishes is paused, its
         slot and KV held, for `resume` (append tokens, e.g. an episode's observation, and sample on)
-        or `release`."""
+        or `release`. `sample_offset`: as in `generate`."""
         params = params or SamplingParams()
         params.validate()
+        if not 0 <= int(sample_offset) < 2**31 - params.n:
+            raise ValueError(f"generate: sample_offset={sample_offset} must be in [0, 2**31 - n)")
         prompts = [list(map(int, p)) for p in prompts]
         prompt_ids = list(range(len(prompts))) if prompt_ids is None else [int(i) for i in prompt_ids]
         if len(prompt_ids) != len(prompts):
@@ -210,7 +217,7 @@ class Sampler:
             seqs = [
                 Sequence(
                     request=i,
-                    sample_index=j,
+                    sample_index=int(sample_offset) + j,
                     prompt=p,
                     end=len(p) + int(news[i][j]),
                     opts=(opts, prompt_ids[i]),

@@ -347,17 +347,18 @@ class ContinuousRollouts:
     def _submit(self, g: Group) -> None:
         seed = rollout_seed(self.seed + 7919 * g.attempt, g.data_step)
         sp = dataclasses.replace(self.sampling, n=self.group_size, seed=seed)
-        lengths = None if self.lengths is None else [self.lengths(g.data_step, g.index, g.attempt)]
+        # (forced lengths drawn by the prompt's index in the step's whole batch, as its stream: the
+        # lengths of a prompt do not depend on how many processes share the batch)
+        ids = [self.prompt_offset + g.index]
+        lengths = None if self.lengths is None else [self.lengths(g.data_step, ids[0], g.attempt)]
         if self.runner is not None:
             sessions = [self.runner.start(episode_record(g)) for _ in range(self.group_size)]
             sp = dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, self.max_total))
-            seqs = self.sampler.submit(
-                [sessions[0].prompt_ids], sp, prompt_ids=[self.prompt_offset + g.index], lengths=lengths, keep=True
-            )
+            seqs = self.sampler.submit([sessions[0].prompt_ids], sp, prompt_ids=ids, lengths=lengths, keep=True)
             g.eps = [Ep(session, seq) for session, seq in zip(sessions, seqs)]
             self.in_flight.append(g)
             return
-        g.seqs = self.sampler.submit([g.prompt], sp, prompt_ids=[self.prompt_offset + g.index], lengths=lengths)
+        g.seqs = self.sampler.submit([g.prompt], sp, prompt_ids=ids, lengths=lengths)
         self.in_flight.append(g)
 
     # ---- episodes ---------------------------------------------------------------------------------

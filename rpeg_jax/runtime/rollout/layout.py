@@ -1,15 +1,17 @@
 """Sampler outputs -> the rollout batch layout.
 
-B = prompts x G sequences (a prompt's G rows adjacent), prompts LEFT-padded to P, responses
-RIGHT-padded to R, S = P + R. `completions` holds global arrays sharded over `data` (tokens_BxS,
-positions_BxS, segment_ids_BxS: 1 on real tokens, 0 on padding; response_mask_BxR, versions_BxR: the
-policy version of each sampled token; group_ids_B; a MoE model's experts_BxSxLxK: the experts the
-sampler routed each token to, rl.routing) plus host-only `host_*` fields (tokens, mask,
-prompt, answer, record) for the reward; the behaviour logprobs are a separate [B, R] array. P and R
-are bucketed (shapes/buckets.length_bucket: fewer padded tokens, few distinct compiled shapes)
-unless the run streams micro-batches, where every piece must have the configured shape so pieces
-concatenate; under continuous admission R is rollout.max_new_tokens (a batch's longest response
-changes every step, and each new R would compile the training stages again).
+B = prompts x G sequences (a prompt's G rows adjacent; with processes sharing each group, a process
+holds G / s of them and the global batch is still prompt-major: graph/processes.share_of), prompts
+LEFT-padded to P, responses RIGHT-padded to R, S = P + R. `completions` holds global arrays sharded
+over `data` (tokens_BxS, positions_BxS, segment_ids_BxS: 1 on real tokens, 0 on padding;
+response_mask_BxR, versions_BxR: the policy version of each sampled token; group_ids_B; a MoE
+model's experts_BxSxLxK: the experts the sampler routed each token to, rl.routing) plus host-only
+`host_*` fields (tokens, mask, prompt, answer, record) for the reward; the behaviour logprobs are a
+separate [B, R] array. P and R are bucketed (shapes/buckets.length_bucket: fewer padded tokens, few
+distinct compiled shapes) unless the run streams micro-batches, where every piece must have the
+configured shape so pieces concatenate; under continuous admission R is rollout.max_new_tokens (a
+batch's longest response changes every step, and each new R would compile the training stages
+again).
 """
 
 from __future__ import annotations
@@ -73,26 +75,31 @@ def lay_out(ctx, rows, gids: np.ndarray, host: dict[str, list], experts=None) ->
             rec[b, P - len(p) : P - len(p) + len(e)] = e
         comps["experts_BxSxLxK"] = rec
     comps = {k: ctx.placement.put_batch(v) for k, v in comps.items()}
-    comps.update(_host_columns(ctx.cfg.rl.group_size, host, tokens, mask))
+    comps.update(_host_columns(host, tokens, mask))
     return comps, ctx.placement.put_batch(behav), int(mask.sum())
 
 
-def _host_columns(G: int, host: dict[str, list], tokens: np.ndarray, mask: np.ndarray) -> dict:
-    pi = np.repeat(np.arange(len(host["prompt"])), G)
+def _host_columns(host: dict[str, list], tokens: np.ndarray, mask: np.ndarray) -> dict:
+    """Host columns of rows that come as equal runs per prompt: rl.group_size each, or this process's
+    part of each group when processes share the groups (graph/processes.share_of)."""
+    n = len(host["prompt"])
+    if len(tokens) % max(n, 1) or (len(tokens) and not n):
+        raise ValueError(f"{len(tokens)} rollout rows for {n} prompts: not an equal number per prompt")
+    pi = np.repeat(np.arange(n), len(tokens) // max(n, 1))
     return {"host_tokens": tokens, "host_mask": mask, **{f"host_{k}": _objects(v, pi) for k, v in host.items()}}
 
 
 def host_fields(ctx, batch, lo: int, hi: int, tokens: np.ndarray, mask: np.ndarray) -> dict:
-    """Host-side fields of prompts [lo, hi) of a PromptBatch, G rows each (for the reward)."""
+    """Host-side fields of prompts [lo, hi) of a PromptBatch, this process's rows of each (for the reward)."""
     host = {k: [getattr(batch, a)[i] for i in range(lo, hi)] for k, a in HOST_FIELDS}
-    return _host_columns(ctx.cfg.rl.group_size, host, tokens, mask)
+    return _host_columns(host, tokens, mask)
 
 
 def stream_host_fields(ctx, prompts: StepPrompts, sources, tokens: np.ndarray, mask: np.ndarray) -> dict:
     """Host-side fields of the prompts at `sources` ((data step, index) each) of the stream, G rows each."""
     picked = [(prompts.get(d), i) for d, i in sources]
     host = {k: [getattr(b, a)[i] for b, i in picked] for k, a in HOST_FIELDS}
-    return _host_columns(ctx.cfg.rl.group_size, host, tokens, mask)
+    return _host_columns(host, tokens, mask)
 
 
 def _objects(values, index) -> np.ndarray:
@@ -105,7 +112,7 @@ def _objects(values, index) -> np.ndarray:
 def saved_host_fields(ctx, saved: dict, tokens: np.ndarray, mask: np.ndarray) -> dict:
     """Host-side fields of a batch from what a checkpoint saved of them (runtime/resume._host_of: per
     group prompt, answer and record; per row the scores dynamic sampling cached), G rows each."""
-    out = _host_columns(ctx.cfg.rl.group_size, {k: saved[k] for k, _ in HOST_FIELDS}, tokens, mask)
+    out = _host_columns({k: saved[k] for k, _ in HOST_FIELDS}, tokens, mask)
     for k in ("rewards", "reward_errors", "truncated"):
         if k in saved:
             values, dtype = saved[k]

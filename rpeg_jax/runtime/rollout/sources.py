@@ -48,24 +48,30 @@ def generate_piece(ctx, params, version: int, batch, step: int, piece: int, piec
     if sampler.version != version:
         sampler.update_weights(params, version)
     G = cfg.rl.group_size
-    sp = SamplingParams.from_rollout(cfg.rollout, n=G, seed=rollout_seed(cfg.train.seed, step))
+    # this process's samples of each prompt: all G, or its part of a group that processes share
+    first, n_s = ctx.sample_offset, ctx.samples or G
+    sp = SamplingParams.from_rollout(cfg.rollout, n=n_s, seed=rollout_seed(cfg.train.seed, step))
     prompts = [list(p) for p in batch.prompt_tokens[lo:hi]]
+    ids = [ctx.prompt_offset + i for i in range(lo, hi)]  # the prompts' indices in the step's whole batch
     lengths = None
     if cfg.rollout.forced_lengths is not None:  # the same draw as continuous admission's first attempt
         draw = forced_lengths(cfg.rollout.forced_lengths, cfg.train.seed, G)
-        lengths = [draw(step, i, 0) for i in range(lo, hi)]
+        lengths = [draw(step, i, 0)[first : first + n_s] for i in ids]
     before = sampler.stats()
     t0 = time.perf_counter()
-    outs = sampler.generate(prompts, sp, prompt_ids=[ctx.prompt_offset + i for i in range(lo, hi)], lengths=lengths)
+    outs = sampler.generate(prompts, sp, prompt_ids=ids, lengths=lengths, sample_offset=first)
     gen_s = time.perf_counter() - t0
     done = [(o.prompt_tokens, c) for o in outs for c in o.completions]
     rows = [(p, c.tokens, c.logprobs, c.policy_versions) for p, c in done]
-    gids = np.repeat(np.arange(lo, hi, dtype=np.int32) + ctx.prompt_offset, G)
+    gids = np.repeat(np.array(ids, dtype=np.int32), n_s)  # a shared group's rows: one id on every process
     host = {k: [getattr(batch, a)[i] for i in range(lo, hi)] for k, a in HOST_FIELDS}
     comps, behav, new_tokens = lay_out(ctx, rows, gids, host, _experts([c for _, c in done]))
+    preempt = np.array([sum(c.num_preemptions for _, c in done)], np.float64)
+    if ctx.placement.gen_count > 1:  # the run's count: every generating process's sampler
+        preempt = np.asarray(ctx.placement.gen_allgather(preempt)).sum(axis=0)
     metrics = {
         "perf/gen_tokens_per_s": new_tokens / gen_s if gen_s > 0 else 0.0,
-        "rollout/preemptions": float(sum(c.num_preemptions for _, c in done)),
+        "rollout/preemptions": float(preempt[0]),
         "rollout/weights_version": float(version),
         "rollout/occupancy": occupancy(before, sampler.stats()),
     }
@@ -100,7 +106,7 @@ def filtered_piece(ctx, params, version: int, prompts: StepPrompts, step: int, p
             )
         drawn = prompts.draw(hi - lo - len(kept))
         sp = SamplingParams.from_rollout(cfg.rollout, n=G, seed=rollout_seed(cfg.train.seed + 7919 * rounds, step))
-        lengths = None if draw_len is None else [draw_len(d, i, 0) for d, i, _ in drawn]
+        lengths = None if draw_len is None else [draw_len(d, ctx.prompt_offset + i, 0) for d, i, _ in drawn]
         ids = [ctx.prompt_offset + lo + len(kept) + j for j in range(len(drawn))]
         t0 = time.perf_counter()
         outs = sampler.generate([list(b.prompt_tokens[i]) for _, i, b in drawn], sp, prompt_ids=ids, lengths=lengths)
