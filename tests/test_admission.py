@@ -85,7 +85,10 @@ def test_bad_continuous_settings_name_the_key(overrides, key):
         load_config(None, TINY + overrides)
 
 
-@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 2])  # the same resume path: k = 2 by default
+# 31 s; the engine's snapshot (test_engine_snapshot) and Ctrl-C under continuous admission (test_interrupts) run by
+# default (slow: session 24's trim of the default run)
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 2])
 def test_resume_with_sequences_in_flight_is_exact(tmp_path, k):
     """Train 2N steps straight vs N, kill -9, resume to 2N: the same metrics and parameters. The
     checkpoint holds the engine's state (its groups, sequences and the KV of those in flight:

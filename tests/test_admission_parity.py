@@ -92,12 +92,16 @@ def model_trace(*, slots, group, k, stale, spec, chunk, min_chunk, page, growth,
 
 CASES = [  # slots, group, k, stale_groups, (median, sigma, lo, hi), chunk, min chunk, page, growth
     (8, 2, 1, "requeue", (3, 1.2, 1, 24), 4, 2, 4, 2.0),
-    (12, 3, 2, "requeue", (4, 1.0, 1, 24), 6, 3, 2, 1.25),
+    (12, 3, 2, "requeue", (4, 1.0, 1, 24), 6, 3, 2, 1.25),  # slow: 23 s (session 24's trim of the default run)
     (8, 4, 1, "drop", (3, 1.2, 1, 24), 4, 4, 4, 2.0),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"slots{c[0]}-G{c[1]}-k{c[2]}-{c[3]}")
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=[pytest.mark.slow] if c[0] == 12 else []) for c in CASES],
+    ids=lambda c: f"slots{c[0]}-G{c[1]}-k{c[2]}-{c[3]}",
+)
 def test_engine_and_cost_model_make_the_same_decisions(case):
     slots, group, k, stale, spec, chunk, min_chunk, page, growth = case
     kw = dict(

@@ -42,7 +42,11 @@ def small(gen, monkeypatch):
 
 @pytest.mark.parametrize(
     "flags,attention,interpret",
-    [(["--attention", "gather"], "gather", False), (["--attention", "kernel", "--kernel-interpret"], "kernel", True)],
+    [
+        (["--attention", "gather"], "gather", False),
+        # slow (session 24's trim): the kernel itself is tested in tests/test_kernel_attention.py
+        pytest.param(["--attention", "kernel", "--kernel-interpret"], "kernel", True, marks=pytest.mark.slow),
+    ],
 )
 def test_records_carry_the_attention_the_sampler_ran(gen, small, tmp_path, flags, attention, interpret):
     out = tmp_path / "g.json"

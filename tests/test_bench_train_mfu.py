@@ -64,6 +64,8 @@ def test_executed_flops_add_the_masked_half_for_dense_attention(tm):
     assert dense - flash == pytest.approx(3 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_size * b * s * s, rel=1e-9)
 
 
+# 21 s; the FLOP count is checked by default (test_flops_equal_...) (slow: session 24's trim of the default run)
+@pytest.mark.slow
 def test_dry_run_writes_a_finite_record(tm, tmp_path):
     out = tmp_path / "train.json"
     assert tm.main(["--dry-run", "--json", str(out)]) == 0

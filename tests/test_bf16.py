@@ -58,6 +58,8 @@ def eqns(jaxpr):
                     yield from eqns(inner)
 
 
+# 78 s; test_rollout_vs_trainer_logprob_gap runs bf16 compute by default (slow: session 24's trim of the default run)
+@pytest.mark.slow
 def test_fp32_master_state_bf16_compute(models):
     model = models["bfloat16"]
     graphdef, params = nnx.split(model, nnx.Param)

@@ -256,7 +256,7 @@ def test_bad_filter_settings_name_the_key(overrides, match):
         load_config(None, TINY + overrides)
 
 
-@pytest.mark.parametrize("k", [0, 1])
+@pytest.mark.parametrize("k", [0, pytest.param(1, marks=pytest.mark.slow)])  # 17 s at k = 1 (session 24's trim)
 def test_resume_with_dynamic_sampling_is_exact(tmp_path, k):
     """Train 2N steps straight vs N, kill -9, resume to 2N: the same metrics and parameters. The
     checkpoint holds the stream cursor past the extra groups drawn, and (k = 1) where in the stream

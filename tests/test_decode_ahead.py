@@ -109,6 +109,9 @@ def test_decode_ahead_true_where_it_cannot_run_names_the_key(overrides):
     assert "\n" not in str(e.value)
 
 
+# 42 s; decoding ahead runs by default (..._within_the_bound), its resumes in test_multihost_split (slow) (slow:
+# session 24's trim of the default run)
+@pytest.mark.slow
 def test_resume_after_kill_9_mid_update_and_sigint_is_exact(tmp_path):
     """Checkpoints every 2 steps at k = 2: kill -9 in the update of step 4 (resumed from step 2's
     checkpoint, whose batch of step 3 was made ahead and sequences are in flight) and SIGINT in the

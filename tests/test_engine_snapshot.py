@@ -100,7 +100,7 @@ def through_checkpoint(roll):
 CASES = [
     ("continue", 1, False, False),
     ("recompute", 1, False, False),
-    ("continue", 2, False, False),
+    pytest.param("continue", 2, False, False, marks=pytest.mark.slow),  # 18 s; k = 1 by default (session 24's trim)
     ("continue", 1, True, False),
     # a Qwen3-MoE model: the sequences' expert records survive too (slow: its sampler programs compile
     # in ~40 s of the default run, more than the four dense cases together; tests/test_sampler_moe.py

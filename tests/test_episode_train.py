@@ -101,6 +101,9 @@ class ThreeTurnsEpisode(Episode):
         return StepResult(observations=({"role": "user", "content": "Again."},))
 
 
+# 22 s; test_a_run_on_tool_episodes_logs_env_metrics runs multi-turn episodes by default (slow: session 24's trim of
+# the default run)
+@pytest.mark.slow
 def test_a_run_on_three_turn_episodes(tmp_path):
     r = run(
         tmp_path,
@@ -126,6 +129,9 @@ CONTINUOUS = [
 ]
 
 
+# 39 s; episodes train by default in test_a_run_on_tool_episodes_logs_env_metrics (slow: session 24's trim of the
+# default run)
+@pytest.mark.slow
 def test_continuous_admission_runs_episodes_and_resumes_exactly(tmp_path):
     """Episodes under rollout.admission=continuous (runtime/rollout/continuous.py: turn ends applied
     before the next decode chunk, observations appended to the paused KV): 3-turn episodes train, and

@@ -138,6 +138,9 @@ def test_export_of_a_given_step(trained, tmp_path):
     assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, jax.tree.leaves(r.state["actor"])))
 
 
+# 16 s; test_export_has_the_trained_policy runs by default, Qwen3's save_hf round trip in test_hf (slow: session 24's
+# trim of the default run)
+@pytest.mark.slow
 def test_a_qwen3_checkpoint_trains_and_exports_as_qwen3(tmp_path):
     """model.path=qwen3_tiny and nothing about the model beside it: the run has the checkpoint's shape
     (head_dim 32 != hidden / heads, q/k norm), training moves the q/k norm scales, and `rpeg export`

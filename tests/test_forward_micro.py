@@ -114,8 +114,8 @@ def test_micro_batched_forward_equals_single_pass(model, group_size):
 
 @pytest.mark.parametrize(
     "mesh",
-    [{"data": 2, "fsdp": 2, "tensor": 1}, {"data": 2, "fsdp": 2, "tensor": 2}],
-    ids=["d2f2", "d2f2t2"],
+    [pytest.param({"data": 2, "fsdp": 2, "tensor": 1}, marks=pytest.mark.slow), {"data": 2, "fsdp": 2, "tensor": 2}],
+    ids=["d2f2", "d2f2t2"],  # d2f2 is slow (session 24's trim): d2f2t2 has the same data and fsdp axes
 )
 def test_micro_batched_forward_on_a_mesh(model, cpu_devices, mesh):
     """Weights and batch in a stage layout (rules `auto`: batch over data x fsdp, weights over fsdp

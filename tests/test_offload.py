@@ -127,6 +127,8 @@ def test_grpo_run_with_optimizer_offload_equals_plain(tmp_path):
             assert rb[k] == ra[k] or (np.isnan(ra[k]) and np.isnan(rb[k])), (ra["step"], k, ra[k], rb[k])
 
 
+# 24 s; test_grpo_run_with_optimizer_offload_equals_plain runs by default (slow: session 24's trim of the default run)
+@pytest.mark.slow
 def test_ppo_optimizer_and_reference_offload(tmp_path):
     """PPO (critic, reference, 2 minibatches: the update-wide transfers): every offloaded state in
     host memory, same results as no offload."""

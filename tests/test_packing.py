@@ -216,9 +216,17 @@ UPDATE_CASES = {
 }
 
 
+# `slow` (session 24's trim of the default run, ~9 s each): seq-mean-token-sum-norm (its normaliser is
+# the loss module's, tests/test_rl_losses.py), and the cases the other group size already runs
+SLOW_UPDATES = {("seq-mean-token-sum-norm", 1), ("epochs-minibatches-micro", 1), ("token-mean", G_UPD)}
+
+
 @pytest.mark.parametrize(
     ("case", "group_size"),
-    [(c, 1) for c in UPDATE_CASES] + [("token-mean", G_UPD), ("epochs-minibatches-micro", G_UPD)],
+    [
+        pytest.param(c, g, marks=[pytest.mark.slow] if (c, g) in SLOW_UPDATES else [])
+        for c, g in [(c, 1) for c in UPDATE_CASES] + [("token-mean", G_UPD), ("epochs-minibatches-micro", G_UPD)]
+    ],
 )
 def test_update_with_packing_equals_without(models, case, group_size):
     """Same loss, metrics and parameters (rtol 1e-5 / atol 1e-6) after make_actor_update's steps,
@@ -453,7 +461,10 @@ def test_runtime_packed_run_equals_padded(tmp_path):
     assert_same_run(padded, packed)
 
 
-@pytest.mark.parametrize("which", ["critic", "actor-critic", "actor-critic-values"])
+@pytest.mark.parametrize(  # actor-critic-values packs both updates and the values pass by default
+    "which",
+    [pytest.param(w, marks=pytest.mark.slow) for w in ("critic", "actor-critic")] + ["actor-critic-values"],
+)
 def test_ppo_updates_with_packing_equal_without(models, which):
     """The critic's update and the shared actor-critic update (values from the value head on the
     packed hidden states; with values_from_update, V_old and GAE inside the loss) packed vs padded."""

@@ -35,7 +35,9 @@ STREAMED = ("generate", "reward")  # a micro-batched generate streams its pieces
             ["pipeline.fuse=[forwards,advantage]"],
             dict(present={"forwards", "advantage+actor_update"}, absent={*FORWARDS, "advantage", "actor_update"}),
         ),
-        (["pipeline.pieces=2"], dict(pieces=dict.fromkeys(STREAMED + FORWARDS, 2))),
+        pytest.param(  # slow (session 24's trim): the next case streams 2 pieces too
+            ["pipeline.pieces=2"], dict(pieces=dict.fromkeys(STREAMED + FORWARDS, 2)), marks=pytest.mark.slow
+        ),
         (
             ["pipeline.pieces=2", "pipeline.fuse=[forwards]"],
             dict(present={"forwards"}, absent=set(FORWARDS), pieces=dict.fromkeys(STREAMED + ("forwards",), 2)),
@@ -94,6 +96,9 @@ def test_generation_on_a_wider_nested_group_equals_one_device(tmp_path):
     assert_same_run(run(tmp_path, "one", grpo, plan=one, steps=2), run(tmp_path, "wide", grpo, plan=wide, steps=2))
 
 
+# 54 s; test_sharding_params checks explicit axis types' loss and gradients by default (slow: session 24's trim of the
+# default run)
+@pytest.mark.slow
 def test_explicit_axis_types_train_like_auto(tmp_path):
     """Sharding in types (`sharding.axis_types=explicit`: the model gathers FSDP weights and states
     the layout of tensor-sharded contractions itself) trains like XLA's propagation (auto) on a
@@ -127,7 +132,7 @@ def test_staleness_zero_is_synchronous(tmp_path):
     assert all(r["staleness/max"] == 0.0 and r["rollout/weights_version"] == r["step"] - 1 for r in metrics)
 
 
-@pytest.mark.parametrize("k", [0, 1])
+@pytest.mark.parametrize("k", [pytest.param(0, marks=pytest.mark.slow), 1])  # k = 1 by default (session 24's trim)
 def test_resume_after_sigkill_is_exact(tmp_path, k):
     n = 2
     common = TINY + [f"pipeline.staleness={k}", f"train.steps={2 * n}", f"train.checkpoint_every={n}"]
