@@ -252,10 +252,30 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
         optimizers["critic"] = make_optimizer(cfg.critic_optim or cfg.optim, total)
     scfg = sampler_config(cfg, gen_count)
     adapter_sync = AdapterSync(cfg, placement, base) if base is not None and placement.disjoint else None
-    if adapter_sync is not None:
-        rollout_params = adapter_sync(actor)
-    else:
-        rollout_params = placement.to_rollout(actor if base is None else merge_adapters(cfg, placement, base, actor))
+    reward_name, reward_fn = resolve_reward(cfg.data)
+    ctx = RuntimeContext(
+        cfg=cfg,
+        graphdefs=graphdefs,
+        optimizers=optimizers,
+        sampler=None,  # set below, from the rollout weights the context makes
+        tokenizer=pipeline.tokenizer,
+        reward_name=reward_name,
+        reward_fn=reward_fn,
+        temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
+        update_key=jax.random.key(cfg.train.seed + 12345),
+        fixed_shapes=cfg.pipeline.pieces > 1,
+        placement=placement,
+        offload=offload,
+        prompt_offset=mine.first_prompt,
+        sample_offset=mine.first_sample,
+        samples=mine.samples,
+        data_skipped=dict(pipeline.skipped),
+        admission=graph.admission,
+        compiler_options=xla_flags.train_compiler_options(),
+        lora_base=base,
+        adapter_sync=adapter_sync,
+    )
+    rollout_params = ctx.rollout_params(actor)  # the first weight sync: what every later one does
     sampler = None  # a training process of a split placement samples nothing
     if placement.generates_here:
         sampler = Sampler(
@@ -264,7 +284,6 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
             tokenizer=pipeline.tokenizer,
             mesh=placement.generate.mesh,
         )
-    reward_name, reward_fn = resolve_reward(cfg.data)
     engine = None
     if graph.admission == "continuous" and sampler is not None:
         r, G = cfg.rollout, cfg.rl.group_size
@@ -283,29 +302,7 @@ def build(cfg: RunConfig, graph: Graph, plan: Plan) -> tuple[RuntimeContext, Sto
             runner=runner,  # episodes (env.name other than single_turn), else None
             max_total_tokens=r.max_new_tokens,
         )
-    ctx = RuntimeContext(
-        cfg=cfg,
-        graphdefs=graphdefs,
-        optimizers=optimizers,
-        sampler=sampler,
-        tokenizer=pipeline.tokenizer,
-        reward_name=reward_name,
-        reward_fn=reward_fn,
-        temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
-        update_key=jax.random.key(cfg.train.seed + 12345),
-        fixed_shapes=cfg.pipeline.pieces > 1,
-        placement=placement,
-        offload=offload,
-        prompt_offset=mine.first_prompt,
-        sample_offset=mine.first_sample,
-        samples=mine.samples,
-        data_skipped=dict(pipeline.skipped),
-        engine=engine,
-        admission=graph.admission,
-        compiler_options=xla_flags.train_compiler_options(),
-        lora_base=base,
-        adapter_sync=adapter_sync,
-    )
+    ctx.sampler, ctx.engine = sampler, engine
     if engine is not None and cfg.rl.filter_groups != "none":
         engine.scorer = functools.partial(group_scores, ctx)
     ctx.rollout = make_source(ctx, runner) if sampler is not None else None  # where each step's batch comes from
