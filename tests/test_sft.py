@@ -170,7 +170,7 @@ def params_of(state):
     return [np.asarray(x) for x in jax.tree.leaves(state["actor"])]
 
 
-def test_sft_run_learns_resumes_exactly_and_exports(tmp_path):
+def test_sft_run_learns_resumes_exactly_and_exports_and_stops_on_loss(tmp_path, monkeypatch):
     from rpeg_jax.runtime import sft
     from rpeg_jax.runtime.export import export
     from rpeg_jax.runtime.metrics import read_metrics
@@ -185,6 +185,24 @@ def test_sft_run_learns_resumes_exactly_and_exports(tmp_path):
     resumed = sft.train_sft(load_config(None, sft_overrides(b)), keep_state=True)
     for x, y in zip(params_of(full["state"]), params_of(resumed["state"])):
         np.testing.assert_array_equal(x, y)  # the batch of a step is a function of the step
+
+    # sft.stop_loss (window 2 here): the run stops at the first step whose last two losses' mean is below
+    # the threshold, computed here from the full run's losses (the reference); its losses are the full
+    # run's up to there, and run again it trains nothing
+    monkeypatch.setattr(sft, "STOP_WINDOW", 2)
+    means = [(losses[k - 2] + losses[k - 1]) / 2 for k in (2, 3, 4)]  # after steps 2, 3, 4
+    assert means[1] < means[0], means
+    thr = (means[0] + means[1]) / 2
+    want = next(k for k, m in zip((2, 3, 4), means) if m < thr)
+    c = tmp_path / "c"
+    stopped = sft.train_sft(load_config(None, sft_overrides(c, f"sft.stop_loss={thr!r}")))
+    assert stopped["steps"] == want < 4 and stopped["stopped_on_loss"] and not stopped["interrupted"]
+    rows = read_metrics(os.path.join(c, "sft", "metrics.jsonl"))
+    assert [m["sft/loss"] for m in rows] == losses[:want]
+    assert rows[-1]["sft/loss_recent"] == pytest.approx(means[want - 2], rel=1e-6)
+    again = sft.train_sft(load_config(None, sft_overrides(c, f"sft.stop_loss={thr!r}")))
+    assert again["steps"] == want and again["stopped_on_loss"]
+    assert len(read_metrics(os.path.join(c, "sft", "metrics.jsonl"))) == want
 
     out = str(tmp_path / "model")
     step, files = export(str(tmp_path / "a" / "sft"), out)
@@ -256,6 +274,8 @@ def test_config_errors_are_one_line(tmp_path):
         load_config(None, ["train.mode=sft"])
     with pytest.raises(ConfigError, match="sft.max_len"):
         load_config(None, sft_overrides(tmp_path, "sft.max_len=100000"))
+    with pytest.raises(ConfigError, match=r"sft.stop_loss.*-0.1"):
+        load_config(None, sft_overrides(tmp_path, "sft.stop_loss=-0.1"))
     with pytest.raises(ConfigError, match="train.mode"):
         load_config(None, ["train.mode=sft", "sft.path=x.jsonl", "data.chat_template=none"])
 

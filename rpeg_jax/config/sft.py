@@ -29,7 +29,7 @@ class SFTConfig:
     messages_field: str = "messages"  # JSONL key of a record's list of messages ("a.b" nests)
     tools_field: str | None = "tools"  # JSONL key of a record's tool schemas (rendered as the template's
     #                                    tools=), absent or null: none
-    steps: int = 100  # optimizer steps
+    steps: int = 100  # optimizer steps (the most, with stop_loss)
     batch_size: int = 16  # conversations per optimizer step (over all processes)
     max_len: int = 256  # tokens of a packed row; a longer conversation is an error (or skipped)
     lr: float | None = None  # peak learning rate of SFT; null: optim.lr
@@ -37,6 +37,9 @@ class SFTConfig:
     shuffle: bool = True  # conversations reshuffled every epoch (seed: train.seed)
     checkpoint_every: int = 0  # SFT steps between checkpoints (0: the final one only)
     eval_every: int = 0  # SFT steps between held-out evaluations (eval.path; 0: after the last step only)
+    stop_loss: float | None = None  # stop (checkpoint, evaluation, export as after the last step) at the first
+    #                                 step where the mean sft/loss of the last 10 steps is below this; null:
+    #                                 run sft.steps (runtime/sft.py: STOP_WINDOW)
 
     def validate(self, path: str) -> None:
         for name in ("steps", "batch_size", "max_len"):
@@ -45,6 +48,8 @@ class SFTConfig:
         for name in ("checkpoint_every", "eval_every"):
             v = getattr(self, name)
             check(v >= 0, key(path, name), v, "must be >= 0")
+        if self.stop_loss is not None:
+            check(self.stop_loss > 0, key(path, "stop_loss"), self.stop_loss, "must be > 0 (null: run sft.steps)")
         if self.lr is not None:
             check(self.lr > 0, key(path, "lr"), self.lr, "must be > 0 (null: optim.lr)")
         for name in ("messages_field", "tools_field"):

@@ -14,6 +14,13 @@ cross-entropy of the assistant tokens (data/sft.py: its mask) over the whole bat
 
     loss = - sum_t mask[t] * log p(ids[t] | ids[<t] of its conversation) / sum_t mask[t]
 
+sft.stop_loss ends the run at the first step where the mean sft/loss of the last STOP_WINDOW steps is
+below it (sft.steps: the most): that step is checkpointed and evaluated as the last one, and the run is
+done (run again, it trains nothing). A measured stop, not a step count: where a transition (the copy
+of the agentic preset) happens depends on seeds and float noise (bench/NOTES.md, session 24). The
+window's losses are in every checkpoint's meta (recent_loss), so a resumed run stops where the
+uninterrupted one does.
+
 A run directory as RL's: config.yaml, metrics.jsonl (sft/loss, sft/tokens, sft/lr, sft/grad_norm, ...),
 checkpoints/ (orbax, the same items: train = {actor, actor_opt}, so `rpeg export` and runtime/evaluation
 read them as an RL run's), eval/step_N.jsonl (eval.path, every sft.eval_every steps and after the last).
@@ -55,6 +62,8 @@ from rpeg_jax.runtime.metrics import MetricsWriter
 from rpeg_jax.shapes.packing import first_fit_decreasing
 
 log = logging.getLogger("rpeg_jax")
+
+STOP_WINDOW = 10  # steps whose mean sft/loss sft.stop_loss compares (sft/loss_recent)
 
 
 # ---- batches (numpy, host) ---------------------------------------------------------------------
@@ -157,8 +166,9 @@ def _model(cfg: RunConfig):
 
 
 def train_sft(cfg: RunConfig, *, on_step=None, keep_state: bool = False) -> dict[str, Any]:
-    """cfg.sft.steps SFT steps (module doc), resuming from the run directory's newest checkpoint
-    when train.resume=auto. Returns {"steps", "run_dir", "loss"} (+ "state" with keep_state)."""
+    """cfg.sft.steps SFT steps, or fewer with sft.stop_loss (module doc), resuming from the run
+    directory's newest checkpoint when train.resume=auto. Returns {"steps", "interrupted",
+    "stopped_on_loss", "run_dir", "loss"} (+ "state" with keep_state)."""
     from rpeg_jax.runtime.trainer import StopSignals, check_run_dir
 
     with StopSignals() as stop:  # SIGINT / SIGTERM: stop after the step in flight, its checkpoint saved
@@ -190,13 +200,17 @@ def _train_sft(cfg: RunConfig, stop, check_run_dir, on_step, keep_state: bool) -
         evaluator.on(graphdef, mesh, lambda p: p)
     os.makedirs(d, exist_ok=True)
     ckpt = Checkpointer(os.path.join(d, "checkpoints"), keep=cfg.train.keep_checkpoints, cleanup_tmp=True)
-    start = 0
+    start, recent = 0, []
     try:
         latest = ckpt.latest_step() if cfg.train.resume == "auto" else None
         if latest is not None:
             train, meta, _ = ckpt.restore(latest, {"actor": params, "actor_opt": opt_state})
             params, opt_state, start = train["actor"], train["actor_opt"], int(meta["step"])
+            recent = [float(x) for x in meta.get("recent_loss", [])][-STOP_WINDOW:]
             log.info("SFT: resumed from step %d (%s)", start, ckpt.directory)
+        stopped = _loss_stop(s.stop_loss, recent)
+        if stopped:
+            log.info("SFT: step %d met sft.stop_loss (%g): nothing to train", start, s.stop_loss)
         write_atomic(os.path.join(d, "config.yaml"), dump_yaml(cfg))
         log.info(
             "SFT: %d conversations (%d assistant tokens of %d) from %s; skipped %s",
@@ -218,11 +232,11 @@ def _train_sft(cfg: RunConfig, stop, check_run_dir, on_step, keep_state: bool) -
         loss = float("nan")
         try:
             done = start
-            for t in range(start, s.steps):
+            for t in range(start, start if stopped else s.steps):
                 if stop.agreed():
                     log.warning("SFT: stopped by %s after step %d; run the same command to resume", stop.signal_name, t)
                     if t > start:
-                        ckpt.save(t, {"actor": params, "actor_opt": opt_state}, {"step": t, "mode": "sft"})
+                        ckpt.save(t, {"actor": params, "actor_opt": opt_state}, _meta(t, recent))
                     break
                 t0 = time.perf_counter()
                 idx = batch_indices(len(examples), s.batch_size, t, cfg.train.seed, s.shuffle)
@@ -238,23 +252,46 @@ def _train_sft(cfg: RunConfig, stop, check_run_dir, on_step, keep_state: bool) -
                 m["sft/rows"] = float(host["tokens"].shape[0])
                 m["sft/fill"] = float((host["segments"] > 0).mean())
                 m["timing_s/step"] = time.perf_counter() - t0
-                last = t + 1 == s.steps
+                recent = [*recent, loss][-STOP_WINDOW:]
+                m["sft/loss_recent"] = float(np.mean(recent))
+                stopped = _loss_stop(s.stop_loss, recent)
+                if stopped:
+                    log.info(
+                        "SFT: step %d: mean loss of the last %d steps %.4g < sft.stop_loss %g: stopping",
+                        t + 1,
+                        STOP_WINDOW,
+                        m["sft/loss_recent"],
+                        s.stop_loss,
+                    )
+                last = t + 1 == s.steps or stopped
                 if evaluator is not None and (last or (s.eval_every and (t + 1) % s.eval_every == 0)):
                     m.update(evaluator.run(t + 1, params))
                 writer.write(t + 1, m, last=last)
                 if on_step is not None:
                     on_step(t + 1, m)
                 if last or (s.checkpoint_every and (t + 1) % s.checkpoint_every == 0):
-                    ckpt.save(t + 1, {"actor": params, "actor_opt": opt_state}, {"step": t + 1, "mode": "sft"})
+                    ckpt.save(t + 1, {"actor": params, "actor_opt": opt_state}, _meta(t + 1, recent))
                 done = t + 1
+                if stopped:
+                    break
         finally:
             writer.close()
     finally:
         ckpt.close()
-    out = {"steps": done, "interrupted": done < s.steps, "run_dir": d, "loss": loss}
+    out = {"steps": done, "interrupted": done < s.steps and not stopped, "stopped_on_loss": stopped, "run_dir": d}
+    out["loss"] = loss
     if keep_state:
         out["state"] = {"actor": params, "actor_opt": opt_state}
     return out
+
+
+def _loss_stop(threshold: float | None, recent: list[float]) -> bool:
+    """sft.stop_loss met: a full window of losses whose mean is below the threshold."""
+    return threshold is not None and len(recent) == STOP_WINDOW and float(np.mean(recent)) < threshold
+
+
+def _meta(step: int, recent: list[float]) -> dict[str, Any]:
+    return {"step": step, "mode": "sft", "recent_loss": list(recent)}
 
 
 def rl_after_sft(cfg: RunConfig, model_dir: str) -> RunConfig:
