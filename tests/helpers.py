@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import json
 import os
 import re
 from typing import Any, NamedTuple
@@ -74,6 +75,30 @@ def run(tmp_path, name, overrides, steps=3, **kw) -> Run:
     return Run(
         read_metrics(os.path.join(out["run_dir"], "metrics.jsonl")), out["state"], out["consumed"], out["run_dir"]
     )
+
+
+def records(run_dir) -> dict[int, dict]:
+    """metrics.jsonl of a run (one written by launch/multihost.py's processes too), by step."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, filter(str.strip, f))}
+
+
+def checkpoint_actor(run_dir, step) -> dict[str, np.ndarray]:
+    """The actor's parameters in checkpoint `step` of a run, as numpy arrays by path."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.join(run_dir, "checkpoints", str(step), "train")
+    reader = ocp.PyTreeCheckpointer()
+    try:
+        meta = reader.metadata(path).item_metadata
+        actor = {"actor": getattr(meta, "tree", meta)["actor"]}
+        leaf = lambda x: hasattr(x, "shape") or x is None  # noqa: E731
+        item = jax.tree.map(lambda m: np.zeros(()), actor, is_leaf=leaf)
+        args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), actor, is_leaf=leaf)
+        got = reader.restore(path, args=ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True))
+    finally:
+        reader.close()
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(got["actor"])[0]}
 
 
 def assert_same_run(a: Run, b: Run, *, atol=ATOL):

@@ -6,14 +6,13 @@ processes agree on the step to stop after), then the same command: the metrics o
 the final parameters are those of the run nobody interrupted; also with dynamic sampling
 (rl.filter_groups=zero_variance) on 2 processes x 4 devices."""
 
-import json
 import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from helpers import SKIP, TINY
+from helpers import SKIP, TINY, checkpoint_actor, records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,30 +49,6 @@ def launch(run_dir, overrides, signal_at=None, devices=2):
     return subprocess.run(cmd + [f"train.run_dir={run_dir}"], capture_output=True, text=True, timeout=900, env=env)
 
 
-def params(run_dir, step):
-    """The actor's parameters in checkpoint `step` of a run, as numpy arrays by path."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    path = os.path.join(run_dir, "checkpoints", str(step), "train")
-    reader = ocp.PyTreeCheckpointer()
-    try:
-        meta = reader.metadata(path).item_metadata
-        actor = {"actor": getattr(meta, "tree", meta)["actor"]}
-        leaf = lambda x: hasattr(x, "shape") or x is None  # noqa: E731
-        item = jax.tree.map(lambda m: np.zeros(()), actor, is_leaf=leaf)
-        args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), actor, is_leaf=leaf)
-        got = reader.restore(path, args=ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True))
-    finally:
-        reader.close()
-    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(got["actor"])[0]}
-
-
-def records(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return {r["step"]: r for r in map(json.loads, filter(str.strip, f))}
-
-
 @pytest.mark.multihost
 @pytest.mark.slow  # three 2-process runs: ~4 min of CPU on 2 cores
 @pytest.mark.parametrize("extra,devices", [([], 2), (FILTER, 4)], ids=["plain-2x2", "filter-2x4"])
@@ -95,7 +70,7 @@ def test_ctrl_c_on_two_processes_resumes_exactly(tmp_path, extra, devices):
     for s in a:
         keys = [k for k in a[s] if not k.startswith(SKIP)]
         assert {k: a[s][k] for k in keys} == {k: b[s].get(k) for k in keys}, s
-    want, got = params(tmp_path / "straight", 5), params(tmp_path / "stopped", 5)
+    want, got = checkpoint_actor(tmp_path / "straight", 5), checkpoint_actor(tmp_path / "stopped", 5)
     assert want.keys() == got.keys() and want
     for k in want:
         np.testing.assert_array_equal(want[k], got[k], err_msg=k)

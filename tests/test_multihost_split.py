@@ -10,7 +10,6 @@ Decoding ahead (the default for split placement: the generating processes decode
 while the training processes run step t's update) is checked by the resume test: the bound per
 token, and kill -9 / SIGINT then the same command equal to the uninterrupted run."""
 
-import json
 import os
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import ATOL, SKIP, TINY
+from helpers import ATOL, SKIP, TINY, checkpoint_actor, records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -41,30 +40,6 @@ def launch(run_dir, processes, overrides):
     return subprocess.run(cmd + [f"train.run_dir={run_dir}"], capture_output=True, text=True, timeout=900, env=env)
 
 
-def params(run_dir, step):
-    """The actor's parameters in checkpoint `step` of a run, as numpy arrays by path."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    path = os.path.join(run_dir, "checkpoints", str(step), "train")
-    reader = ocp.PyTreeCheckpointer()
-    try:
-        meta = reader.metadata(path).item_metadata
-        actor = {"actor": getattr(meta, "tree", meta)["actor"]}
-        leaf = lambda x: hasattr(x, "shape") or x is None  # noqa: E731
-        item = jax.tree.map(lambda m: np.zeros(()), actor, is_leaf=leaf)
-        args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), actor, is_leaf=leaf)
-        got = reader.restore(path, args=ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True))
-    finally:
-        reader.close()
-    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(got["actor"])[0]}
-
-
-def records(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return {r["step"]: r for r in map(json.loads, filter(str.strip, f))}
-
-
 @pytest.mark.multihost
 @pytest.mark.slow  # a 2-process and a 4-process run
 def test_split_on_four_processes_equals_colocated_on_two(tmp_path):
@@ -81,7 +56,7 @@ def test_split_on_four_processes_equals_colocated_on_two(tmp_path):
     for s in a:
         keys = [k for k in a[s] if not k.startswith(SKIP)]
         assert {k: a[s][k] for k in keys} == {k: b[s].get(k) for k in keys}, s
-    want, got = params(tmp_path / "coloc", 6), params(tmp_path / "split", 6)
+    want, got = checkpoint_actor(tmp_path / "coloc", 6), checkpoint_actor(tmp_path / "split", 6)
     assert want.keys() == got.keys() and want
     for k in want:
         np.testing.assert_array_equal(want[k], got[k], err_msg=k)
@@ -105,7 +80,7 @@ def test_lora_split_on_four_processes_moves_adapters_and_equals_colocated(tmp_pa
     for s in a:
         for k in ("actor/pg_loss", "reward/mean", "actor/grad_norm"):
             assert b[s][k] == pytest.approx(a[s][k], rel=1e-4, abs=1e-6), (s, k)
-    want, got = params(tmp_path / "coloc", 6), params(tmp_path / "split", 6)
+    want, got = checkpoint_actor(tmp_path / "coloc", 6), checkpoint_actor(tmp_path / "split", 6)
     assert want.keys() == got.keys() and all("lora_" in k for k in want)
     assert any(np.abs(want[k]).max() > 0 for k in want if "lora_b" in k)  # the adapters trained
     for k in want:
@@ -143,7 +118,7 @@ def test_split_resumes_exactly_after_kill_9_and_ctrl_c(tmp_path):
     for s in a:  # decoding ahead (the default here): generation overlapped the update, within the bound
         assert a[s]["staleness/max"] <= 1 and a[s]["timing_s/decode_ahead"] > 0, (s, a[s])
         assert a[s]["rollout/weights_version"] == max(0, s - 2) and a[s]["timing_s/update_weights"] > 0, s
-    want = params(tmp_path / "straight", 6)
+    want = checkpoint_actor(tmp_path / "straight", 6)
     cases = (
         ("killed", "3:SIGKILL", [1, 2]),
         ("killed-between", "4:SIGKILL:boundary", [1, 2, 3]),
@@ -168,7 +143,7 @@ def test_split_resumes_exactly_after_kill_9_and_ctrl_c(tmp_path):
         for s in a:
             keys = [k for k in a[s] if not k.startswith(SKIP)]
             assert {k: a[s][k] for k in keys} == {k: b[s].get(k) for k in keys}, (name, s)
-        got = params(tmp_path / name, 6)
+        got = checkpoint_actor(tmp_path / name, 6)
         assert want.keys() == got.keys() and want
         for k in want:
             np.testing.assert_array_equal(want[k], got[k], err_msg=f"{name} {k}")

@@ -6,14 +6,13 @@ run of the same config on 2 devices: every metric and the final parameters equal
 tests/test_launch.py), with the 2-process run stopped by SIGINT after step 2 and resumed by the same
 command (the data cursor and the checkpoint of a run whose processes share their prompt)."""
 
-import json
 import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from helpers import SKIP, TINY
+from helpers import SKIP, TINY, checkpoint_actor, records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,30 +56,6 @@ def launch(run_dir, processes, signal_at=None):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
 
 
-def records(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return {r["step"]: r for r in map(json.loads, filter(str.strip, f))}
-
-
-def params(run_dir, step):
-    """The actor's parameters in checkpoint `step` of a run, as numpy arrays by path."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    path = os.path.join(run_dir, "checkpoints", str(step), "train")
-    reader = ocp.PyTreeCheckpointer()
-    try:
-        meta = reader.metadata(path).item_metadata
-        actor = {"actor": getattr(meta, "tree", meta)["actor"]}
-        leaf = lambda x: hasattr(x, "shape") or x is None  # noqa: E731
-        item = jax.tree.map(lambda m: np.zeros(()), actor, is_leaf=leaf)
-        args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), actor, is_leaf=leaf)
-        got = reader.restore(path, args=ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True))
-    finally:
-        reader.close()
-    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(got["actor"])[0]}
-
-
 @pytest.mark.multihost
 @pytest.mark.slow  # three runs (one of 2 processes resumed): ~2-3 min of CPU on 2 cores
 def test_two_processes_sharing_one_prompts_group_train_as_one_process(tmp_path):
@@ -102,7 +77,7 @@ def test_two_processes_sharing_one_prompts_group_train_as_one_process(tmp_path):
         for k in keys:
             # float32 collectives over gloo sum in another order than in one process: 1e-5 relative
             np.testing.assert_allclose(b[s][k], a[s][k], rtol=1e-5, atol=1e-7, err_msg=f"step {s} {k}")
-    want, got = params(tmp_path / "one", 3), params(tmp_path / "two", 3)
+    want, got = checkpoint_actor(tmp_path / "one", 3), checkpoint_actor(tmp_path / "two", 3)
     assert want.keys() == got.keys() and want
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
