@@ -272,15 +272,15 @@ def _load(ckpt: Checkpointer, store: Store, ex: Executor, ctx, step: int, target
         comps = dict(arrays)
         rows = ctx.placement.host_rows(arrays["tokens_BxS"]), ctx.placement.host_rows(arrays["response_mask_BxR"])
         if continuous:  # decoding ahead: the groups' host columns as saved (buffered_host)
-            comps.update(saved_host_fields(ctx, mine.get("buffered_host", {})[str(s)], *rows))
+            comps.update(saved_host_fields(mine.get("buffered_host", {})[str(s)], *rows))
         elif filt is not None:  # dynamic sampling: the groups the step kept, wherever in the stream
             before, sources, filtered = filt["steps"][str(s)]
             sources = [(int(d), int(i)) for d, i in sources]
-            comps.update(stream_host_fields(ctx, prompts, sources, *rows))
+            comps.update(stream_host_fields(prompts, sources, *rows))
             prompts.cursor_before[s], prompts.sources[s], prompts.filtered[s] = tuple(before), sources, int(filtered)
         else:
             batch = prompts.get(s)
-            comps.update(host_fields(ctx, batch, 0, len(batch.prompt_tokens), *rows))
+            comps.update(host_fields(batch, 0, len(batch.prompt_tokens), *rows))
         store.put_data("completions", s, comps)
         store.put_data("behav_logp", s, buffer[f"{s}/behav_logp/"])
     if filt is not None:

@@ -89,14 +89,15 @@ def _host_columns(host: dict[str, list], tokens: np.ndarray, mask: np.ndarray) -
     return {"host_tokens": tokens, "host_mask": mask, **{f"host_{k}": _objects(v, pi) for k, v in host.items()}}
 
 
-def host_fields(ctx, batch, lo: int, hi: int, tokens: np.ndarray, mask: np.ndarray) -> dict:
+def host_fields(batch, lo: int, hi: int, tokens: np.ndarray, mask: np.ndarray) -> dict:
     """Host-side fields of prompts [lo, hi) of a PromptBatch, this process's rows of each (for the reward)."""
     host = {k: [getattr(batch, a)[i] for i in range(lo, hi)] for k, a in HOST_FIELDS}
     return _host_columns(host, tokens, mask)
 
 
-def stream_host_fields(ctx, prompts: StepPrompts, sources, tokens: np.ndarray, mask: np.ndarray) -> dict:
-    """Host-side fields of the prompts at `sources` ((data step, index) each) of the stream, G rows each."""
+def stream_host_fields(prompts: StepPrompts, sources, tokens: np.ndarray, mask: np.ndarray) -> dict:
+    """Host-side fields of the prompts at `sources` ((data step, index) each) of the stream, this
+    process's rows of each."""
     picked = [(prompts.get(d), i) for d, i in sources]
     host = {k: [getattr(b, a)[i] for b, i in picked] for k, a in HOST_FIELDS}
     return _host_columns(host, tokens, mask)
@@ -109,9 +110,9 @@ def _objects(values, index) -> np.ndarray:
     return out
 
 
-def saved_host_fields(ctx, saved: dict, tokens: np.ndarray, mask: np.ndarray) -> dict:
+def saved_host_fields(saved: dict, tokens: np.ndarray, mask: np.ndarray) -> dict:
     """Host-side fields of a batch from what a checkpoint saved of them (runtime/resume._host_of: per
-    group prompt, answer and record; per row the scores dynamic sampling cached), G rows each."""
+    group prompt, answer and record; per row the scores dynamic sampling cached), this process's rows of each."""
     out = _host_columns({k: saved[k] for k, _ in HOST_FIELDS}, tokens, mask)
     for k in ("rewards", "reward_errors", "truncated"):
         if k in saved:
