@@ -1,13 +1,14 @@
 """Sampling transforms against a float64 NumPy reference of the truncated distributions: the returned
 logprob is log p(token) under the distribution actually used (1e-5), tokens come from its support, the
 empirical frequencies match it (4000 draws per setting, |freq - p| < 0.03, about 4 sigma), draws depend
-only on (seed, prompt id, sample id, position), and changing settings never retraces."""
+only on (seed, prompt id, sample id, position), and changing settings never retraces. The draw itself is
+inversion of the row's uniform against a float64 cumulative distribution."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rpeg_jax.sampling.transforms import sample, sequence_keys
+from rpeg_jax.sampling.transforms import CDF_BLOCK, _invert, sample, sequence_keys
 
 
 def ref_distribution(logits, t, top_k, top_p, min_p):
@@ -123,3 +124,31 @@ def test_settings_are_traced_not_static():
     run(logits, [(0.5, 2, 0.9, 0.1)] * n, [0] * n, range(n), [0] * n, [1] * n)
     run(logits, [(0.0, 0, 1.0, 0.0)] * n, [1] * n, range(n), [0] * n, [2] * n)
     assert _sample._cache_size() - before <= 1  # at most the first compile of this shape
+
+
+def test_draw_inverts_the_uniform_against_the_float64_cdf():
+    """The drawn token is the first entry whose float64 cumulative probability exceeds the row's
+    uniform (rows whose u lies within 1e-5 of a CDF step are left out: float32 may round either
+    way there); excluded entries (-inf) are never drawn, with a whole block excluded, a padded last
+    block, and u next to 0 and 1; z is sum(exp(s - max))."""
+    rng = np.random.default_rng(3)
+    n, v = 512, 3 * CDF_BLOCK + 37
+    s = rng.standard_normal((n, v)) * 3.0
+    s[:, CDF_BLOCK : 2 * CDF_BLOCK] = -np.inf
+    s[:, ::7] = -np.inf
+    s[:64, 2 * CDF_BLOCK :] = -np.inf  # these rows' mass ends before the last blocks
+    u = rng.uniform(size=n)
+    u[:6] = [1e-9, 0.5, 1 - 1e-7, 0.9999999, 1e-30, 0.25]
+    u[64:70] = [1e-9, 1 - 1e-7, 0.9999999, 0.5, 0.75, 0.1]
+    s32 = jnp.asarray(s, jnp.float32)
+    tok, z = jax.jit(_invert)(s32, jnp.max(s32, axis=-1), jnp.asarray(u, jnp.float32))
+    tok, z = np.asarray(tok), np.asarray(z)
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(z, p.sum(axis=1), rtol=1e-5)
+    p /= p.sum(axis=1, keepdims=True)
+    cdf = np.cumsum(p, axis=1)
+    assert (p[np.arange(n), tok] > 0).all(), "a token outside the support was drawn"
+    clear = np.abs(cdf - u[:, None]).min(axis=1) > 1e-5
+    assert clear.sum() > 0.9 * n
+    ref = (cdf <= u[:, None]).sum(axis=1)
+    np.testing.assert_array_equal(tok[clear], ref[clear])

@@ -16,12 +16,18 @@ Definitions (row-wise; l = float32 logits, T = temperature):
   truncation), as vLLM reports it; a point mass has no useful logprob.
 - randomness: key = fold_in(fold_in(fold_in(PRNGKey(seed), prompt_id), sample_id), position), where
   position is the sampled token's position in the sequence, so a sequence's draws do not depend on
-  its batch, slot, page size, chunk size or preemption. Gumbel-max draws the token; the Gumbel noise
-  of vocabulary entry i is -log(-log(u)) with u from the Threefry-2x32 hash (20 rounds, Salmon et
-  al. 2011, the hash behind jax.random) of the counter i under the row's key, computed elementwise
-  over [B, V] (`_threefry_uniform`). Why not `jax.random.gumbel` per row: on CPU its vmapped,
-  rolled-loop lowering cost 0.3-0.7 ms per model-T step (64 x 128 draws) and 6.7 ms per model-S
-  step (8 x 32000), 5-15% of a step; the elementwise hash fuses into one vectorised loop.
+  its batch, slot, page size, chunk size or preemption. One uniform u per row and position (the
+  Threefry-2x32 hash (20 rounds, Salmon et al. 2011, the hash behind jax.random) of counter 0 under
+  the row's key, `_threefry_uniform`) draws the token by inversion: the first vocabulary entry whose
+  cumulative probability under softmax(s) exceeds u (`_invert`). The cumulative sum is taken in two
+  levels, sums of blocks of CDF_BLOCK entries and then the entries of the block u falls in, so each
+  step reads the [B, V] scores twice (the max; the exponentials and their block sums, which also give
+  the logsumexp of the logprob) and never hashes a counter per vocabulary entry.
+  Why not Gumbel-max (the draw before 2026-12-06: a Threefry hash and -log(-log u) per entry, then an
+  argmax): on CPU, SmolLM2-135M's shape at 32 rows x 49152 entries, it cost ~6 ms of a ~114 ms
+  decode step (the per-entry hash, the logs, and XLA:CPU's (value, index) argmax reduction at
+  ~2.5 ms); inversion costs ~1.5 ms (bench/NOTES.md, session 25). Why not `jax.random.gumbel` per
+  row: its vmapped, rolled-loop lowering was slower still (6.7 ms per model-S step).
 """
 
 from __future__ import annotations
@@ -97,18 +103,59 @@ def processed_logits(logits_BxV, temperature_B, top_k_B, top_p_B, min_p_B):
     return jnp.where(sampling[:, None] & (s < floor), -jnp.inf, s)
 
 
+CDF_BLOCK = 128  # vocabulary entries per block of the two-level cumulative sum (`_invert`)
+
+
+def _first_above(cum_BxN, target_B, positive_BxN):
+    """Per row: the first index whose cumulative value exceeds target (>= 0), clamped to the last
+    index with a positive term (rounding can leave target at or above the total)."""
+    n = cum_BxN.shape[-1]
+    first = jnp.sum((cum_BxN <= target_B[:, None]).astype(jnp.int32), axis=-1)
+    last = jnp.max(jnp.where(positive_BxN, jnp.arange(n, dtype=jnp.int32)[None, :], -1), axis=-1)
+    return jnp.minimum(first, last)
+
+
+def _invert(s_BxV, m_B, u_B):
+    """(token_B, z_B): the first entry whose cumulative probability under softmax(s) exceeds u_B, and
+    z = sum(exp(s - m)) (m = max s per row), so logsumexp(s) = m + log z.
+
+    Two levels: the sums of blocks of CDF_BLOCK entries and their cumulative sum pick the block (the
+    first whose cumulative sum exceeds u z); the block's own cumulative sum picks the entry, at u z
+    minus the mass before the block. An entry with probability 0 (s = -inf) is never picked: it
+    never raises a cumulative sum above the target (targets are >= 0), and the clamps go to the
+    last positive block and entry. float32 sums of at most V / CDF_BLOCK and CDF_BLOCK terms: the
+    probability moved between neighbouring entries by rounding is ~1e-7 of the total."""
+    b, v = s_BxV.shape
+    nb = -(-v // CDF_BLOCK)
+    pad = ((0, 0), (0, nb * CDF_BLOCK - v))
+    padded = s_BxV if nb * CDF_BLOCK == v else jnp.pad(s_BxV, pad, constant_values=-jnp.inf)
+    block_sums = jnp.sum(jnp.exp(padded - m_B[:, None]).reshape(b, nb, CDF_BLOCK), axis=-1)  # [B, nb]
+    z = jnp.sum(block_sums, axis=-1)
+    cum = jnp.cumsum(block_sums, axis=-1)
+    target = u_B * z
+    j = _first_above(cum, target, block_sums > 0)
+    before = jnp.take_along_axis(cum - block_sums, j[:, None], axis=-1)[:, 0]
+    cols = j[:, None] * CDF_BLOCK + jnp.arange(CDF_BLOCK, dtype=jnp.int32)[None, :]
+    e = jnp.exp(jnp.take_along_axis(padded, cols, axis=-1) - m_B[:, None])  # the block's terms [B, CDF_BLOCK]
+    i = _first_above(jnp.cumsum(e, axis=-1), jnp.maximum(target - before, 0.0), e > 0)
+    return jnp.clip(j * CDF_BLOCK + i, 0, v - 1), z
+
+
 def sample(logits_BxV, key_Bx2, position_B, temperature_B, top_k_B, top_p_B, min_p_B):
     """(token_B int32, logprob_B float32): one draw per row; see the module docstring."""
     s = processed_logits(logits_BxV, temperature_B, top_k_B, top_p_B, min_p_B)
+    v = s.shape[-1]
     greedy = temperature_B <= 0
+    m = jnp.max(s, axis=-1)
+    keys = jax.vmap(jax.random.fold_in)(key_Bx2, position_B)
+    drawn_B, z = _invert(s, m, _threefry_uniform(keys, 1)[:, 0])
 
-    def gumbel(_):
-        keys = jax.vmap(jax.random.fold_in)(key_Bx2, position_B)
-        return -jnp.log(-jnp.log(_threefry_uniform(keys, s.shape[-1])))
+    def first_max(s):  # argmax, the first of equal maxima, as two plain reductions (max above, min here)
+        return jnp.min(jnp.where(s == m[:, None], jnp.arange(v, dtype=jnp.int32)[None, :], v), axis=-1)
 
-    # All-greedy batches skip the random draw at run time.
-    g = jax.lax.cond(jnp.all(greedy), lambda _: jnp.zeros_like(s), gumbel, None)
-    token_B = jnp.argmax(jnp.where(greedy[:, None], s, s + g), axis=-1).astype(jnp.int32)
+    # Batches without a greedy row skip the argmax at run time.
+    top_B = jax.lax.cond(jnp.any(greedy), first_max, lambda s: jnp.zeros(s.shape[:1], jnp.int32), s)
+    token_B = jnp.minimum(jnp.where(greedy, top_B, drawn_B), v - 1).astype(jnp.int32)
     s_tok = jnp.take_along_axis(s, token_B[:, None], axis=-1)[:, 0]
-    logprob_B = s_tok - jax.nn.logsumexp(s, axis=-1)
+    logprob_B = s_tok - (m + jnp.log(z))
     return token_B, logprob_B
