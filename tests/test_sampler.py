@@ -15,6 +15,7 @@ from helpers import prompts_of, sampler_trainer_gap
 
 from rpeg_jax.models import load_hf
 from rpeg_jax.sampling import Sampler, SamplerConfig, SamplingParams
+from rpeg_jax.sampling import forward as sampling_forward
 
 HF = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 # One bucket of each kind per engine shape (prefill rows/length, page-table width): one compile each.
@@ -81,14 +82,23 @@ def assert_same(a, b, tol=LP_TOL):
         ("llama_tiny", "model", "chunk"),
         ("qwen3_tiny", "split_t", "chunk"),  # q/k norm in the per-layer forward's own layer
         ("qwen3_tiny", "model", "gather"),
+        ("qwen2_tiny", "split_unfused", "chunk"),  # separate q/k/v (with biases) and gate/up products
+        ("llama_tiny", "split_t_unfused", "chunk"),
     ],
 )
-def test_greedy_equals_plain_forward_argmax_on_hf_fixtures(name, forward, attention, llama):
-    """Every sampler forward (the model's own; per-layer weights; transposed per-layer weights) and
-    decode attention (pages gathered per step or per chunk) against the plain forward."""
+def test_greedy_equals_plain_forward_argmax_on_hf_fixtures(name, forward, attention, llama, monkeypatch):
+    """Every sampler forward (the model's own; per-layer weights, products fused or not; transposed
+    per-layer weights) and decode attention (pages gathered per step or per chunk) against the plain
+    forward."""
+    if forward.endswith("_unfused"):  # the fixtures' layers are small enough to be fused by default
+        monkeypatch.setattr(sampling_forward, "FUSE_MAX_LAYER_BYTES", -1)
+        forward = forward.removesuffix("_unfused")
     model = llama if name == "llama_tiny" else load_hf(os.path.join(HF, name))
     prompts = prompts_of([5, 1, 9, 4, 7])
     sampler = Sampler(model, dataclasses.replace(BASE, forward=forward, attention=attention))
+    if forward.startswith("split"):  # the products are laid out as the size rule says
+        fused = sampling_forward.layer_bytes(model.cfg) <= sampling_forward.FUSE_MAX_LAYER_BYTES
+        assert sampler._fwd.fused == fused and ("wqkv" in sampler._weights["layers"][0]) == fused
     outs = sampler.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True))
     ref, fwd = greedy_reference(model, prompts, 16)
     for o, r, p in zip(outs, ref, prompts):
