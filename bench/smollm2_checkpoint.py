@@ -156,7 +156,10 @@ def check(out: str, project_python: str):
         worst = max(worst, diff)
         agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
         total += len(ids)
-        print(f"conversation {i}: {len(ids)} tokens, max |logits ours - HF| = {diff:.2e}, |HF| max {np.abs(ref).max():.1f}")
+        print(
+            f"conversation {i}: {len(ids)} tokens, max |logits ours - HF| = {diff:.2e}, "
+            f"|HF| max {np.abs(ref).max():.1f}"
+        )
     print(f"chat rendering + ids identical on {len(CONVERSATIONS)} conversations; eos id {ours['eos_id']}")
     print(f"logits: worst max |diff| {worst:.2e}, argmax agreement {agree}/{total}")
     return worst, agree, total
