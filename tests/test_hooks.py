@@ -21,8 +21,13 @@ def test_hooks_run_at_their_cadence_and_metrics_hooks_join_the_record(tmp_path):
         probes.append(norm)
         return {"my/param_sq": norm}
 
+    # an entropy bonus: the parameters move every step even when no completion earns a reward
     r = run(
-        tmp_path, "hooks", TINY, steps=5, hooks=[Hook(after, every=2, at_end=True), Hook(probe, every=3, metrics=True)]
+        tmp_path,
+        "hooks",
+        TINY + ["rl.entropy_coef=0.01"],
+        steps=5,
+        hooks=[Hook(after, every=2, at_end=True), Hook(probe, every=3, metrics=True)],
     )
     assert seen == [(2, False, True, True), (4, False, True, True), (5, True, True, True)]
     with_probe = {m["step"]: m["my/param_sq"] for m in r.metrics if "my/param_sq" in m}

@@ -29,7 +29,7 @@ from rpeg_jax.sampling.kernel_attention import attend_kernel, kernel_blocks
 
 HF = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 ATOL = 2e-6  # float32 kernel vs float64 reference, O(1) inputs, up to 256 key columns
-LP_ATOL = 1e-5  # float32 logprobs, kernel vs gather sampler
+LP_ATOL, LP_RTOL = 1e-5, 1e-5  # float32 logprobs, kernel vs gather sampler (a log-sum-exp of ~2 rounds by ~1e-5)
 TF32_ATOL, TF32_LP_ATOL = 5e-3, 1e-2  # on a GPU: the compiled kernel's float32 products are TF32
 
 
@@ -158,7 +158,7 @@ def assert_same(outs, ref):
     for o, r in zip(outs, ref, strict=True):
         for c, d in zip(o.completions, r.completions, strict=True):
             assert c.tokens.tolist() == d.tokens.tolist()
-            np.testing.assert_allclose(c.logprobs, d.logprobs, atol=LP_ATOL, rtol=0)
+            np.testing.assert_allclose(c.logprobs, d.logprobs, atol=LP_ATOL, rtol=LP_RTOL)
 
 
 @pytest.mark.parametrize("name,forward", [("llama_tiny", "split"), ("qwen2_tiny", "model"), ("qwen3_tiny", "split")])

@@ -122,7 +122,8 @@ def test_lora_run_trains_only_the_adapters_and_the_reference_is_the_base(tmp_pat
     from rpeg_jax.runtime.setup import build
     from rpeg_jax.runtime.trainer import choose_plan
 
-    over = LORA + ["rl.kl_coef=0.1", "pipeline.elide_old_forward=true"]
+    # the entropy bonus gives the adapters a gradient whether or not a completion earns a reward
+    over = LORA + ["rl.kl_coef=0.1", "rl.entropy_coef=0.01", "pipeline.elide_old_forward=true"]
     r = run(tmp_path, "lora", over, steps=3)
     actor = r.state["actor"]
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(actor)]
@@ -133,7 +134,7 @@ def test_lora_run_trains_only_the_adapters_and_the_reference_is_the_base(tmp_pat
     assert sum(x.size for x in mu) == n_adapter  # AdamW's first moment: one entry per adapter parameter
     assert any(float(jnp.max(jnp.abs(v))) > 0 for k, v in actor["layers"].items() if k.startswith("lora_b_"))
     kl = [m["actor/kl"] for m in r.metrics]
-    assert abs(kl[0]) < 1e-6 and kl[-1] > 1e-3, kl
+    assert abs(kl[0]) < 1e-6 and max(kl[1:]) > 1e-3, kl  # 0 at B = 0, then away from the base
     sampler_vs_trainer = [abs(m["actor/ppo_kl"]) for m in r.metrics]
     assert max(sampler_vs_trainer) < 1e-5, sampler_vs_trainer
 
