@@ -9,6 +9,16 @@ venv (`rpeg train` in a subprocess, its median step after the first; the Sampler
 the peers, Hugging Face `generate` and TRL's GRPOTrainer (bench/peers.py), in `--peer-python`'s
 venv. Each round runs the four measurements one after the other, so machine drift hits both sides
 alike; ratios are per round. Time it alone: nothing else may run on the machine.
+
+Each round also measures the ceilings on the machine as it is then (`ceilings`, issue 34's ">= 80% of
+the ceiling"; the machine's rates drift between sessions, so a ceiling from another day is not one):
+- generation: the weight products alone (q/k/v, o, gate/up, down of every layer and the LM head),
+  timed as one compiled chain on one device in both forms the sampler may run (q/k/v and gate/up
+  fused or separate; the faster counts): one chain of 256 rows (the 8 x 32 prompt tokens' prefill,
+  which also gives the first token) plus 47 chains of 32 rows (the decode steps);
+- the step: that, plus the update's model FLOPs (bench/train_mfu.model_flops: 32 sequences of 80
+  tokens, 48 scored, three forwards) at the float32 1024^3 matmul rate, plus the optimizer's bytes
+  (7 x 4 B per parameter) at the memory rate (bench/update_profile.measured_rates).
 """
 
 from __future__ import annotations
@@ -92,6 +102,70 @@ print(json.dumps({{"tokens_per_s": max(rates), "median_tokens_per_s": sorted(rat
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+CEILING = f"""
+import json, sys, time
+sys.path.insert(0, "bench")
+import jax, jax.numpy as jnp, numpy as np
+import train_mfu as T
+from update_profile import measured_rates
+from rpeg_jax.config import load_config
+from rpeg_jax.costmodel.shape import ModelShape
+from rpeg_jax.graph.algorithms import model_dims
+
+cfg = load_config(None, T.overrides("smollm2-135m", "xla", "dots", 1, "float32")).model
+d, e, f, L = cfg.hidden_size, cfg.head_size, cfg.intermediate_size, cfg.num_layers
+h, k = cfg.num_heads, cfg.num_kv_heads
+rng = np.random.default_rng(0)
+def w(i, o):
+    return jnp.asarray(rng.standard_normal((i, o)).astype(np.float32) * 0.02)
+fused = [[w(d, (h + 2 * k) * e), w(h * e, d), w(d, 2 * f), w(f, d)] for _ in range(L)]
+split = [[w(d, h * e), w(d, k * e), w(d, k * e), w(h * e, d), w(d, f), w(d, f), w(f, d)] for _ in range(L)]
+head = w(d, cfg.vocab_size)
+
+@jax.jit
+def chain_fused(ws, head, x):
+    for wqkv, o, wgu, dn in ws:  # every output column is used (XLA could narrow a product only sliced)
+        qkv, gu = x @ wqkv, x @ wgu
+        a = (qkv[:, : h * e] + 1e-3 * jnp.sum(qkv[:, h * e :], -1, keepdims=True)) @ o
+        m = (gu[:, :f] * gu[:, f:]) @ dn
+        x = x + 1e-3 * (a + m)
+    return x @ head
+
+@jax.jit
+def chain_split(ws, head, x):
+    for q, kk, v, o, g, u, dn in ws:
+        a = (x @ q + 1e-3 * jnp.sum(x @ kk, -1, keepdims=True) + 1e-3 * jnp.sum(x @ v, -1, keepdims=True)) @ o
+        m = ((x @ g) * (x @ u)) @ dn
+        x = x + 1e-3 * (a + m)
+    return x @ head
+
+def best(fn, *args, reps=7):
+    jax.block_until_ready(fn(*args))
+    out = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter(); jax.block_until_ready(fn(*args)); out = min(out, time.perf_counter() - t0)
+    return out
+
+x1 = jnp.asarray(rng.standard_normal(({PROMPTS * N}, d)).astype(np.float32))
+xp = jnp.asarray(rng.standard_normal(({PROMPTS * PROMPT_LEN}, d)).astype(np.float32))
+step = min(best(chain_fused, fused, head, x1), best(chain_split, split, head, x1))
+prefill = min(best(chain_fused, fused, head, xp), best(chain_split, split, head, xp))
+gen_s = prefill + ({NEW} - 1) * step
+rate, bw = measured_rates()
+ms = ModelShape.of(model_dims(cfg, "actor"))
+flops = T.model_flops(ms, {PROMPTS * N}, {PROMPT_LEN + NEW}, {NEW})
+update_s = flops / rate + 7 * 4 * cfg.num_params() / bw
+print(json.dumps(dict(decode_step_s=step, prefill_s=prefill, generate_s=gen_s,
+                      generate_tokens_per_s={PROMPTS * N * NEW} / gen_s, matmul_gflops=rate / 1e9,
+                      memory_gbs=bw / 1e9, update_s=update_s, step_s=gen_s + update_s)))
+"""
+
+
+def ceilings() -> dict:
+    out = subprocess.run([sys.executable, "-c", CEILING], cwd=ROOT, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def peer(python: str, what: str, *extra: str) -> dict:
     args = [python, "bench/peers.py", what, "--model", "rs", "--prompts", str(PROMPTS), "--n", str(N)]
     args += ["--prompt-len", str(PROMPT_LEN), "--new", str(NEW), *extra]
@@ -110,12 +184,18 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         t0 = time.time()
         rec = {"round": r, "load": os.getloadavg()[0]}
+        rec["ceiling"] = ceilings()
         rec["rpeg_generate"] = rpeg_generate(3)
         rec["hf_generate"] = peer(args.peer_python, "hf-generate", "--temperature", "1.0", "--reps", "3")
         rec["rpeg_step"] = rpeg_step(args.steps)
         rec["trl_step"] = peer(args.peer_python, "trl-step", "--steps", str(args.steps - 1))
         rec["generate_ratio"] = rec["rpeg_generate"]["tokens_per_s"] / rec["hf_generate"]["tokens_per_s"]
         rec["step_ratio"] = rec["trl_step"]["seconds_per_step"] / rec["rpeg_step"]["seconds_per_step"]
+        c = rec["ceiling"]
+        rec["generate_of_ceiling"] = rec["rpeg_generate"]["tokens_per_s"] / c["generate_tokens_per_s"]
+        rec["step_of_ceiling"] = c["step_s"] / rec["rpeg_step"]["seconds_per_step"]
+        upd = rec["rpeg_step"]["stages_s"].get("timing_s/advantage_actor_update")
+        rec["update_of_ceiling"] = c["update_s"] / upd if upd else None
         rec["wall_s"] = time.time() - t0
         records.append(rec)
         print(
@@ -126,6 +206,14 @@ def main(argv=None) -> int:
             flush=True,
         )
         print(f"  rpeg stages (median s): {rec['rpeg_step']['stages_s']}", flush=True)
+        print(
+            f"  ceilings now: generation {c['generate_tokens_per_s']:.0f} tok/s (rpeg at "
+            f"{rec['generate_of_ceiling']:.0%}; decode step {c['decode_step_s'] * 1e3:.1f} ms, prefill "
+            f"{c['prefill_s'] * 1e3:.0f} ms), update {c['update_s']:.2f} s (matmul {c['matmul_gflops']:.0f} "
+            f"GFLOP/s, memory {c['memory_gbs']:.1f} GB/s), step {c['step_s']:.2f} s "
+            f"(rpeg at {rec['step_of_ceiling']:.0%})",
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

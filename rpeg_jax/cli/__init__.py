@@ -35,6 +35,14 @@ def _load(name: str):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["train"], ["eval"]):  # before any import starts a thread (runtime/host_memory.py)
+        from rpeg_jax.runtime import host_memory
+
+        try:
+            host_memory.keep_freed_memory()
+        except ValueError as e:
+            print(f"rpeg {argv[0]}: {e}", file=sys.stderr)
+            return 2
     parser = argparse.ArgumentParser(prog="rpeg", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in SUBCOMMANDS.items():

@@ -1,0 +1,65 @@
+"""runtime/host_memory.py: with the mallopt settings a large block freed and allocated again is the
+same memory (no fresh pages touched), without them every allocation of that size faults its pages in
+anew (glibc maps and unmaps it): the mechanism that cost the RS update ~half its time on this VM. Each
+case runs in a fresh interpreter (the settings are process-wide, and must come before threads)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rpeg_jax.runtime import host_memory
+
+CYCLES = """
+import ctypes, json, resource, sys, threading
+from rpeg_jax.runtime import host_memory
+applied = host_memory.keep_freed_memory({"RPEG_HOST_MALLOC": sys.argv[1]})
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+size, faults = 96 << 20, []  # the size of an Eigen packing block in SmolLM2-135M's update
+
+def cycles():  # on a thread of its own, as XLA's workers allocate
+    for _ in range(6):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        p = libc.malloc(size)
+        ctypes.memset(p, 1, size)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        libc.free(p)
+
+t = threading.Thread(target=cycles)
+t.start()
+t.join()
+print(json.dumps({"applied": applied, "faults": faults}))
+"""
+
+
+def cycle_faults(choice: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", CYCLES, choice], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
+def test_kept_memory_is_reused_and_system_memory_faults_anew():
+    pages = (96 << 20) // 4096
+    system = cycle_faults("system")
+    assert system["applied"] is False
+    assert min(system["faults"][1:]) > pages // 2, system  # every cycle touches fresh pages
+    kept = cycle_faults("keep")
+    assert kept["applied"] is True
+    assert kept["faults"][0] > pages // 2  # the first touch is the same
+    assert max(kept["faults"][1:]) < pages // 20, kept  # then the same memory is reused
+
+
+def test_auto_is_on_for_the_cpu_only_and_a_bad_value_names_the_variable():
+    assert host_memory.wanted({}, gpu_plugin=False)
+    assert not host_memory.wanted({}, gpu_plugin=True)
+    assert host_memory.wanted({"JAX_PLATFORMS": "cpu"}, gpu_plugin=True)
+    assert not host_memory.wanted({"JAX_PLATFORMS": "cuda,cpu"}, gpu_plugin=False)
+    assert host_memory.wanted({"RPEG_HOST_MALLOC": "keep"}, gpu_plugin=True)
+    assert not host_memory.wanted({"RPEG_HOST_MALLOC": "system", "JAX_PLATFORMS": "cpu"})
+    with pytest.raises(ValueError, match="RPEG_HOST_MALLOC='sometimes'"):
+        host_memory.wanted({"RPEG_HOST_MALLOC": "sometimes"})
