@@ -1,6 +1,6 @@
 """GSM8K-style arithmetic word problems as a messages JSONL, for by-hand checks on a small real model.
 
-    python bench/arith_problems.py --out-dir /work/ckpt/arith [--train 400 --test 80 --seed 0]
+    python bench/arith_problems.py --out-dir /work/ckpt/arith [--train 400 --test 80 --seed 0] [--instruction verl]
 
 No real GSM8K is reachable offline (PyPI's aviary.gsm8k ships only code that downloads it), and real
 GSM8K is out of reach of a 135M model anyway (SmolLM2-135M-Instruct scores ~1-2% on it), which would
@@ -80,14 +80,18 @@ def _two(r: random.Random, hi: int) -> tuple[str, str, int]:
     return q, s, a * b + c
 
 
-def problems(n: int, r: random.Random, seen: set[str], two_ops: float, hi: int) -> list[dict]:
+VERL_GSM8K = 'Let\'s think step by step and output the final answer after "####".'
+
+
+def problems(n: int, r: random.Random, seen: set[str], two_ops: float, hi: int, instruction: str = "") -> list[dict]:
     out = []
     while len(out) < n:
         q, s, ans = (_two if r.random() < two_ops else _one)(r, hi)
         if q in seen:
             continue
         seen.add(q)
-        out.append({"question": [{"role": "user", "content": q}], "solution": f"{s}\n#### {ans}"})
+        content = f"{q} {instruction}" if instruction else q
+        out.append({"question": [{"role": "user", "content": content}], "solution": f"{s}\n#### {ans}"})
     return out
 
 
@@ -99,10 +103,18 @@ def main():
     ap.add_argument("--two-ops", type=float, default=0.0, help="fraction of two-operation problems")
     ap.add_argument("--max", type=int, default=10, help="largest operand of + and - (x and / use up to half)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--instruction",
+        default="",
+        help=f"appended to each question ('verl': verl's GSM8K preprocessing's {VERL_GSM8K!r}); "
+        "session 25-27's held-out numbers used none",
+    )
     args = ap.parse_args()
+    if args.instruction == "verl":
+        args.instruction = VERL_GSM8K
     r, seen = random.Random(args.seed), set()
-    test = problems(args.test, r, seen, args.two_ops, args.max)  # drawn first: the train set never repeats one
-    train = problems(args.train, r, seen, args.two_ops, args.max)
+    test = problems(args.test, r, seen, args.two_ops, args.max, args.instruction)  # drawn first: never in train
+    train = problems(args.train, r, seen, args.two_ops, args.max, args.instruction)
     os.makedirs(args.out_dir, exist_ok=True)
     for name, rows in (("train", train), ("test", test)):
         with open(os.path.join(args.out_dir, f"{name}.jsonl"), "w") as f:
