@@ -108,11 +108,11 @@ sys.path.insert(0, "bench")
 import jax, jax.numpy as jnp, numpy as np
 import train_mfu as T
 from update_profile import measured_rates
-from rpeg_jax.config import load_config
+from rpeg_jax.config.model import model_preset
 from rpeg_jax.costmodel.shape import ModelShape
 from rpeg_jax.graph.algorithms import model_dims
 
-cfg = load_config(None, T.overrides("smollm2-135m", "xla", "dots", 1, "float32")).model
+cfg = model_preset("smollm2-135m")
 d, e, f, L = cfg.hidden_size, cfg.head_size, cfg.intermediate_size, cfg.num_layers
 h, k = cfg.num_heads, cfg.num_kv_heads
 rng = np.random.default_rng(0)
@@ -139,7 +139,7 @@ def chain_split(ws, head, x):
         x = x + 1e-3 * (a + m)
     return x @ head
 
-def best(fn, *args, reps=7):
+def best(fn, *args, reps=7):  # generate.best_time's loop; importing bench/generate would force 2 CPU devices
     jax.block_until_ready(fn(*args))
     out = float("inf")
     for _ in range(reps):

@@ -6,6 +6,7 @@ case runs in a fresh interpreter (the settings are process-wide, and must come b
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -14,9 +15,16 @@ import pytest
 from rpeg_jax.runtime import host_memory
 
 CYCLES = """
-import ctypes, json, resource, sys, threading
+import contextlib, ctypes, io, json, os, resource, sys, threading
 from rpeg_jax.runtime import host_memory
-applied = host_memory.keep_freed_memory({"RPEG_HOST_MALLOC": sys.argv[1]})
+how, choice = sys.argv[1:]
+if how == "call":
+    applied = host_memory.keep_freed_memory({"RPEG_HOST_MALLOC": choice})
+else:  # as `rpeg train --help` applies it, from the environment
+    from rpeg_jax.cli import main
+    os.environ["RPEG_HOST_MALLOC"], applied = choice, None
+    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
+        main(["train", "--help"])
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
@@ -37,21 +45,36 @@ print(json.dumps({"applied": applied, "faults": faults}))
 """
 
 
-def cycle_faults(choice: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", CYCLES, choice], capture_output=True, text=True, check=True)
+def cycle_faults(how: str, choice: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", CYCLES, how, choice], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+PAGES = (96 << 20) // 4096
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
 def test_kept_memory_is_reused_and_system_memory_faults_anew():
-    pages = (96 << 20) // 4096
-    system = cycle_faults("system")
+    system = cycle_faults("call", "system")
     assert system["applied"] is False
-    assert min(system["faults"][1:]) > pages // 2, system  # every cycle touches fresh pages
-    kept = cycle_faults("keep")
+    assert min(system["faults"][1:]) > PAGES // 2, system  # every cycle touches fresh pages
+    kept = cycle_faults("call", "keep")
     assert kept["applied"] is True
-    assert kept["faults"][0] > pages // 2  # the first touch is the same
-    assert max(kept["faults"][1:]) < pages // 20, kept  # then the same memory is reused
+    assert kept["faults"][0] > PAGES // 2  # the first touch is the same
+    assert max(kept["faults"][1:]) < PAGES // 20, kept  # then the same memory is reused
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
+def test_the_rpeg_command_applies_it_before_the_subcommand_and_names_a_bad_value():
+    assert max(cycle_faults("cli", "keep")["faults"][1:]) < PAGES // 20  # `rpeg train` set it
+    assert min(cycle_faults("cli", "system")["faults"][1:]) > PAGES // 2  # and honours system
+    bad = subprocess.run(
+        [sys.executable, "-m", "rpeg_jax.cli", "train", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "RPEG_HOST_MALLOC": "sometimes"},
+    )
+    assert bad.returncode == 2 and "rpeg train: RPEG_HOST_MALLOC='sometimes'" in bad.stderr, bad.stderr
 
 
 def test_auto_is_on_for_the_cpu_only_and_a_bad_value_names_the_variable():
