@@ -17,8 +17,9 @@ the ceiling"; the machine's rates drift between sessions, so a ceiling from anot
   fused or separate; the faster counts): one chain of 256 rows (the 8 x 32 prompt tokens' prefill,
   which also gives the first token) plus 47 chains of 32 rows (the decode steps);
 - the step: that, plus the update's model FLOPs (bench/train_mfu.model_flops: 32 sequences of 80
-  tokens, 48 scored, three forwards) at the float32 1024^3 matmul rate, plus the optimizer's bytes
-  (7 x 4 B per parameter) at the memory rate (bench/update_profile.measured_rates).
+  tokens, 48 scored, three forwards) at the float32 matmul rate, plus the optimizer's bytes (7 x 4 B
+  per parameter) at the memory rate (both bench/update_profile.measured_rates: the best of square
+  products of 1024 and 2048, and a 256 MB copy).
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def chain_split(ws, head, x):
         x = x + 1e-3 * (a + m)
     return x @ head
 
-def best(fn, *args, reps=7):  # generate.best_time's loop; importing bench/generate would force 2 CPU devices
+def best(fn, *args, reps=10):  # generate.best_time's loop; importing bench/generate would force 2 CPU devices
     jax.block_until_ready(fn(*args))
     out = float("inf")
     for _ in range(reps):
@@ -166,10 +167,16 @@ def ceilings() -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def peer(python: str, what: str, *extra: str) -> dict:
+# glibc's environment form of rpeg_jax/runtime/host_memory.py's mallopt settings (one arena, no mmap,
+# no trimming), for a peer process: torch's CPU allocator goes through the same malloc.
+KEEP_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**62)}
+
+
+def peer(python: str, what: str, *extra: str, env: dict | None = None) -> dict:
     args = [python, "bench/peers.py", what, "--model", "rs", "--prompts", str(PROMPTS), "--n", str(N)]
     args += ["--prompt-len", str(PROMPT_LEN), "--new", str(NEW), *extra]
-    out = subprocess.run(args, cwd=ROOT, check=True, capture_output=True, text=True)
+    env = None if env is None else {**os.environ, **env}
+    out = subprocess.run(args, cwd=ROOT, check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -178,6 +185,11 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-python", required=True, help="python of the venv with torch, transformers, trl")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4, help="rpeg train / TRL steps per measurement (first: warm-up)")
+    ap.add_argument(
+        "--trl-keep-malloc",
+        action="store_true",
+        help="also time TRL under rpeg's host-memory settings (glibc: one arena, no mmap, no trim)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     records = []
@@ -189,6 +201,9 @@ def main(argv=None) -> int:
         rec["hf_generate"] = peer(args.peer_python, "hf-generate", "--temperature", "1.0", "--reps", "3")
         rec["rpeg_step"] = rpeg_step(args.steps)
         rec["trl_step"] = peer(args.peer_python, "trl-step", "--steps", str(args.steps - 1))
+        if args.trl_keep_malloc:
+            rec["trl_step_keep"] = peer(args.peer_python, "trl-step", "--steps", str(args.steps - 1), env=KEEP_MALLOC)
+            rec["step_ratio_keep"] = rec["trl_step_keep"]["seconds_per_step"] / rec["rpeg_step"]["seconds_per_step"]
         rec["generate_ratio"] = rec["rpeg_generate"]["tokens_per_s"] / rec["hf_generate"]["tokens_per_s"]
         rec["step_ratio"] = rec["trl_step"]["seconds_per_step"] / rec["rpeg_step"]["seconds_per_step"]
         c = rec["ceiling"]
@@ -205,6 +220,12 @@ def main(argv=None) -> int:
             f"({rec['step_ratio']:.2f}x); load {rec['load']:.1f}",
             flush=True,
         )
+        if args.trl_keep_malloc:
+            print(
+                f"  TRL under rpeg's host-memory settings: {rec['trl_step_keep']['seconds_per_step']:.2f} s "
+                f"({rec['step_ratio_keep']:.2f}x)",
+                flush=True,
+            )
         print(f"  rpeg stages (median s): {rec['rpeg_step']['stages_s']}", flush=True)
         print(
             f"  ceilings now: generation {c['generate_tokens_per_s']:.0f} tok/s (rpeg at "
