@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 
+from rpeg_jax.runtime import host_memory
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS, N, PROMPT_LEN, NEW = 8, 4, 32, 48
 
@@ -167,9 +169,8 @@ def ceilings() -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-# glibc's environment form of rpeg_jax/runtime/host_memory.py's mallopt settings (one arena, no mmap,
-# no trimming), for a peer process: torch's CPU allocator goes through the same malloc.
-KEEP_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**62)}
+# rpeg's host-memory settings for a peer process (torch's CPU allocator goes through the same malloc)
+KEEP_MALLOC = host_memory.GLIBC_ENV
 
 
 def peer(python: str, what: str, *extra: str, env: dict | None = None) -> dict:

@@ -45,8 +45,10 @@ print(json.dumps({"applied": applied, "faults": faults}))
 """
 
 
-def cycle_faults(how: str, choice: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", CYCLES, how, choice], capture_output=True, text=True, check=True)
+def cycle_faults(how: str, choice: str, env: dict | None = None) -> dict:
+    env = None if env is None else {**os.environ, **env}
+    cmd = [sys.executable, "-c", CYCLES, how, choice]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -62,6 +64,14 @@ def test_kept_memory_is_reused_and_system_memory_faults_anew():
     assert kept["applied"] is True
     assert kept["faults"][0] > PAGES // 2  # the first touch is the same
     assert max(kept["faults"][1:]) < PAGES // 20, kept  # then the same memory is reused
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
+def test_the_environment_form_keeps_memory_as_mallopt_does():
+    """GLIBC_ENV (what bench/rs.py gives a peer process) without any mallopt call."""
+    kept = cycle_faults("call", "system", env=host_memory.GLIBC_ENV)
+    assert kept["applied"] is False
+    assert max(kept["faults"][1:]) < PAGES // 20, kept
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")

@@ -34,6 +34,9 @@ ENV = "RPEG_HOST_MALLOC"
 CHOICES = ("auto", "keep", "system")
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's malloc.h
 TRIM_THRESHOLD = -1  # never trim (mallopt(3): -1 disables trimming)
+# The same three settings as glibc's environment variables, for a process started but not run by us
+# (bench/rs.py's peers); the environment has no spelling of mallopt's -1 trim threshold, 2**62 never trims.
+GLIBC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**62)}
 GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
 
 
