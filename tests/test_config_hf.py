@@ -314,6 +314,7 @@ def test_the_finetune_preset_has_the_grpo_recipes_values_and_warns_otherwise(tmp
     assert cfg.model.path and cfg.model.vocab_size == raw("qwen2_tiny")["vocab_size"]  # shape from the checkpoint
     assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.grad_clip, cfg.optim.warmup_steps) == (1e-6, 0.01, 1.0, 0)
     assert (cfg.rl.algorithm, cfg.rl.group_size, cfg.rl.kl_coef, cfg.rl.kl_estimator) == ("grpo", 8, 0.001, "k3")
+    assert cfg.rl.overlong == "mask"  # DAPO's overlong filtering (TRL's mask_truncated_completions)
     assert (cfg.rollout.temperature, cfg.data.prompts_per_step, cfg.data.task) == (1.0, 8, "jsonl")
     assert pretrained_warnings(cfg) == []
     tiny_lr = load_config(None, given + ["data.task=jsonl", "data.answer_field=solution", "data.max_prompt_len=32"])
