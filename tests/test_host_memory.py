@@ -96,3 +96,47 @@ def test_auto_is_on_for_the_cpu_only_and_a_bad_value_names_the_variable():
     assert not host_memory.wanted({"RPEG_HOST_MALLOC": "system", "JAX_PLATFORMS": "cpu"})
     with pytest.raises(ValueError, match="RPEG_HOST_MALLOC='sometimes'"):
         host_memory.wanted({"RPEG_HOST_MALLOC": "sometimes"})
+
+
+RELEASE = """
+import ctypes, json, sys
+from rpeg_jax.runtime import host_memory
+applied = host_memory.keep_freed_memory({"RPEG_HOST_MALLOC": sys.argv[1]})
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+blocks = [libc.malloc(32 << 20) for _ in range(8)]  # 256 MB, freed below a block that stays
+pin = libc.malloc(4096)
+for p in blocks:
+    ctypes.memset(p, 1, 32 << 20)
+for p in blocks:
+    libc.free(p)
+out = {"applied": applied, "kept": host_memory.resident_bytes()}
+out["roomy"] = host_memory.release_if_tight(available=1 << 50)  # the host has room: keep
+out["after_roomy"] = host_memory.resident_bytes()
+out["tight"] = host_memory.release_if_tight(available=1 << 20)  # it holds more than the host could give
+out["after_tight"] = host_memory.resident_bytes()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim is glibc's")
+@pytest.mark.parametrize("choice", ["keep", "system"])
+def test_kept_memory_goes_back_at_a_step_boundary_only_when_the_host_is_short_of_it(choice):
+    out = subprocess.run([sys.executable, "-c", RELEASE, choice], capture_output=True, text=True, check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    if choice == "system":  # glibc's own behaviour: nothing kept, nothing to release
+        assert r["applied"] is False and r["tight"] is False and r["kept"] < 200 << 20, r
+        return
+    assert r["applied"] is True and r["kept"] > 250 << 20, r  # the freed 256 MB stayed resident
+    assert r["roomy"] is False and r["after_roomy"] > 250 << 20, r
+    assert r["tight"] is True and r["after_tight"] < r["kept"] - (200 << 20), r  # given back
+
+
+def test_the_trainer_offers_the_memory_back_after_every_step(tmp_path, monkeypatch):
+    from helpers import TINY, run
+
+    calls = []
+    monkeypatch.setattr(host_memory, "release_if_tight", lambda *a, **k: calls.append(a) or False)
+    run(tmp_path, "release", TINY, steps=3)
+    assert len(calls) == 3

@@ -12,7 +12,9 @@ Three glibc settings (mallopt) keep that memory: one arena (a thread's own arena
 its 64 MB heap whatever the other settings say), no mmap for large blocks, and no trimming of the
 heap's top (with a 2 GB threshold the update's freed temporaries were still given back: 16.2 s).
 The peak resident memory barely moves (the blocks are reused, not added: RS's peak RSS 7.7 -> 8.0
-GB); what a step frees stays resident for the next one. Library use (`trainer.train` from Python)
+GB); what a step frees stays resident for the next one, unless the process holds more than the
+machine could still give it: then the trainer gives it back at the step boundary (`release_if_tight`).
+Library use (`trainer.train` from Python)
 keeps glibc's defaults unless the caller calls this first.
 
 When: `RPEG_HOST_MALLOC` = `auto` (the default: on when the run is on the CPU, i.e. JAX_PLATFORMS
@@ -20,7 +22,8 @@ names only cpu, or no GPU plugin of JAX is installed), `keep` (always) or `syste
 own behaviour). Only glibc has mallopt; elsewhere this does nothing.
 
 Called by: cli/__init__.py main (for `rpeg train` / `rpeg eval` / launch/multihost.py, before the
-subcommand's module, and JAX with it, is imported).
+subcommand's module, and JAX with it, is imported); runtime/trainer.py (`release_if_tight` after each
+step).
 """
 
 from __future__ import annotations
@@ -67,4 +70,45 @@ def keep_freed_memory(env=None) -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = mallopt(M_ARENA_MAX, 1) and mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    global _KEEPING
+    _KEEPING = bool(ok)
     return bool(ok)
+
+
+_KEEPING = False  # keep_freed_memory applied its settings in this process
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set now (Linux /proc/self/statm), None where unreadable."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def release_if_tight(available: float | None = None, resident: int | None = None) -> bool:
+    """At a step boundary: give the freed memory this process keeps back to the kernel (glibc's
+    malloc_trim(0), which also releases free pages inside the heap) when the process holds more than
+    the machine could still give it (`available`: costmodel.devices.host_memory, MemAvailable capped
+    by the cgroup). Kept blocks are reused by a step of the same shapes, but a step that allocates in
+    another order can leave them unused and grow past them: SmolLM2-135M at 8 x 8 x 256 (18.4 GB
+    resident in its update) was killed for memory in its second step on a 24 GB machine, and fits
+    with this (bench/NOTES.md, session 29). Below that line nothing is released, so a run with room
+    (RS: 8 GB of 24) keeps every block and faults nothing in anew. True when it released."""
+    if not _KEEPING:
+        return False
+    if available is None:
+        from rpeg_jax.costmodel.devices import host_memory
+
+        available = host_memory()
+    resident = resident_bytes() if resident is None else resident
+    if available is None or resident is None or resident <= available:
+        return False
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True

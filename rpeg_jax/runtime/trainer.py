@@ -45,7 +45,7 @@ from rpeg_jax.data.rewards import RewardError
 from rpeg_jax.graph.compile import compile_graph
 from rpeg_jax.graph.ir import Graph, GraphError
 from rpeg_jax.graph.plan import Plan, config_for_plan, graph_for_plan, plan_for_config
-from rpeg_jax.runtime import resume
+from rpeg_jax.runtime import host_memory, resume
 from rpeg_jax.runtime import split as split_run
 from rpeg_jax.runtime.checkpoint import CheckpointCorrupt, Checkpointer, DiskFull, NonFiniteError
 from rpeg_jax.runtime.evaluation import Evaluator
@@ -299,6 +299,7 @@ def _loop(
             run_hooks([h for h in all_hooks if h.name == "checkpoint"], info, metrics=False)
             saved = saved_box[0]
             executor.forget_before(t)
+            host_memory.release_if_tight()  # CPU: kept freed memory back when the host is short of it
             ckpt.poll()  # "checkpoint of step N written" once an earlier save has committed
             run_hooks([h for h in all_hooks if h.name != "checkpoint"], info, metrics=False)
     finally:
