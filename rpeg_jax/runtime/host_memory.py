@@ -14,8 +14,7 @@ heap's top (with a 2 GB threshold the update's freed temporaries were still give
 The peak resident memory barely moves (the blocks are reused, not added: RS's peak RSS 7.7 -> 8.0
 GB); what a step frees stays resident for the next one, unless the process holds more than the
 machine could still give it: then the trainer gives it back at the step boundary (`release_if_tight`).
-Library use (`trainer.train` from Python)
-keeps glibc's defaults unless the caller calls this first.
+Library use (`trainer.train` from Python) keeps glibc's defaults unless the caller calls this first.
 
 When: `RPEG_HOST_MALLOC` = `auto` (the default: on when the run is on the CPU, i.e. JAX_PLATFORMS
 names only cpu, or no GPU plugin of JAX is installed), `keep` (always) or `system` (never: glibc's
@@ -41,6 +40,15 @@ TRIM_THRESHOLD = -1  # never trim (mallopt(3): -1 disables trimming)
 # (bench/rs.py's peers); the environment has no spelling of mallopt's -1 trim threshold, 2**62 never trims.
 GLIBC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**62)}
 GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
+_KEEPING = False  # keep_freed_memory applied its settings in this process
+
+
+def _libc_function(name: str):
+    """glibc's `name` through ctypes, None where there is no such C library function (not glibc)."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
 
 
 def wanted(env=None, gpu_plugin: bool | None = None) -> bool:
@@ -63,19 +71,14 @@ def keep_freed_memory(env=None) -> bool:
     """Apply the three mallopt settings when `wanted`; True when they were applied."""
     if not wanted(env):
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:  # not glibc
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = mallopt(M_ARENA_MAX, 1) and mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     global _KEEPING
     _KEEPING = bool(ok)
     return bool(ok)
-
-
-_KEEPING = False  # keep_freed_memory applied its settings in this process
 
 
 def resident_bytes() -> int | None:
@@ -91,9 +94,9 @@ def release_if_tight(available: float | None = None, resident: int | None = None
     """At a step boundary: give the freed memory this process keeps back to the kernel (glibc's
     malloc_trim(0), which also releases free pages inside the heap) when the process holds more than
     the machine could still give it (`available`: costmodel.devices.host_memory, MemAvailable capped
-    by the cgroup). Kept blocks are reused by a step of the same shapes, but a step that allocates in
-    another order can leave them unused and grow past them: SmolLM2-135M at 8 x 8 x 256 (18.4 GB
-    resident in its update) was killed for memory in its second step on a 24 GB machine, and fits
+    by the cgroup). A later step does not always find the kept blocks reusable and can grow past
+    them: SmolLM2-135M at 8 x 8 x 256 at T = 0.7 (18.4 GB resident in its update under glibc's
+    defaults) was killed for memory in its second step on a 24 GB machine, and peaks at 14.7 GB
     with this (bench/NOTES.md, session 29). Below that line nothing is released, so a run with room
     (RS: 8 GB of 24) keeps every block and faults nothing in anew. True when it released."""
     if not _KEEPING:
@@ -105,9 +108,8 @@ def release_if_tight(available: float | None = None, resident: int | None = None
     resident = resident_bytes() if resident is None else resident
     if available is None or resident is None or resident <= available:
         return False
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+    trim = _libc_function("malloc_trim")
+    if trim is None:
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
