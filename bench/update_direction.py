@@ -5,11 +5,12 @@
 
 Runs `rpeg train` for ONE step of the given preset (the runtime's own path: sampler, reward,
 advantages, the actor update) with a checkpoint after it, and keeps the actor update's input batch
-(tokens, masks, advantages or rewards). Then, in the peer venv, Hugging Face transformers scores
+(tokens, masks, advantages, the reference logprobs). Then, in the peer venv, Hugging Face transformers scores
 that batch's response tokens under the initial model (model.path) and under the step-1 policy
 (`rpeg export`), and this script reports:
 
-  parity     |transformers logp(step 0) - the sampler's behaviour logp| over response tokens
+  parity     |transformers logp(step 0) - the run's reference logp| over response tokens (the
+             reference is the initial model; the behaviour logp where a run has no reference)
   dJ         sum over response tokens of A * (logp1 - logp0), over the token count: the change of
              the surrogate the update maximises (first order: lr * sum |g| > 0 for a sign-like
              Adam step). It must be > 0.
@@ -120,30 +121,17 @@ def main(argv=None):
         fh.write(PEER)
     scores = os.path.join(a.out, "scores.npz")
     subprocess.run([a.peer_python, fh.name, batch_path, base, hf1, scores], check=True)
-    report(dict(np.load(batch_path)), dict(np.load(scores)), cfg)
+    report(dict(np.load(batch_path)), dict(np.load(scores)))
 
 
-def grpo_advantages(rewards_B, G, eps, by_std):
-    r = rewards_B.reshape(-1, G).astype(np.float64)
-    a = r - r.mean(1, keepdims=True)
-    if by_std:
-        a = a / (r.std(1, ddof=1, keepdims=True) + eps)
-    return a.reshape(-1)
-
-
-def report(batch, scores, cfg):
+def report(batch, scores):
     mask = batch["response_mask_BxR"].astype(np.float64)
     lp0, lp1 = scores["logp0"], scores["logp1"]
-    if "advantages_BxR" in batch:
-        adv = batch["advantages_BxR"].astype(np.float64)
-        seq_adv = (adv * mask).sum(1) / np.maximum(mask.sum(1), 1)
-        src = "the batch's advantages_BxR"
-    else:
-        rl = cfg["rl"]
-        seq_adv = grpo_advantages(batch["rewards_B"], rl["group_size"], rl["adv_eps"], rl["norm_adv_by_std"])
-        adv = seq_adv[:, None] * mask
-        src = "GRPO advantages from the batch's rewards_B (float64 here)"
-    res = {"advantages": src, "rows": int(mask.shape[0]), "response_tokens": int(mask.sum())}
+    if "advantages_BxR" not in batch:
+        raise SystemExit(f"the actor update's batch has no advantages_BxR (keys: {sorted(batch)})")
+    adv = batch["advantages_BxR"].astype(np.float64)
+    seq_adv = (adv * mask).sum(1) / np.maximum(mask.sum(1), 1)
+    res = {"rows": int(mask.shape[0]), "response_tokens": int(mask.sum())}
     for k in ("ref_logp_BxR", "behav_logp_BxR"):  # the reference is the initial model: logp0 again
         if k in batch:
             d = np.abs(lp0 - batch[k]) * mask
