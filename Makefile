@@ -7,6 +7,9 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/default.yaml
 ARGS   ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers of `make test` (one per core of CI's 2; compilation, most of the run's time, is
+# single-threaded): the multi-process tests (`multihost`) then run alone, after them. 0: one process.
+TEST_WORKERS ?= 2
 
 .PHONY: env run test test-all lint format bench plan rpeg clean
 
@@ -22,7 +25,11 @@ run: $(STAMP)  ## train with the built-in default config (GRPO on the tiny model
 	$(PY) launch/multihost.py --config $(CONFIG) $(ARGS)
 
 test: lint  ## the default test run (what CI runs): ruff, then everything but `slow` and `gpu`
-	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
+	rc=0; $(PY) -m pytest -q -m "not slow and not gpu and not multihost" -n $(TEST_WORKERS) --dist loadfile \
+	  $(PYTEST_ARGS) || rc=$$?; \
+	rc2=0; $(PY) -m pytest -q -m "multihost and not slow and not gpu" $(PYTEST_ARGS) || rc2=$$?; \
+	if [ $$rc -eq 5 ] && [ $$rc2 -eq 5 ]; then exit 5; fi; \
+	[ $$rc -eq 0 -o $$rc -eq 5 ] && [ $$rc2 -eq 0 -o $$rc2 -eq 5 ]
 
 lint: $(STAMP)  ## ruff: lint and format check (configured in pyproject.toml)
 	$(PY) -m ruff check .
