@@ -7,8 +7,9 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= configs/default.yaml
 ARGS   ?=
 PYTEST_ARGS ?=
-# pytest-xdist workers of `make test` (one per core of CI's 2; compilation, most of the run's time, is
-# single-threaded): the multi-process tests (`multihost`) then run alone, after them. 0: one process.
+# pytest-xdist workers of `make test` (one per core of CI's 2; 1.29x over one process on a clean clone,
+# bench/NOTES.md session 31): the multi-process tests (`multihost`) then run alone, after them, since
+# under load they can miss their own deadlines. 0: one process.
 TEST_WORKERS ?= 2
 
 .PHONY: env run test test-all lint format bench plan rpeg clean

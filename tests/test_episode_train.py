@@ -101,6 +101,12 @@ class ThreeTurnsEpisode(Episode):
         return StepResult(observations=({"role": "user", "content": "Again."},))
 
 
+# 3-turn episodes with a 160-token budget (sampled + observations). The random model ends a turn by
+# sampling a stop id (~1 in 300 tokens): with 64 tokens all 16 episodes of a step were sometimes cut in
+# their first turn (env/turns/mean 1.0, seen after the sampling stream changed); with 160, ~2e-4 a step.
+THREE_TURNS = ["env.name=test_episode_train:ThreeTurns", "env.tools=[]", "rollout.max_new_tokens=160"]
+
+
 # 22 s; test_a_run_on_tool_episodes_logs_env_metrics runs multi-turn episodes by default (slow: session 24's trim of
 # the default run)
 @pytest.mark.slow
@@ -108,22 +114,17 @@ def test_a_run_on_three_turn_episodes(tmp_path):
     r = run(
         tmp_path,
         "three",
-        overrides(tmp_path, "env.name=test_episode_train:ThreeTurns", "env.tools=[]", "rollout.max_new_tokens=160"),
+        overrides(tmp_path, *THREE_TURNS),
         steps=2,
     )
     for m in r.metrics:
-        # 3 turns unless the 160-token budget (sampled + observations) cut the episode short. The random
-        # model ends a turn by sampling a stop id (~1 in 300 tokens): with a 64-token budget all 16 episodes
-        # of a step were sometimes cut in their first turn (turns/mean 1.0, seen after the sampling stream
-        # changed); with 160 that is ~1e-4 a step.
+        # 3 turns unless the 160-token budget (sampled + observations) cut the episode short
         assert 1 < m["env/turns/mean"] <= 3 and m["env/turns/mean"] + m["env/truncated"] * 2 >= 3 - 1e-6, m
         assert np.isfinite(m["actor/pg_loss"])
 
 
 CONTINUOUS = [
-    "env.name=test_episode_train:ThreeTurns",
-    "env.tools=[]",
-    "rollout.max_new_tokens=160",
+    *THREE_TURNS,
     "rollout.admission=continuous",
     "rollout.on_weight_update=continue",
     "pipeline.staleness=1",
