@@ -176,3 +176,5 @@ def test_run_directory_outputs(tmp_path):
         "reward/mean",
     ):
         assert key in rec, key
+    # the host's kernel time and page faults over the step (a CPU step that faults in fresh memory)
+    assert rec["perf/host_sys_s"] >= 0 and rec["perf/host_page_faults"] >= 0

@@ -19,6 +19,7 @@ Called by: runtime/trainer.py.
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 from collections import defaultdict
@@ -174,7 +175,7 @@ class Executor:
         by_group: dict[str, list[Task]] = defaultdict(list)
         for task in tasks:
             by_group[task.stage.plan.group].append(task)
-        t0 = time.perf_counter()
+        t0, ru0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         self._slot = t
         if self.roles is not None:
             self._run_split(t, tasks)
@@ -203,6 +204,11 @@ class Executor:
             if self._errors:
                 raise self._errors[0]
         self.metrics[t]["timing_s/step"] = self.stage_seconds[t]["step"] = time.perf_counter() - t0
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        # The process's kernel time and page faults over the slot (every thread): on a CPU host a step
+        # that faults in fresh memory spends seconds here (bench/NOTES.md, session 27 and 32).
+        self.metrics[t]["perf/host_sys_s"] = ru.ru_stime - ru0.ru_stime
+        self.metrics[t]["perf/host_page_faults"] = float(ru.ru_minflt - ru0.ru_minflt)
         return self.metrics
 
     def _run_split(self, t: int, tasks: list[Task]) -> None:
