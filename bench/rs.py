@@ -1,6 +1,6 @@
 """RS: a real-model-shaped RL step and its generation, rpeg_jax against its peers, side by side.
 
-    python bench/rs.py --peer-python /tmp/peers/bin/python [--rounds 2] [--json out.json]
+    python bench/rs.py --peer-python /tmp/peers/bin/python [--rounds 2] [--steps 6] [--json out.json]
 
 The workload (bench/WORKLOADS.md, RS): SmolLM2-135M's shape (`model.preset=smollm2-135m`, random
 init, float32), 8 prompts of 32 tokens x 4 responses of exactly 48 new tokens; one GRPO step (lr 1e-6,
@@ -185,7 +185,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--peer-python", required=True, help="python of the venv with torch, transformers, trl")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=4, help="rpeg train / TRL steps per measurement (first: warm-up)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=6,
+        help="rpeg train / TRL steps per measurement (first: warm-up); rpeg's steps 2-3 still fault in fresh"
+        " host memory (perf/host_page_faults 80-137k, 1.4-2.1 s of kernel time), steps 4+ ~0",
+    )
     ap.add_argument(
         "--trl-keep-malloc",
         action="store_true",
