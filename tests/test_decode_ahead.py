@@ -82,10 +82,20 @@ def test_generation_decodes_ahead_during_the_update_within_the_bound(tmp_path, k
     assert all(out["consumed"][("generate", t, 0)]["rollout_weights"] == max(0, t - 1) for t in range(7))
     with open(os.path.join(out["run_dir"], "plan.json")) as f:
         assert json.load(f)["settings"]["rollout.decode_ahead"] is True  # null resolved: split + continuous
-    # the overlap: generation of step t+1 ran while the update of step t did (their own threads)
-    sp = spans(out["run_dir"])
-    both = [t for t in range(1, 6) if sp[("generate", t + 1)][0] < sp[("actor_update", t)][1]]
-    assert both and all(sp[("generate", t + 1)][1] > sp[("actor_update", t)][0] for t in both)
+    # the overlap: generation of step t+1 ran while the update of step t did (their own threads), for
+    # some t. Not for every t: under k = 2 generate(t+1) needs only update(t-1), and on a loaded machine
+    # (CI's two workers) it can finish before update(t) starts (seen once: gen(t+1) entirely ahead).
+    # Taking turns (decode_ahead=false, or a serial executor) overlaps for no t.
+    assert overlapping_steps(out["run_dir"])
+
+
+def overlapping_steps(run_dir):
+    """The steps t whose update ran while generate(t+1) did, by the run's trace."""
+    sp = spans(run_dir)
+    steps = [t for t in range(6) if ("generate", t + 1) in sp and ("actor_update", t) in sp]
+    assert len(steps) >= 4, sorted(sp)
+    gen, upd = (lambda t: sp[("generate", t + 1)]), (lambda t: sp[("actor_update", t)])  # noqa: E731
+    return [t for t in steps if gen(t)[0] < upd(t)[1] and gen(t)[1] > upd(t)[0]]
 
 
 def test_decode_ahead_false_takes_turns(tmp_path):
@@ -94,6 +104,7 @@ def test_decode_ahead_false_takes_turns(tmp_path):
     assert all("timing_s/decode_ahead" not in r and r["staleness/max"] <= 1 for r in metrics)
     with open(os.path.join(out["run_dir"], "plan.json")) as f:
         assert json.load(f)["settings"]["rollout.decode_ahead"] is False
+    assert overlapping_steps(out["run_dir"]) == []  # what the overlap check above tells apart
 
 
 @pytest.mark.parametrize(
