@@ -106,13 +106,15 @@ def make_batch(b: int, s: int, r: int, vocab: int, seed: int = 0) -> dict:
     return {k: jnp.asarray(v) for k, v in batch.items()}
 
 
-def build(cfg):
-    """(jitted update, params, opt_state): the runtime's actor update, plain (no prompt sharing)."""
+def build(cfg, group: int = 1, compiler_options: dict | None = None):
+    """(jitted update, params, opt_state): the runtime's actor update, plain (group 1) or with each
+    group of `group` responses sharing one prompt pass (runtime/kernels.forward_fn(group_size=...),
+    as `rpeg train` runs it); `compiler_options`: per-program XLA options."""
     gd, params = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(params=0)), nnx.Param)
     tx = make_optimizer(cfg.optim, 100)
-    fwd = kernels.forward_fn(gd, temperature=1.0, logp=True, entropy=False, values=False, group_size=1)
-    update = make_actor_update(fwd, tx, cfg.rl, accum_dtype=jnp.float32, group_size=1)
-    return jax.jit(update, donate_argnums=(0, 1)), params, tx.init(params)
+    fwd = kernels.forward_fn(gd, temperature=1.0, logp=True, entropy=False, values=False, group_size=group)
+    update = make_actor_update(fwd, tx, cfg.rl, accum_dtype=jnp.float32, group_size=group)
+    return jax.jit(update, donate_argnums=(0, 1), compiler_options=compiler_options or None), params, tx.init(params)
 
 
 def peak_bytes() -> int | None:

@@ -169,22 +169,12 @@ def measured_rates(reps: int = 10) -> tuple[float, float]:
     return rate, bw
 
 
-def build(cfg, group: int):
-    """(jitted update, params, opt_state): bench/train_mfu.build's update, with the runtime's shared
-    prompt pass when group > 1 (runtime/kernels.forward_fn(group_size=...))."""
-    if group == 1:
-        return T.build(cfg)
-    from flax import nnx
-
-    from rpeg_jax.models import Transformer
-    from rpeg_jax.rl import make_actor_update, make_optimizer
-    from rpeg_jax.runtime import kernels
-
-    gd, params = nnx.split(Transformer(cfg.model, rngs=nnx.Rngs(params=0)), nnx.Param)
-    tx = make_optimizer(cfg.optim, 100)
-    fwd = kernels.forward_fn(gd, temperature=1.0, logp=True, entropy=False, values=False, group_size=group)
-    update = make_actor_update(fwd, tx, cfg.rl, accum_dtype=jnp.float32, group_size=group)
-    return jax.jit(update, donate_argnums=(0, 1)), params, tx.init(params)
+def timed_call(call) -> tuple[float, int]:
+    """(seconds, minor page faults) of one call(); a call that faults in fresh host memory is
+    seconds slower on a VM (bench/NOTES.md, session 32)."""
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t = _time(call)
+    return t, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 
 
 def _time(f) -> float:
@@ -215,7 +205,7 @@ def main(argv=None) -> int:
     fwd1 = flops / 3.0
     executed = flops + (fwd1 if args.remat == "full" else 0.0)
     n_params = cfg.model.num_params()
-    f, params, opt = build(cfg, args.group)
+    f, params, opt = T.build(cfg, args.group)
     batch = T.make_batch(b, s, r, cfg.model.vocab_size)
     products = hlo_products(f.lower(params, opt, batch, jax.random.key(0)).compile().as_text())
     key = jax.random.key(0)
@@ -228,11 +218,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     call()
     compile_s = time.perf_counter() - t0
-    times, faults = [], []
-    for _ in range(args.reps):  # a call that faults in fresh host memory is seconds slower (docstring)
-        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        times.append(_time(call))
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    times, faults = map(list, zip(*(timed_call(call) for _ in range(args.reps))))
     wall = statistics.median(times)
     d = args.keep or tempfile.mkdtemp(prefix="rpeg_update_profile_")
     for rep in ("warm", "read"):  # the first trace of a process faults in its buffers (docstring)

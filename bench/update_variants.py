@@ -9,7 +9,7 @@ per-program compiler option; "" is the baseline. Every variant is built and comp
 timed calls go round-robin (variant 1, 2, ..., 1, 2, ...), so machine drift hits all of them alike;
 the median, the minimum and every call are printed, with the page faults of each call (a call that
 faults in fresh host memory is seconds slower: bench/NOTES.md, session 32). --group 4 is the update
-as `rpeg train` runs RS (the prompt shared per group of 4 responses, bench/update_profile.build).
+as `rpeg train` runs RS (the prompt shared per group of 4 responses, bench/train_mfu.build).
 Session 32 used it for unrolled layers, no LM-head recompute, oneDNN dots and micro-batches.
 Time it alone: nothing else may run on the machine.
 """
@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -41,9 +39,7 @@ def build(variant: str, args):
     opts = dict(p[4:].split("=", 1) for p in parts if p.startswith("opt:"))
     over = [p for p in parts if not p.startswith("opt:")]
     cfg = load_config(None, T.overrides(args.preset, "xla", "none", 1, "float32") + over)
-    f, params, opt = U.build(cfg, args.group)
-    if opts:
-        f = jax.jit(f.__wrapped__, donate_argnums=(0, 1), compiler_options=opts)
+    f, params, opt = T.build(cfg, args.group, opts)
     state = [params, opt]
     batch = T.make_batch(args.batch, args.seq, args.response, cfg.model.vocab_size)
     key = jax.random.key(0)
@@ -71,11 +67,9 @@ def main(argv=None) -> int:
     faults = [[] for _ in calls]
     for _ in range(args.reps):
         for i, call in enumerate(calls):
-            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            t0 = time.perf_counter()
-            call()
-            times[i].append(time.perf_counter() - t0)
-            faults[i].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+            t, n = U.timed_call(call)
+            times[i].append(t)
+            faults[i].append(n)
     for v, ts, fs in zip(args.variants, times, faults):
         print(
             f"{v or '(baseline)'!s:60s} median {statistics.median(ts):.3f} s  min {min(ts):.3f} s  "
